@@ -1,0 +1,41 @@
+"""shapesafe_mha: multi-head, grouped-query and multi-query attention with checked shapes."""
+
+from ._cache import KVCache as KVCache
+from ._check import checks_enabled as checks_enabled
+from ._check import unchecked as unchecked
+from ._errors import ConfigError as ConfigError
+from ._errors import ShapeError as ShapeError
+from ._errors import ShapesafeError as ShapesafeError
+from ._module import MultiHeadAttention as MultiHeadAttention
+from ._report import TraceConfig as TraceConfig
+from ._report import TraceReport as TraceReport
+from ._report import trace_forward as trace_forward
+from ._stages import attention_weights as attention_weights
+from ._stages import group_queries as group_queries
+from ._stages import merge_heads as merge_heads
+from ._stages import project as project
+from ._stages import scaled_dot_product_attention as scaled_dot_product_attention
+from ._stages import split_heads as split_heads
+from ._weights import AttentionWeights as AttentionWeights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionWeights",
+    "ConfigError",
+    "KVCache",
+    "MultiHeadAttention",
+    "ShapeError",
+    "ShapesafeError",
+    "TraceConfig",
+    "TraceReport",
+    "attention_weights",
+    "checks_enabled",
+    "group_queries",
+    "merge_heads",
+    "project",
+    "scaled_dot_product_attention",
+    "split_heads",
+    "trace_forward",
+    "unchecked",
+]

@@ -1,0 +1,98 @@
+"""The `shapesafe-mha` command: thin, it parses arguments and calls the public API."""
+
+import json
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ._errors import ShapesafeError
+from ._report import DTYPES, TraceConfig, TraceReport, trace_forward
+
+app = typer.Typer(help="Shape-checked multi-head attention: see every stage's shape.", no_args_is_help=True)
+
+
+class Format(StrEnum):
+    table = "table"
+    json = "json"
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def render(report: TraceReport, console: Console) -> None:
+    """Print a trace as a rich table with totals."""
+    c = report.config
+    title = (
+        f"d_model={c['d_model']} num_heads={c['num_heads']} num_kv_heads={c['num_kv_heads']} d_head={c['d_head']} "
+        f"batch={c['batch']} "
+        + (f"decode after {c['decode']}" if c["decode"] is not None else f"seq={c['seq']}")
+        + f" on {c['device']} ({c['dtype']})"
+    )
+    table = Table(title=title)
+    for column in ("stage", "named shape", "shape", "strides", "storage", "bytes", "allocated"):
+        table.add_column(column, justify="right" if column in ("bytes", "allocated") else "left")
+    for s in report.stages:
+        storage = f"view of {s.aliases}" if s.aliases else "new allocation" if s.allocated_bytes else "input"
+        table.add_row(
+            s.name,
+            s.named_shape,
+            str(tuple(s.shape)),
+            str(tuple(s.strides)),
+            storage,
+            _bytes(s.nbytes),
+            _bytes(s.allocated_bytes) if s.allocated_bytes else "-",
+        )
+    console.print(table)
+    t = report.totals
+    console.print(
+        f"allocated during the forward: {_bytes(t['allocated_bytes'])}; "
+        f"KV cache for {t['kv_cache_positions']} positions: {_bytes(t['kv_cache_bytes'])} "
+        f"(MHA {_bytes(t['kv_cache_bytes_mha'])}, MQA {_bytes(t['kv_cache_bytes_mqa'])}); "
+        f"cache vs MHA: this {t['kv_cache_ratio_vs_mha']:.3f}, MQA {t['kv_cache_ratio_mqa_vs_mha']:.3f}"
+    )
+
+
+@app.command()
+def trace(
+    d_model: Annotated[int, typer.Option(help="model width")] = 4096,
+    num_heads: Annotated[int, typer.Option(help="query heads")] = 32,
+    num_kv_heads: Annotated[int, typer.Option(help="key/value heads (MQA: 1)")] = 8,
+    d_head: Annotated[int | None, typer.Option(help="head width [default: d_model // num_heads]")] = None,
+    batch: Annotated[int, typer.Option()] = 1,
+    seq: Annotated[int, typer.Option(help="query positions")] = 128,
+    device: Annotated[str, typer.Option(help="meta (shapes only, no memory), cpu, cuda")] = "meta",
+    dtype: Annotated[str, typer.Option(help=", ".join(DTYPES))] = "bfloat16",
+    decode: Annotated[int | None, typer.Option(help="one decoding step against a cache holding N positions")] = None,
+    format: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
+) -> None:
+    """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}")
+    config = TraceConfig(d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype, decode)
+    try:
+        report = trace_forward(config)
+    except ShapesafeError as error:
+        Console(stderr=True).print(f"[red]error:[/red] {error}", highlight=False)
+        raise typer.Exit(2) from None
+    if format is Format.json:
+        typer.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        render(report, Console(width=160))
+
+
+@app.callback()
+def _root() -> None:
+    """shapesafe_mha's command line."""
+
+
+def main() -> None:
+    app()

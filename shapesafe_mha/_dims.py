@@ -1,0 +1,69 @@
+"""The dimension vocabulary: every dimension name is declared here, once.
+
+Notation:
+
+| name           | meaning                                                          |
+|----------------|------------------------------------------------------------------|
+| `batch`        | independent sequences                                            |
+| `seq`          | query positions                                                  |
+| `kv_seq`       | key/value positions attended over (cached + new when decoding)   |
+| `new`          | key/value positions given in this call (appended to a KV cache)  |
+| `capacity`     | positions a `KVCache` can hold                                   |
+| `d_model`      | the model's width                                                |
+| `num_heads`    | query heads                                                      |
+| `num_kv_heads` | key/value heads (MHA: `num_heads`, MQA: 1)                       |
+| `group`        | query heads per KV head, `num_heads // num_kv_heads`             |
+| `d_head`       | width of one head                                                |
+| `d_inner`      | a projection's width around the head split, `heads * d_head`     |
+| `d_in`, `d_out`| a linear map's input and output widths                           |
+
+Shapes are built from these names once, below, and reused by every stage.
+"""
+
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+DIMS = (
+    "batch",
+    "seq",
+    "kv_seq",
+    "new",
+    "capacity",
+    "d_model",
+    "num_heads",
+    "num_kv_heads",
+    "group",
+    "d_head",
+    "d_inner",
+    "d_in",
+    "d_out",
+)
+
+# Activations of the model.
+Tokens = Float[Tensor, "batch seq d_model"]
+Memory = Float[Tensor, "batch kv_seq d_model"]  # key/value inputs, every position attended
+KVTokens = Float[Tensor, "batch new d_model"]  # key/value inputs appended to a KV cache
+Inner = Float[Tensor, "batch seq d_inner"]
+
+# A linear map, nn.Linear layout.
+LinearIn = Float[Tensor, "batch seq d_in"]
+LinearOut = Float[Tensor, "batch seq d_out"]
+Weight = Float[Tensor, "d_out d_in"]
+Bias = Float[Tensor, " d_out"]
+
+# Per-head tensors.
+Heads = Float[Tensor, "batch num_heads seq d_head"]
+KVHeads = Float[Tensor, "batch num_kv_heads kv_seq d_head"]
+NewKVHeads = Float[Tensor, "batch num_kv_heads new d_head"]
+CacheBuffer = Float[Tensor, "batch num_kv_heads capacity d_head"]
+GroupedQueries = Float[Tensor, "batch num_kv_heads group seq d_head"]
+Probabilities = Float[Tensor, "batch num_heads seq kv_seq"]
+
+# Masks. Boolean: True = may attend. Float: added to the scores. Only batch and heads broadcast.
+AttnMask = (
+    Bool[Tensor, "seq kv_seq"]
+    | Bool[Tensor, "#batch #num_heads seq kv_seq"]
+    | Float[Tensor, "seq kv_seq"]
+    | Float[Tensor, "#batch #num_heads seq kv_seq"]
+)
+PaddingMask = Bool[Tensor, "batch kv_seq"]

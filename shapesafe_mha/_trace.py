@@ -1,0 +1,142 @@
+"""Observing the real tensors of a forward: which stage aliases which, and what each allocates.
+
+Nothing here is a table of expectations. Aliasing is read from storage identity (the storage
+object every view shares; on `meta`, where every data pointer is 0, it still tells views from
+copies), and allocations from a `TorchDispatchMode` that notes every operator output whose
+storage is new.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """An identity of `tensor`'s storage, equal for all views of it, on every device (`meta` too)."""
+    return tensor.untyped_storage()._cdata
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One operator output whose storage did not exist before the operator ran."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Record every new storage that an operator creates inside the `with` block.
+
+    Example:
+        >>> import torch
+        >>> with AllocationRecorder() as rec:
+        ...     _ = torch.ones(4).view(2, 2) + 1
+        >>> [a.shape for a in rec.allocations]
+        [(4,), (2, 2)]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocations: list[Allocation] = []
+        self._alive: list[Any] = []  # keep storages alive so no identity is reused mid-record
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:
+                storage = t.untyped_storage()
+                inputs.add(storage_id(t))
+                self._alive.append(storage)
+                self.allocations.append(
+                    Allocation(str(func.overloadpacket.__name__), tuple(t.shape), t.dtype, storage.nbytes())
+                )
+        return out
+
+    def take(self) -> list[Allocation]:
+        """The allocations recorded since the last `take`."""
+        taken, self.allocations = self.allocations, []
+        return taken
+
+
+@dataclass
+class Stage:
+    """One recorded stage of a forward."""
+
+    name: str
+    named_shape: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    aliases: str | None
+    allocated_bytes: int
+    allocations: list[Allocation] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "named_shape": self.named_shape,
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "bytes": self.nbytes,
+            "aliases": self.aliases,
+            "allocated_bytes": self.allocated_bytes,
+        }
+
+
+class Tracer:
+    """Collect `Stage`s from `record` calls made while it is active (see `tracing`)."""
+
+    def __init__(self, recorder: AllocationRecorder) -> None:
+        self.stages: list[Stage] = []
+        self._recorder = recorder
+        self._storages: list[tuple[int, str, torch.Tensor]] = []
+
+    def add(self, name: str, named_shape: str, tensor: torch.Tensor) -> None:
+        sid = storage_id(tensor)
+        aliases = next((stage for s, stage, _ in reversed(self._storages) if s == sid), None)
+        self._storages.append((sid, name, tensor))  # holding the tensor keeps its identity unique
+        allocations = self._recorder.take()
+        self.stages.append(
+            Stage(
+                name=name,
+                named_shape=named_shape,
+                shape=tuple(tensor.shape),
+                strides=tuple(tensor.stride()),
+                dtype=tensor.dtype,
+                nbytes=tensor.numel() * tensor.element_size(),
+                aliases=aliases,
+                allocated_bytes=sum(a.nbytes for a in allocations),
+                allocations=allocations,
+            )
+        )
+
+
+_active: list[Tracer] = []
+
+
+def record(name: str, named_shape: str, tensor: torch.Tensor) -> None:
+    """Note a stage's output for the active `tracing` block; free when none is active."""
+    if _active:
+        _active[-1].add(name, named_shape, tensor)
+
+
+@contextmanager
+def tracing() -> Iterator[Tracer]:
+    """Record every stage of the forwards run inside the block (not thread-safe: for tools and tests)."""
+    with AllocationRecorder() as recorder:
+        tracer = Tracer(recorder)
+        _active.append(tracer)
+        try:
+            yield tracer
+        finally:
+            _active.remove(tracer)

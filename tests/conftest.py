@@ -1,0 +1,33 @@
+"""Shared fixtures: hypothesis profiles and the devices every test runs on."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+COMPUTE_DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+    ),
+]
+
+
+@pytest.fixture(scope="session", params=COMPUTE_DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """A device that computes values: cpu, and cuda when present."""
+    return request.param
+
+
+@pytest.fixture(scope="session", params=[*COMPUTE_DEVICES, pytest.param("meta", id="meta")])
+def any_device(request: pytest.FixtureRequest) -> str:
+    """Every device, `meta` included, for properties of shapes, strides and storage."""
+    return request.param

@@ -1,0 +1,89 @@
+"""Head splitting is a relabelling, not a copy: views alias their input, merge inverts split."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shapesafe_mha as ssm
+from shapesafe_mha._trace import storage_id
+from shapesafe_mha.testing import attention_configs
+
+
+def _strided_input(batch: int, seq: int, width: int, layout: str, device: str) -> torch.Tensor:
+    """A (batch, seq, width) tensor laid out contiguously, transposed, or as a slice of a wider one."""
+    if layout == "contiguous":
+        return torch.randn(batch, seq, width, device=device)
+    if layout == "transposed":
+        return torch.randn(seq, batch, width, device=device).transpose(0, 1)
+    return torch.randn(batch, seq, 2 * width, device=device)[..., ::2]
+
+
+@given(
+    config=attention_configs(),
+    layout=st.sampled_from(["contiguous", "transposed", "every_other_column"]),
+)
+def test_split_heads_is_a_view_for_every_layout(config, layout: str, any_device: str) -> None:  # type: ignore[no-untyped-def]
+    """split_heads shares x's storage (data pointer and storage identity), whatever x's strides."""
+    x = _strided_input(config.batch, config.seq, config.num_heads * config.d_head, layout, any_device)
+    heads = ssm.split_heads(x, config.num_heads)
+    assert heads.shape == (config.batch, config.num_heads, config.seq, config.d_head)
+    assert storage_id(heads) == storage_id(x)
+    assert heads.data_ptr() == x.data_ptr()
+
+
+@given(config=attention_configs(), layout=st.sampled_from(["contiguous", "transposed", "every_other_column"]))
+def test_writing_through_split_heads_changes_x(config, layout: str, device: str) -> None:  # type: ignore[no-untyped-def]
+    """The view writes through: heads[:, h, i, j] is x[:, i, h*d_head + j]."""
+    x = _strided_input(config.batch, config.seq, config.num_heads * config.d_head, layout, device)
+    heads = ssm.split_heads(x, config.num_heads)
+    h, i, j = config.num_heads - 1, config.seq - 1, config.d_head - 1
+    heads[:, h, i, j] = 123.0
+    assert torch.all(x[:, i, h * config.d_head + j] == 123.0)
+
+
+@given(config=attention_configs(), layout=st.sampled_from(["contiguous", "transposed", "every_other_column"]))
+def test_merge_inverts_split(config, layout: str, device: str) -> None:  # type: ignore[no-untyped-def]
+    """merge_heads(split_heads(x)) == x exactly, and split_heads(merge_heads(h)) == h."""
+    x = _strided_input(config.batch, config.seq, config.num_heads * config.d_head, layout, device)
+    assert torch.equal(ssm.merge_heads(ssm.split_heads(x, config.num_heads)), x)
+    heads = torch.randn(config.batch, config.num_heads, config.seq, config.d_head, device=device)
+    assert torch.equal(ssm.split_heads(ssm.merge_heads(heads), config.num_heads), heads)
+
+
+def test_merge_right_after_split_is_a_view(any_device: str) -> None:
+    """Merging data still laid out (batch, seq, heads, d_head) moves nothing."""
+    x = torch.randn(2, 5, 32, device=any_device)
+    assert storage_id(ssm.merge_heads(ssm.split_heads(x, 4))) == storage_id(x)
+
+
+def test_merge_after_attention_copies(any_device: str) -> None:
+    """Attention output is laid out head by head, so bringing heads back beside d_head must copy."""
+    out = torch.randn(2, 4, 5, 8, device=any_device)  # (batch, heads, seq, d_head), contiguous
+    merged = ssm.merge_heads(out)
+    assert storage_id(merged) != storage_id(out)
+
+
+def test_group_queries_is_a_view(any_device: str) -> None:
+    """The GQA grouping of query heads is a view of the queries."""
+    q = ssm.split_heads(torch.randn(2, 5, 64, device=any_device), 8)
+    grouped = ssm.group_queries(q, num_kv_heads=2)
+    assert grouped.shape == (2, 2, 4, 5, 8)
+    assert storage_id(grouped) == storage_id(q)
+    assert grouped.flatten(1, 2).shape == q.shape
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+def test_which_stages_copy_is_what_the_trace_observes(num_kv_heads: int) -> None:
+    """State exactly which stages copy: projections and the final merge allocate; splits and grouping do not."""
+    report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=num_kv_heads, seq=6))
+    stages = {s.name: s for s in report.stages}
+    assert stages["split_q"].aliases == "q_proj"
+    assert stages["split_k"].aliases == "k_proj"
+    assert stages["split_v"].aliases == "v_proj"
+    for name in ("split_q", "split_k", "split_v"):
+        assert stages[name].allocated_bytes == 0
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "merge"):
+        assert stages[name].aliases is None and stages[name].allocated_bytes >= stages[name].nbytes
+    if num_kv_heads < 8:
+        assert stages["group_queries"].aliases == "split_q"

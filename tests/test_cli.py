@@ -1,0 +1,74 @@
+"""`shapesafe-mha trace`: the table and the JSON report every stage as observed."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from shapesafe_mha._cli import app
+
+runner = CliRunner()
+
+
+def _trace_json(*args: str) -> dict:  # type: ignore[type-arg]
+    result = runner.invoke(app, ["trace", "--format", "json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_default_trace_is_a_llama_style_gqa_layer_on_meta() -> None:
+    """The default config: d_model 4096, 32 heads, 8 KV heads, on meta; every stage has the JSON fields."""
+    report = _trace_json()
+    assert (report["config"]["d_model"], report["config"]["num_heads"], report["config"]["num_kv_heads"]) == (
+        4096,
+        32,
+        8,
+    )
+    assert report["config"]["device"] == "meta"
+    names = [s["name"] for s in report["stages"]]
+    assert names[:7] == ["query", "q_proj", "k_proj", "v_proj", "split_q", "split_k", "split_v"]
+    for stage in report["stages"]:
+        assert set(stage) >= {"name", "named_shape", "shape", "strides", "aliases", "allocated_bytes"}
+    split_q = report["stages"][names.index("split_q")]
+    assert split_q["named_shape"] == "batch num_heads seq d_head"
+    assert split_q["shape"] == [1, 32, 128, 128] and split_q["aliases"] == "q_proj"
+    assert report["totals"]["kv_cache_ratio_vs_mha"] == pytest.approx(8 / 32)
+
+
+def test_table_shows_views_and_allocations() -> None:
+    """The table names each stage, its named shape, and 'view of …' or 'new allocation'."""
+    result = runner.invoke(app, ["trace", "--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2", "--seq", "4"])
+    assert result.exit_code == 0, result.output
+    assert "split_q" in result.output and "view of q_proj" in result.output and "new allocation" in result.output
+    assert "batch num_heads seq d_head" in result.output
+
+
+def test_decode_trace_attends_over_the_cache() -> None:
+    """--decode N: one query against N cached positions plus the new one, read as views of the cache."""
+    report = _trace_json(
+        "--d-model", "64", "--num-heads", "8", "--num-kv-heads", "1", "--decode", "10", "--device", "cpu"
+    )
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["query"]["shape"] == [1, 1, 64]
+    assert stages["cache_k"]["shape"] == [1, 1, 11, 8] and stages["cache_k"]["aliases"] == "cache_keys_buffer"
+
+
+def test_impossible_config_is_an_error_not_a_traceback() -> None:
+    """A config that cannot work exits 2 with the library's message."""
+    result = runner.invoke(app, ["trace", "--num-heads", "32", "--num-kv-heads", "5"])
+    assert result.exit_code == 2
+    assert "num_kv_heads" in result.output and "Traceback" not in result.output
+
+
+def test_console_script_and_module_are_the_same_entry() -> None:
+    """`shapesafe-mha` and `python -m shapesafe_mha` both run the trace."""
+    commands = [[sys.executable, "-m", "shapesafe_mha", "trace", "--format", "json", "--seq", "2"]]
+    script = shutil.which("shapesafe-mha")
+    if script:
+        commands.append([script, "trace", "--format", "json", "--seq", "2"])
+    for command in commands:
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        assert json.loads(out)["config"]["seq"] == 2

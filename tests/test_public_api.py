@@ -1,0 +1,39 @@
+"""The public surface: every name imports, errors are catchable as users expect, imports stay light."""
+
+import subprocess
+import sys
+
+import pytest
+
+import shapesafe_mha as ssm
+
+
+def test_every_public_name_imports() -> None:
+    """Everything in __all__ exists, and the sub-namespaces import."""
+    for name in ssm.__all__:
+        assert getattr(ssm, name) is not None, name
+    from shapesafe_mha import reference, testing
+
+    assert callable(reference.per_head_attention)
+    for name in testing.__all__:
+        assert getattr(testing, name) is not None, name
+
+
+def test_error_hierarchy() -> None:
+    """ShapeError is a TypeError, ConfigError a ValueError, both ShapesafeError, shown as shapesafe_mha.X."""
+    assert issubclass(ssm.ShapeError, TypeError) and issubclass(ssm.ShapeError, ssm.ShapesafeError)
+    assert issubclass(ssm.ConfigError, ValueError) and issubclass(ssm.ConfigError, ssm.ShapesafeError)
+    assert ssm.ShapeError.__module__ == "shapesafe_mha"
+    with pytest.raises(TypeError):
+        ssm.split_heads("not a tensor", 2)  # type: ignore[arg-type]
+
+
+def test_import_does_not_pull_hypothesis_pytest_or_the_cli() -> None:
+    """`import shapesafe_mha` loads neither hypothesis, pytest, nor the CLI framework (typer)."""
+    code = (
+        "import sys, shapesafe_mha\n"
+        "heavy = [m for m in ('hypothesis', 'pytest', 'typer', 'shapesafe_mha._cli') if m in sys.modules]\n"
+        "print(','.join(heavy))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""
