@@ -9,7 +9,7 @@ from ._cache import KVCache
 from ._check import checked, checks_enabled, mismatch
 from ._dims import AttnMask, KVTokens, Memory, PaddingMask, Tokens
 from ._errors import ConfigError, ShapeError
-from ._stages import _attend, _attend_with_weights, _combine_masks, _merge_heads, _project, _split_heads, check_groups
+from ._stages import _attend, _attend_with_weights, _masking, _merge_heads, _project, _split_heads, check_groups
 from ._trace import record
 from ._weights import AttentionWeights
 
@@ -277,15 +277,15 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache._append(k, v)
             record("cache_k", "batch num_kv_heads kv_seq d_head", k)
             record("cache_v", "batch num_kv_heads kv_seq d_head", v)
-        mask = _combine_masks(attn_mask, key_padding_mask, is_causal, q, k.shape[2])
-        if mask is not None:
-            record("mask", "#batch #num_heads seq kv_seq", mask)
+        masking = _masking(attn_mask, key_padding_mask, is_causal, q, k, explicit=need_weights)
+        if masking.mask is not None:
+            record("mask", "#batch #num_heads seq kv_seq", masking.mask)
         dropout_p = self.dropout if self.training else 0.0
         weights: Tensor | None = None
         if need_weights:
-            out, weights = _attend_with_weights(q, k, v, mask, None, dropout_p)
+            out, weights = _attend_with_weights(q, k, v, masking, None, dropout_p)
         else:
-            out = _attend(q, k, v, mask, None, dropout_p)
+            out = _attend(q, k, v, masking, None, dropout_p)
         out = _merge_heads(out)
         record("merge", "batch seq num_heads*d_head", out)
         out = _project(out, self.o_proj.weight, self.o_proj.bias)

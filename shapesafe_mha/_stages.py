@@ -5,7 +5,7 @@ ones after checking its own inputs once, so a forward pays for one check, not ni
 """
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,25 +50,47 @@ def _group_queries(q: Tensor, num_kv_heads: int) -> Tensor:
     return q.unflatten(1, (num_kv_heads, -1))
 
 
-def _combine_masks(
-    attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool, q: Tensor, kv_seq: int
-) -> Tensor | None:
-    """One 4-D mask (bool: True may attend, or float: added) from every masking argument."""
-    seq = q.shape[2]
+class Masking(NamedTuple):
+    """Every masking argument of a call, combined."""
+
+    mask: Tensor | None  # 4-D, bool (True = may attend) or float (added); None: nothing to mask
+    may_empty_rows: bool  # whether some query may have no key left to attend to
+    native_causal: bool  # the mask is exactly torch's is_causal (seq == kv_seq, MHA): let SDPA do it
+
+
+def _masking(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    q: Tensor,
+    k: Tensor,
+    *,
+    explicit: bool = False,
+) -> Masking:
+    """Combine `attn_mask`, `key_padding_mask` and `is_causal` into one mask (see `Masking`).
+
+    `explicit` asks for a mask tensor even where torch's SDPA could apply causality itself.
+    """
+    seq, kv_seq = q.shape[2], k.shape[2]
+    causal = is_causal and seq > 1  # a single query, lower-right aligned, sees every key
+    if causal and attn_mask is None and key_padding_mask is None:
+        if not explicit and seq == kv_seq and q.shape[1] == k.shape[1]:
+            return Masking(None, False, True)
     allowed: Tensor | None = None
-    if is_causal and seq > 1:
+    if causal:
         # Lower-right alignment: query i sits at absolute position kv_seq - seq + i.
         allowed = torch.ones(seq, kv_seq, dtype=torch.bool, device=q.device).tril(kv_seq - seq)[None, None]
     if key_padding_mask is not None:
         keep = ~key_padding_mask[:, None, None, :]
         allowed = keep if allowed is None else allowed & keep
+    may_empty = (causal and seq > kv_seq) or key_padding_mask is not None or attn_mask is not None
     if attn_mask is not None:
         mask4 = attn_mask if attn_mask.ndim == 4 else attn_mask[None, None]
         if mask4.dtype == torch.bool:
             allowed = mask4 if allowed is None else allowed & mask4
         else:
-            return mask4 if allowed is None else mask4.masked_fill(~allowed, -math.inf)
-    return allowed
+            return Masking(mask4 if allowed is None else mask4.masked_fill(~allowed, -math.inf), True, False)
+    return Masking(allowed, may_empty, False)
 
 
 def _rows_with_a_key(mask: Tensor) -> Tensor:
@@ -88,7 +110,7 @@ def _fold_mask(mask: Tensor, num_heads: int, num_kv_heads: int, seq: int) -> Ten
     return m5.expand(mb, m5.shape[1], group, seq, kv).reshape(mb, m5.shape[1], group * seq, kv)
 
 
-def _prepare(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def _prepare(q: Tensor, k: Tensor, masking: Masking) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Fold query groups into the query axis; make fully masked rows safe to softmax.
 
     GQA without copying K/V: the `group` query heads that share a KV head are laid end to end
@@ -102,8 +124,11 @@ def _prepare(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor 
     record("group_queries", "batch num_kv_heads group seq d_head", grouped)
     folded = grouped.flatten(2, 3)
     record("fold_queries", "batch num_kv_heads group*seq d_head", folded)
+    mask = masking.mask
     if mask is None:
         return folded, None, None
+    if not masking.may_empty_rows:
+        return folded, _fold_mask(mask, num_heads, num_kv_heads, seq), None
     rows = _rows_with_a_key(mask)
     # A row with nothing to attend to gets every key (finite softmax, finite gradients)
     # and is zeroed afterwards: zeros, never NaN, on every backend.
@@ -118,20 +143,13 @@ def _unfold(out: Tensor, num_heads: int) -> Tensor:
     return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
 
 
-def _attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    scale: float | None,
-    dropout_p: float,
-) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, masking: Masking, scale: float | None, dropout_p: float) -> Tensor:
     num_heads = q.shape[1]
-    if mask is None and k.shape[1] == num_heads:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+    if masking.mask is None and k.shape[1] == num_heads:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=masking.native_causal, scale=scale)
         record("attention", "batch num_heads seq d_head", out)
         return out
-    folded, folded_mask, rows = _prepare(q, k, mask)
+    folded, folded_mask, rows = _prepare(q, k, masking)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask, dropout_p=dropout_p, scale=scale)
     out = _unfold(out, num_heads)
     if rows is not None:
@@ -140,9 +158,9 @@ def _attend(
     return out
 
 
-def _weights(q: Tensor, k: Tensor, mask: Tensor | None, scale: float | None) -> tuple[Tensor, Tensor | None]:
+def _weights(q: Tensor, k: Tensor, masking: Masking, scale: float | None) -> tuple[Tensor, Tensor | None]:
     """Probabilities laid out folded, `(batch, num_kv_heads, group*seq, kv_seq)`, and the row indicator."""
-    folded, folded_mask, rows = _prepare(q, k, mask)
+    folded, folded_mask, rows = _prepare(q, k, masking)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(folded, k.transpose(-1, -2)) * scale
     if folded_mask is not None:
@@ -153,10 +171,10 @@ def _weights(q: Tensor, k: Tensor, mask: Tensor | None, scale: float | None) -> 
 
 
 def _attend_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None, dropout_p: float
+    q: Tensor, k: Tensor, v: Tensor, masking: Masking, scale: float | None, dropout_p: float
 ) -> tuple[Tensor, Tensor]:
     num_heads, seq = q.shape[1], q.shape[2]
-    probs, rows = _weights(q, k, mask, scale)
+    probs, rows = _weights(q, k, masking, scale)
     weights = probs.unflatten(2, (-1, seq)).flatten(1, 2)
     if rows is not None:
         weights = weights.masked_fill(~rows, 0.0)
@@ -382,8 +400,7 @@ def scaled_dot_product_attention(
     Raises:
         ShapeError: shapes, dtypes or devices disagree, or `num_kv_heads` does not divide `num_heads`.
     """
-    mask = _combine_masks(attn_mask, None, is_causal, q, k.shape[2])
-    return _attend(q, k, v, mask, scale, dropout_p)
+    return _attend(q, k, v, _masking(attn_mask, None, is_causal, q, k), scale, dropout_p)
 
 
 @checked(validate=_validate_attention)
@@ -417,7 +434,6 @@ def attention_weights(
     Raises:
         ShapeError: shapes, dtypes or devices disagree.
     """
-    mask = _combine_masks(attn_mask, None, is_causal, q, k.shape[2])
-    probs, rows = _weights(q, k, mask, scale)
+    probs, rows = _weights(q, k, _masking(attn_mask, None, is_causal, q, k, explicit=True), scale)
     weights = probs.unflatten(2, (-1, q.shape[2])).flatten(1, 2)
     return weights if rows is None else weights.masked_fill(~rows, 0.0)

@@ -13,6 +13,8 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
+from ._trace import Allocation, AllocationRecorder, storage_id
+from ._verify import assert_no_kv_expansion, assert_shares_storage
 from ._weights import AttentionWeights
 
 Kind = Literal["mha", "gqa", "mqa"]
@@ -201,11 +203,16 @@ def key_padding_masks(draw: Any, config: AttentionConfig, *, device: Any = None)
 
 __all__ = [
     "ALL_KINDS",
+    "Allocation",
+    "AllocationRecorder",
     "AttentionConfig",
     "AttentionInputs",
+    "assert_no_kv_expansion",
+    "assert_shares_storage",
     "attention_configs",
     "attention_inputs",
     "attention_masks",
     "attention_weights",
     "key_padding_masks",
+    "storage_id",
 ]

@@ -1,0 +1,17 @@
+"""The benchmarks run (small sizes) and print their ratios; no timing is asserted."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_memory_benchmark_prints_ratios_and_repeat_kv_allocates_more() -> None:
+    """benchmarks.memory prints one row per variant; repeat-KV allocates more per step than our GQA."""
+    command = [sys.executable, "-m", "benchmarks.memory", "--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
+    assert {"MHA", "GQA (2 KV heads)", "MQA", "GQA, repeat-KV (2 KV heads)"} <= set(rows)
+    repeat_vs_ours = float(rows["GQA, repeat-KV (2 KV heads)"].split("│")[-2])
+    assert repeat_vs_ours > 1.0

@@ -1,0 +1,131 @@
+"""KV cache decoding equals full causal attention; appends are views; a bad append changes nothing."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shapesafe_mha as ssm
+from shapesafe_mha._trace import storage_id
+from shapesafe_mha.testing import attention_configs, attention_inputs, attention_weights
+
+F64 = {"atol": 1e-10, "rtol": 1e-8}
+
+
+@st.composite
+def chunkings(draw: st.DrawFn, length: int) -> list[int]:
+    """Split `length` positions into a prefill of random chunks followed by single-token steps."""
+    prefill = draw(st.integers(0, length))
+    chunks: list[int] = []
+    left = prefill
+    while left:
+        size = draw(st.integers(1, left))
+        chunks.append(size)
+        left -= size
+    return chunks + [1] * (length - prefill)
+
+
+@given(data=st.data())
+def test_prefill_then_decoding_equals_one_causal_forward(data: st.DataObject, device: str) -> None:
+    """Prefill in chunks, then token by token, through a KVCache == one causal forward (MHA, GQA, MQA)."""
+    config = data.draw(attention_configs(cross=False, max_seq=10), label="config")
+    weights = data.draw(attention_weights(config, device=device))
+    x = data.draw(attention_inputs(config, device=device)).query
+    chunks = data.draw(chunkings(config.seq), label="chunks")
+    module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+
+    full = module(x, is_causal=True)
+    cache = module.new_cache(config.batch, capacity=config.seq + data.draw(st.integers(0, 3), label="spare"))
+    pieces, start = [], 0
+    for size in chunks:
+        pieces.append(module(x[:, start : start + size], is_causal=True, kv_cache=cache))
+        start += size
+    assert len(cache) == config.seq
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **F64)
+
+
+@given(data=st.data())
+def test_decoding_with_key_padding_equals_full_forward(data: st.DataObject) -> None:
+    """Masks during decoding cover every cached position: padding the prompt's start is respected at each step."""
+    config = data.draw(attention_configs(cross=False, max_seq=8), label="config")
+    weights = data.draw(attention_weights(config))
+    x = data.draw(attention_inputs(config)).query
+    module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+    pad = data.draw(st.integers(0, config.seq - 1), label="left_padding")
+    padding = torch.zeros(config.batch, config.seq, dtype=torch.bool)
+    padding[:, :pad] = True
+    full = module(x, is_causal=True, key_padding_mask=padding)
+    cache = module.new_cache(config.batch, config.seq)
+    steps = [
+        module(x[:, i : i + 1], is_causal=True, kv_cache=cache, key_padding_mask=padding[:, : i + 1])
+        for i in range(config.seq)
+    ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **F64)
+
+
+def test_append_returns_views_of_the_buffers(any_device: str) -> None:
+    """append writes in place and returns views of everything cached: no copy of past positions."""
+    cache = ssm.KVCache(2, 3, 10, 4, dtype=torch.float32, device=any_device)
+    k, v = torch.randn(2, 3, 4, 4, device=any_device), torch.randn(2, 3, 4, 4, device=any_device)
+    keys, values = cache.append(k, v)
+    assert storage_id(keys) == storage_id(cache.keys_buffer) and storage_id(values) == storage_id(cache.values_buffer)
+    assert keys.shape == (2, 3, 4, 4) and len(cache) == 4
+    keys, _ = cache.append(k[:, :, :0], v[:, :, :0])  # zero new positions: allowed, returns the contents
+    assert keys.shape == (2, 3, 4, 4) and len(cache) == 4
+    assert cache.capacity == 10 and cache.nbytes == 2 * 2 * 3 * 10 * 4 * 4
+    cache.reset()
+    assert len(cache) == 0
+
+
+def test_appended_values_are_the_ones_read_back() -> None:
+    """Two appends read back in order."""
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float64)
+    first, second = torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.randn(1, 2, 2, 4, dtype=torch.float64)
+    cache.append(first, -first)
+    keys, values = cache.append(second, -second)
+    assert torch.equal(keys, torch.cat([first, second], dim=2)) and torch.equal(values, -keys)
+
+
+BAD_APPENDS = {
+    "overflow": (dict(new=5), "exceed capacity=6"),
+    "heads": (dict(heads=3), "k has num_kv_heads=3 \\(axis 1\\), but the cache set num_kv_heads=2"),
+    "d_head": (dict(d_head=5), "k has d_head=5 \\(axis 3\\), but the cache set d_head=4"),
+    "batch": (dict(batch=3), "k has batch=3 \\(axis 0\\), but the cache set batch=2"),
+    "dtype": (dict(dtype=torch.float32), "k has dtype float32, but the cache holds float64"),
+    "device": (dict(device="meta"), "k is on meta, but the cache is on cpu"),
+    "lengths": (dict(v_new=2), "v has new=2 \\(axis 2\\), but k set new=1"),
+    "rank": (dict(rank=3), "k must be 4-D"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(BAD_APPENDS))
+def test_a_bad_append_raises_and_leaves_the_cache_as_it_was(mistake: str) -> None:
+    """Overflow, wrong heads/d_head/batch/dtype/device, k and v of different lengths: ShapeError, nothing changed."""
+    change, message = BAD_APPENDS[mistake]
+    cache = ssm.KVCache(2, 2, 6, 4, dtype=torch.float64)
+    cache.append(torch.randn(2, 2, 2, 4, dtype=torch.float64), torch.randn(2, 2, 2, 4, dtype=torch.float64))
+    before = (len(cache), cache.keys_buffer.clone(), cache.values_buffer.clone())
+    shape = [change.get("batch", 2), change.get("heads", 2), change.get("new", 1), change.get("d_head", 4)]
+    options = {"dtype": change.get("dtype", torch.float64), "device": change.get("device", "cpu")}
+    k = torch.ones(*shape[: change.get("rank", 4)], **options)
+    v = torch.ones(*shape[:2], change.get("v_new", shape[2]), shape[3], **options)
+    with pytest.raises(ssm.ShapeError, match=message):
+        cache.append(k, v)
+    assert len(cache) == before[0]
+    assert torch.equal(cache.keys_buffer, before[1]) and torch.equal(cache.values_buffer, before[2])
+
+
+def test_a_bad_forward_leaves_cache_and_parameters_unchanged() -> None:
+    """A forward that fails its checks (here: overflow, then a wrong width) appends nothing."""
+    module = ssm.MultiHeadAttention(16, 4, 2, dtype=torch.float64)
+    cache = module.new_cache(batch=1, capacity=4)
+    module(torch.randn(1, 3, 16, dtype=torch.float64), is_causal=True, kv_cache=cache)
+    snapshot = (len(cache), cache.keys_buffer.clone(), [p.clone() for p in module.parameters()])
+    with pytest.raises(ssm.ShapeError, match="exceed its capacity=4"):
+        module(torch.randn(1, 2, 16, dtype=torch.float64), is_causal=True, kv_cache=cache)
+    with pytest.raises(ssm.ShapeError, match="query has d_model=8"):
+        module(torch.randn(1, 1, 8, dtype=torch.float64), kv_cache=cache)
+    with pytest.raises(ssm.ShapeError, match="kv_cache holds batch=1"):
+        module(torch.randn(2, 1, 16, dtype=torch.float64), kv_cache=cache)
+    assert len(cache) == snapshot[0] and torch.equal(cache.keys_buffer, snapshot[1])
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), snapshot[2], strict=True))
