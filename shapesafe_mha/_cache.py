@@ -10,9 +10,11 @@ from ._dims import CacheBuffer, KVHeads, NewKVHeads
 from ._errors import ConfigError, ShapeError
 
 
-def _validate_append(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+def _precheck_append(arguments: dict[str, Any]) -> None:
     for name in ("k", "v"):
         tensor = arguments[name]
+        if not isinstance(tensor, torch.Tensor):
+            continue
         if tensor.dtype != arguments["dtype"]:
             raise mismatch(
                 f"{name} has dtype {str(tensor.dtype)[6:]}, but the cache holds {str(arguments['dtype'])[6:]}; "
@@ -23,7 +25,7 @@ def _validate_append(arguments: dict[str, Any], dims: dict[str, int]) -> None:
 
 
 @checked(
-    validate=_validate_append,
+    precheck=_precheck_append,
     name="KVCache.append()",
     sources=dict.fromkeys(("batch", "num_kv_heads", "d_head"), "the cache"),
 )

@@ -77,25 +77,21 @@ class _Bound:
     source: str
 
 
-_DTYPE_KINDS = {
-    "bool": "bool",
-    "float16": "float",
-    "bfloat16": "float",
-    "float32": "float",
-    "float64": "float",
-}
-
-
 def _short_dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def _kind_of(hint: Any) -> str:
-    kinds: set[str] = {_DTYPE_KINDS.get(d) or d for d in hint.dtypes}
-    if kinds == {"float"}:
+    kinds: set[str] = set()
+    for name in hint.dtypes:
+        if name.startswith("bool"):
+            kinds.add("bool")
+        elif name.startswith(("float", "bfloat")):
+            kinds.add("floating point")
+        else:
+            kinds.add(name)
+    if kinds == {"floating point"}:
         return "floating point (float16, bfloat16, float32 or float64)"
-    if kinds == {"bool"}:
-        return "bool"
     return " or ".join(sorted(kinds))
 
 
@@ -132,23 +128,44 @@ def _accepts_none(hint: Any) -> bool:
 class _MismatchError(Exception):
     """Internal: one failed hint, with its sentence."""
 
-    def __init__(self, sentence: str, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        sentence: str,
+        *,
+        rank: int = 0,
+        arg: str | None = None,
+        dim: str | None = None,
+        size: int | None = None,
+        bound: int | None = None,
+    ) -> None:
         super().__init__(sentence)
         self.sentence = sentence
         self.rank = rank  # how far the value got: used to pick the most telling union alternative
+        self.arg, self.dim, self.size, self.bound = arg, dim, size, bound
+
+
+class Mismatch(typing.NamedTuple):
+    """What `explain` hooks see of a failed check: the argument, dimension, given and bound sizes."""
+
+    arg: str | None
+    dim: str | None
+    size: int | None
+    bound: int | None
 
 
 def _bind_array(name: str, value: torch.Tensor, hint: Any, memo: dict[str, _Bound]) -> None:
     dims = _dims_of(hint)
     dtype = _short_dtype(value.dtype)
     if dtype not in hint.dtypes:
-        raise _MismatchError(f"{name} has dtype {dtype}, but it must be {_kind_of(hint)}.", rank=0)
+        raise _MismatchError(f"{name} has dtype {dtype}, but it must be {_kind_of(hint)}.", rank=0, arg=name)
     if value.ndim != len(dims):
         spec = " ".join(_dim_label(d) for d in dims)
+        leading = value.ndim == len(dims) - 1 and isinstance(dims[0], _NamedDim) and dims[0].name == "batch"
         raise _MismatchError(
             f"{name} must be {len(dims)}-D ({spec}), but it is {value.ndim}-D with shape {tuple(value.shape)}"
-            + (f"; add the missing leading axis with {name}.unsqueeze(0)." if value.ndim == len(dims) - 1 else "."),
+            + (f"; if the batch axis is missing, add it with {name}.unsqueeze(0)." if leading else "."),
             rank=1,
+            arg=name,
         )
     for axis, (dim, size) in enumerate(zip(dims, value.shape, strict=True)):
         if isinstance(dim, _FixedDim):
@@ -167,6 +184,10 @@ def _bind_array(name: str, value: torch.Tensor, hint: Any, memo: dict[str, _Boun
                     f"{name} has {dim.name}={size} (axis {axis}), but {bound.source} set "
                     f"{dim.name}={bound.size}{hint_1}.",
                     rank=2 + axis,
+                    arg=name,
+                    dim=dim.name,
+                    size=size,
+                    bound=bound.size,
                 )
         elif not isinstance(dim, _AnonymousDim):
             raise NotImplementedError(f"shapesafe_mha's binder does not handle {dim!r}")
@@ -202,8 +223,8 @@ def _bind(name: str, value: Any, hint: Any, memo: dict[str, _Bound], sources: di
         raise failures[0]
     best = max(failures, key=lambda f: f.rank)
     if best.rank == 0:
-        kinds = " or ".join(dict.fromkeys(_kind_of(a) for a in arrays))
-        raise _MismatchError(f"{name} has dtype {_short_dtype(value.dtype)}, but it must be {kinds}.")
+        kinds = " or ".join(sorted({_kind_of(a).split(" (")[0] for a in arrays}))
+        raise _MismatchError(f"{name} has dtype {_short_dtype(value.dtype)}, but it must be {kinds}.", arg=name)
     if best.rank == 1:
         shapes = " or ".join(dict.fromkeys(_spec(a) for a in arrays))
         raise _MismatchError(
@@ -247,6 +268,8 @@ def named_shape(value: Any, hint: Any = None) -> str:
 # --- The decorator -----------------------------------------------------------------------------------
 
 Validator = Callable[[dict[str, Any], dict[str, int]], None]
+Precheck = Callable[[dict[str, Any]], None]
+Explainer = Callable[[dict[str, Any], Mismatch], str | None]
 
 
 class _Uncacheable:
@@ -273,6 +296,8 @@ class CheckedFunction:
     hints: dict[str, Any]
     validate: Validator | None
     sources: dict[str, str]
+    precheck: Precheck | None = None
+    explain: Explainer | None = None
 
     def describe(self, arguments: dict[str, Any]) -> str:
         lines = []
@@ -283,6 +308,11 @@ class CheckedFunction:
 
     def full_check(self, arguments: dict[str, Any]) -> dict[str, _Bound]:
         memo: dict[str, _Bound] = {}
+        if self.precheck is not None:
+            try:
+                self.precheck(arguments)
+            except _MismatchError as failure:
+                raise self.error(failure.sentence, arguments, memo) from None
         for name, value in arguments.items():
             hint = self.hints.get(name)
             if hint is None:
@@ -290,7 +320,11 @@ class CheckedFunction:
             try:
                 _bind(name, value, hint, memo, self.sources)
             except _MismatchError as failure:
-                raise self.error(failure.sentence, arguments, memo) from None
+                sentence = failure.sentence
+                if self.explain is not None:
+                    fix = self.explain(arguments, Mismatch(failure.arg, failure.dim, failure.size, failure.bound))
+                    sentence = f"{sentence} {fix}" if fix else sentence
+                raise self.error(sentence, arguments, memo) from None
         if self.validate is not None:
             try:
                 self.validate(arguments, {k: b.size for k, b in memo.items()})
@@ -330,19 +364,25 @@ def checked(
     validate: Validator | None = None,
     name: str | None = None,
     sources: dict[str, str] | None = None,
+    precheck: Precheck | None = None,
+    explain: Explainer | None = None,
 ) -> Any:
     """Decorate `fn` so each call is checked against its jaxtyping annotations (see module doc).
 
     `validate(arguments, dims)` runs after the annotations bind: it checks what an annotation
     cannot say (divisibility, matching dtypes) and raises `mismatch(...)` or `ConfigError`. Plain
     `int` parameters named after a dimension (`num_heads`) bind that dimension; `sources` names
-    who set it in messages (`{"d_model": "the module"}`).
+    who set it in messages (`{"d_model": "the module"}`). `precheck(arguments)` runs first
+    (dtypes and devices, which need no dimensions); `explain(arguments, mismatch)` may return
+    the usual cause of a dimension mismatch, appended to the message.
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         hints = typing.get_type_hints(fn, include_extras=True)
         returns = hints.pop("return", None)
-        info = CheckedFunction(name or f"{fn.__name__}()", inspect.signature(fn), hints, validate, sources or {})
+        info = CheckedFunction(
+            name or f"{fn.__name__}()", inspect.signature(fn), hints, validate, sources or {}, precheck, explain
+        )
         verdicts: dict[Any, bool] = {}
 
         @functools.wraps(fn)

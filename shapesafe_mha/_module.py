@@ -6,24 +6,38 @@ import torch
 from torch import Tensor, nn
 
 from ._cache import KVCache
-from ._check import checked, checks_enabled, mismatch
+from ._check import Mismatch, checked, checks_enabled, mismatch
 from ._dims import AttnMask, KVTokens, Memory, PaddingMask, Tokens
 from ._errors import ConfigError, ShapeError
-from ._stages import _attend, _attend_with_weights, _masking, _merge_heads, _project, _split_heads, check_groups
+from ._stages import (
+    _attend,
+    _attend_with_weights,
+    _masking,
+    _merge_heads,
+    _project,
+    _split_heads,
+    check_groups,
+    explain_mask,
+)
 from ._trace import record
 from ._weights import AttentionWeights
 
-_SOURCES = {"d_model": "the module", "kv_seq": "the cache plus key"}
 
-
-def _validate_forward(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+def _precheck_forward(arguments: dict[str, Any]) -> None:
+    """Inputs in the module's dtype and on its device; masks on its device."""
     dtype, device = arguments["dtype"], arguments["device"]
     for name in ("query", "key", "value"):
         tensor = arguments[name]
+        if not isinstance(tensor, Tensor):
+            continue
         if tensor.dtype != dtype:
             raise mismatch(
                 f"{name} has dtype {str(tensor.dtype)[6:]}, but the module's parameters are {str(dtype)[6:]}; "
-                f"cast the input ({name}.to({dtype})) or the module (module.to({tensor.dtype}))."
+                + (
+                    f"cast the input ({name}.to({dtype})) or the module (module.to({tensor.dtype}))."
+                    if tensor.is_floating_point()
+                    else f"inputs must be floating point: {name}.to({dtype})."
+                )
             )
         if tensor.device != device:
             raise mismatch(
@@ -32,18 +46,34 @@ def _validate_forward(arguments: dict[str, Any], dims: dict[str, int]) -> None:
             )
     for name in ("attn_mask", "key_padding_mask"):
         mask = arguments[name]
-        if mask is None:
-            continue
-        if mask.device != device:
+        if isinstance(mask, Tensor) and mask.device != device:
             raise mismatch(f"{name} is on {mask.device}, but the module's parameters are on {device}.")
-        if mask.dtype != torch.bool and mask.dtype != dtype:
+        if isinstance(mask, Tensor) and mask.is_floating_point() and mask.dtype != dtype and name == "attn_mask":
             raise mismatch(
-                f"{name} has dtype {str(mask.dtype)[6:]}; a float mask is added to the scores, so it must be "
+                f"attn_mask has dtype {str(mask.dtype)[6:]}; a float mask is added to the scores, so it must be "
                 f"{str(dtype)[6:]} like the module (or bool: True = may attend)."
             )
 
 
-@checked(validate=_validate_forward, name="MultiHeadAttention.forward()", sources=_SOURCES)
+def _explain_forward(arguments: dict[str, Any], failure: Mismatch) -> str | None:
+    if failure.arg == "value" and failure.dim in ("kv_seq", "new"):
+        return "key and value must cover the same positions."
+    if failure.arg in ("key", "value") and failure.dim == "batch":
+        return f"{failure.arg} needs one sequence per query sequence."
+    if failure.arg == "key_padding_mask" and failure.dim is None:
+        return "key_padding_mask is (batch, kv_seq) bool, True = padding."
+    return explain_mask(arguments, failure)
+
+
+_CONTRACT: dict[str, Any] = {
+    "precheck": _precheck_forward,
+    "explain": _explain_forward,
+    "name": "MultiHeadAttention.forward()",
+    "sources": {"d_model": "the module", "kv_seq": "the cache plus key"},
+}
+
+
+@checked(**_CONTRACT)
 def _forward_contract(
     d_model: int,
     query: Tokens,
@@ -57,7 +87,7 @@ def _forward_contract(
     """What `MultiHeadAttention.forward` checks without a cache (once per signature)."""
 
 
-@checked(validate=_validate_forward, name="MultiHeadAttention.forward()", sources=_SOURCES)
+@checked(**_CONTRACT)
 def _cached_forward_contract(
     d_model: int,
     query: Tokens,
@@ -132,7 +162,7 @@ class MultiHeadAttention(nn.Module):
                 f"{owner}: num_kv_heads={num_kv_heads} is more than num_heads={num_heads}; each KV head serves "
                 f"a group of query heads, so num_kv_heads must divide num_heads (MQA: 1, MHA: {num_heads})."
             )
-        check_groups(num_heads, num_kv_heads, by=f" in {owner}")
+        check_groups(num_heads, num_kv_heads, owner)
         if d_head is None:
             if d_model % num_heads:
                 divisors = [n for n in range(1, d_model + 1) if d_model % n == 0]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._check import checked, mismatch
+from ._check import Mismatch, checked, mismatch
 from ._dims import (
     AttnMask,
     Bias,
@@ -191,7 +191,10 @@ def _attend_with_weights(
 
 
 def _same_device_and_dtype(arguments: dict[str, Any], names: tuple[str, ...]) -> None:
+    """All tensors among `names` on one device, and of one dtype (masks may be bool)."""
     tensors = [(n, arguments[n]) for n in names if isinstance(arguments.get(n), Tensor)]
+    if not tensors:
+        return
     first_name, first = tensors[0]
     for name, tensor in tensors[1:]:
         if tensor.device != first.device:
@@ -200,25 +203,59 @@ def _same_device_and_dtype(arguments: dict[str, Any], names: tuple[str, ...]) ->
                 f"move them to one device (for example {name}.to({first_name}.device))."
             )
         if tensor.dtype != first.dtype and not (name.endswith("mask") and tensor.dtype == torch.bool):
-            raise mismatch(
-                f"{name} has dtype {str(tensor.dtype)[6:]}, but {first_name} has {str(first.dtype)[6:]}; "
-                f"cast one of them (for example {name}.to({first_name}.dtype))."
-            )
+            if name.endswith("mask") and tensor.is_floating_point():
+                raise mismatch(
+                    f"{name} has dtype {str(tensor.dtype)[6:]}, but {first_name} has {str(first.dtype)[6:]}; "
+                    f"a float mask is added to the scores, so cast it ({name}.to({first_name}.dtype))."
+                )
+            if tensor.is_floating_point() and first.is_floating_point():
+                raise mismatch(
+                    f"{name} has dtype {str(tensor.dtype)[6:]}, but {first_name} has {str(first.dtype)[6:]}; "
+                    f"cast one of them (for example {name}.to({first_name}.dtype))."
+                )
 
 
-def check_groups(num_heads: int, num_kv_heads: int, *, by: str = "") -> None:
-    """Raise `ConfigError` unless `num_kv_heads` divides `num_heads` (and is at most it)."""
+MASK_MEANING = "bool (True = may attend) or floating point (added to the scores)"
+
+
+def explain_mask(arguments: dict[str, Any], failure: Mismatch) -> str | None:
+    """The usual causes of a mask mistake."""
+    mask = arguments.get(failure.arg or "")
+    if failure.arg == "attn_mask" and failure.dim is None and isinstance(mask, Tensor):
+        if not (mask.dtype == torch.bool or mask.is_floating_point()):
+            return f"A mask is {MASK_MEANING}: convert with attn_mask.bool()."
+    if failure.arg == "attn_mask" and failure.dim in ("seq", "kv_seq") and failure.size == 1:
+        return "Masks broadcast only over batch and heads; for a per-key mask use key_padding_mask."
+    return None
+
+
+def _explain_attention(arguments: dict[str, Any], failure: Mismatch) -> str | None:
+    q, k = arguments.get("q"), arguments.get("k")
+    if failure.arg == "k" and failure.dim == "d_head" and isinstance(q, Tensor) and isinstance(k, Tensor):
+        if k.ndim == 4 and k.shape[2] == q.shape[3]:
+            return "k looks transposed: pass it as (batch, num_kv_heads, kv_seq, d_head); attention transposes it."
+    if failure.arg == "v" and failure.dim == "kv_seq" and isinstance(q, Tensor) and q.ndim == 4:
+        if q.shape[2] == failure.size:
+            return "Are q and k swapped? q has as many positions as v."
+    return explain_mask(arguments, failure)
+
+
+def check_groups(num_heads: int, num_kv_heads: int, owner: str) -> None:
+    """Raise `ConfigError` unless `num_kv_heads` divides `num_heads`."""
     if num_heads % num_kv_heads == 0:
         return
     working = [n for n in range(1, num_heads + 1) if num_heads % n == 0]
     raise ConfigError(
-        f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}{by}; in GQA each KV head is "
-        f"shared by num_heads // num_kv_heads query heads, so num_kv_heads must be one of {working}."
+        f"{owner}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; each KV head serves "
+        f"a group of query heads, so num_kv_heads must be one of {working}."
     )
 
 
-def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+def _precheck_attention(arguments: dict[str, Any]) -> None:
     _same_device_and_dtype(arguments, ("q", "k", "v", "attn_mask"))
+
+
+def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None:
     if dims["num_heads"] % dims["num_kv_heads"] != 0:
         raise mismatch(
             f"q has num_heads={dims['num_heads']} (axis 1), which is not a multiple of k's "
@@ -241,14 +278,14 @@ def _validate_split(arguments: dict[str, Any], dims: dict[str, int]) -> None:
         )
 
 
-def _validate_project(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+def _precheck_project(arguments: dict[str, Any]) -> None:
     _same_device_and_dtype(arguments, ("x", "weight", "bias"))
 
 
 # --- public, checked stages ----------------------------------------------------------------------------
 
 
-@checked(validate=_validate_project)
+@checked(precheck=_precheck_project)
 def project(x: LinearIn, weight: Weight, bias: Bias | None = None) -> LinearOut:
     """Apply a linear map in `nn.Linear` layout: `x @ weight.T + bias`.
 
@@ -326,7 +363,11 @@ def merge_heads(x: Heads) -> Inner:
 
 
 def _validate_group(arguments: dict[str, Any], dims: dict[str, int]) -> None:
-    check_groups(dims["num_heads"], arguments["num_kv_heads"])
+    if dims["num_heads"] % arguments["num_kv_heads"]:
+        raise mismatch(
+            f"q has num_heads={dims['num_heads']} (axis 1), which num_kv_heads={arguments['num_kv_heads']} "
+            "does not divide; each KV head must serve a whole group of query heads."
+        )
 
 
 @checked(validate=_validate_group)
@@ -353,7 +394,7 @@ def group_queries(q: Heads, num_kv_heads: int) -> GroupedQueries:
     return _group_queries(q, num_kv_heads)
 
 
-@checked(validate=_validate_attention)
+@checked(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
 def scaled_dot_product_attention(
     q: Heads,
     k: KVHeads,
@@ -403,7 +444,7 @@ def scaled_dot_product_attention(
     return _attend(q, k, v, _masking(attn_mask, None, is_causal, q, k), scale, dropout_p)
 
 
-@checked(validate=_validate_attention)
+@checked(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
 def attention_weights(
     q: Heads,
     k: KVHeads,

@@ -1,0 +1,124 @@
+"""Every shape, dtype, device and config mistake gets the library's error with a one-line, specific message."""
+
+import re
+
+import pytest
+import torch
+from error_catalogue import CATALOGUE, PAGE, Entry, run
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shapesafe_mha as ssm
+
+
+@pytest.mark.parametrize("entry", CATALOGUE, ids=lambda e: e.title.replace(" ", "_"))
+def test_catalogue_entry_gets_its_message(entry: Entry) -> None:
+    """The mistake raises the library's error, and the first line is the one pinned (and short)."""
+    error = run(entry.code)
+    assert error is not None, "the mistake passed silently"
+    assert type(error).__name__ == entry.error and type(error).__module__ == "shapesafe_mha", repr(error)
+    first = str(error).splitlines()[0]
+    assert re.search(entry.first_line, first), first
+    assert len(first) <= 220, f"first line is {len(first)} characters"
+    shown_context = error.__context__ is not None and not error.__suppress_context__
+    assert error.__cause__ is None and not shown_context, "chained to an internal error; re-raise from None"
+
+
+def test_errors_page_shows_the_current_messages() -> None:
+    """docs/errors.md shows exactly what each entry prints today (regenerate: python tests/error_catalogue.py)."""
+    page = PAGE.read_text()
+    for entry in CATALOGUE:
+        error = run(entry.code)
+        line = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        assert line in page, f"docs/errors.md is stale for {entry.title!r}: run python tests/error_catalogue.py"
+    assert sum(1 for e in CATALOGUE if e.raw_torch or e.raw_jaxtyping) >= 5
+
+
+def test_detail_lines_give_named_shapes_and_bound_dimensions() -> None:
+    """After the first line: every tensor as a named shape, and every bound dimension with its source."""
+    with pytest.raises(ssm.ShapeError) as caught:
+        ssm.scaled_dot_product_attention(torch.randn(2, 8, 5, 64), torch.randn(2, 2, 7, 32), torch.randn(2, 2, 7, 32))
+    lines = str(caught.value).splitlines()
+    assert "  q: f32[batch=2, num_heads=8, seq=5, d_head=64]" in lines
+    assert "  k: f32[batch=2, num_kv_heads=2, kv_seq=7, d_head=32]" in lines
+    assert any(line.startswith("Bound so far:") and "d_head=64 (q)" in line for line in lines)
+
+
+# --- fuzz: one dimension perturbed, for each public function --------------------------------------------
+
+
+@st.composite
+def perturbed_calls(draw: st.DrawFn) -> tuple[str, dict[str, tuple[int, ...]], int, list[str]]:
+    """A valid call of a public function with one dimension of one argument changed.
+
+    Returns the function, the argument shapes, a head count where the function takes one, and the
+    texts the first line must contain: the argument, the dimension, and both sizes.
+    """
+    b, hkv, g, s, kv, d = (draw(st.integers(1, 4)) for _ in range(6))
+    h, width = hkv * g, hkv * g * d
+    delta = draw(st.integers(1, 3))
+    function = draw(st.sampled_from(["sdpa", "weights", "module", "project", "split", "cache"]))
+    heads = h
+    if function in ("sdpa", "weights"):
+        shapes = {"q": (b, h, s, d), "k": (b, hkv, kv, d), "v": (b, hkv, kv, d)}
+        if function == "weights":
+            del shapes["v"]
+        choices = [("k", 0, "batch", "q"), ("k", 3, "d_head", "q")]
+        if function == "sdpa":
+            choices += [("v", 0, "batch", "q"), ("v", 2, "kv_seq", "k"), ("v", 3, "d_head", "q")]
+    elif function == "module":
+        shapes = {"query": (b, s, width), "key": (b, kv, width), "value": (b, kv, width)}
+        choices = [
+            ("query", 2, "d_model", "the module"),
+            ("key", 2, "d_model", "the module"),
+            ("key", 0, "batch", "query"),
+            ("value", 1, "kv_seq", "key"),
+        ]
+    elif function == "project":
+        shapes = {"x": (b, s, width), "weight": (d, width), "bias": (d,)}
+        choices = [("weight", 1, "d_in", "x"), ("bias", 0, "d_out", "weight")]
+    elif function == "cache":
+        shapes = {"k": (b, hkv, s, d), "v": (b, hkv, s, d)}
+        choices = [
+            ("k", 0, "batch", "the cache"),
+            ("k", 1, "num_kv_heads", "the cache"),
+            ("k", 3, "d_head", "the cache"),
+        ]
+        choices += [("v", 2, "new", "k")]
+    else:
+        heads = draw(st.integers(2, 6))
+        new = heads * d + draw(st.integers(1, heads - 1))
+        return "split", {"x": (b, s, new)}, heads, [f"x has width {new} (axis 2)", f"num_heads={heads}"]
+    arg, axis, dim, setter = draw(st.sampled_from(choices))
+    shape = list(shapes[arg])
+    old = shape[axis]
+    shape[axis] += delta
+    shapes[arg] = tuple(shape)
+    return function, shapes, heads, [f"{arg} has {dim}={shape[axis]} (axis {axis})", f"{setter} set {dim}={old}"]
+
+
+@given(call=perturbed_calls())
+def test_one_perturbed_dimension_is_named_with_both_sizes(
+    call: tuple[str, dict[str, tuple[int, ...]], int, list[str]],
+) -> None:
+    """Perturb one dimension: the library's error, naming the argument, the dimension and both sizes; nothing else."""
+    function, shapes, heads, expected = call
+    t = {name: torch.randn(*shape) for name, shape in shapes.items()}
+    with pytest.raises(ssm.ShapesafeError) as caught:
+        if function == "sdpa":
+            ssm.scaled_dot_product_attention(t["q"], t["k"], t["v"])
+        elif function == "weights":
+            ssm.attention_weights(t["q"], t["k"])
+        elif function == "module":
+            d_model = shapes["value"][2]
+            ssm.MultiHeadAttention(d_model, 1, d_head=1)(t["query"], t["key"], t["value"])
+        elif function == "project":
+            ssm.project(t["x"], t["weight"], t["bias"])
+        elif function == "cache":
+            b, hkv, _, d = shapes["v"]
+            ssm.KVCache(b, hkv, 16, d, dtype=torch.float32).append(t["k"], t["v"])
+        else:
+            ssm.split_heads(t["x"], heads)
+    first = str(caught.value).splitlines()[0]
+    for text in expected:
+        assert text in first, first
