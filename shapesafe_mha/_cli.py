@@ -89,6 +89,43 @@ def trace(
         render(report, Console(width=160))
 
 
+@app.command()
+def check(
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1 (a device that computes; not meta)")] = "cpu",
+    dtype: Annotated[str, typer.Option(help=", ".join(DTYPES))] = "float64",
+    examples: Annotated[int, typer.Option(help="examples per property")] = 50,
+) -> None:
+    """Run the built-in property suite on this machine's device and dtype, against the per-head reference."""
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}")
+    if device == "meta":
+        raise typer.BadParameter("--device meta has no values to compare; use cpu or cuda")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from ._suite import PROPERTIES, run_suite
+
+    console = Console(width=140)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console) as progress:
+        tasks = [progress.add_task(name, total=examples) for name, *_ in PROPERTIES]
+        outcomes = run_suite(
+            device=device, dtype=DTYPES[dtype], examples=examples, on_example=lambda i: progress.advance(tasks[i])
+        )
+        for task, outcome in zip(tasks, outcomes, strict=True):
+            progress.update(task, completed=examples if outcome.passed else outcome.examples)
+    table = Table(title=f"shapesafe_mha properties on {device} ({dtype})")
+    for column in ("property", "examples", "result", "worst deviation", "tolerance"):
+        table.add_column(column, justify="left" if column in ("property", "result") else "right")
+    for outcome in outcomes:
+        result = "[green]pass[/green]" if outcome.passed else "[red]FAIL[/red]"
+        table.add_row(outcome.name, str(outcome.examples), result, f"{outcome.worst:.2e}", f"{outcome.tolerance:.0e}")
+    console.print(table)
+    failed = [o for o in outcomes if not o.passed]
+    for outcome in failed:
+        console.print(f"[red]{outcome.name}[/red]: {outcome.failure}", highlight=False)
+    if failed:
+        raise typer.Exit(1)
+
+
 @app.callback()
 def _root() -> None:
     """shapesafe_mha's command line."""

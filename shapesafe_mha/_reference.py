@@ -47,8 +47,10 @@ def _head_mask(
     blocked = torch.zeros(batch, seq, kv_seq, dtype=torch.bool, device=like.device)
     if is_causal:
         for i in range(seq):
-            position = kv_seq - seq + i  # lower-right alignment
-            blocked[:, i, position + 1 :] = True
+            position = kv_seq - seq + i  # lower-right alignment; negative: sees no key at all
+            for j in range(kv_seq):
+                if j > position:
+                    blocked[:, i, j] = True
     if key_padding_mask is not None:
         blocked |= key_padding_mask[:, None, :]
     if attn_mask is not None:

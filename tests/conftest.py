@@ -4,14 +4,12 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-settings.register_profile(
-    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
-)
-settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# Profiles ci/dev/thorough come from shapesafe_mha's pytest plugin. ci is the default here, unless
+# --hypothesis-profile or HYPOTHESIS_PROFILE chose another.
+if settings.get_current_profile_name() == "default":
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 COMPUTE_DEVICES = [
     pytest.param("cpu", id="cpu"),

@@ -72,3 +72,24 @@ def test_console_script_and_module_are_the_same_entry() -> None:
     for command in commands:
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         assert json.loads(out)["config"]["seq"] == 2
+
+
+def test_check_runs_the_property_suite_and_prints_a_table() -> None:
+    """`shapesafe-mha check` runs every property, shows progress and a pass table, and exits 0."""
+    result = runner.invoke(app, ["check", "--examples", "3", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert "module == per-head reference (GQA)" in result.output and "KV-cache decoding" in result.output
+    assert result.output.count("pass") >= 8 and "FAIL" not in result.output
+
+
+def test_check_exits_nonzero_when_a_property_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing property is reported with its first line, and the exit code is 1."""
+    import shapesafe_mha._suite as suite
+
+    def broken(config: object, data: object, device: str, dtype: object) -> float:
+        raise AssertionError("planted: differs by 1 (tolerance 1e-08)")
+
+    monkeypatch.setattr(suite, "PROPERTIES", [("planted failure", broken, ("mha",), False)])
+    result = runner.invoke(app, ["check", "--examples", "2"])
+    assert result.exit_code == 1
+    assert "FAIL" in result.output and "planted: differs by 1" in result.output

@@ -274,3 +274,17 @@ def test_every_float_dtype_matches_the_reference(dtype: torch.dtype, tolerance: 
     got = module.to(dtype)(x.to(dtype), is_causal=True)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), expected, atol=tolerance * 10, rtol=tolerance * 10)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_causal_with_more_queries_than_keys_is_lower_right_aligned(num_kv_heads: int) -> None:
+    """seq > kv_seq with is_causal: the first seq - kv_seq queries precede every key and get zeros."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, num_kv_heads, dtype=torch.float64, bias=False)
+    x, memory = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 2, 16, dtype=torch.float64)
+    out = module(x, memory, is_causal=True)
+    assert torch.all(out[:, :3] == 0) and torch.all(out[:, 3:] != 0)
+    expected = per_head_attention(
+        x, memory, memory, module.weights(), num_heads=4, num_kv_heads=num_kv_heads, is_causal=True
+    )
+    torch.testing.assert_close(out, expected, **F64)

@@ -1,0 +1,198 @@
+"""hypothesis strategies for attention configs, inputs, weights and masks.
+
+Configs are valid by construction: draw `num_kv_heads`, then `group`, and set
+`num_heads = num_kv_heads * group`, so hypothesis shrinks failures to small, valid configs.
+"""
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from ._weights import AttentionWeights
+
+Kind = Literal["mha", "gqa", "mqa"]
+ALL_KINDS: tuple[Kind, ...] = ("mha", "gqa", "mqa")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One attention layer's sizes, as drawn by `attention_configs`."""
+
+    batch: int
+    seq: int
+    kv_seq: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    d_head: int
+    bias: bool
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kind(self) -> Kind:
+        if self.num_kv_heads == self.num_heads:
+            return "mha"
+        return "mqa" if self.num_kv_heads == 1 else "gqa"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def module(self, *, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> Any:
+        """A `MultiHeadAttention` of this config (random weights)."""
+        from ._module import MultiHeadAttention
+
+        return MultiHeadAttention(
+            self.d_model,
+            self.num_heads,
+            self.num_kv_heads,
+            d_head=self.d_head,
+            bias=self.bias,
+            dtype=dtype,
+            device=device,
+        )
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """`query (batch, seq, d_model)`, `key` and `value` `(batch, kv_seq, d_model)`."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+
+
+def _heads(draw: Any, kind: Kind, max_heads: int) -> tuple[int, int]:
+    if kind == "mha":
+        num_heads = draw(st.integers(1, max_heads))
+        return num_heads, num_heads
+    if kind == "mqa":
+        return draw(st.integers(min(2, max_heads), max_heads)), 1
+    num_kv_heads = draw(st.integers(2, max(2, max_heads // 2)))
+    group = draw(st.integers(2, max(2, max_heads // num_kv_heads)))
+    return num_kv_heads * group, num_kv_heads
+
+
+@st.composite
+def attention_configs(
+    draw: Any,
+    kinds: Sequence[Kind] = ALL_KINDS,
+    *,
+    max_heads: int = 8,
+    max_seq: int = 8,
+    max_batch: int = 3,
+    max_d_head: int = 8,
+    bias: bool | None = None,
+    cross: bool = True,
+) -> AttentionConfig:
+    """Draw a valid `AttentionConfig` of one of `kinds`.
+
+    Covers the cases bugs hide behind: batch > 1, seq > 1, `kv_seq != seq` (if `cross`),
+    `group > 2`, `d_head = 1`, MQA, and `num_heads * d_head != d_model`.
+
+    Example:
+        >>> from hypothesis import given, settings
+        >>> from shapesafe_mha.testing import attention_configs
+        >>> @settings(max_examples=20)
+        ... @given(attention_configs(kinds=("gqa",)))
+        ... def test_groups(config):
+        ...     assert config.num_heads % config.num_kv_heads == 0 and config.num_kv_heads > 1
+        >>> test_groups()
+    """
+    unknown = set(kinds) - set(ALL_KINDS)
+    if unknown or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of {ALL_KINDS}, got {tuple(kinds)}")
+    kind = draw(st.sampled_from(tuple(kinds)))
+    num_heads, num_kv_heads = _heads(draw, kind, max(4 if kind == "gqa" else 2, max_heads))
+    d_head = draw(st.integers(1, max_d_head))
+    d_model = draw(st.one_of(st.just(num_heads * d_head), st.integers(1, 4 * max_d_head)))
+    seq = draw(st.integers(1, max_seq))
+    kv_seq = draw(st.integers(1, max_seq)) if cross else seq
+    return AttentionConfig(
+        batch=draw(st.integers(1, max_batch)),
+        seq=seq,
+        kv_seq=kv_seq,
+        d_model=d_model,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        d_head=d_head,
+        bias=draw(st.booleans()) if bias is None else bias,
+    )
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(generator: torch.Generator, *shape: int, dtype: torch.dtype, device: Any) -> Tensor:
+    # Drawn on the CPU from a seed, so a failure replays identically on every device.
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+@st.composite
+def attention_inputs(
+    draw: Any, config: AttentionConfig, *, dtype: torch.dtype = torch.float64, device: Any = None
+) -> AttentionInputs:
+    """Draw `query`, `key`, `value` for `config` (from a drawn seed: hypothesis replays it exactly)."""
+    generator = _generator(draw(st.integers(0, 2**32 - 1)))
+    query = _randn(generator, config.batch, config.seq, config.d_model, dtype=dtype, device=device)
+    key = _randn(generator, config.batch, config.kv_seq, config.d_model, dtype=dtype, device=device)
+    value = _randn(generator, config.batch, config.kv_seq, config.d_model, dtype=dtype, device=device)
+    return AttentionInputs(query, key, value)
+
+
+@st.composite
+def attention_weights(
+    draw: Any, config: AttentionConfig, *, dtype: torch.dtype = torch.float64, device: Any = None
+) -> AttentionWeights:
+    """Draw an `AttentionWeights` for `config` (scaled like `nn.Linear`'s initialisation)."""
+    generator = _generator(draw(st.integers(0, 2**32 - 1)))
+    inner, kv_inner = config.num_heads * config.d_head, config.num_kv_heads * config.d_head
+
+    def linear(d_out: int, d_in: int) -> tuple[Tensor, Tensor | None]:
+        weight = _randn(generator, d_out, d_in, dtype=dtype, device=device) / d_in**0.5
+        bias = _randn(generator, d_out, dtype=dtype, device=device) if config.bias else None
+        return weight, bias
+
+    w_q, b_q = linear(inner, config.d_model)
+    w_k, b_k = linear(kv_inner, config.d_model)
+    w_v, b_v = linear(kv_inner, config.d_model)
+    w_o, b_o = linear(config.d_model, inner)
+    return AttentionWeights(w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o)
+
+
+@st.composite
+def attention_masks(draw: Any, config: AttentionConfig, *, device: Any = None) -> Tensor | None:
+    """Draw None or a bool mask (True = may attend) in one of the accepted layouts.
+
+    Layouts: `(seq, kv_seq)`, `(batch, 1, seq, kv_seq)`, `(1, num_heads, seq, kv_seq)`,
+    `(batch, num_heads, seq, kv_seq)`. Rows with nothing to attend to are allowed.
+    """
+    layout = draw(st.sampled_from(["none", "2d", "batch", "heads", "full"]))
+    if layout == "none":
+        return None
+    shape = {
+        "2d": (config.seq, config.kv_seq),
+        "batch": (config.batch, 1, config.seq, config.kv_seq),
+        "heads": (1, config.num_heads, config.seq, config.kv_seq),
+        "full": (config.batch, config.num_heads, config.seq, config.kv_seq),
+    }[layout]
+    generator = _generator(draw(st.integers(0, 2**32 - 1)))
+    keep = draw(st.sampled_from([0.5, 0.8, 0.95]))
+    return (torch.rand(shape, generator=generator) < keep).to(device)
+
+
+@st.composite
+def key_padding_masks(draw: Any, config: AttentionConfig, *, device: Any = None) -> Tensor | None:
+    """Draw None or a `(batch, kv_seq)` bool mask, True = padding (right-padded sequences)."""
+    if not draw(st.booleans()):
+        return None
+    lengths = draw(st.lists(st.integers(0, config.kv_seq), min_size=config.batch, max_size=config.batch))
+    positions = torch.arange(config.kv_seq)
+    return (positions[None, :] >= torch.tensor(lengths)[:, None]).to(device)
