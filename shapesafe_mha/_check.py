@@ -45,7 +45,8 @@ def checks_enabled() -> bool:
         ...     print(ssm.checks_enabled())
         False
     """
-    return not (_OFF_BY_ENV or _off.get() or torch.compiler.is_compiling())
+    # is_compiling first: dynamo folds it to a constant and never traces the ContextVar.
+    return not (torch.compiler.is_compiling() or _OFF_BY_ENV or _off.get())
 
 
 @contextlib.contextmanager
@@ -199,7 +200,9 @@ def _bind(name: str, value: Any, hint: Any, memo: dict[str, _Bound], sources: di
         return
     arrays = _array_alternatives(hint)
     if arrays is None:
-        if isinstance(value, int) and not isinstance(value, bool) and name in DIMS:
+        if isinstance(value, int) and name in DIMS:
+            if isinstance(value, bool):
+                raise _MismatchError(f"{name} must be an int, but got the bool {value}.", arg=name)
             _bind_int(name, value, memo, (sources or {}).get(name))
         if not is_bearable(value, hint):
             raise _MismatchError(f"{name} must be {_hint_name(hint)}, but got {type(value).__name__}.")
@@ -276,12 +279,18 @@ class _Uncacheable:
     """Marks an argument whose verdict cannot be remembered (it is always checked in full)."""
 
 
+_ITSELF = frozenset({int, str, type(None), torch.dtype, torch.device})  # hashable, and no two kinds collide
+
+
 def _signature_of(value: Any) -> Any:
+    """What a check depends on: a tensor's shape, dtype and device; a plain value itself."""
+    kind = type(value)
+    if kind in _ITSELF:
+        return value
     if isinstance(value, torch.Tensor):
         return (value.shape, value.dtype, value.device)
-    kind = type(value)
-    if value is None or kind in (int, float, bool, str, torch.dtype, torch.device):
-        return (kind, value)
+    if kind is bool or kind is float:
+        return (kind, value)  # True == 1 == 1.0 would collide with the int
     if kind is tuple:
         return (kind, tuple(_signature_of(v) for v in value))
     return _Uncacheable
@@ -387,7 +396,7 @@ def checked(
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            if _OFF_BY_ENV or _off.get() or torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or _OFF_BY_ENV or _off.get():
                 return fn(*args, **kwargs)
             key = tuple(map(_signature_of, args))
             if kwargs:

@@ -1,13 +1,13 @@
 """`MultiHeadAttention`: the module, for MHA, GQA and MQA, checked once per call."""
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from ._cache import KVCache
 from ._check import Mismatch, checked, checks_enabled, mismatch
-from ._dims import AttnMask, KVTokens, Memory, PaddingMask, Tokens
+from ._dims import AttnMask, CacheBuffer, KVTokens, Memory, PaddingMask, Tokens
 from ._errors import ConfigError, ShapeError
 from ._stages import (
     _attend,
@@ -19,15 +19,15 @@ from ._stages import (
     check_groups,
     explain_mask,
 )
-from ._trace import record
+from ._trace import record, tracing_active
 from ._weights import AttentionWeights
 
 
 def _precheck_forward(arguments: dict[str, Any]) -> None:
     """Inputs in the module's dtype and on its device; masks on its device."""
     dtype, device = arguments["dtype"], arguments["device"]
-    for name in ("query", "key", "value"):
-        tensor = arguments[name]
+    for name in ("query", "key", "value", "kv_cache"):
+        tensor = arguments.get(name)
         if not isinstance(tensor, Tensor):
             continue
         if tensor.dtype != dtype:
@@ -69,7 +69,12 @@ _CONTRACT: dict[str, Any] = {
     "precheck": _precheck_forward,
     "explain": _explain_forward,
     "name": "MultiHeadAttention.forward()",
-    "sources": {"d_model": "the module", "kv_seq": "the cache plus key"},
+    "sources": {
+        "d_model": "the module",
+        "num_kv_heads": "the module",
+        "d_head": "the module",
+        "kv_seq": "the cache plus key",
+    },
 }
 
 
@@ -90,16 +95,28 @@ def _forward_contract(
 @checked(**_CONTRACT)
 def _cached_forward_contract(
     d_model: int,
+    num_kv_heads: int,
+    d_head: int,
     query: Tokens,
     key: KVTokens,
     value: KVTokens,
+    kv_cache: CacheBuffer,
     kv_seq: int | None,
     attn_mask: AttnMask | None,
     key_padding_mask: PaddingMask | None,
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """What `MultiHeadAttention.forward` checks with a cache (once per signature)."""
+    """What `MultiHeadAttention.forward` checks with a cache (once per signature; the fill level every call)."""
+
+
+def _unshare_qkv(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """Save q/k/v parameters as tensors of their own (safetensors refuses tensors that share storage)."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{name}.{kind}"
+            if key in state_dict:
+                state_dict[key] = state_dict[key].clone()
 
 
 def _positive(owner: str, **sizes: Any) -> None:
@@ -185,6 +202,68 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
+        self._fuse_qkv()
+        self.register_state_dict_post_hook(_unshare_qkv)
+
+    def _fuse_qkv(self) -> None:
+        """Lay the q/k/v weights (and biases) end to end in one storage; the parameters become views of it.
+
+        Nothing changes for users (q_proj.weight is still q_proj's parameter, loads and optimizers
+        update it in place), but self-attention without autograd can then project Q, K and V with
+        one matrix multiply instead of three, as torch's own fast path does.
+        """
+        projs = {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj}
+        with torch.no_grad():
+            weight = torch.cat([p.weight.detach() for p in projs.values()])
+            biases = [p.bias.detach() for p in projs.values() if p.bias is not None]
+            bias = torch.cat(biases) if len(biases) == 3 else None
+            start, expected = 0, []
+            for name, p in projs.items():
+                rows = slice(start, start + p.weight.shape[0])
+                p.weight.data = weight[rows]
+                expected.append((name, "weight", p.weight.data_ptr()))
+                if p.bias is not None and bias is not None:
+                    p.bias.data = bias[rows]
+                    expected.append((name, "bias", p.bias.data_ptr()))
+                start = rows.stop
+        self._qkv: tuple[Tensor, Tensor | None, tuple[tuple[str, str, int], ...]] = (weight, bias, tuple(expected))
+
+    def _fused_qkv(self) -> tuple[Tensor, Tensor | None] | None:
+        """The fused q/k/v weight and bias, if the parameters still are views of them (else None)."""
+        weight, bias, expected = self._qkv
+        modules = self._modules  # plain dict lookups: this runs on every inference call
+        for name, kind, pointer in expected:
+            param = modules[name]._parameters.get(kind)  # pyright: ignore[reportOptionalMemberAccess]
+            if param is None or param.data_ptr() != pointer:
+                return None
+        return weight, bias
+
+    def _native_fits(self, query: Tensor) -> bool:
+        """Whether torch's fused MHA kernel computes this call: MHA, num_heads * d_head == d_model, biases,
+        no dropout, a dtype and device it supports, and nobody tracing the stages."""
+        return (
+            self.num_kv_heads == self.num_heads
+            and self.num_heads * self.d_head == self.d_model
+            and self._qkv[1] is not None
+            and (self.dropout == 0.0 or not self.training)
+            and query.dtype in (torch.float32, torch.float64)
+            and query.device.type in ("cpu", "cuda")
+            and not tracing_active()
+        )
+
+    def _native(self, query: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        """Exactly what nn.MultiheadAttention's inference fast path runs: torch's fused MHA kernel."""
+        kernel = torch._native_multi_head_attention  # pyright: ignore[reportPrivateImportUsage]
+        out_weight, out_bias = self.o_proj.weight, self.o_proj.bias
+        return kernel(
+            query, query, query, self.d_model, self.num_heads, weight, bias, out_weight, out_bias, None, False
+        )[0]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "MultiHeadAttention":
+        # .to(), .half(), .cuda() give each parameter new storage: fuse them again.
+        super()._apply(fn, recurse)
+        self._fuse_qkv()
+        return self
 
     def extra_repr(self) -> str:
         return (
@@ -291,11 +370,25 @@ class MultiHeadAttention(nn.Module):
         if checks_enabled():
             self._check(query, key, value, attn_mask, key_padding_mask, kv_cache)
         record("query", "batch seq d_model", query)
-        q = _project(query, self.q_proj.weight, self.q_proj.bias)
+        fused = None
+        if key is query and value is query and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            fused = self._fused_qkv()
+            plain = attn_mask is None and key_padding_mask is None and kv_cache is None
+            if fused is not None and fused[1] is not None and plain and not (is_causal or need_weights):
+                if self._native_fits(query):
+                    return self._native(query, fused[0], fused[1])
+
+        if fused is not None:
+            qkv = _project(query, *fused)
+            record("qkv_proj", "batch seq (num_heads+2*num_kv_heads)*d_head", qkv)
+            kv_width = self.num_kv_heads * self.d_head
+            q, k, v = qkv.split([self.num_heads * self.d_head, kv_width, kv_width], dim=-1)
+        else:
+            q = _project(query, self.q_proj.weight, self.q_proj.bias)
+            k = _project(key, self.k_proj.weight, self.k_proj.bias)
+            v = _project(value, self.v_proj.weight, self.v_proj.bias)
         record("q_proj", "batch seq num_heads*d_head", q)
-        k = _project(key, self.k_proj.weight, self.k_proj.bias)
         record("k_proj", "batch kv_seq num_kv_heads*d_head", k)
-        v = _project(value, self.v_proj.weight, self.v_proj.bias)
         record("v_proj", "batch kv_seq num_kv_heads*d_head", v)
         q = _split_heads(q, self.num_heads)
         record("split_q", "batch num_heads seq d_head", q)
@@ -331,27 +424,33 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Any,
         kv_cache: KVCache | None,
     ) -> None:
-        weight = self.q_proj.weight
+        # Plain dict lookups (nn.Module.__getattr__ costs ~1 us per step): this runs on every call.
+        weight = cast(Tensor, self._modules["q_proj"]._parameters["weight"])  # pyright: ignore[reportOptionalMemberAccess]
         if kv_cache is None:
             _forward_contract(self.d_model, query, key, value, attn_mask, key_padding_mask, weight.dtype, weight.device)
             return
+        if not isinstance(kv_cache, KVCache):
+            raise ShapeError(
+                f"MultiHeadAttention.forward(): kv_cache must be a shapesafe_mha.KVCache, but got "
+                f"{type(kv_cache).__name__}; make one with module.new_cache(batch, capacity)."
+            )
         masked = attn_mask is not None or key_padding_mask is not None
         kv_seq = len(kv_cache) + key.shape[1] if masked and isinstance(key, Tensor) and key.ndim == 3 else None
         _cached_forward_contract(
-            self.d_model, query, key, value, kv_seq, attn_mask, key_padding_mask, weight.dtype, weight.device
+            self.d_model,
+            self.num_kv_heads,
+            self.d_head,
+            query,
+            key,
+            value,
+            kv_cache.keys_buffer,
+            kv_seq,
+            attn_mask,
+            key_padding_mask,
+            weight.dtype,
+            weight.device,
         )
-        self._check_cache(kv_cache, query.shape[0], key.shape[1])
-
-    def _check_cache(self, cache: KVCache, batch: int, new: int) -> None:
-        mine = (self.num_kv_heads, self.d_head, self.k_proj.weight.dtype, self.k_proj.weight.device)
-        theirs = (cache.num_kv_heads, cache.d_head, cache.dtype, cache.device)
-        if mine != theirs or cache.batch != batch:
-            raise ShapeError(
-                f"MultiHeadAttention.forward(): kv_cache holds batch={cache.batch}, num_kv_heads={cache.num_kv_heads}, "
-                f"d_head={cache.d_head}, {cache.dtype} on {cache.device}, but this call needs batch={batch}, "
-                f"num_kv_heads={mine[0]}, d_head={mine[1]}, {mine[2]} on {mine[3]}; "
-                "make it with module.new_cache(batch, capacity)."
-            )
+        cache, new = kv_cache, key.shape[1]
         if len(cache) + new > cache.capacity:
             raise ShapeError(
                 f"MultiHeadAttention.forward(): appending new={new} positions to the {len(cache)} in kv_cache "

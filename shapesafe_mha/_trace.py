@@ -102,8 +102,12 @@ class Tracer:
         self._storages: list[tuple[int, str, torch.Tensor]] = []
 
     def add(self, name: str, named_shape: str, tensor: torch.Tensor) -> None:
-        sid = storage_id(tensor)
-        aliases = next((stage for s, stage, _ in reversed(self._storages) if s == sid), None)
+        sid, (start, end) = storage_id(tensor), _span(tensor)
+        # The earlier stage this one was taken from: the latest on the same storage whose memory covers it.
+        aliases = next(
+            (stage for s, stage, other in reversed(self._storages) if s == sid and _covers(_span(other), start, end)),
+            None,
+        )
         self._storages.append((sid, name, tensor))  # holding the tensor keeps its identity unique
         allocations = self._recorder.take()
         self.stages.append(
@@ -121,7 +125,23 @@ class Tracer:
         )
 
 
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The range of storage elements a tensor can touch: [offset, offset + extent)."""
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    offset = int(tensor.storage_offset())
+    return offset, offset + (int(extent) if tensor.numel() else 0)
+
+
+def _covers(span: tuple[int, int], start: int, end: int) -> bool:
+    return span[0] <= start and end <= span[1]
+
+
 _active: list[Tracer] = []
+
+
+def tracing_active() -> bool:
+    """Whether a `tracing` block is recording stages now."""
+    return bool(_active)
 
 
 def record(name: str, named_shape: str, tensor: torch.Tensor) -> None:

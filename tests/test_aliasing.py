@@ -75,7 +75,7 @@ def test_group_queries_is_a_view(any_device: str) -> None:
 
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
 def test_which_stages_copy_is_what_the_trace_observes(num_kv_heads: int) -> None:
-    """State exactly which stages copy: projections and the final merge allocate; splits and grouping do not."""
+    """State exactly which stages copy: the projections and the final merge (on meta) allocate; splits do not."""
     report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=num_kv_heads, seq=6))
     stages = {s.name: s for s in report.stages}
     assert stages["split_q"].aliases == "q_proj"
@@ -83,7 +83,10 @@ def test_which_stages_copy_is_what_the_trace_observes(num_kv_heads: int) -> None
     assert stages["split_v"].aliases == "v_proj"
     for name in ("split_q", "split_k", "split_v"):
         assert stages[name].allocated_bytes == 0
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "merge"):
+    # Inference self-attention projects Q, K and V with one fused matmul; each is a slice of it.
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert stages[name].aliases == "qkv_proj" and stages[name].allocated_bytes == 0
+    for name in ("qkv_proj", "o_proj", "merge"):
         assert stages[name].aliases is None and stages[name].allocated_bytes >= stages[name].nbytes
     if num_kv_heads < 8:
         assert stages["group_queries"].aliases == "split_q"

@@ -15,3 +15,12 @@ def test_memory_benchmark_prints_ratios_and_repeat_kv_allocates_more() -> None:
     assert {"MHA", "GQA (2 KV heads)", "MQA", "GQA, repeat-KV (2 KV heads)"} <= set(rows)
     repeat_vs_ours = float(rows["GQA, repeat-KV (2 KV heads)"].split("│")[-2])
     assert repeat_vs_ours > 1.0
+
+
+def test_performance_benchmark_prints_every_comparison() -> None:
+    """`python -m benchmarks --quick` prints each comparison with its ratio and goal (no timing asserted)."""
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--no-compile"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    for name in ("decode: checked / unchecked", "prefill: ours checked / nn.MHA", "checks off / no checks"):
+        assert name in out
+    assert "long (1, 1024, 512)" in out

@@ -125,7 +125,7 @@ def test_a_bad_forward_leaves_cache_and_parameters_unchanged() -> None:
         module(torch.randn(1, 2, 16, dtype=torch.float64), is_causal=True, kv_cache=cache)
     with pytest.raises(ssm.ShapeError, match="query has d_model=8"):
         module(torch.randn(1, 1, 8, dtype=torch.float64), kv_cache=cache)
-    with pytest.raises(ssm.ShapeError, match="kv_cache holds batch=1"):
+    with pytest.raises(ssm.ShapeError, match="kv_cache has batch=1 \\(axis 0\\), but query set batch=2"):
         module(torch.randn(2, 1, 16, dtype=torch.float64), kv_cache=cache)
     assert len(cache) == snapshot[0] and torch.equal(cache.keys_buffer, snapshot[1])
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), snapshot[2], strict=True))

@@ -29,7 +29,7 @@ def test_default_trace_is_a_llama_style_gqa_layer_on_meta() -> None:
     )
     assert report["config"]["device"] == "meta"
     names = [s["name"] for s in report["stages"]]
-    assert names[:7] == ["query", "q_proj", "k_proj", "v_proj", "split_q", "split_k", "split_v"]
+    assert names[:8] == ["query", "qkv_proj", "q_proj", "k_proj", "v_proj", "split_q", "split_k", "split_v"]
     for stage in report["stages"]:
         assert set(stage) >= {"name", "named_shape", "shape", "strides", "aliases", "allocated_bytes"}
     split_q = report["stages"][names.index("split_q")]

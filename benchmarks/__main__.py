@@ -1,0 +1,217 @@
+"""Checked attention at the speed of unchecked torch: every comparison as a ratio measured side by side.
+
+    python -m benchmarks [--quick] [--threads 1] [--plot docs/overhead.png]
+
+Each comparison runs its two contenders alternately, round after round, and reports the median of
+the per-round ratios (robust to a shared, noisy machine) next to each contender's median time.
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import shapesafe_mha as ssm
+from shapesafe_mha import _module
+
+
+@dataclass
+class Comparison:
+    name: str
+    sizes: str
+    ratio: float
+    ours: float
+    baseline: float
+    goal: str
+
+    @property
+    def met(self) -> bool:
+        return self.ratio <= float(self.goal.removeprefix("<= "))
+
+
+Run = Callable[[], object] | tuple[Callable[[], object], Callable[[], AbstractContextManager[object]]]
+
+
+def measure(ours: Run, baseline: Run, rounds: int, inner: int) -> tuple[float, float, float]:
+    """Median per-round ratio ours/baseline, and each one's median seconds per call.
+
+    A contender may be `(function, context)`: the context (say `ssm.unchecked`) is entered once
+    around each round's calls, as a user would, not once per call.
+    """
+    contenders = [c if isinstance(c, tuple) else (c, contextlib.nullcontext) for c in (ours, baseline)]
+    for f, context in contenders:
+        with context():
+            for _ in range(max(3, inner)):
+                f()
+    ratios, a, b = [], [], []
+    for r in range(rounds):
+        order = contenders if r % 2 == 0 else contenders[::-1]
+        times = {}
+        for f, context in order:
+            with context():
+                start = time.perf_counter()
+                for _ in range(inner):
+                    f()
+                times[f] = (time.perf_counter() - start) / inner
+        ours_f, base_f = contenders[0][0], contenders[1][0]
+        ratios.append(times[ours_f] / times[base_f])
+        a.append(times[ours_f])
+        b.append(times[base_f])
+    return statistics.median(ratios), statistics.median(a), statistics.median(b)
+
+
+def unchecked(f: Callable[[], object]) -> Run:
+    return (lambda: f(), ssm.unchecked)
+
+
+@contextlib.contextmanager
+def switch_removed() -> Iterator[None]:
+    """The module's forward with its one check switch replaced by a constant: code with no checks at all."""
+    original = _module.checks_enabled
+    _module.checks_enabled = lambda: False
+    try:
+        yield
+    finally:
+        _module.checks_enabled = original
+
+
+def decode_step(module: ssm.MultiHeadAttention, cached: int) -> Callable[[], object]:
+    """One new token against a cache already holding `cached` positions (the cache is rewound each call)."""
+    cache = module.new_cache(1, cached + 1)
+    past = torch.randn(1, module.num_kv_heads, cached, module.d_head)
+    cache.append(past, past)
+    x = torch.randn(1, 1, module.d_model)
+
+    def step() -> object:
+        cache._length = cached
+        return module(x, is_causal=True, kv_cache=cache)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: least noise)")
+    parser.add_argument("--plot", type=Path, default=None, help="save the overhead-vs-size plot here (PNG)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rounds = 15 if args.quick else 60
+    results: list[Comparison] = []
+
+    with torch.no_grad():
+        # 1. Decode step, checks on vs off.
+        gqa = ssm.MultiHeadAttention(512, 8, 2).eval()
+        step = decode_step(gqa, 256)
+        ratio, a, b = measure(step, unchecked(step), rounds, 20)
+        results.append(
+            Comparison("decode: checked / unchecked", "GQA d_model 512, 8/2 heads, cache 256", ratio, a, b, "<= 1.10")
+        )
+
+        # 2. Prefill, checks on vs nn.MultiheadAttention.
+        theirs = torch.nn.MultiheadAttention(512, 8, batch_first=True).eval()
+        ours = ssm.MultiHeadAttention.from_torch(theirs).eval()
+        x = torch.randn(2, 128, 512)
+        ratio, a, b = measure(lambda: ours(x), lambda: theirs(x, x, x, need_weights=False), rounds, 1)
+        results.append(
+            Comparison("prefill: ours checked / nn.MHA", "MHA (2, 128, 512), 8 heads", ratio, a, b, "<= 1.00")
+        )
+
+        # 3. torch.compile: ours (fullgraph) vs nn.MultiheadAttention, both compiled.
+        if not args.no_compile:
+            ours_c = torch.compile(ours, fullgraph=True)
+            theirs_c = torch.compile(theirs)
+            ratio, a, b = measure(lambda: ours_c(x), lambda: theirs_c(x, x, x, need_weights=False), rounds, 1)
+            results.append(Comparison("compiled: ours / nn.MHA", "MHA (2, 128, 512), 8 heads", ratio, a, b, "<= 1.05"))
+
+        # 4. Checks off vs no decorators at all.
+        mha = ssm.MultiHeadAttention(512, 8, 2).eval()
+        xs = torch.randn(1, 32, 512)
+        forward = lambda: mha(xs, is_causal=True)  # noqa: E731
+        ratio, a, b = measure(unchecked(forward), (forward, switch_removed), rounds, 5)
+        results.append(Comparison("checks off / no checks", "GQA (1, 32, 512), 8/2 heads", ratio, a, b, "<= 1.02"))
+
+        # Checked / unchecked across sizes, for the plot.
+        sizes = {
+            "tiny (1, 16, 64)": (64, 4, 2, (1, 16)),
+            "decode (1 token, cache 256)": None,
+            "prefill (2, 128, 512)": (512, 8, 2, (2, 128)),
+            "long (1, 1024, 512)": (512, 8, 2, (1, 1024)),
+        }
+        overhead: list[tuple[str, float, float]] = []
+        for label, spec in sizes.items():
+            if spec is None:
+                f = step
+            else:
+                d_model, heads, kv_heads, (batch, seq) = spec
+                module = ssm.MultiHeadAttention(d_model, heads, kv_heads).eval()
+                inp = torch.randn(batch, seq, d_model)
+                f = lambda module=module, inp=inp: module(inp, is_causal=True)  # noqa: E731
+            inner = 20 if spec is None or spec[3][1] <= 16 else 2
+            ratio, a, b = measure(
+                f, unchecked(f), max(10, rounds // 2 if spec and spec[3][1] >= 1024 else rounds), inner
+            )
+            overhead.append((label, ratio, b))
+
+    console = Console(width=150)
+    table = Table(title=f"shapesafe_mha performance ({args.threads} thread(s), median of {rounds} alternating rounds)")
+    for column in ("comparison", "sizes", "ratio", "goal", "met", "ours (median)", "baseline (median)"):
+        table.add_column(
+            column, justify="right" if column in ("ratio", "ours (median)", "baseline (median)") else "left"
+        )
+    for c in results:
+        table.add_row(
+            c.name,
+            c.sizes,
+            f"{c.ratio:.3f}",
+            c.goal,
+            "yes" if c.met else "NO",
+            f"{c.ours * 1e6:.1f} us",
+            f"{c.baseline * 1e6:.1f} us",
+        )
+    console.print(table)
+    sweep = Table(title="checked / unchecked by size")
+    for column in ("size", "ratio", "unchecked (median)"):
+        sweep.add_column(column, justify="left" if column == "size" else "right")
+    for label, ratio, base in overhead:
+        sweep.add_row(label, f"{ratio:.3f}", f"{base * 1e6:.1f} us")
+    console.print(sweep)
+    if args.plot is not None:
+        plot(overhead, args.plot)
+        console.print(f"plot saved to {args.plot}")
+
+
+def plot(overhead: list[tuple[str, float, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [base * 1e6 for _, _, base in overhead]
+    ys = [(ratio - 1) * 100 for _, ratio, _ in overhead]
+    ax.plot(xs, ys, "o-")
+    for (label, _, _), x, y in zip(overhead, xs, ys, strict=True):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xscale("log")
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_xlabel("unchecked forward time (us, log scale)")
+    ax.set_ylabel("overhead of checks (%)")
+    ax.set_title("shapesafe_mha: cost of runtime shape checks vs forward size")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Inference self-attention projects Q, K, V with one fused matmul; it computes exactly what the unfused path does."""
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import shapesafe_mha as ssm
+from shapesafe_mha.reference import per_head_attention
+from shapesafe_mha.testing import attention_configs, attention_inputs, attention_weights
+
+F64 = {"atol": 1e-10, "rtol": 1e-8}
+
+
+def _uses_fused_path(module: ssm.MultiHeadAttention, x: torch.Tensor) -> bool:
+    with torch.no_grad():
+        report_names = []
+        from shapesafe_mha._trace import tracing
+
+        with tracing() as tracer:
+            module(x)
+        report_names = [s.name for s in tracer.stages]
+    return "qkv_proj" in report_names
+
+
+@given(data=st.data())
+def test_fused_inference_equals_reference(data: st.DataObject, device: str) -> None:
+    """Under no_grad, self-attention (fused QKV) == the per-head reference, causal or not, with or without cache."""
+    config = data.draw(attention_configs(cross=False), label="config")
+    weights = data.draw(attention_weights(config, device=device))
+    x = data.draw(attention_inputs(config, device=device)).query
+    is_causal = data.draw(st.booleans(), label="is_causal")
+    module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+    expected = per_head_attention(
+        x, x, x, weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, is_causal=is_causal
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, is_causal=is_causal), expected, **F64)
+        cache = module.new_cache(config.batch, config.seq)
+        steps = [module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(config.seq)]
+    if is_causal:
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **F64)
+    assert _uses_fused_path(module, x)
+
+
+def test_fusion_survives_dtype_and_device_moves_and_loading() -> None:
+    """.double(), .to(), load_state_dict and optimizer steps keep the parameters fused and the result right."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(24, 6, 2)
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    module = module.double()
+    assert _uses_fused_path(module, x)
+    other = ssm.MultiHeadAttention(24, 6, 2, dtype=torch.float64)
+    other.load_state_dict(module.state_dict())
+    assert _uses_fused_path(other, x)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(x).square().sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        fused = other(x)
+    torch.testing.assert_close(fused, other(x), **F64)  # grad-enabled: three separate projections
+    torch.testing.assert_close(fused, per_head_attention(x, x, x, other.weights(), num_heads=6, num_kv_heads=2), **F64)
+
+
+def test_a_replaced_parameter_falls_back_to_separate_projections() -> None:
+    """Assigning a new Parameter breaks the fusion; the module notices and stays correct."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, dtype=torch.float64)
+    module.k_proj.weight = nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    assert not _uses_fused_path(module, x)
+    with torch.no_grad():
+        out = module(x)
+    torch.testing.assert_close(out, per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4), **F64)
+
+
+def test_state_dict_tensors_do_not_share_storage() -> None:
+    """Saved q/k/v weights are tensors of their own (safetensors refuses shared storage); loading refills the fusion."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    state = module.state_dict()
+    pointers = [state[f"{n}_proj.weight"].untyped_storage().data_ptr() for n in "qkv"]
+    assert len(set(pointers)) == 3
+    assert torch.equal(state["q_proj.weight"], module.q_proj.weight)
+
+
+@given(data=st.data())
+def test_torch_fused_kernel_path_equals_reference(data: st.DataObject, device: str) -> None:
+    """Inference MHA self-attention with biases runs torch's fused MHA kernel; it equals the reference."""
+    config = data.draw(attention_configs(kinds=("mha",), cross=False, bias=True), label="config")
+    config = type(config)(**(config.as_dict() | {"d_model": config.num_heads * config.d_head}))
+    weights = data.draw(attention_weights(config, device=device))
+    x = data.draw(attention_inputs(config, device=device)).query
+    module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads).eval()
+    assert module._native_fits(x)
+    with torch.no_grad():
+        out = module(x)
+    expected = per_head_attention(x, x, x, weights, num_heads=config.num_heads, num_kv_heads=config.num_heads)
+    torch.testing.assert_close(out, expected, **F64)
