@@ -1,4 +1,4 @@
-"""The checks switch: really off, really back on, per thread, by environment; remembered verdicts never hide a mistake."""
+"""The checks switch: really off, back on, per thread, by environment; remembered verdicts never hide a mistake."""
 
 import os
 import subprocess
