@@ -32,7 +32,8 @@ def render(report: TraceReport, console: Console) -> None:
     """Print a trace as a rich table with totals."""
     c = report.config
     title = (
-        f"d_model={c['d_model']} num_heads={c['num_heads']} num_kv_heads={c['num_kv_heads']} d_head={c['d_head']} "
+        (f"rank 0 of {c['tp']}: " if c["tp"] != 1 else "")
+        + f"d_model={c['d_model']} num_heads={c['num_heads']} num_kv_heads={c['num_kv_heads']} d_head={c['d_head']} "
         f"batch={c['batch']} "
         + (f"decode after {c['decode']}" if c["decode"] is not None else f"seq={c['seq']}")
         + f" on {c['device']} ({c['dtype']})"
@@ -53,6 +54,24 @@ def render(report: TraceReport, console: Console) -> None:
         )
     console.print(table)
     t = report.totals
+    if "tp" in t:
+        placement = "KV heads replicated" if t["replicated_kv"] else "KV heads sharded"
+        ranks = Table(title=f"head-parallel over {t['tp']} ranks ({placement})")
+        for column in ("rank", "query heads", "KV heads", "weights", "KV cache"):
+            ranks.add_column(column, justify="right")
+        for r in t["ranks"]:
+            ranks.add_row(
+                str(r["rank"]),
+                f"{r['q_heads'][0]}..{r['q_heads'][1] - 1}",
+                f"{r['kv_heads'][0]}..{r['kv_heads'][1] - 1}",
+                _bytes(t["per_rank_weight_bytes"]),
+                _bytes(t["per_rank_kv_cache_bytes"]),
+            )
+        console.print(ranks)
+        console.print(
+            f"each forward all-reduces {_bytes(t['all_reduce_bytes'])} of partial outputs "
+            f"(a ring all-reduce sends and receives {_bytes(t['all_reduce_ring_bytes_per_rank'])} per rank)"
+        )
     console.print(
         f"allocated during the forward: {_bytes(t['allocated_bytes'])}; "
         f"KV cache for {t['kv_cache_positions']} positions: {_bytes(t['kv_cache_bytes'])} "
@@ -72,16 +91,17 @@ def trace(
     device: Annotated[str, typer.Option(help="meta (shapes only, no memory), cpu, cuda")] = "meta",
     dtype: Annotated[str, typer.Option(help=", ".join(DTYPES))] = "bfloat16",
     decode: Annotated[int | None, typer.Option(help="one decoding step against a cache holding N positions")] = None,
+    tp: Annotated[int, typer.Option("--tp", help="head-parallel ranks: show one rank's share and the all-reduce")] = 1,
     format: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
     if dtype not in DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}")
-    config = TraceConfig(d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype, decode)
+    config = TraceConfig(d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype, decode, tp)
     try:
         report = trace_forward(config)
     except ShapesafeError as error:
-        Console(stderr=True).print(f"[red]error:[/red] {error}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {error}", highlight=False)
         raise typer.Exit(2) from None
     if format is Format.json:
         typer.echo(json.dumps(report.as_dict(), indent=2))

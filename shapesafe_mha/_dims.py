@@ -16,6 +16,8 @@ Notation:
 | `d_head`       | width of one head                                                |
 | `d_inner`      | a projection's width around the head split, `heads * d_head`     |
 | `d_in`, `d_out`| a linear map's input and output widths                           |
+| `local_heads`  | query heads held by one rank of a head-parallel group            |
+| `local_kv_heads` | KV heads held by one rank (sharded or replicated)              |
 
 Shapes are built from these names once, below, and reused by every stage.
 """
@@ -37,6 +39,8 @@ DIMS = (
     "d_inner",
     "d_in",
     "d_out",
+    "local_heads",
+    "local_kv_heads",
 )
 
 # Activations of the model.
@@ -67,3 +71,7 @@ AttnMask = (
     | Float[Tensor, "#batch #num_heads seq kv_seq"]
 )
 PaddingMask = Bool[Tensor, "batch kv_seq"]
+
+# Head-parallel attention: what one rank holds and computes.
+LocalHeads = Float[Tensor, "batch local_heads seq kv_seq"]  # per-rank attention weights
+Partial = Float[Tensor, "batch seq d_model"]  # one rank's share of the output, summed by all-reduce

@@ -245,6 +245,7 @@ class MultiHeadAttention(nn.Module):
             self.num_kv_heads == self.num_heads
             and self.num_heads * self.d_head == self.d_model
             and self._qkv[1] is not None
+            and self.o_proj.bias is not None
             and (self.dropout == 0.0 or not self.training)
             and query.dtype in (torch.float32, torch.float64)
             and query.device.type in ("cpu", "cuda")

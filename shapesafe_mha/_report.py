@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from ._module import MultiHeadAttention
+from ._parallel import plan_heads
 from ._trace import Stage, record, tracing
 
 DTYPES = {
@@ -29,6 +30,7 @@ class TraceConfig:
     device: str = "meta"
     dtype: str = "bfloat16"
     decode: int | None = None  # one step against a cache already holding this many positions
+    tp: int = 1  # head-parallel ranks: trace one rank's share (every rank's shapes are the same)
 
 
 @dataclass
@@ -61,9 +63,21 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     """
     dtype = DTYPES[config.dtype]
     device = torch.device(config.device)
-    module = MultiHeadAttention(
+    full = MultiHeadAttention(
         config.d_model, config.num_heads, config.num_kv_heads, d_head=config.d_head, device=device, dtype=dtype
     ).eval()
+    module, shards = full, []
+    if config.tp != 1:
+        shards = [plan_heads(full.num_heads, full.num_kv_heads, config.tp, rank) for rank in range(config.tp)]
+        module = MultiHeadAttention(
+            full.d_model,
+            shards[0].local_heads,
+            shards[0].local_kv_heads,
+            d_head=full.d_head,
+            device=device,
+            dtype=dtype,
+        ).eval()
+        module.o_proj.register_parameter("bias", None)  # added once, after the all-reduce
     seq = 1 if config.decode is not None else config.seq
     x = torch.randn(config.batch, seq, config.d_model, device=device, dtype=dtype)
     cache = None
@@ -84,8 +98,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         kind: _cache_bytes(config.batch, positions, heads, module.d_head, itemsize)
         for kind, heads in (("mha", module.num_heads), ("this", module.num_kv_heads), ("mqa", 1))
     }
-    resolved = asdict(config) | {"d_head": module.d_head, "group": module.group}
-    totals = {
+    resolved = asdict(config) | {"d_head": module.d_head, "group": full.group}
+    stages = tracer.stages
+    totals: dict[str, Any] = {
         "allocated_bytes": sum(s.allocated_bytes for s in tracer.stages),
         "kv_cache_bytes": per_kind["this"],
         "kv_cache_positions": positions,
@@ -94,4 +109,38 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "kv_cache_ratio_vs_mha": per_kind["this"] / per_kind["mha"],
         "kv_cache_ratio_mqa_vs_mha": per_kind["mqa"] / per_kind["mha"],
     }
-    return TraceReport(resolved, tracer.stages, totals)
+    if shards:
+        for stage in stages:  # name the per-rank head counts as what they are
+            stage.named_shape = stage.named_shape.replace("num_kv_heads", "local_kv_heads").replace(
+                "num_heads", "local_heads"
+            )
+        per_kind = {
+            kind: _cache_bytes(config.batch, positions, heads, module.d_head, itemsize)
+            for kind, heads in (("mha", full.num_heads), ("this", full.num_kv_heads), ("mqa", 1))
+        }
+        payload = config.batch * seq * config.d_model * itemsize
+        totals |= {
+            "kv_cache_bytes": per_kind["this"],
+            "kv_cache_bytes_mha": per_kind["mha"],
+            "kv_cache_bytes_mqa": per_kind["mqa"],
+            "kv_cache_ratio_vs_mha": per_kind["this"] / per_kind["mha"],
+            "kv_cache_ratio_mqa_vs_mha": per_kind["mqa"] / per_kind["mha"],
+            "tp": config.tp,
+            "replicated_kv": shards[0].replicated_kv,
+            "per_rank_weight_bytes": sum(p.numel() for p in module.parameters()) * itemsize
+            + (config.d_model * itemsize if full.o_proj.bias is not None else 0),
+            "per_rank_kv_cache_bytes": _cache_bytes(
+                config.batch, positions, module.num_kv_heads, module.d_head, itemsize
+            ),
+            "all_reduce_bytes": payload,
+            "all_reduce_ring_bytes_per_rank": 2 * (config.tp - 1) * payload // config.tp,
+            "ranks": [
+                {
+                    "rank": s.rank,
+                    "q_heads": [s.q_heads.start, s.q_heads.stop],
+                    "kv_heads": [s.kv_heads.start, s.kv_heads.stop],
+                }
+                for s in shards
+            ],
+        }
+    return TraceReport(resolved, stages, totals)

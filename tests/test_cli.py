@@ -93,3 +93,25 @@ def test_check_exits_nonzero_when_a_property_fails(monkeypatch: pytest.MonkeyPat
     result = runner.invoke(app, ["check", "--examples", "2"])
     assert result.exit_code == 1
     assert "FAIL" in result.output and "planted: differs by 1" in result.output
+
+
+def test_trace_tp_shows_per_rank_shapes_and_all_reduce_bytes() -> None:
+    """--tp W: one rank's stages with local head counts, what each rank holds, and the all-reduce's bytes."""
+    report = _trace_json("--tp", "4")
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["split_q"]["shape"] == [1, 8, 128, 128]
+    assert stages["split_q"]["named_shape"] == "batch local_heads seq d_head"
+    assert stages["split_k"]["shape"] == [1, 2, 128, 128]
+    totals = report["totals"]
+    assert totals["all_reduce_bytes"] == 1 * 128 * 4096 * 2
+    assert totals["per_rank_kv_cache_bytes"] * 4 == totals["kv_cache_bytes"]
+    assert [r["q_heads"] for r in totals["ranks"]] == [[0, 8], [8, 16], [16, 24], [24, 32]]
+    table = runner.invoke(app, ["trace", "--tp", "4"])
+    assert table.exit_code == 0 and "all-reduces" in table.output
+
+
+def test_trace_tp_with_an_unsplittable_config_gets_the_runtime_error() -> None:
+    """The same ConfigError as HeadParallelAttention.from_module, with the world sizes that work."""
+    result = runner.invoke(app, ["trace", "--tp", "5"])
+    assert result.exit_code == 2
+    assert "cannot be split over world_size=5" in result.output

@@ -1,0 +1,126 @@
+"""Runs on every rank of a gloo process group: checks HeadParallelAttention against the unsharded module.
+
+`run_cases(world_size, cases)` spawns the ranks once and runs every case in them; each rank writes
+what failed (and the ConfigError it saw, if any) to a JSON file that the test reads back.
+"""
+
+import datetime
+import json
+import os
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shapesafe_mha as ssm
+from shapesafe_mha.parallel import HeadParallelAttention
+
+F64 = {"atol": 1e-10, "rtol": 1e-8}
+
+
+def _inputs(case: dict[str, Any]) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(case["seed"])
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    b, s, d = case["batch"], case["seq"], case["d_model"]
+    kv = case["kv_seq"] if case["cross"] else s
+    x, memory = randn(b, s, d), randn(b, kv, d)
+    mask = None
+    if case["mask"] == "heads":
+        mask = torch.rand(b, case["num_heads"], s, kv, generator=generator) < 0.7
+    elif case["mask"] == "2d":
+        mask = torch.rand(s, kv, generator=generator) < 0.7
+    padding = None
+    if case["padding"]:
+        lengths = torch.randint(0, kv + 1, (b,), generator=generator)
+        padding = torch.arange(kv)[None, :] >= lengths[:, None]
+    return {"x": x, "memory": memory, "mask": mask, "padding": padding, "probe": randn(b, s, d)}
+
+
+def _check_case(case: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(case["seed"])  # the same weights on every rank
+    full = ssm.MultiHeadAttention(
+        case["d_model"],
+        case["num_heads"],
+        case["num_kv_heads"],
+        d_head=case["d_head"],
+        bias=case["bias"],
+        dtype=torch.float64,
+    )
+    try:
+        sharded = HeadParallelAttention.from_module(full)
+    except ssm.ConfigError as error:
+        return {"config_error": str(error).splitlines()[0]}
+    t = _inputs(case)
+    key = t["memory"] if case["cross"] else t["x"]
+    kwargs = {"attn_mask": t["mask"], "key_padding_mask": t["padding"], "is_causal": case["causal"]}
+
+    # Forward, with weights.
+    expected, expected_weights = full(t["x"], key, key, need_weights=True, **kwargs)
+    got, got_weights = sharded(t["x"], key, key, need_weights=True, **kwargs)
+    torch.testing.assert_close(got, expected, **F64)
+    torch.testing.assert_close(got_weights, expected_weights, **F64)
+
+    # Gradients: the same loss on every rank; inputs' and parameters' gradients match the unsharded ones.
+    if not case["cross"]:
+        x_full, x_sharded = t["x"].clone().requires_grad_(), t["x"].clone().requires_grad_()
+        (full(x_full, **kwargs) * t["probe"]).sum().backward()
+        (sharded(x_sharded, **kwargs) * t["probe"]).sum().backward()
+        torch.testing.assert_close(x_sharded.grad, x_full.grad, **F64)
+        gathered = sharded.gather_gradients()
+        for name, param in full.named_parameters():
+            assert param.grad is not None
+            torch.testing.assert_close(gathered[name], param.grad, **F64, msg=lambda m, n=name: f"{n}: {m}")
+
+    # Prefill then token-by-token decoding with per-rank caches == the unsharded causal forward.
+    with torch.no_grad():
+        whole = full(t["x"], is_causal=True)
+        cache = sharded.new_cache(case["batch"], case["seq"])
+        prefill = case["prefill"]
+        pieces = [sharded(t["x"][:, :prefill], is_causal=True, kv_cache=cache)] if prefill else []
+        pieces += [sharded(t["x"][:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(prefill, case["seq"])]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), whole, **F64)
+    return {"ok": True}
+
+
+def _worker(rank: int, world_size: int, store: str, cases: list[dict[str, Any]], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
+    results = []
+    try:
+        for case in cases:
+            try:
+                results.append(_check_case(case))
+            except Exception:
+                results.append({"failure": traceback.format_exc(limit=4)})
+            dist.barrier()  # a failed case on one rank must not leave the others waiting in a collective
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def run_cases(world_size: int, cases: list[dict[str, Any]], timeout: float = 240.0) -> list[list[dict[str, Any]]]:
+    """Spawn `world_size` ranks once, run every case on all of them, and return each rank's results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        store = os.path.join(out_dir, "store")
+        context = mp.start_processes(
+            _worker, args=(world_size, store, cases, out_dir), nprocs=world_size, join=False, start_method="spawn"
+        )
+        try:
+            deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+            while not context.join(timeout=1):
+                if datetime.datetime.now() > deadline:
+                    raise TimeoutError(f"head-parallel ranks did not finish within {timeout} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
