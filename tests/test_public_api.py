@@ -12,7 +12,10 @@ def test_every_public_name_imports() -> None:
     """Everything in __all__ exists, and the sub-namespaces import."""
     for name in ssm.__all__:
         assert getattr(ssm, name) is not None, name
-    from shapesafe_mha import reference, testing
+    from shapesafe_mha import parallel, reference, testing
+
+    for name in parallel.__all__:
+        assert getattr(parallel, name) is not None, name
 
     assert callable(reference.per_head_attention)
     for name in testing.__all__:
@@ -26,6 +29,13 @@ def test_error_hierarchy() -> None:
     assert ssm.ShapeError.__module__ == "shapesafe_mha"
     with pytest.raises(TypeError):
         ssm.split_heads("not a tensor", 2)  # type: ignore[arg-type]
+
+
+def test_testing_namespace_needs_hypothesis_but_not_pytest() -> None:
+    """`import shapesafe_mha.testing` works without pytest being imported (hypothesis is its one extra)."""
+    code = "import sys, shapesafe_mha.testing\nprint('pytest' in sys.modules, 'hypothesis' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "True"]
 
 
 def test_import_does_not_pull_hypothesis_pytest_or_the_cli() -> None:
