@@ -135,13 +135,13 @@ class KVCache:
         """A view of the cached values, `(batch, num_kv_heads, len(self), d_head)`."""
         return self.values_buffer[:, :, : self._length]
 
-    def check_append(self, k: Any, v: Any, *, caller: str = "KVCache.append()") -> None:
+    def check_append(self, k: Any, v: Any) -> None:
         """Raise `ShapeError` unless `append(k, v)` would succeed; changes nothing."""
         _append_contract(self.batch, self.num_kv_heads, self.d_head, k, v, self.dtype, self.device)
         new = k.shape[2]
         if self._length + new > self.capacity:
             raise ShapeError(
-                f"{caller}: appending new={new} positions to the {self._length} cached would exceed "
+                f"KVCache.append(): appending new={new} positions to the {self._length} cached would exceed "
                 f"capacity={self.capacity}; make a larger KVCache or reset() this one."
             )
 

@@ -94,9 +94,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         module(x, is_causal=True, kv_cache=cache)
     positions = config.seq if config.decode is None else config.decode + 1
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_kind = {
-        kind: _cache_bytes(config.batch, positions, heads, module.d_head, itemsize)
-        for kind, heads in (("mha", module.num_heads), ("this", module.num_kv_heads), ("mqa", 1))
+    per_kind = {  # the whole layer's cache, whatever the split
+        kind: _cache_bytes(config.batch, positions, heads, full.d_head, itemsize)
+        for kind, heads in (("mha", full.num_heads), ("this", full.num_kv_heads), ("mqa", 1))
     }
     resolved = asdict(config) | {"d_head": module.d_head, "group": full.group}
     stages = tracer.stages
@@ -114,17 +114,8 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
             stage.named_shape = stage.named_shape.replace("num_kv_heads", "local_kv_heads").replace(
                 "num_heads", "local_heads"
             )
-        per_kind = {
-            kind: _cache_bytes(config.batch, positions, heads, module.d_head, itemsize)
-            for kind, heads in (("mha", full.num_heads), ("this", full.num_kv_heads), ("mqa", 1))
-        }
         payload = config.batch * seq * config.d_model * itemsize
         totals |= {
-            "kv_cache_bytes": per_kind["this"],
-            "kv_cache_bytes_mha": per_kind["mha"],
-            "kv_cache_bytes_mqa": per_kind["mqa"],
-            "kv_cache_ratio_vs_mha": per_kind["this"] / per_kind["mha"],
-            "kv_cache_ratio_mqa_vs_mha": per_kind["mqa"] / per_kind["mha"],
             "tp": config.tp,
             "replicated_kv": shards[0].replicated_kv,
             "per_rank_weight_bytes": sum(p.numel() for p in module.parameters()) * itemsize

@@ -158,8 +158,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, masking: Masking, scale: float | No
     return out
 
 
-def _weights(q: Tensor, k: Tensor, masking: Masking, scale: float | None) -> tuple[Tensor, Tensor | None]:
-    """Probabilities laid out folded, `(batch, num_kv_heads, group*seq, kv_seq)`, and the row indicator."""
+def _head_weights(q: Tensor, k: Tensor, masking: Masking, scale: float | None) -> Tensor:
+    """Per-head probabilities `(batch, num_heads, seq, kv_seq)`; rows with nothing to attend to are zeros."""
     folded, folded_mask, rows = _prepare(q, k, masking)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(folded, k.transpose(-1, -2)) * scale
@@ -167,22 +167,19 @@ def _weights(q: Tensor, k: Tensor, masking: Masking, scale: float | None) -> tup
         scores = (
             scores.masked_fill(~folded_mask, -math.inf) if folded_mask.dtype == torch.bool else scores + folded_mask
         )
-    return torch.softmax(scores, dim=-1), rows
+    weights = torch.softmax(scores, dim=-1).unflatten(2, (-1, q.shape[2])).flatten(1, 2)
+    return weights if rows is None else weights.masked_fill(~rows, 0.0)
 
 
 def _attend_with_weights(
     q: Tensor, k: Tensor, v: Tensor, masking: Masking, scale: float | None, dropout_p: float
 ) -> tuple[Tensor, Tensor]:
-    num_heads, seq = q.shape[1], q.shape[2]
-    probs, rows = _weights(q, k, masking, scale)
-    weights = probs.unflatten(2, (-1, seq)).flatten(1, 2)
-    if rows is not None:
-        weights = weights.masked_fill(~rows, 0.0)
-        probs = weights.unflatten(1, (k.shape[1], -1)).flatten(2, 3)
+    weights = _head_weights(q, k, masking, scale)
     record("weights", "batch num_heads seq kv_seq", weights)
+    probs = weights.unflatten(1, (k.shape[1], -1)).flatten(2, 3)  # folded again, as the values are laid out
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
-    out = _unfold(torch.matmul(probs, v), num_heads)
+    out = _unfold(torch.matmul(probs, v), q.shape[1])
     record("attention", "batch num_heads seq d_head", out)
     return out, weights
 
@@ -475,6 +472,4 @@ def attention_weights(
     Raises:
         ShapeError: shapes, dtypes or devices disagree.
     """
-    probs, rows = _weights(q, k, _masking(attn_mask, None, is_causal, q, k, explicit=True), scale)
-    weights = probs.unflatten(2, (-1, q.shape[2])).flatten(1, 2)
-    return weights if rows is None else weights.masked_fill(~rows, 0.0)
+    return _head_weights(q, k, _masking(attn_mask, None, is_causal, q, k, explicit=True), scale)
