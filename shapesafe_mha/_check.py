@@ -96,20 +96,16 @@ def _kind_of(hint: Any) -> str:
     return " or ".join(sorted(kinds))
 
 
-def _spec(hint: Any) -> str:
-    return "(" + ", ".join(str(d) if not isinstance(d, _NamedDim) else d.name for d in _dims_of(hint)) + ")"
-
-
-def _dims_of(hint: Any) -> tuple[Any, ...]:
-    return tuple(hint.dims)
-
-
 def _dim_label(dim: Any) -> str:
     if isinstance(dim, _NamedDim):
         return ("#" if dim.broadcastable else "") + dim.name
     if isinstance(dim, _FixedDim):
         return str(dim.size)
     return "_"
+
+
+def _spec(hint: Any) -> str:
+    return "(" + ", ".join(_dim_label(d) for d in hint.dims) + ")"
 
 
 def _array_alternatives(hint: Any) -> list[Any] | None:
@@ -155,7 +151,7 @@ class Mismatch(typing.NamedTuple):
 
 
 def _bind_array(name: str, value: torch.Tensor, hint: Any, memo: dict[str, _Bound]) -> None:
-    dims = _dims_of(hint)
+    dims = tuple(hint.dims)
     dtype = _short_dtype(value.dtype)
     if dtype not in hint.dtypes:
         raise _MismatchError(f"{name} has dtype {dtype}, but it must be {_kind_of(hint)}.", rank=0, arg=name)
@@ -230,9 +226,7 @@ def _bind(name: str, value: Any, hint: Any, memo: dict[str, _Bound], sources: di
         raise _MismatchError(f"{name} has dtype {_short_dtype(value.dtype)}, but it must be {kinds}.", arg=name)
     if best.rank == 1:
         shapes = " or ".join(dict.fromkeys(_spec(a) for a in arrays))
-        raise _MismatchError(
-            f"{name} must have shape {shapes}, but it is {value.ndim}-D with shape {tuple(value.shape)}."
-        )
+        raise _MismatchError(f"{name} must be {shapes}, but it is {value.ndim}-D {tuple(value.shape)}.", arg=name)
     raise best
 
 
@@ -259,7 +253,7 @@ def named_shape(value: Any, hint: Any = None) -> str:
     dtype = abbrev.get(dtype, dtype)
     names: tuple[str, ...] = ()
     for alternative in _array_alternatives(hint) or []:
-        dims = _dims_of(alternative)
+        dims = tuple(alternative.dims)
         if len(dims) == value.ndim:
             names = tuple(_dim_label(d).lstrip("#") for d in dims)
             break

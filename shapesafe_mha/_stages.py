@@ -221,6 +221,8 @@ def explain_mask(arguments: dict[str, Any], failure: Mismatch) -> str | None:
     if failure.arg == "attn_mask" and failure.dim is None and isinstance(mask, Tensor):
         if not (mask.dtype == torch.bool or mask.is_floating_point()):
             return f"A mask is {MASK_MEANING}: convert with attn_mask.bool()."
+        if mask.ndim == 3:
+            return "From (batch*num_heads, seq, kv_seq): attn_mask.unflatten(0, (batch, -1))."
     if failure.arg == "attn_mask" and failure.dim in ("seq", "kv_seq") and failure.size == 1:
         return "Masks broadcast only over batch and heads; for a per-key mask use key_padding_mask."
     return None

@@ -182,6 +182,14 @@ CATALOGUE: list[Entry] = [
     ),
     Entry(
         "Masks",
+        "a 3-D mask in nn.MultiheadAttention's layout",
+        "ssm.MultiHeadAttention(32, 4)(torch.randn(2, 5, 32), attn_mask=torch.ones(8, 5, 5, dtype=torch.bool))",
+        "ShapeError",
+        r"attn_mask must be \(seq, kv_seq\) or \(#batch, #num_heads, seq, kv_seq\), but it is 3-D \(8, 5, 5\)\. "
+        r"From \(batch\*num_heads, seq, kv_seq\): attn_mask\.unflatten\(0, \(batch, -1\)\)\.$",
+    ),
+    Entry(
+        "Masks",
         "attn_mask of an integer dtype",
         "ssm.MultiHeadAttention(32, 4)(torch.randn(2, 5, 32), attn_mask=torch.ones(5, 5, dtype=torch.int64))",
         "ShapeError",

@@ -19,7 +19,7 @@ def test_catalogue_entry_gets_its_message(entry: Entry) -> None:
     assert type(error).__name__ == entry.error and type(error).__module__ == "shapesafe_mha", repr(error)
     first = str(error).splitlines()[0]
     assert re.search(entry.first_line, first), first
-    assert len(first) <= 220, f"first line is {len(first)} characters"
+    assert len(first) <= 210, f"first line is {len(first)} characters"
     shown_context = error.__context__ is not None and not error.__suppress_context__
     assert error.__cause__ is None and not shown_context, "chained to an internal error; re-raise from None"
 
