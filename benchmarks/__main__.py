@@ -122,7 +122,8 @@ def main() -> None:
         theirs = torch.nn.MultiheadAttention(512, 8, batch_first=True).eval()
         ours = ssm.MultiHeadAttention.from_torch(theirs).eval()
         x = torch.randn(2, 128, 512)
-        ratio, a, b = measure(lambda: ours(x), lambda: theirs(x, x, x, need_weights=False), rounds, 1)
+        # Both sides run the same kernel here, so the difference is small: more rounds resolve it.
+        ratio, a, b = measure(lambda: ours(x), lambda: theirs(x, x, x, need_weights=False), 4 * rounds, 1)
         results.append(
             Comparison("prefill: ours checked / nn.MHA", "MHA (2, 128, 512), 8 heads", ratio, a, b, "<= 1.00")
         )
