@@ -1,8 +1,8 @@
 """shapesafe_mha: multi-head, grouped-query and multi-query attention with checked shapes."""
 
 from ._cache import KVCache as KVCache
-from ._check import checks_enabled as checks_enabled
-from ._check import unchecked as unchecked
+from ._contract import checks_enabled as checks_enabled
+from ._contract import unchecked as unchecked
 from ._errors import ConfigError as ConfigError
 from ._errors import ShapeError as ShapeError
 from ._errors import ShapesafeError as ShapesafeError

@@ -5,40 +5,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._check import checked, mismatch
+from ._contract import Session, Stage, checks_enabled, signature_key
 from ._dims import CacheBuffer, KVHeads, NewKVHeads
 from ._errors import ConfigError, ShapeError
+from ._messages import dtype_name, mismatch
+
+CacheState = tuple[Tensor, Tensor, int]
 
 
 def _precheck_append(arguments: dict[str, Any]) -> None:
+    cache = arguments["self"]
     for name in ("k", "v"):
         tensor = arguments[name]
         if not isinstance(tensor, torch.Tensor):
             continue
-        if tensor.dtype != arguments["dtype"]:
+        if tensor.dtype != cache.dtype:
             raise mismatch(
-                f"{name} has dtype {str(tensor.dtype)[6:]}, but the cache holds {str(arguments['dtype'])[6:]}; "
-                f"cast it with {name}.to({arguments['dtype']})."
+                f"{name} has dtype {dtype_name(tensor.dtype)}, but the cache holds {dtype_name(cache.dtype)}; "
+                f"cast it with {name}.to({cache.dtype}) or the cache with kv_cache.to({tensor.dtype}).",
+                arg=name,
             )
-        if tensor.device != arguments["device"]:
-            raise mismatch(f"{name} is on {tensor.device}, but the cache is on {arguments['device']}.")
-
-
-@checked(
-    precheck=_precheck_append,
-    name="KVCache.append()",
-    sources=dict.fromkeys(("batch", "num_kv_heads", "d_head"), "the cache"),
-)
-def _append_contract(
-    batch: int,
-    num_kv_heads: int,
-    d_head: int,
-    k: NewKVHeads,
-    v: NewKVHeads,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """What `KVCache.append` checks (once per signature)."""
+        if tensor.device != cache.device:
+            raise mismatch(f"{name} is on {tensor.device}, but the cache is on {cache.device}.", arg=name)
 
 
 class KVCache:
@@ -78,12 +66,13 @@ class KVCache:
             ("capacity", capacity),
             ("d_head", d_head),
         ):
-            if not isinstance(size, int) or size <= 0:
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
                 raise ConfigError(f"KVCache(): {name} must be a positive int, but got {size!r}.")
         shape = (batch, num_kv_heads, capacity, d_head)
         self.keys_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.values_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self._length = 0
+        self._verdicts: dict[Any, bool] = {}
 
     @property
     def batch(self) -> int:
@@ -124,8 +113,17 @@ class KVCache:
         )
 
     def reset(self) -> None:
-        """Empty the cache (the buffers are kept)."""
+        """Empty the cache (the buffers are kept; any autograd graph through them is dropped)."""
         self._length = 0
+        if self.keys_buffer.requires_grad or self.values_buffer.requires_grad:
+            self.keys_buffer = self.keys_buffer.detach()
+            self.values_buffer = self.values_buffer.detach()
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "KVCache":
+        """Move the buffers (and what they hold) to `dtype` and/or `device`, in place; return the cache."""
+        self.keys_buffer = self.keys_buffer.to(device=device, dtype=dtype)
+        self.values_buffer = self.values_buffer.to(device=device, dtype=dtype)
+        return self
 
     def keys(self) -> KVHeads:
         """A view of the cached keys, `(batch, num_kv_heads, len(self), d_head)`."""
@@ -137,19 +135,34 @@ class KVCache:
 
     def check_append(self, k: Any, v: Any) -> None:
         """Raise `ShapeError` unless `append(k, v)` would succeed; changes nothing."""
-        _append_contract(self.batch, self.num_kv_heads, self.d_head, k, v, self.dtype, self.device)
-        new = k.shape[2]
-        if self._length + new > self.capacity:
+        key = (*signature_key((k, v), {}), self.keys_buffer.shape, self.dtype, self.device)
+        if key not in self._verdicts:
+            with Session("KVCache.append()") as session:
+                session.seed(CacheBuffer, self.keys_buffer, "the cache")
+                session.check_arguments(_APPEND, (self, k, v), {})
+            self._verdicts[key] = True
+        self._check_room(k.shape[2], None)
+
+    def _check_room(self, new: int, owner: str | None) -> None:
+        if self._length + new <= self.capacity:
+            return
+        if owner is None:
             raise ShapeError(
                 f"KVCache.append(): appending new={new} positions to the {self._length} cached would exceed "
                 f"capacity={self.capacity}; make a larger KVCache or reset() this one."
             )
+        raise ShapeError(
+            f"{owner}: appending new={new} positions to the {self._length} in kv_cache would exceed its "
+            f"capacity={self.capacity}; make a larger cache or reset() this one."
+        )
 
     def append(self, k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
         """Write `k, v` after the cached positions; return views of all cached keys and values.
 
         A bad append (wrong batch, heads, d_head, dtype or device, `k` and `v` of different
-        lengths, or past `capacity`) raises `ShapeError` and leaves the cache as it was.
+        lengths, or past `capacity`) raises `ShapeError` and leaves the cache as it was. Under
+        autograd (`k` or `v` requires grad) the buffers are updated out of place, so gradients flow
+        through every step; `reset()` drops the graph.
 
         Arguments:
             k, v: `(batch, num_kv_heads, new, d_head)`; `new` may be 0.
@@ -157,12 +170,40 @@ class KVCache:
         Returns:
             `(keys, values)`, views `(batch, num_kv_heads, len(self), d_head)` of the buffers.
         """
-        self.check_append(k, v)
-        return self._append(k, v)
+        if checks_enabled():
+            self.check_append(k, v)
+        return self.write(k, v)
 
-    def _append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def write(self, k: Tensor, v: Tensor, owner: str | None = None) -> tuple[Tensor, Tensor]:
+        """Append without checking shapes (the capacity is always checked); views of all cached."""
         start, end = self._length, self._length + k.shape[2]
-        self.keys_buffer[:, :, start:end] = k
-        self.values_buffer[:, :, start:end] = v
+        self._check_room(k.shape[2], owner)
+        tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.keys_buffer.requires_grad)
+        if tracked:  # out of place: earlier steps' graphs keep the buffers they saw
+            self.keys_buffer = torch.slice_scatter(self.keys_buffer, k, dim=2, start=start, end=end)
+            self.values_buffer = torch.slice_scatter(self.values_buffer, v, dim=2, start=start, end=end)
+        else:
+            self.keys_buffer[:, :, start:end] = k
+            self.values_buffer[:, :, start:end] = v
         self._length = end
         return self.keys(), self.values()
+
+    def state(self) -> CacheState:
+        """What `restore` needs to undo later writes (nothing is copied)."""
+        return self.keys_buffer, self.values_buffer, self._length
+
+    def restore(self, state: CacheState) -> None:
+        """Undo the writes since `state()`: the length and the buffers as they were."""
+        self.keys_buffer, self.values_buffer, self._length = state
+
+
+_APPEND = Stage(
+    KVCache.append,
+    name="KVCache.append",
+    public=("k", "v"),
+    trace=(),
+    sources={},
+    precheck=_precheck_append,
+    validate=None,
+    explain=None,
+)

@@ -22,7 +22,7 @@ Notation:
 Shapes are built from these names once, below, and reused by every stage.
 """
 
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Shaped
 from torch import Tensor
 
 DIMS = (
@@ -43,11 +43,17 @@ DIMS = (
     "local_kv_heads",
 )
 
+# The sizes a module fixes, bound before any argument is checked (from a `meta` witness tensor).
+ModuleSizes = Shaped[Tensor, "d_model num_heads num_kv_heads d_head group"]
+
 # Activations of the model.
 Tokens = Float[Tensor, "batch seq d_model"]
 Memory = Float[Tensor, "batch kv_seq d_model"]  # key/value inputs, every position attended
 KVTokens = Float[Tensor, "batch new d_model"]  # key/value inputs appended to a KV cache
 Inner = Float[Tensor, "batch seq d_inner"]
+QueryInner = Float[Tensor, "batch seq num_heads*d_head"]  # projected queries, and the merged heads
+NewKVInner = Float[Tensor, "batch new num_kv_heads*d_head"]  # projected keys or values
+FusedInner = Float[Tensor, "batch seq (num_heads+2*num_kv_heads)*d_head"]  # q, k and v projected at once
 
 # A linear map, nn.Linear layout.
 LinearIn = Float[Tensor, "batch seq d_in"]
@@ -61,7 +67,9 @@ KVHeads = Float[Tensor, "batch num_kv_heads kv_seq d_head"]
 NewKVHeads = Float[Tensor, "batch num_kv_heads new d_head"]
 CacheBuffer = Float[Tensor, "batch num_kv_heads capacity d_head"]
 GroupedQueries = Float[Tensor, "batch num_kv_heads group seq d_head"]
+FoldedQueries = Float[Tensor, "batch num_kv_heads group*seq d_head"]  # a group's query heads end to end
 Probabilities = Float[Tensor, "batch num_heads seq kv_seq"]
+FoldedProbabilities = Float[Tensor, "batch num_kv_heads group*seq kv_seq"]
 
 # Masks. Boolean: True = may attend. Float: added to the scores. Only batch and heads broadcast.
 AttnMask = (
@@ -71,7 +79,10 @@ AttnMask = (
     | Float[Tensor, "#batch #num_heads seq kv_seq"]
 )
 PaddingMask = Bool[Tensor, "batch kv_seq"]
-
-# Head-parallel attention: what one rank holds and computes.
-LocalHeads = Float[Tensor, "batch local_heads seq kv_seq"]  # per-rank attention weights
-Partial = Float[Tensor, "batch seq d_model"]  # one rank's share of the output, summed by all-reduce
+# Every restriction of a call combined (a key padding mask alone broadcasts over seq), and laid out
+# for the folded queries of GQA.
+FullMask = Bool[Tensor, "#batch #num_heads #seq kv_seq"] | Float[Tensor, "#batch #num_heads #seq kv_seq"]
+FoldedMask = (
+    Bool[Tensor, "#batch #num_kv_heads #group*seq kv_seq"] | Float[Tensor, "#batch #num_kv_heads #group*seq kv_seq"]
+)
+RowsWithAKey = Bool[Tensor, "#batch #num_heads #seq 1"]

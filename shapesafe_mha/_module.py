@@ -1,137 +1,84 @@
-"""`MultiHeadAttention`: the module, for MHA, GQA and MQA, checked once per call."""
+"""`MultiHeadAttention`: the module, for MHA, GQA and MQA, composed of checked stages."""
 
-from typing import Any, cast
+import functools
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from . import _kernels as K
 from ._cache import KVCache
-from ._check import Mismatch, checked, checks_enabled, mismatch
-from ._dims import AttnMask, CacheBuffer, KVTokens, Memory, PaddingMask, Tokens
-from ._errors import ConfigError, ShapeError
-from ._stages import (
-    _attend,
-    _attend_with_weights,
-    _masking,
-    _merge_heads,
-    _project,
-    _split_heads,
-    check_groups,
-    explain_mask,
-)
-from ._trace import record, tracing_active
+from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational
+from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Probabilities, Tokens
+from ._errors import ConfigError
+from ._fastpath import FusedQKV, fused_qkv, native_fits
+from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from ._stages import FORWARD_STAGES, check_groups, explain_mask, positive_count
+from ._trace import current_observer
 from ._weights import AttentionWeights
+
+SEPARATE, FUSED, NATIVE = "separate", "fused", "native"
+_RAW = raw(**FORWARD_STAGES)
+
+
+@functools.lru_cache(maxsize=64)
+def _witness(sizes: tuple[int, ...]) -> Tensor:
+    """A `meta` tensor whose shape is a module's sizes: binds them before any argument is checked.
+
+    One element broadcast to that shape, so it costs nothing anywhere (no allocation to record).
+    """
+    return torch.empty((), device="meta").expand(sizes)
+
+
+def _module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device of the module's first floating-point parameter (None if it has none)."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype, param.device
+    return None
 
 
 def _precheck_forward(arguments: dict[str, Any]) -> None:
-    """Inputs in the module's dtype and on its device; masks on its device."""
-    dtype, device = arguments["dtype"], arguments["device"]
-    for name in ("query", "key", "value", "kv_cache"):
-        tensor = arguments.get(name)
+    """Inputs in the module's dtype and on its device; a cache of the right kind."""
+    found = _module_dtype_device(arguments["self"])
+    cache = arguments["kv_cache"]
+    if cache is not None and not isinstance(cache, KVCache):
+        raise mismatch(
+            f"kv_cache must be a shapesafe_mha.KVCache, but got {type(cache).__name__}; "
+            "make one with module.new_cache(batch, capacity).",
+            arg="kv_cache",
+        )
+    if found is None:
+        return
+    dtype, device = found
+    for name in ("query", "key", "value"):
+        tensor = arguments[name]
         if not isinstance(tensor, Tensor):
             continue
         if tensor.dtype != dtype:
             raise mismatch(
-                f"{name} has dtype {str(tensor.dtype)[6:]}, but the module's parameters are {str(dtype)[6:]}; "
+                f"{name} has dtype {dtype_name(tensor.dtype)}, but the module's parameters are {dtype_name(dtype)}; "
                 + (
                     f"cast the input ({name}.to({dtype})) or the module (module.to({tensor.dtype}))."
                     if tensor.is_floating_point()
                     else f"inputs must be floating point: {name}.to({dtype})."
-                )
+                ),
+                arg=name,
             )
         if tensor.device != device:
             raise mismatch(
                 f"{name} is on {tensor.device}, but the module's parameters are on {device}; "
-                f"move one of them ({name}.to('{device}') or module.to('{tensor.device}'))."
-            )
-    for name in ("attn_mask", "key_padding_mask"):
-        mask = arguments[name]
-        if isinstance(mask, Tensor) and mask.device != device:
-            raise mismatch(f"{name} is on {mask.device}, but the module's parameters are on {device}.")
-        if isinstance(mask, Tensor) and mask.is_floating_point() and mask.dtype != dtype and name == "attn_mask":
-            raise mismatch(
-                f"attn_mask has dtype {str(mask.dtype)[6:]}; a float mask is added to the scores, so it must be "
-                f"{str(dtype)[6:]} like the module (or bool: True = may attend)."
+                f"move one of them ({name}.to('{device}') or module.to('{tensor.device}')).",
+                arg=name,
             )
 
 
-def _explain_forward(arguments: dict[str, Any], failure: Mismatch) -> str | None:
+def _explain_forward(arguments: dict[str, Any], failure: ExplainedError) -> str | None:
     if failure.arg == "value" and failure.dim in ("kv_seq", "new"):
         return "key and value must cover the same positions."
     if failure.arg in ("key", "value") and failure.dim == "batch":
         return f"{failure.arg} needs one sequence per query sequence."
-    if failure.arg == "key_padding_mask" and failure.dim is None:
-        return "key_padding_mask is (batch, kv_seq) bool, True = padding."
     return explain_mask(arguments, failure)
-
-
-_CONTRACT: dict[str, Any] = {
-    "precheck": _precheck_forward,
-    "explain": _explain_forward,
-    "name": "MultiHeadAttention.forward()",
-    "sources": {
-        "d_model": "the module",
-        "num_kv_heads": "the module",
-        "d_head": "the module",
-        "kv_seq": "the cache plus key",
-    },
-}
-
-
-@checked(**_CONTRACT)
-def _forward_contract(
-    d_model: int,
-    query: Tokens,
-    key: Memory,
-    value: Memory,
-    attn_mask: AttnMask | None,
-    key_padding_mask: PaddingMask | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """What `MultiHeadAttention.forward` checks without a cache (once per signature)."""
-
-
-@checked(**_CONTRACT)
-def _cached_forward_contract(
-    d_model: int,
-    num_kv_heads: int,
-    d_head: int,
-    query: Tokens,
-    key: KVTokens,
-    value: KVTokens,
-    kv_cache: CacheBuffer,
-    kv_seq: int | None,
-    attn_mask: AttnMask | None,
-    key_padding_mask: PaddingMask | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """What `MultiHeadAttention.forward` checks with a cache (once per signature; the fill level every call)."""
-
-
-# Up to this many positions torch's fused MHA kernel is as fast as our fused-QKV + SDPA path or
-# faster; beyond it SDPA's flash kernel wins (measured on CPU: 0.82x of the kernel's time at 256).
-_NATIVE_MAX_SEQ = 128
-
-
-def _unshare_qkv(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """Save q/k/v parameters as tensors of their own (safetensors refuses tensors that share storage)."""
-    for name in ("q_proj", "k_proj", "v_proj"):
-        for kind in ("weight", "bias"):
-            key = f"{prefix}{name}.{kind}"
-            if key in state_dict:
-                state_dict[key] = state_dict[key].clone()
-
-
-def _positive(owner: str, **sizes: Any) -> None:
-    for name, size in sizes.items():
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ConfigError(f"{owner}: {name} must be a positive int, but got {size!r}.")
-
-
-def _shown(values: list[int]) -> str:
-    return "{" + ", ".join(map(str, values[:5])) + (", ...}" if len(values) > 5 else "}")
 
 
 class MultiHeadAttention(nn.Module):
@@ -139,8 +86,10 @@ class MultiHeadAttention(nn.Module):
 
     `o_proj(merge_heads(attention(split_heads(q_proj(x)), split_heads(k_proj(x)), split_heads(v_proj(x)))))`.
     The four projections are `nn.Linear` submodules named `q_proj, k_proj, v_proj, o_proj`, so
-    checkpoints in that common layout load directly. Every call is checked once at this boundary
-    (then the verdict is remembered for calls of the same shapes); the stages run unchecked inside.
+    checkpoints in that common layout load directly, and they are called as submodules: LoRA
+    adapters, hooks, quantized or parametrized layers in those slots work. The first call of each
+    kind runs every stage checked against one set of named dimensions (see `forward`); the verdict
+    is remembered for calls whose sizes relate the same way, which then run the stages unchecked.
 
     Example:
         >>> import torch, shapesafe_mha as ssm
@@ -159,8 +108,9 @@ class MultiHeadAttention(nn.Module):
         device, dtype: of the parameters.
 
     Raises:
-        ConfigError: the sizes are not positive, `num_kv_heads` does not divide `num_heads`, or
-            `d_head` is not given and `num_heads` does not divide `d_model`.
+        ConfigError: the sizes are not positive ints, `num_kv_heads` does not divide `num_heads`,
+            `d_head` is not given and `num_heads` does not divide `d_model`, or `dropout` is not a
+            number in [0, 1).
     """
 
     def __init__(
@@ -178,7 +128,8 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         owner = f"MultiHeadAttention(d_model={d_model}, num_heads={num_heads}, num_kv_heads={num_kv_heads})"
-        _positive(owner, d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        for name, size in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            positive_count(f"{owner}: ", name, size)
         if num_kv_heads > num_heads:
             raise ConfigError(
                 f"{owner}: num_kv_heads={num_kv_heads} is more than num_heads={num_heads}; each KV head serves "
@@ -187,15 +138,14 @@ class MultiHeadAttention(nn.Module):
         check_groups(num_heads, num_kv_heads, owner)
         if d_head is None:
             if d_model % num_heads:
-                divisors = [n for n in range(1, d_model + 1) if d_model % n == 0]
                 raise ConfigError(
                     f"{owner}: d_model must be num_heads * d_head, and {d_model} is not divisible by {num_heads}; "
-                    f"pass d_head explicitly or use num_heads in {_shown(divisors)}."
+                    f"pass d_head explicitly or use num_heads in {shown(divisors(d_model), limit=5)}."
                 )
             d_head = d_model // num_heads
-        _positive(owner, d_head=d_head)
-        if not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"{owner}: dropout must be in [0, 1), but got {dropout}.")
+        positive_count(f"{owner}: ", "d_head", d_head)
+        if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -207,70 +157,27 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
-        self._fuse_qkv()
-        self.register_state_dict_post_hook(_unshare_qkv)
-
-    def _fuse_qkv(self) -> None:
-        """Lay the q/k/v weights (and biases) end to end in one storage; the parameters become views of it.
-
-        Nothing changes for users (q_proj.weight is still q_proj's parameter, loads and optimizers
-        update it in place), but self-attention without autograd can then project Q, K and V with
-        one matrix multiply instead of three, as torch's own fast path does.
-        """
-        projs = {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj}
-        with torch.no_grad():
-            weight = torch.cat([p.weight.detach() for p in projs.values()])
-            biases = [p.bias.detach() for p in projs.values() if p.bias is not None]
-            bias = torch.cat(biases) if len(biases) == 3 else None
-            start, expected = 0, []
-            for name, p in projs.items():
-                rows = slice(start, start + p.weight.shape[0])
-                p.weight.data = weight[rows]
-                expected.append((name, "weight", p.weight.data_ptr()))
-                if p.bias is not None and bias is not None:
-                    p.bias.data = bias[rows]
-                    expected.append((name, "bias", p.bias.data_ptr()))
-                start = rows.stop
-        self._qkv: tuple[Tensor, Tensor | None, tuple[tuple[str, str, int], ...]] = (weight, bias, tuple(expected))
-
-    def _fused_qkv(self) -> tuple[Tensor, Tensor | None] | None:
-        """The fused q/k/v weight and bias, if the parameters still are views of them (else None)."""
-        weight, bias, expected = self._qkv
-        modules = self._modules  # plain dict lookups: this runs on every inference call
-        for name, kind, pointer in expected:
-            param = modules[name]._parameters.get(kind)  # pyright: ignore[reportOptionalMemberAccess]
-            if param is None or param.data_ptr() != pointer:
-                return None
-        return weight, bias
-
-    def _native_fits(self, query: Tensor) -> bool:
-        """Whether torch's fused MHA kernel computes this call: MHA, num_heads * d_head == d_model, biases,
-        no dropout, a short sequence, a dtype and device it supports, and nobody tracing the stages."""
-        return (
-            self.num_kv_heads == self.num_heads
-            and self.num_heads * self.d_head == self.d_model
-            and self._qkv[1] is not None
-            and self.o_proj.bias is not None
-            and (self.dropout == 0.0 or not self.training)
-            and query.shape[1] <= _NATIVE_MAX_SEQ
-            and query.dtype in (torch.float32, torch.float64)
-            and query.device.type in ("cpu", "cuda")
-            and not tracing_active()
+        self._constants = frozenset(
+            {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
         )
+        self._forget()
 
-    def _native(self, query: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        """Exactly what nn.MultiheadAttention's inference fast path runs: torch's fused MHA kernel."""
-        kernel = torch._native_multi_head_attention  # pyright: ignore[reportPrivateImportUsage]
-        out_weight, out_bias = self.o_proj.weight, self.o_proj.bias
-        return kernel(
-            query, query, query, self.d_model, self.num_heads, weight, bias, out_weight, out_bias, None, False
-        )[0]
+    def _forget(self) -> None:
+        """Drop what is remembered about calls: verdicts and the fused Q/K/V weight."""
+        self._verdicts: dict[Any, bool] = {}
+        self._relations_known: dict[Any, bool] = {}
+        self._fused: FusedQKV | None = None
 
     def _apply(self, fn: Any, recurse: bool = True) -> "MultiHeadAttention":
-        # .to(), .half(), .cuda() give each parameter new storage: fuse them again.
+        # .to(), .half(), .cuda(): the parameters change dtype or device; what was remembered may not hold.
         super()._apply(fn, recurse)
-        self._fuse_qkv()
+        self._forget()
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_verdicts={}, _relations_known={}, _fused=None)
+        return state
 
     def extra_repr(self) -> str:
         return (
@@ -339,21 +246,36 @@ class MultiHeadAttention(nn.Module):
 
     def forward(
         self,
-        query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
+        query: Tokens,
+        key: Memory | None = None,
+        value: Memory | None = None,
         *,
-        attn_mask: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
+        attn_mask: AttnMask | None = None,
+        key_padding_mask: PaddingMask | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
         kv_cache: KVCache | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tokens | tuple[Tokens, Probabilities]:
         """Attend from `query` to `key`/`value` (default: `query`, self-attention).
+
+        `o_proj(merge(attention(split(q_proj(query)), split(k_proj(key)), split(v_proj(value)))))`.
+
+        Checking: on the first call of a kind, every stage runs checked, arguments and result,
+        against one set of named dimensions (`batch`, `seq`, `kv_seq`, `num_heads`, ... bound by the
+        module's sizes and by the first tensor that shows each one); then the verdict is remembered
+        for every call whose sizes relate the same way (equal where these were equal, 1 where these
+        were 1), on the same execution path, so decoding step after step is checked once.
+
+        Example:
+            >>> import torch, shapesafe_mha as ssm
+            >>> attn = ssm.MultiHeadAttention(d_model=64, num_heads=8, num_kv_heads=2)
+            >>> attn(torch.randn(2, 10, 64), is_causal=True).shape
+            torch.Size([2, 10, 64])
 
         Arguments:
             query: `(batch, seq, d_model)`.
-            key, value: `(batch, kv_seq, d_model)`; with a `kv_cache`, the new positions only.
+            key, value: `(batch, kv_seq, d_model)`; with a `kv_cache`, the new positions only
+                (`(batch, new, d_model)`).
             attn_mask: `(seq, kv_seq)` or `(#batch, #num_heads, seq, kv_seq)`; bool (True = may
                 attend) or float (added to the scores). With a cache, `kv_seq` counts every
                 cached position plus the new ones.
@@ -370,106 +292,241 @@ class MultiHeadAttention(nn.Module):
 
         Raises:
             ShapeError: any input does not fit the module, the others or the cache; nothing
-                (parameters, cache) is changed.
+                (parameters, cache) is changed by a failed call.
         """
         key = query if key is None else key
         value = key if value is None else value
-        if checks_enabled():
-            self._check(query, key, value, attn_mask, key_padding_mask, kv_cache)
-        record("query", "batch seq d_model", query)
-        fused = None
-        if key is query and value is query and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            fused = self._fused_qkv()
-            plain = attn_mask is None and key_padding_mask is None and kv_cache is None
-            if fused is not None and fused[1] is not None and plain and not (is_causal or need_weights):
-                if self._native_fits(query):
-                    return self._native(query, fused[0], fused[1])
+        call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache)
+        path, fused = self._path(*call)
+        observer = current_observer()
+        check = checks_enabled()
+        keys: tuple[Any, Any, Any] | None = None
+        if check and observer is None:
+            try:
+                keys = self._keys(path, *call)
+            except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
+                keys = None
+            if keys is not None and self._known(keys):
+                check = False
+        state = kv_cache.state() if isinstance(kv_cache, KVCache) else None
+        try:
+            if not check and observer is None:
+                return self._run(_RAW, path, fused, *call)
+            result = self._checked(check, observer, path, fused, *call)
+        except BaseException:
+            if state is not None and kv_cache is not None:
+                kv_cache.restore(state)  # a failed call changes nothing
+            raise
+        if check and keys is not None:
+            self._remember(keys)
+        return result
 
-        if fused is not None:
-            qkv = _project(query, *fused)
-            record("qkv_proj", "batch seq (num_heads+2*num_kv_heads)*d_head", qkv)
-            kv_width = self.num_kv_heads * self.d_head
-            q, k, v = qkv.split([self.num_heads * self.d_head, kv_width, kv_width], dim=-1)
-        else:
-            q = _project(query, self.q_proj.weight, self.q_proj.bias)
-            k = _project(key, self.k_proj.weight, self.k_proj.bias)
-            v = _project(value, self.v_proj.weight, self.v_proj.bias)
-        record("q_proj", "batch seq num_heads*d_head", q)
-        record("k_proj", "batch kv_seq num_kv_heads*d_head", k)
-        record("v_proj", "batch kv_seq num_kv_heads*d_head", v)
-        q = _split_heads(q, self.num_heads)
-        record("split_q", "batch num_heads seq d_head", q)
-        k = _split_heads(k, self.num_kv_heads)
-        record("split_k", "batch num_kv_heads kv_seq d_head", k)
-        v = _split_heads(v, self.num_kv_heads)
-        record("split_v", "batch num_kv_heads kv_seq d_head", v)
-        if kv_cache is not None:
-            k, v = kv_cache._append(k, v)
-            record("cache_k", "batch num_kv_heads kv_seq d_head", k)
-            record("cache_v", "batch num_kv_heads kv_seq d_head", v)
-        masking = _masking(attn_mask, key_padding_mask, is_causal, q, k, explicit=need_weights)
-        if masking.mask is not None:
-            record("mask", "#batch #num_heads seq kv_seq", masking.mask)
-        dropout_p = self.dropout if self.training else 0.0
-        weights: Tensor | None = None
-        if need_weights:
-            out, weights = _attend_with_weights(q, k, v, masking, None, dropout_p)
-        else:
-            out = _attend(q, k, v, masking, None, dropout_p)
-        out = _merge_heads(out)
-        record("merge", "batch seq num_heads*d_head", out)
-        out = _project(out, self.o_proj.weight, self.o_proj.bias)
-        record("o_proj", "batch seq d_model", out)
-        return out if weights is None else (out, weights)
-
-    def _check(
+    def _path(
         self,
         query: Any,
         key: Any,
         value: Any,
         attn_mask: Any,
         key_padding_mask: Any,
+        is_causal: Any,
+        need_weights: Any,
+        kv_cache: Any,
+    ) -> tuple[str, FusedQKV | None]:
+        """Which computation runs: separate projections (always correct), or a fast path where provably the same."""
+        if key is not query or value is not query or torch.is_grad_enabled():
+            return SEPARATE, None
+        tracing_jit = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
+        if torch.compiler.is_compiling() or tracing_jit or not isinstance(query, Tensor):
+            return SEPARATE, None
+        modules = self._modules
+        fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], self._fused)
+        self.__dict__["_fused"] = fused  # not nn.Module.__setattr__: this runs on every inference call
+        if fused is None:
+            return SEPARATE, None
+        plain = attn_mask is None and key_padding_mask is None and kv_cache is None
+        if plain and is_causal is False and need_weights is False:
+            if native_fits(self, query, fused, tracing=current_observer() is not None):
+                return NATIVE, fused
+        return FUSED, fused
+
+    def _keys(
+        self,
+        path: str,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        is_causal: Any,
+        need_weights: Any,
         kv_cache: KVCache | None,
-    ) -> None:
-        # Plain dict lookups (nn.Module.__getattr__ costs ~1 us per step): this runs on every call.
-        weight = cast(Tensor, self._modules["q_proj"]._parameters["weight"])  # pyright: ignore[reportOptionalMemberAccess]
-        if kv_cache is None:
-            _forward_contract(self.d_model, query, key, value, attn_mask, key_padding_mask, weight.dtype, weight.device)
-            return
-        if not isinstance(kv_cache, KVCache):
-            raise ShapeError(
-                f"MultiHeadAttention.forward(): kv_cache must be a shapesafe_mha.KVCache, but got "
-                f"{type(kv_cache).__name__}; make one with module.new_cache(batch, capacity)."
-            )
+    ) -> tuple[Any, Any, Any]:
+        """What a verdict depends on: the call's structure (kinds, ranks, dtypes, devices, flags, path)
+        and its sizes; these exactly, for a lookup that costs one hash."""
+        kv_len = key.shape[1]
+        cache_kind, buffer_shape = None, None
+        if kv_cache is not None:
+            kv_len += len(kv_cache)
+            buffer = kv_cache.keys_buffer
+            cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device), buffer.shape
         masked = attn_mask is not None or key_padding_mask is not None
-        kv_seq = len(kv_cache) + key.shape[1] if masked and isinstance(key, Tensor) and key.ndim == 3 else None
-        _cached_forward_contract(
-            self.d_model,
-            self.num_kv_heads,
-            self.d_head,
-            query,
-            key,
-            value,
-            kv_cache.keys_buffer,
-            kv_seq,
-            attn_mask,
-            key_padding_mask,
-            weight.dtype,
-            weight.device,
+        extra = (key, value, attn_mask, key_padding_mask)
+        kinds = tuple(None if t is None else (type(t), t.dtype, t.device) for t in extra)
+        structure = (
+            path,
+            type(query),
+            query.dtype,
+            query.device,
+            key is query,
+            value is key,
+            kinds,
+            cache_kind,
+            type(is_causal),
+            is_causal,
+            type(need_weights),
+            need_weights,
+            query.shape[1] > kv_len,  # some rows have nothing to attend to
+            self.training,
+            tuple(map(id, self._modules.values())),
         )
-        cache, new = kv_cache, key.shape[1]
-        if len(cache) + new > cache.capacity:
-            raise ShapeError(
-                f"MultiHeadAttention.forward(): appending new={new} positions to the {len(cache)} in kv_cache "
-                f"would exceed its capacity={cache.capacity}; make a larger cache or reset() this one."
+        shapes = (
+            query.shape,
+            None if key is query else key.shape,
+            None if value is key else value.shape,
+            None if attn_mask is None else attn_mask.shape,
+            None if key_padding_mask is None else key_padding_mask.shape,
+            buffer_shape,
+        )
+        # kv_seq counts the cached positions too; it is checked only against masks.
+        return structure, shapes, kv_len if masked else None
+
+    def _relations(self, keys: tuple[Any, Any, Any]) -> Any:
+        """The same key with sizes replaced by their relations (`relational`): covers decoding step after step."""
+        structure, shapes, kv_len = keys
+        sizes = [size for shape in shapes if shape is not None for size in shape]
+        if kv_len is not None:
+            sizes.append(kv_len)
+        ranks = tuple(None if shape is None else len(shape) for shape in shapes)
+        return structure, ranks, kv_len is None, relational(tuple(sizes), self._constants)
+
+    def _known(self, keys: tuple[Any, Any, Any]) -> bool:
+        if keys in self._verdicts:
+            return True
+        if self._relations(keys) in self._relations_known:
+            self._remember_exact(keys)
+            return True
+        return False
+
+    def _remember_exact(self, keys: Any) -> None:
+        if len(self._verdicts) >= MAX_VERDICTS:
+            self._verdicts.clear()
+        self._verdicts[keys] = True
+
+    def _remember(self, keys: tuple[Any, Any, Any]) -> None:
+        self._remember_exact(keys)
+        if len(self._relations_known) >= MAX_VERDICTS:
+            self._relations_known.clear()
+        self._relations_known[self._relations(keys)] = True
+
+    def _checked(
+        self,
+        check: bool,
+        observer: Any,
+        path: str,
+        fused: FusedQKV | None,
+        query: Any,
+        key: Any,
+        value: Any,
+        attn_mask: Any,
+        key_padding_mask: Any,
+        is_causal: Any,
+        need_weights: Any,
+        kv_cache: Any,
+    ) -> Any:
+        """The forward with every stage checked against one memo, and reported to the trace."""
+        with Session("MultiHeadAttention.forward()", check=check, observer=observer) as session:
+            sizes = (self.d_model, self.num_heads, self.num_kv_heads, self.d_head, self.group)
+            session.seed(ModuleSizes, _witness(sizes), "the module")
+            session.check_arguments(
+                _FORWARD,
+                (self, query, key, value),
+                dict(
+                    attn_mask=attn_mask,
+                    key_padding_mask=key_padding_mask,
+                    is_causal=is_causal,
+                    need_weights=need_weights,
+                    kv_cache=kv_cache,
+                ),
+                hints=_FORWARD_HINTS if kv_cache is None else _CACHED_FORWARD_HINTS,
             )
+            if observer is not None:
+                observer("query", "batch seq d_model", query)
+            stages = session.stages(**FORWARD_STAGES)
+            result = self._run(
+                stages, path, fused, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache
+            )
+            session.report(_FORWARD, result)
+        return result
+
+    def _run(
+        self,
+        s: Any,
+        path: str,
+        fused: FusedQKV | None,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+        kv_cache: KVCache | None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The forward, stage by stage: `s` holds the stages, checked (a session's) or plain."""
+        num_heads, num_kv_heads, d_head = self.num_heads, self.num_kv_heads, self.d_head
+        o_proj = self.o_proj
+        if path is NATIVE and fused is not None:
+            return s.native_attention(query, fused.weight, fused.bias, o_proj.weight, o_proj.bias, num_heads)
+        if path is FUSED and fused is not None:
+            qkv = s.project_qkv(query, fused.weight, fused.bias)
+            q, k, v = s.unfuse(qkv, num_heads * d_head, num_kv_heads * d_head)
+        else:
+            q = s.project_query(self.q_proj, query)
+            k = s.project_key(self.k_proj, key)
+            v = s.project_value(self.v_proj, value)
+        q = s.split_query(q, num_heads)
+        k = s.split_key(k, num_kv_heads)
+        v = s.split_value(v, num_kv_heads)
+        if kv_cache is None:
+            k, v = s.attend_to_new(k, v)
+        else:
+            k, v = s.append_to_cache(kv_cache, kv_cache.keys_buffer, k, v)
+        mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, need_weights)
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if mask is None and num_heads == num_kv_heads and not need_weights:
+            out = s.attend_heads(q, k, v, is_causal and q.shape[2] > 1, dropout_p)
+        else:
+            folded = s.fold_queries(s.group_queries(q, num_kv_heads))
+            folded_mask, rows = None, None
+            if mask is not None:
+                may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
+                folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
+            if need_weights:
+                weights = s.unfold_weights(s.folded_weights(folded, k, folded_mask), num_heads, rows)
+                out = s.weigh_values(weights, v, dropout_p)
+            else:
+                out = s.unfold(s.attend_folded(folded, k, v, folded_mask, dropout_p), num_heads, rows)
+        out = s.project_output(o_proj, s.merge(out))
+        return out if weights is None else (out, weights)
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> "MultiHeadAttention":
-        """A `MultiHeadAttention` computing what `module` computes (batch-first, whatever `module.batch_first`).
+        """A `MultiHeadAttention` computing what a batch-first `module` computes.
 
         Masks translate as: our bool `attn_mask` is True where attending is allowed, torch's
-        module's is True where it is *forbidden*; `key_padding_mask` means the same in both.
+        module's is True where it is *forbidden*, so pass `~their_mask`; `key_padding_mask` means
+        the same in both (True = padding).
 
         Example:
             >>> import torch, shapesafe_mha as ssm
@@ -480,9 +537,15 @@ class MultiHeadAttention(nn.Module):
             True
 
         Raises:
-            ConfigError: `module` uses features without an equivalent here (`kdim`/`vdim`,
-                `add_bias_kv`, `add_zero_attn`).
+            ConfigError: `module` is not batch-first (the message says how to convert), or uses
+                features without an equivalent here (`kdim`/`vdim`, `add_bias_kv`, `add_zero_attn`).
         """
+        if not module.batch_first:
+            raise ConfigError(
+                "MultiHeadAttention.from_torch(): this nn.MultiheadAttention has batch_first=False, so it takes "
+                "(seq, batch, embed_dim), but MultiHeadAttention is batch-first. Set module.batch_first = True "
+                "(the weights are the same) and pass x.transpose(0, 1) where you passed x."
+            )
         if not module._qkv_same_embed_dim:
             raise ConfigError(
                 "MultiHeadAttention.from_torch(): modules with kdim or vdim != embed_dim are not supported."
@@ -539,3 +602,19 @@ class MultiHeadAttention(nn.Module):
                 theirs.in_proj_bias.copy_(torch.cat([b for b in biases if b is not None]))
                 theirs.out_proj.bias.copy_(self.o_proj.bias)
         return theirs
+
+
+_FORWARD = Stage(
+    MultiHeadAttention.forward,
+    name="MultiHeadAttention.forward",
+    public=("query", "key", "value", "attn_mask", "key_padding_mask", "kv_cache"),
+    trace=("",),
+    sources={},
+    precheck=_precheck_forward,
+    validate=None,
+    explain=_explain_forward,
+)
+# Masks are checked where kv_seq is known (the mask stage, after the cache); with a cache, key and
+# value hold the new positions only.
+_FORWARD_HINTS = {k: v for k, v in _FORWARD.hints.items() if k not in ("attn_mask", "key_padding_mask")}
+_CACHED_FORWARD_HINTS = _FORWARD_HINTS | {"key": KVTokens, "value": KVTokens}

@@ -13,8 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._cache import KVCache
-from ._check import checked, checks_enabled
-from ._dims import LocalHeads, Partial
+from ._contract import checks_enabled
 from ._errors import ConfigError, ShapeError
 from ._module import MultiHeadAttention
 
@@ -138,16 +137,6 @@ class _GatherHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # pyright: ignore[reportIncompatibleMethodOverride]
         return grad[:, ctx.rank * ctx.heads : (ctx.rank + 1) * ctx.heads], None, None
-
-
-@checked(name="HeadParallelAttention.forward()", sources={"d_model": "the module"})
-def _partial_contract(d_model: int, partial: Partial) -> None:
-    """One rank's share of the output, before the all-reduce sums the shares."""
-
-
-@checked(name="HeadParallelAttention.forward()", sources={"local_heads": "this rank's shard"})
-def _weights_contract(local_heads: int, weights: LocalHeads) -> None:
-    """One rank's attention weights, before they are gathered along the heads axis."""
 
 
 class HeadParallelAttention(nn.Module):
@@ -286,11 +275,8 @@ class HeadParallelAttention(nn.Module):
             need_weights=need_weights,
             kv_cache=kv_cache,
         )
+        # The local module has checked its result: (batch, seq, d_model), and the weights at its heads.
         partial, weights = result if isinstance(result, tuple) else (result, None)
-        if checks_enabled():
-            _partial_contract(self.d_model, partial)
-            if weights is not None:
-                _weights_contract(self.shard.local_heads, weights)
         out: Tensor = _SumPartials.apply(partial, self.group) if parallel else partial  # pyright: ignore[reportAssignmentType]
         if self.out_bias is not None:
             out = out + self.out_bias

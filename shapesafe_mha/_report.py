@@ -7,7 +7,7 @@ import torch
 
 from ._module import MultiHeadAttention
 from ._parallel import plan_heads
-from ._trace import Stage, record, tracing
+from ._trace import Stage, tracing
 
 DTYPES = {
     "float32": torch.float32,
@@ -89,8 +89,8 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         cache.append(filler, filler)
     with torch.no_grad(), tracing() as tracer:
         if cache is not None:
-            record("cache_keys_buffer", "batch num_kv_heads capacity d_head", cache.keys_buffer)
-            record("cache_values_buffer", "batch num_kv_heads capacity d_head", cache.values_buffer)
+            tracer.add("cache_keys_buffer", "batch num_kv_heads capacity d_head", cache.keys_buffer)
+            tracer.add("cache_values_buffer", "batch num_kv_heads capacity d_head", cache.values_buffer)
         module(x, is_causal=True, kv_cache=cache)
     positions = config.seq if config.decode is None else config.decode + 1
     itemsize = torch.empty((), dtype=dtype).element_size()

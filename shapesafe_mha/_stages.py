@@ -1,193 +1,69 @@
-"""The typed stages of multi-head attention: project, split, group, attend, merge.
+"""The typed stages of multi-head attention: each one's annotations are its contract.
 
-Each public stage is the `checked` form of a private implementation; the module calls the private
-ones after checking its own inputs once, so a forward pays for one check, not nine.
+The public stages (`project`, `split_heads`, `merge_heads`, `group_queries`,
+`scaled_dot_product_attention`, `attention_weights`) are checked when called on their own. The
+module's stages below them (`project_query`, `split_query`, ..., `project_output`) are what
+`MultiHeadAttention.forward` is made of: in a checked forward each runs in one session, against one
+memo, with its result checked and reported to the trace.
 """
 
-import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from ._check import Mismatch, checked, mismatch
+from . import _kernels as K
+from ._cache import KVCache
+from ._contract import stage
 from ._dims import (
     AttnMask,
     Bias,
+    CacheBuffer,
+    FoldedMask,
+    FoldedProbabilities,
+    FoldedQueries,
+    FullMask,
+    FusedInner,
     GroupedQueries,
     Heads,
     Inner,
     KVHeads,
+    KVTokens,
     LinearIn,
     LinearOut,
+    NewKVHeads,
+    NewKVInner,
+    PaddingMask,
     Probabilities,
+    QueryInner,
+    RowsWithAKey,
+    Tokens,
     Weight,
 )
 from ._errors import ConfigError
-from ._trace import record
+from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
 
-# --- implementations ---------------------------------------------------------------------------------
-
-
-def _project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return F.linear(x, weight, bias)
+# --- what annotations cannot say --------------------------------------------------------------------
 
 
-def _split_heads(x: Tensor, num_heads: int) -> Tensor:
-    # Splitting one axis in two is always expressible as a view, whatever x's strides are.
-    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
+def positive_count(owner: str, name: str, value: Any) -> None:
+    """Raise `ConfigError` unless `value` is a positive int (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{owner}{name} must be a positive int, but got {value!r}.")
 
 
-def _merge_heads(x: Tensor) -> Tensor:
-    # After attention the heads axis sits before seq; bringing it back beside d_head and merging
-    # the two is a view only if the data is already laid out (batch, seq, heads, d_head).
-    return x.transpose(1, 2).flatten(2)
+def check_groups(num_heads: int, num_kv_heads: int, owner: str) -> None:
+    """Raise `ConfigError` unless `num_kv_heads` divides `num_heads`."""
+    if num_heads % num_kv_heads == 0:
+        return
+    raise ConfigError(
+        f"{owner}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; each KV head serves "
+        f"a group of query heads, so num_kv_heads must be one of {divisors(num_heads)}."
+    )
 
 
-def _group_queries(q: Tensor, num_kv_heads: int) -> Tensor:
-    # Query head h reads KV head h // group, so consecutive query heads form a group.
-    return q.unflatten(1, (num_kv_heads, -1))
-
-
-class Masking(NamedTuple):
-    """Every masking argument of a call, combined."""
-
-    mask: Tensor | None  # 4-D, bool (True = may attend) or float (added); None: nothing to mask
-    may_empty_rows: bool  # whether some query may have no key left to attend to
-    native_causal: bool  # the mask is exactly torch's is_causal (seq == kv_seq, MHA): let SDPA do it
-
-
-def _masking(
-    attn_mask: Tensor | None,
-    key_padding_mask: Tensor | None,
-    is_causal: bool,
-    q: Tensor,
-    k: Tensor,
-    *,
-    explicit: bool = False,
-) -> Masking:
-    """Combine `attn_mask`, `key_padding_mask` and `is_causal` into one mask (see `Masking`).
-
-    `explicit` asks for a mask tensor even where torch's SDPA could apply causality itself.
-    """
-    seq, kv_seq = q.shape[2], k.shape[2]
-    causal = is_causal and seq > 1  # a single query, lower-right aligned, sees every key
-    if causal and attn_mask is None and key_padding_mask is None:
-        if not explicit and seq == kv_seq and q.shape[1] == k.shape[1]:
-            return Masking(None, False, True)
-    allowed: Tensor | None = None
-    if causal:
-        # Lower-right alignment: query i sits at absolute position kv_seq - seq + i.
-        allowed = torch.ones(seq, kv_seq, dtype=torch.bool, device=q.device).tril(kv_seq - seq)[None, None]
-    if key_padding_mask is not None:
-        keep = ~key_padding_mask[:, None, None, :]
-        allowed = keep if allowed is None else allowed & keep
-    may_empty = (causal and seq > kv_seq) or key_padding_mask is not None or attn_mask is not None
-    if attn_mask is not None:
-        mask4 = attn_mask if attn_mask.ndim == 4 else attn_mask[None, None]
-        if mask4.dtype == torch.bool:
-            allowed = mask4 if allowed is None else allowed & mask4
-        else:
-            return Masking(mask4 if allowed is None else mask4.masked_fill(~allowed, -math.inf), True, False)
-    return Masking(allowed, may_empty, False)
-
-
-def _rows_with_a_key(mask: Tensor) -> Tensor:
-    allowed = mask if mask.dtype == torch.bool else mask != -math.inf
-    return allowed.any(-1, keepdim=True)
-
-
-def _fold_mask(mask: Tensor, num_heads: int, num_kv_heads: int, seq: int) -> Tensor:
-    """A `(#batch, #heads, #seq, kv_seq)` mask laid out for queries folded to `(num_kv_heads, group*seq)`."""
-    group = num_heads // num_kv_heads
-    if group == 1:
-        return mask
-    mb, mh, ms, kv = mask.shape
-    m5 = mask.unsqueeze(1) if mh == 1 else mask.unflatten(1, (num_kv_heads, group))
-    if ms == 1 and m5.shape[2] == 1:
-        return m5.squeeze(2)
-    return m5.expand(mb, m5.shape[1], group, seq, kv).reshape(mb, m5.shape[1], group * seq, kv)
-
-
-def _prepare(q: Tensor, k: Tensor, masking: Masking) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Fold query groups into the query axis; make fully masked rows safe to softmax.
-
-    GQA without copying K/V: the `group` query heads that share a KV head are laid end to end
-    along the query axis, so every matmul sees K and V at `num_kv_heads` heads, as stored.
-    Returns the folded queries, the folded mask and, if some row may have nothing to attend to,
-    the `(…, 1)` indicator of rows that do (those without are zeroed by the caller).
-    """
-    num_heads, seq = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    grouped = _group_queries(q, num_kv_heads)
-    record("group_queries", "batch num_kv_heads group seq d_head", grouped)
-    folded = grouped.flatten(2, 3)
-    record("fold_queries", "batch num_kv_heads group*seq d_head", folded)
-    mask = masking.mask
-    if mask is None:
-        return folded, None, None
-    if not masking.may_empty_rows:
-        return folded, _fold_mask(mask, num_heads, num_kv_heads, seq), None
-    rows = _rows_with_a_key(mask)
-    # A row with nothing to attend to gets every key (finite softmax, finite gradients)
-    # and is zeroed afterwards: zeros, never NaN, on every backend.
-    if mask.dtype == torch.bool:
-        mask = mask | ~rows
-    else:
-        mask = mask.masked_fill(~rows, 0.0)
-    return folded, _fold_mask(mask, num_heads, num_kv_heads, seq), rows
-
-
-def _unfold(out: Tensor, num_heads: int) -> Tensor:
-    return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, masking: Masking, scale: float | None, dropout_p: float) -> Tensor:
-    num_heads = q.shape[1]
-    if masking.mask is None and k.shape[1] == num_heads:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=masking.native_causal, scale=scale)
-        record("attention", "batch num_heads seq d_head", out)
-        return out
-    folded, folded_mask, rows = _prepare(q, k, masking)
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask, dropout_p=dropout_p, scale=scale)
-    out = _unfold(out, num_heads)
-    if rows is not None:
-        out = out.masked_fill(~rows, 0.0)
-    record("attention", "batch num_heads seq d_head", out)
-    return out
-
-
-def _head_weights(q: Tensor, k: Tensor, masking: Masking, scale: float | None) -> Tensor:
-    """Per-head probabilities `(batch, num_heads, seq, kv_seq)`; rows with nothing to attend to are zeros."""
-    folded, folded_mask, rows = _prepare(q, k, masking)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(folded, k.transpose(-1, -2)) * scale
-    if folded_mask is not None:
-        scores = (
-            scores.masked_fill(~folded_mask, -math.inf) if folded_mask.dtype == torch.bool else scores + folded_mask
-        )
-    weights = torch.softmax(scores, dim=-1).unflatten(2, (-1, q.shape[2])).flatten(1, 2)
-    return weights if rows is None else weights.masked_fill(~rows, 0.0)
-
-
-def _attend_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, masking: Masking, scale: float | None, dropout_p: float
-) -> tuple[Tensor, Tensor]:
-    weights = _head_weights(q, k, masking, scale)
-    record("weights", "batch num_heads seq kv_seq", weights)
-    probs = weights.unflatten(1, (k.shape[1], -1)).flatten(2, 3)  # folded again, as the values are laid out
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, dropout_p)
-    out = _unfold(torch.matmul(probs, v), q.shape[1])
-    record("attention", "batch num_heads seq d_head", out)
-    return out, weights
-
-
-# --- validation of what annotations cannot say --------------------------------------------------------
-
-
-def _same_device_and_dtype(arguments: dict[str, Any], names: tuple[str, ...]) -> None:
+def same_device_and_dtype(arguments: dict[str, Any], names: tuple[str, ...]) -> None:
     """All tensors among `names` on one device, and of one dtype (masks may be bool)."""
     tensors = [(n, arguments[n]) for n in names if isinstance(arguments.get(n), Tensor)]
     if not tensors:
@@ -197,25 +73,29 @@ def _same_device_and_dtype(arguments: dict[str, Any], names: tuple[str, ...]) ->
         if tensor.device != first.device:
             raise mismatch(
                 f"{name} is on {tensor.device}, but {first_name} is on {first.device}; "
-                f"move them to one device (for example {name}.to({first_name}.device))."
+                f"move them to one device (for example {name}.to({first_name}.device)).",
+                arg=name,
             )
-        if tensor.dtype != first.dtype and not (name.endswith("mask") and tensor.dtype == torch.bool):
-            if name.endswith("mask") and tensor.is_floating_point():
-                raise mismatch(
-                    f"{name} has dtype {str(tensor.dtype)[6:]}, but {first_name} has {str(first.dtype)[6:]}; "
-                    f"a float mask is added to the scores, so cast it ({name}.to({first_name}.dtype))."
-                )
-            if tensor.is_floating_point() and first.is_floating_point():
-                raise mismatch(
-                    f"{name} has dtype {str(tensor.dtype)[6:]}, but {first_name} has {str(first.dtype)[6:]}; "
-                    f"cast one of them (for example {name}.to({first_name}.dtype))."
-                )
+        if tensor.dtype == first.dtype or (name.endswith("mask") and tensor.dtype == torch.bool):
+            continue
+        if name.endswith("mask") and tensor.is_floating_point():
+            raise mismatch(
+                f"{name} has dtype {dtype_name(tensor.dtype)}, but {first_name} has {dtype_name(first.dtype)}; "
+                f"a float mask is added to the scores, so cast it ({name}.to({first_name}.dtype)).",
+                arg=name,
+            )
+        if tensor.is_floating_point() and first.is_floating_point():
+            raise mismatch(
+                f"{name} has dtype {dtype_name(tensor.dtype)}, but {first_name} has {dtype_name(first.dtype)}; "
+                f"cast one of them (for example {name}.to({first_name}.dtype)).",
+                arg=name,
+            )
 
 
 MASK_MEANING = "bool (True = may attend) or floating point (added to the scores)"
 
 
-def explain_mask(arguments: dict[str, Any], failure: Mismatch) -> str | None:
+def explain_mask(arguments: dict[str, Any], failure: ExplainedError) -> str | None:
     """The usual causes of a mask mistake."""
     mask = arguments.get(failure.arg or "")
     if failure.arg == "attn_mask" and failure.dim is None and isinstance(mask, Tensor):
@@ -225,10 +105,12 @@ def explain_mask(arguments: dict[str, Any], failure: Mismatch) -> str | None:
             return "From (batch*num_heads, seq, kv_seq): attn_mask.unflatten(0, (batch, -1))."
     if failure.arg == "attn_mask" and failure.dim in ("seq", "kv_seq") and failure.size == 1:
         return "Masks broadcast only over batch and heads; for a per-key mask use key_padding_mask."
+    if failure.arg == "key_padding_mask" and failure.dim is None:
+        return "key_padding_mask is (batch, kv_seq) bool, True = padding."
     return None
 
 
-def _explain_attention(arguments: dict[str, Any], failure: Mismatch) -> str | None:
+def _explain_attention(arguments: dict[str, Any], failure: ExplainedError) -> str | None:
     q, k = arguments.get("q"), arguments.get("k")
     if failure.arg == "k" and failure.dim == "d_head" and isinstance(q, Tensor) and isinstance(k, Tensor):
         if k.ndim == 4 and k.shape[2] == q.shape[3]:
@@ -239,19 +121,8 @@ def _explain_attention(arguments: dict[str, Any], failure: Mismatch) -> str | No
     return explain_mask(arguments, failure)
 
 
-def check_groups(num_heads: int, num_kv_heads: int, owner: str) -> None:
-    """Raise `ConfigError` unless `num_kv_heads` divides `num_heads`."""
-    if num_heads % num_kv_heads == 0:
-        return
-    working = [n for n in range(1, num_heads + 1) if num_heads % n == 0]
-    raise ConfigError(
-        f"{owner}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; each KV head serves "
-        f"a group of query heads, so num_kv_heads must be one of {working}."
-    )
-
-
 def _precheck_attention(arguments: dict[str, Any]) -> None:
-    _same_device_and_dtype(arguments, ("q", "k", "v", "attn_mask"))
+    same_device_and_dtype(arguments, ("q", "k", "v", "attn_mask"))
 
 
 def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None:
@@ -267,24 +138,32 @@ def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None
 
 
 def _validate_split(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    positive_count("", "num_heads", arguments["num_heads"])
     width, num_heads = dims["d_inner"], arguments["num_heads"]
     if width % num_heads:
-        divisors = [n for n in range(1, width + 1) if width % n == 0]
-        shown = ", ".join(map(str, divisors[:8])) + (", ..." if len(divisors) > 8 else "")
         raise mismatch(
             f"x has width {width} (axis 2), which does not split into num_heads={num_heads} equal heads; "
-            f"num_heads must divide it (one of {{{shown}}})."
+            f"num_heads must divide it (one of {shown(divisors(width))})."
+        )
+
+
+def _validate_group(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    positive_count("", "num_kv_heads", arguments["num_kv_heads"])
+    if dims["num_heads"] % arguments["num_kv_heads"]:
+        raise mismatch(
+            f"q has num_heads={dims['num_heads']} (axis 1), which num_kv_heads={arguments['num_kv_heads']} "
+            "does not divide; each KV head must serve a whole group of query heads."
         )
 
 
 def _precheck_project(arguments: dict[str, Any]) -> None:
-    _same_device_and_dtype(arguments, ("x", "weight", "bias"))
+    same_device_and_dtype(arguments, ("x", "weight", "bias"))
 
 
-# --- public, checked stages ----------------------------------------------------------------------------
+# --- public stages --------------------------------------------------------------------------------------
 
 
-@checked(precheck=_precheck_project)
+@stage(precheck=_precheck_project)
 def project(x: LinearIn, weight: Weight, bias: Bias | None = None) -> LinearOut:
     """Apply a linear map in `nn.Linear` layout: `x @ weight.T + bias`.
 
@@ -304,10 +183,10 @@ def project(x: LinearIn, weight: Weight, bias: Bias | None = None) -> LinearOut:
     Raises:
         ShapeError: widths, dtypes or devices disagree.
     """
-    return _project(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
-@checked(validate=_validate_split)
+@stage(validate=_validate_split)
 def split_heads(x: Inner, num_heads: int) -> Heads:
     """Relabel `(batch, seq, num_heads*d_head)` as `(batch, num_heads, seq, d_head)`, as a view.
 
@@ -331,11 +210,12 @@ def split_heads(x: Inner, num_heads: int) -> Heads:
 
     Raises:
         ShapeError: `x` is not 3-D or its width does not divide into `num_heads` heads.
+        ConfigError: `num_heads` is not a positive int.
     """
-    return _split_heads(x, num_heads)
+    return K.split_heads(x, num_heads)
 
 
-@checked
+@stage()
 def merge_heads(x: Heads) -> Inner:
     """The inverse of `split_heads`: `(batch, num_heads, seq, d_head)` to `(batch, seq, num_heads*d_head)`.
 
@@ -358,18 +238,10 @@ def merge_heads(x: Heads) -> Inner:
     Raises:
         ShapeError: `x` is not 4-D.
     """
-    return _merge_heads(x)
+    return K.merge_heads(x)
 
 
-def _validate_group(arguments: dict[str, Any], dims: dict[str, int]) -> None:
-    if dims["num_heads"] % arguments["num_kv_heads"]:
-        raise mismatch(
-            f"q has num_heads={dims['num_heads']} (axis 1), which num_kv_heads={arguments['num_kv_heads']} "
-            "does not divide; each KV head must serve a whole group of query heads."
-        )
-
-
-@checked(validate=_validate_group)
+@stage(validate=_validate_group)
 def group_queries(q: Heads, num_kv_heads: int) -> GroupedQueries:
     """View query heads as `(batch, num_kv_heads, group, seq, d_head)`: the GQA grouping, no copy.
 
@@ -388,12 +260,13 @@ def group_queries(q: Heads, num_kv_heads: int) -> GroupedQueries:
         A view of `q`, `(batch, num_kv_heads, group, seq, d_head)`.
 
     Raises:
-        ConfigError: `num_kv_heads` does not divide `num_heads`.
+        ShapeError: `num_kv_heads` does not divide `num_heads`.
+        ConfigError: `num_kv_heads` is not a positive int.
     """
-    return _group_queries(q, num_kv_heads)
+    return K.group_queries(q, num_kv_heads)
 
 
-@checked(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
+@stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
 def scaled_dot_product_attention(
     q: Heads,
     k: KVHeads,
@@ -440,10 +313,13 @@ def scaled_dot_product_attention(
     Raises:
         ShapeError: shapes, dtypes or devices disagree, or `num_kv_heads` does not divide `num_heads`.
     """
-    return _attend(q, k, v, _masking(attn_mask, None, is_causal, q, k), scale, dropout_p)
+    mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=False)
+    native_causal = mask is None and is_causal and q.shape[2] > 1
+    may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
+    return K.attend(q, k, v, mask, native_causal, may_empty, scale, dropout_p)
 
 
-@checked(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
+@stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
 def attention_weights(
     q: Heads,
     k: KVHeads,
@@ -474,4 +350,210 @@ def attention_weights(
     Raises:
         ShapeError: shapes, dtypes or devices disagree.
     """
-    return _head_weights(q, k, _masking(attn_mask, None, is_causal, q, k, explicit=True), scale)
+    mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=True)
+    may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
+    return K.head_weights(q, k, mask, may_empty, scale)
+
+
+# --- the module's stages --------------------------------------------------------------------------------
+# What MultiHeadAttention.forward is made of. Names are the trace's; dimension names are the
+# forward's, so one memo spans them all.
+
+
+@stage(name="q_proj", public=("query",))
+def project_query(proj: nn.Module, query: Tokens) -> QueryInner:
+    return proj(query)
+
+
+def _project_kv(proj: nn.Module, x: KVTokens) -> NewKVInner:
+    return proj(x)
+
+
+project_key = stage(name="k_proj")(_project_kv)
+project_value = stage(name="v_proj")(_project_kv)
+
+
+@stage(name="qkv_proj", public=("query",))
+def project_qkv(query: Tokens, weight: Tensor, bias: Tensor | None) -> FusedInner:
+    """Q, K and V of self-attention in one matrix multiply (the weights concatenated, see `_fastpath`)."""
+    return F.linear(query, weight, bias)
+
+
+@stage(name="unfuse", trace=("q_proj", "k_proj", "v_proj"))
+def unfuse(qkv: FusedInner, q_width: int, kv_width: int) -> tuple[QueryInner, NewKVInner, NewKVInner]:
+    q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+    return q, k, v
+
+
+@stage(name="split_q")
+def split_query(x: QueryInner, num_heads: int) -> Heads:
+    return K.split_heads(x, num_heads)
+
+
+def _split_kv(x: NewKVInner, num_kv_heads: int) -> NewKVHeads:
+    return K.split_heads(x, num_kv_heads)
+
+
+split_key = stage(name="split_k")(_split_kv)
+split_value = stage(name="split_v")(_split_kv)
+
+
+@stage(name="keys", trace=("", ""), sources={"result": "key"})
+def attend_to_new(k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
+    """Without a cache the keys attended over are the new ones (`kv_seq` is `new`)."""
+    return k, v
+
+
+def _precheck_cache(arguments: dict[str, Any]) -> None:
+    cache, k = arguments["cache"], arguments["k"]
+    if not isinstance(cache, KVCache):
+        raise mismatch(
+            f"kv_cache must be a shapesafe_mha.KVCache, but got {type(cache).__name__}; "
+            "make one with module.new_cache(batch, capacity).",
+            arg="kv_cache",
+        )
+    if isinstance(k, Tensor) and (cache.dtype != k.dtype or cache.device != k.device):
+        raise mismatch(
+            f"kv_cache holds {dtype_name(cache.dtype)} on {cache.device}, but the module computes "
+            f"{dtype_name(k.dtype)} on {k.device}; use module.new_cache(batch, capacity) or "
+            f"kv_cache.to({k.dtype}, '{k.device}').",
+            arg="kv_cache",
+        )
+
+
+@stage(
+    name="cache",
+    public=("kv_cache",),
+    trace=("cache_k", "cache_v"),
+    sources={"result": "the cache plus key"},
+    precheck=_precheck_cache,
+)
+def append_to_cache(cache: KVCache, kv_cache: CacheBuffer, k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
+    """Write the new positions into the cache; attend over everything it holds."""
+    return cache.write(k, v, "MultiHeadAttention.forward()")
+
+
+def _precheck_masks(arguments: dict[str, Any]) -> None:
+    q = arguments["q"]
+    for name in ("attn_mask", "key_padding_mask"):
+        mask = arguments[name]
+        if isinstance(mask, Tensor) and mask.device != q.device:
+            raise mismatch(f"{name} is on {mask.device}, but the module's parameters are on {q.device}.", arg=name)
+        if isinstance(mask, Tensor) and mask.is_floating_point() and mask.dtype != q.dtype and name == "attn_mask":
+            raise mismatch(
+                f"attn_mask has dtype {dtype_name(mask.dtype)}; a float mask is added to the scores, so it must be "
+                f"{dtype_name(q.dtype)} like the module (or bool: True = may attend).",
+                arg=name,
+            )
+
+
+@stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=_precheck_masks, explain=explain_mask)
+def combine_masks(
+    q: Heads,
+    k: KVHeads,
+    attn_mask: AttnMask | None,
+    key_padding_mask: PaddingMask | None,
+    is_causal: bool,
+    explicit: bool,
+) -> FullMask | None:
+    return K.combine_masks(attn_mask, key_padding_mask, is_causal, q, k, explicit)
+
+
+@stage(name="attention")
+def attend_heads(q: Heads, k: KVHeads, v: KVHeads, causal: bool, dropout_p: float) -> Heads:
+    """MHA with nothing to mask but torch's own causality: SDPA as it is."""
+    return K.sdpa(q, k, v, None, causal, None, dropout_p)
+
+
+@stage(name="fold_queries")
+def fold_queries(grouped: GroupedQueries) -> FoldedQueries:
+    return K.fold_queries(grouped)
+
+
+@stage(name="fold_mask", trace=("", ""))
+def fold_mask(
+    mask: FullMask, may_empty: bool, num_heads: int, num_kv_heads: int
+) -> tuple[FoldedMask, RowsWithAKey | None]:
+    """The mask laid out as the folded queries; rows with no key opened (and noted, to zero them after)."""
+    rows = None
+    if may_empty:
+        rows = K.rows_with_a_key(mask)
+        mask = K.open_empty_rows(mask, rows)
+    return K.fold_mask(mask, num_heads, num_kv_heads, mask.shape[2]), rows
+
+
+@stage(name="attention_folded", trace=("",))
+def attend_folded(q: FoldedQueries, k: KVHeads, v: KVHeads, mask: FoldedMask | None, dropout_p: float) -> FoldedQueries:
+    return K.sdpa(q, k, v, mask, False, None, dropout_p)
+
+
+@stage(name="attention")
+def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Heads:
+    return K.zero_rows(K.unfold(out, num_heads), rows)
+
+
+@stage(name="weights_folded", trace=("",))
+def folded_weights(q: FoldedQueries, k: KVHeads, mask: FoldedMask | None) -> FoldedProbabilities:
+    return K.probabilities(q, k, mask, None)
+
+
+@stage(name="weights")
+def unfold_weights(weights: FoldedProbabilities, num_heads: int, rows: RowsWithAKey | None) -> Probabilities:
+    return K.zero_rows(K.unfold(weights, num_heads), rows)
+
+
+@stage(name="attention")
+def weigh_values(weights: Probabilities, v: KVHeads, dropout_p: float) -> Heads:
+    return K.weighted_values(weights, v, dropout_p)
+
+
+@stage(name="merge")
+def merge(x: Heads) -> QueryInner:
+    return K.merge_heads(x)
+
+
+@stage(name="o_proj")
+def project_output(proj: nn.Module, x: QueryInner) -> Tokens:
+    return proj(x)
+
+
+@stage(name="attention", public=("query",))
+def native_attention(
+    query: Tokens, in_weight: Tensor, in_bias: Tensor, out_weight: Tensor, out_bias: Tensor, num_heads: int
+) -> Tokens:
+    """Exactly what nn.MultiheadAttention's inference fast path runs: torch's fused MHA kernel."""
+    from ._fastpath import native_kernel
+
+    return native_kernel(query, in_weight, in_bias, out_weight, out_bias, num_heads)
+
+
+FORWARD_STAGES = {
+    name: value
+    for name, value in dict(globals()).items()
+    if name
+    in (
+        "project_query",
+        "project_key",
+        "project_value",
+        "project_qkv",
+        "unfuse",
+        "split_query",
+        "split_key",
+        "split_value",
+        "attend_to_new",
+        "append_to_cache",
+        "combine_masks",
+        "attend_heads",
+        "group_queries",
+        "fold_queries",
+        "fold_mask",
+        "attend_folded",
+        "unfold",
+        "folded_weights",
+        "unfold_weights",
+        "weigh_values",
+        "merge",
+        "project_output",
+        "native_attention",
+    )
+}

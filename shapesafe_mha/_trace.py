@@ -6,7 +6,7 @@ copies), and allocations from a `TorchDispatchMode` that notes every operator ou
 storage is new.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +94,7 @@ class Stage:
 
 
 class Tracer:
-    """Collect `Stage`s from `record` calls made while it is active (see `tracing`)."""
+    """Collect the `Stage`s that report themselves while it is active (see `tracing`)."""
 
     def __init__(self, recorder: AllocationRecorder) -> None:
         self.stages: list[Stage] = []
@@ -144,10 +144,9 @@ def tracing_active() -> bool:
     return bool(_active)
 
 
-def record(name: str, named_shape: str, tensor: torch.Tensor) -> None:
-    """Note a stage's output for the active `tracing` block; free when none is active."""
-    if _active:
-        _active[-1].add(name, named_shape, tensor)
+def current_observer() -> Callable[[str, str, torch.Tensor], None] | None:
+    """Where stages report themselves while a `tracing` block is active (None otherwise)."""
+    return _active[-1].add if _active else None
 
 
 @contextmanager

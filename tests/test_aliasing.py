@@ -94,10 +94,10 @@ def test_which_stages_copy_is_what_the_trace_observes(num_kv_heads: int) -> None
 
 def test_the_trace_observes_a_copying_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trace's view/copy column is observed, not assumed: a split that copies shows as a new allocation."""
-    import shapesafe_mha._module as module_impl
+    import shapesafe_mha._kernels as kernels
 
-    honest = module_impl._split_heads
-    monkeypatch.setattr(module_impl, "_split_heads", lambda x, n: honest(x, n).contiguous())
+    honest = kernels.split_heads
+    monkeypatch.setattr(kernels, "split_heads", lambda x, n: honest(x, n).contiguous())
     report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=6))
     split_q = next(s for s in report.stages if s.name == "split_q")
     assert split_q.aliases is None and split_q.allocated_bytes >= split_q.nbytes

@@ -1,5 +1,6 @@
 """The fused MHA/GQA/MQA paths equal the naive per-head reference, torch's SDPA and torch's module."""
 
+import copy
 import math
 
 import pytest
@@ -188,7 +189,11 @@ def test_sdpa_equals_torch_sdpa_with_enable_gqa(data: st.DataObject, device: str
 
 @given(data=st.data())
 def test_from_torch_equals_nn_multihead_attention(data: st.DataObject, device: str) -> None:
-    """from_torch(m) computes what m does: batch_first both ways, key padding, masks (torch: True = masked)."""
+    """from_torch(m) computes what m does, key padding and masks (torch: True = masked) included.
+
+    A seq-first module (torch's default) is refused with the conversion to use, never silently
+    read as batch-first; following that advice gives the same answers, transposed.
+    """
     config = data.draw(attention_configs(kinds=("mha",)), label="config")
     d_model = config.num_heads * config.d_head
     batch_first = data.draw(st.booleans(), label="batch_first")
@@ -197,7 +202,14 @@ def test_from_torch_equals_nn_multihead_attention(data: st.DataObject, device: s
     theirs = torch.nn.MultiheadAttention(
         d_model, config.num_heads, bias=bias, batch_first=batch_first, dtype=torch.float64, device=device
     ).eval()
-    ours = ssm.MultiHeadAttention.from_torch(theirs)
+    if batch_first:
+        ours = ssm.MultiHeadAttention.from_torch(theirs)
+    else:
+        with pytest.raises(ssm.ConfigError, match=r"batch_first=False.*Set module\.batch_first = True"):
+            ssm.MultiHeadAttention.from_torch(theirs)
+        converted = copy.deepcopy(theirs)
+        converted.batch_first = True
+        ours = ssm.MultiHeadAttention.from_torch(converted)
     assert ours.num_heads == config.num_heads and ours.bias == bias
 
     x = torch.randn(config.batch, config.seq, d_model, dtype=torch.float64, device=device)

@@ -77,5 +77,5 @@ def test_a_remembered_verdict_never_hides_a_wrong_call() -> None:
             ssm.split_heads(torch.randn(2, 5, 32), 3)
         with pytest.raises(ssm.ShapeError):
             module(right.double())
-        with pytest.raises(ssm.ShapeError):
+        with pytest.raises(ssm.ConfigError, match="num_heads must be a positive int, but got True"):
             ssm.split_heads(torch.randn(2, 5, 32), True)  # type: ignore[arg-type]  # a bool is not a head count

@@ -1,0 +1,117 @@
+"""Fast paths: one matrix multiply for Q, K and V, and torch's fused MHA kernel, when provably the same.
+
+A fast path runs only where it computes exactly what calling the projection submodules would:
+plain `nn.Linear`s (not a subclass, a LoRA wrapper, a quantized or parametrized layer), with no
+hooks, in one dtype and on one device, without autograd and outside any tracer or compiler.
+Otherwise the module calls its submodules, silently.
+
+The concatenated Q/K/V weight is a cache, not a parameter: it is rebuilt whenever any of the
+parameters it was made from is replaced or written (their version counters move), so loads,
+optimizer steps, `share_memory`, `state_dict` and parameter swaps see plain, separate parameters.
+
+torch has no public API for some of what this needs (a module's hooks, a tensor's version counter,
+the fused kernel itself); those uses are here and nowhere else, each tested in tests/test_fastpath.py.
+"""
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _module_hooks
+
+# Up to this many positions torch's fused MHA kernel is as fast as our fused-QKV + SDPA path or
+# faster; beyond it SDPA's flash kernel wins (measured on CPU: 0.82x of the kernel's time at 256).
+NATIVE_MAX_SEQ = 128
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def global_hooks() -> bool:
+    """Whether any module-wide hook (`register_module_forward_hook` and friends) is registered."""
+    hooks = _module_hooks.__dict__
+    return any(hooks.get(name) for name in _GLOBAL_HOOKS)
+
+
+def plain_linear(module: Any) -> bool:
+    """An `nn.Linear` as torch ships it: no subclass, parametrization, adapter or hook."""
+    return (
+        type(module) is nn.Linear  # parametrize swaps the class; LoRA and quantization replace the module
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not module._backward_pre_hooks
+    )
+
+
+def version(tensor: Tensor) -> int:
+    """How many times `tensor` has been written in place (torch's version counter)."""
+    return tensor._version
+
+
+@dataclass
+class FusedQKV:
+    """The q/k/v weights (and biases) concatenated, and what they were made from."""
+
+    sources: tuple[Tensor | None, ...]
+    stamps: tuple[int, ...]
+    weight: Tensor
+    bias: Tensor | None
+
+
+def _stamps(sources: tuple[Tensor | None, ...]) -> tuple[int, ...]:
+    # Writes move the version counter; `param.data = ...` does not, but moves the data pointer.
+    return tuple([stamp for p in sources if p is not None for stamp in (version(p), p.data_ptr())])
+
+
+def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None) -> FusedQKV | None:
+    """The concatenated projection of three plain linears, reusing `cached` while it is current; else None."""
+    if not (plain_linear(q) and plain_linear(k) and plain_linear(v)) or global_hooks():
+        return None
+    qp, kp, vp = q._parameters, k._parameters, v._parameters
+    sources = (qp["weight"], kp["weight"], vp["weight"], qp["bias"], kp["bias"], vp["bias"])
+    if cached is not None and all(map(operator.is_, cached.sources, sources)) and cached.stamps == _stamps(sources):
+        return cached
+    weights, biases = sources[:3], sources[3:]
+    first = qp["weight"]
+    if first is None or any(w is None or w.dtype != first.dtype or w.device != first.device for w in weights):
+        return None
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([w for w in weights if w is not None])
+        bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+    return FusedQKV(sources, _stamps(sources), weight, bias)
+
+
+def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> bool:
+    """Whether torch's fused MHA kernel computes this call exactly: MHA, num_heads * d_head == d_model,
+    biases, no dropout, a plain output projection, a short sequence, a dtype and device it supports."""
+    return (
+        module.num_kv_heads == module.num_heads
+        and module.num_heads * module.d_head == module.d_model
+        and fused.bias is not None
+        and plain_linear(module.o_proj)
+        and module.o_proj.bias is not None
+        and (module.dropout == 0.0 or not module.training)
+        and query.shape[1] <= NATIVE_MAX_SEQ
+        and query.dtype in (torch.float32, torch.float64)
+        and query.device.type in ("cpu", "cuda")
+        and not tracing
+    )
+
+
+def native_kernel(
+    query: Tensor, in_weight: Tensor, in_bias: Tensor, out_weight: Tensor, out_bias: Tensor, num_heads: int
+) -> Tensor:
+    """Exactly what nn.MultiheadAttention's inference fast path runs."""
+    kernel = torch._native_multi_head_attention  # pyright: ignore[reportPrivateImportUsage]
+    d_model = query.shape[-1]
+    return kernel(query, query, query, d_model, num_heads, in_weight, in_bias, out_weight, out_bias, None, False)[0]

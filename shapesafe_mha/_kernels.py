@@ -1,0 +1,166 @@
+"""Kernels: the computations of attention, nothing else (no checks, no tracing).
+
+Stages (`_stages.py`) give these their contracts; the module composes the stages.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def split_heads(x: Tensor, num_heads: int) -> Tensor:
+    # Splitting one axis in two is always expressible as a view, whatever x's strides are.
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    # After attention the heads axis sits before seq; bringing it back beside d_head and merging
+    # the two is a view only if the data is already laid out (batch, seq, heads, d_head).
+    return x.transpose(1, 2).flatten(2)
+
+
+def group_queries(q: Tensor, num_kv_heads: int) -> Tensor:
+    # Query head h reads KV head h // group, so consecutive query heads form a group.
+    return q.unflatten(1, (num_kv_heads, -1))
+
+
+def fold_queries(grouped: Tensor) -> Tensor:
+    """GQA without copying K/V: the query heads of a group laid end to end along the query axis."""
+    return grouped.flatten(2, 3)
+
+
+def unfold(out: Tensor, num_heads: int) -> Tensor:
+    return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
+
+
+def combine_masks(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    q: Tensor,
+    k: Tensor,
+    explicit: bool,
+) -> Tensor | None:
+    """`attn_mask`, `key_padding_mask` and `is_causal` as one 4-D mask (bool: True = may attend, or float).
+
+    None when there is nothing to mask, or when the only restriction is causality that torch's
+    SDPA applies itself (`seq == kv_seq`, MHA; see `sdpa_causal`), unless `explicit`.
+    """
+    seq, kv_seq = q.shape[2], k.shape[2]
+    causal = is_causal and seq > 1  # a single query, lower-right aligned, sees every key
+    if causal and attn_mask is None and key_padding_mask is None and not explicit and sdpa_causal(q, k):
+        return None
+    allowed: Tensor | None = None
+    if causal:
+        # Lower-right alignment: query i sits at absolute position kv_seq - seq + i.
+        allowed = torch.ones(seq, kv_seq, dtype=torch.bool, device=q.device).tril(kv_seq - seq)[None, None]
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]
+        allowed = keep if allowed is None else allowed & keep
+    if attn_mask is not None:
+        mask4 = attn_mask if attn_mask.ndim == 4 else attn_mask[None, None]
+        if mask4.dtype == torch.bool:
+            return mask4 if allowed is None else allowed & mask4
+        return mask4 if allowed is None else mask4.masked_fill(~allowed, -math.inf)
+    return allowed
+
+
+def sdpa_causal(q: Tensor, k: Tensor) -> bool:
+    """Whether torch's own `is_causal` (top-left) is our lower-right causal mask: square, MHA."""
+    return q.shape[2] == k.shape[2] and q.shape[1] == k.shape[1]
+
+
+def may_empty_rows(
+    attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool, seq: int, kv_seq: int
+) -> bool:
+    """Whether some query may have no key left to attend to."""
+    return (is_causal and seq > kv_seq) or key_padding_mask is not None or attn_mask is not None
+
+
+def rows_with_a_key(mask: Tensor) -> Tensor:
+    allowed = mask if mask.dtype == torch.bool else mask != -math.inf
+    return allowed.any(-1, keepdim=True)
+
+
+def open_empty_rows(mask: Tensor, rows: Tensor) -> Tensor:
+    """Give a row with nothing to attend to every key: a finite softmax; the caller zeroes it after."""
+    return mask | ~rows if mask.dtype == torch.bool else mask.masked_fill(~rows, 0.0)
+
+
+def fold_mask(mask: Tensor, num_heads: int, num_kv_heads: int, seq: int) -> Tensor:
+    """A `(#batch, #heads, seq, kv_seq)` mask laid out for queries folded to `(num_kv_heads, group*seq)`."""
+    group = num_heads // num_kv_heads
+    if group == 1:
+        return mask
+    mb, mh, ms, kv = mask.shape
+    m5 = mask.unsqueeze(1) if mh == 1 else mask.unflatten(1, (num_kv_heads, group))
+    if ms == 1 and m5.shape[2] == 1:  # the same for every query of every head: keep broadcasting
+        return m5.squeeze(2)
+    return m5.expand(mb, m5.shape[1], group, seq, kv).reshape(mb, m5.shape[1], group * seq, kv)
+
+
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
+) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
+
+
+def probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
+    """`softmax(q @ k.T * scale + mask)` over the last axis."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1)
+
+
+def zero_rows(x: Tensor, rows: Tensor | None) -> Tensor:
+    return x if rows is None else x.masked_fill(~rows, 0.0)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    native_causal: bool,
+    may_empty: bool,
+    scale: float | None,
+    dropout_p: float,
+) -> Tensor:
+    """Attention for MHA/GQA/MQA with our conventions (lower-right causal, empty rows are zeros)."""
+    num_heads, num_kv_heads, seq = q.shape[1], k.shape[1], q.shape[2]
+    if mask is None and num_heads == num_kv_heads:
+        return sdpa(q, k, v, None, native_causal, scale, dropout_p)
+    rows = None
+    if mask is not None and may_empty:
+        rows = rows_with_a_key(mask)
+        mask = open_empty_rows(mask, rows)
+    folded = fold_queries(group_queries(q, num_kv_heads))
+    folded_mask = None if mask is None else fold_mask(mask, num_heads, num_kv_heads, seq)
+    out = unfold(sdpa(folded, k, v, folded_mask, False, scale, dropout_p), num_heads)
+    return zero_rows(out, rows)
+
+
+def head_weights(q: Tensor, k: Tensor, mask: Tensor | None, may_empty: bool, scale: float | None) -> Tensor:
+    """Per-head probabilities `(batch, num_heads, seq, kv_seq)`; rows with nothing to attend to are zeros."""
+    num_heads, num_kv_heads, seq = q.shape[1], k.shape[1], q.shape[2]
+    rows = None
+    if mask is not None and may_empty:
+        rows = rows_with_a_key(mask)
+        mask = open_empty_rows(mask, rows)
+    folded = fold_queries(group_queries(q, num_kv_heads))
+    folded_mask = None if mask is None else fold_mask(mask, num_heads, num_kv_heads, seq)
+    weights = probabilities(folded, k, folded_mask, scale).unflatten(2, (-1, seq)).flatten(1, 2)
+    return zero_rows(weights, rows)
+
+
+def weighted_values(weights: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """`weights @ v` per head, with K/V at their own heads (the weights folded as the values are laid out)."""
+    num_heads = weights.shape[1]
+    folded = weights.unflatten(1, (v.shape[1], -1)).flatten(2, 3)
+    if dropout_p > 0.0:
+        folded = F.dropout(folded, dropout_p)
+    return unfold(torch.matmul(folded, v), num_heads)
