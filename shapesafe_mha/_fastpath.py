@@ -6,8 +6,11 @@ hooks, in one dtype and on one device, without autograd and outside any tracer o
 Otherwise the module calls its submodules, silently.
 
 The concatenated Q/K/V weight is a cache, not a parameter: it is rebuilt whenever any of the
-parameters it was made from is replaced or written (their version counters move), so loads,
-optimizer steps, `share_memory`, `state_dict` and parameter swaps see plain, separate parameters.
+parameters it was made from is replaced or written (their version counters move, or their data
+pointer), or a projection submodule is replaced, so loads, optimizer steps, `share_memory`,
+`state_dict` and parameter swaps see plain, separate parameters. The one write it cannot see is
+the one autograd cannot see either: in place through `param.data` (`p.data += x`); write under
+`torch.no_grad()` instead, or call `module.to(module.q_proj.weight.device)` afterwards.
 
 torch has no public API for some of what this needs (a module's hooks, a tensor's version counter,
 the fused kernel itself); those uses are here and nowhere else, each tested in tests/test_fastpath.py.

@@ -72,6 +72,13 @@ def sdpa_causal(q: Tensor, k: Tensor) -> bool:
     return q.shape[2] == k.shape[2] and q.shape[1] == k.shape[1]
 
 
+def native_causal(is_causal: bool, q: Tensor, k: Tensor) -> bool:
+    """Whether SDPA's own `is_causal` applies our causal mask (see `sdpa_causal`); one query sees every key."""
+    if is_causal and q.shape[2] > 1 and sdpa_causal(q, k):  # an `if`: a Python bool under compile and export
+        return True
+    return False
+
+
 def may_empty_rows(
     attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool, seq: int, kv_seq: int
 ) -> bool:
@@ -89,16 +96,19 @@ def open_empty_rows(mask: Tensor, rows: Tensor) -> Tensor:
     return mask | ~rows if mask.dtype == torch.bool else mask.masked_fill(~rows, 0.0)
 
 
-def fold_mask(mask: Tensor, num_heads: int, num_kv_heads: int, seq: int) -> Tensor:
-    """A `(#batch, #heads, seq, kv_seq)` mask laid out for queries folded to `(num_kv_heads, group*seq)`."""
+def fold_mask(mask: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
+    """A `(#batch, #heads, #seq, kv_seq)` mask laid out for queries folded to `(num_kv_heads, group*seq)`.
+
+    Row `g*seq + i` of the folded axis is query `i` of the group's `g`-th head. Built with `repeat`
+    and `flatten`, never `expand().reshape()`, so symbolic shapes (export) need no guards on `seq`.
+    """
     group = num_heads // num_kv_heads
     if group == 1:
         return mask
-    mb, mh, ms, kv = mask.shape
-    m5 = mask.unsqueeze(1) if mh == 1 else mask.unflatten(1, (num_kv_heads, group))
-    if ms == 1 and m5.shape[2] == 1:  # the same for every query of every head: keep broadcasting
-        return m5.squeeze(2)
-    return m5.expand(mb, m5.shape[1], group, seq, kv).reshape(mb, m5.shape[1], group * seq, kv)
+    heads, seq = mask.shape[1], mask.shape[2]
+    if heads == 1:
+        return mask if seq == 1 else mask.repeat(1, 1, group, 1)
+    return mask.unflatten(1, (num_kv_heads, group)).flatten(2, 3)
 
 
 def sdpa(
@@ -131,7 +141,7 @@ def attend(
     dropout_p: float,
 ) -> Tensor:
     """Attention for MHA/GQA/MQA with our conventions (lower-right causal, empty rows are zeros)."""
-    num_heads, num_kv_heads, seq = q.shape[1], k.shape[1], q.shape[2]
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if mask is None and num_heads == num_kv_heads:
         return sdpa(q, k, v, None, native_causal, scale, dropout_p)
     rows = None
@@ -139,7 +149,7 @@ def attend(
         rows = rows_with_a_key(mask)
         mask = open_empty_rows(mask, rows)
     folded = fold_queries(group_queries(q, num_kv_heads))
-    folded_mask = None if mask is None else fold_mask(mask, num_heads, num_kv_heads, seq)
+    folded_mask = None if mask is None else fold_mask(mask, num_heads, num_kv_heads)
     out = unfold(sdpa(folded, k, v, folded_mask, False, scale, dropout_p), num_heads)
     return zero_rows(out, rows)
 
@@ -152,7 +162,7 @@ def head_weights(q: Tensor, k: Tensor, mask: Tensor | None, may_empty: bool, sca
         rows = rows_with_a_key(mask)
         mask = open_empty_rows(mask, rows)
     folded = fold_queries(group_queries(q, num_kv_heads))
-    folded_mask = None if mask is None else fold_mask(mask, num_heads, num_kv_heads, seq)
+    folded_mask = None if mask is None else fold_mask(mask, num_heads, num_kv_heads)
     weights = probabilities(folded, k, folded_mask, scale).unflatten(2, (-1, seq)).flatten(1, 2)
     return zero_rows(weights, rows)
 

@@ -1,6 +1,9 @@
 """`MultiHeadAttention`: the module, for MHA, GQA and MQA, composed of checked stages."""
 
+import contextlib
 import functools
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +31,14 @@ def _witness(sizes: tuple[int, ...]) -> Tensor:
     One element broadcast to that shape, so it costs nothing anywhere (no allocation to record).
     """
     return torch.empty((), device="meta").expand(sizes)
+
+
+@contextlib.contextmanager
+def _quiet_jit_tracer() -> Iterator[None]:
+    """Checks read sizes in Python; under `torch.jit.trace` that is not part of the graph, so say nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # pyright: ignore[reportPrivateImportUsage]
+        yield
 
 
 def _module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device] | None:
@@ -174,6 +185,13 @@ class MultiHeadAttention(nn.Module):
         self._forget()
         return self
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A projection replaced (PEFT wraps and later unwraps them, writing weights through `.data`,
+        # which no version counter sees): forget the fused weight built from the old ones.
+        super().__setattr__(name, value)
+        if isinstance(value, nn.Module) and "_fused" in self.__dict__:
+            self._forget()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(_verdicts={}, _relations_known={}, _fused=None)
@@ -301,7 +319,8 @@ class MultiHeadAttention(nn.Module):
         observer = current_observer()
         check = checks_enabled()
         keys: tuple[Any, Any, Any] | None = None
-        if check and observer is None:
+        jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
+        if check and observer is None and not jit_tracing:
             try:
                 keys = self._keys(path, *call)
             except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
@@ -312,7 +331,8 @@ class MultiHeadAttention(nn.Module):
         try:
             if not check and observer is None:
                 return self._run(_RAW, path, fused, *call)
-            result = self._checked(check, observer, path, fused, *call)
+            with _quiet_jit_tracer() if jit_tracing else contextlib.nullcontext():
+                result = self._checked(check, observer, path, fused, *call)
         except BaseException:
             if state is not None and kv_cache is not None:
                 kv_cache.restore(state)  # a failed call changes nothing
@@ -335,8 +355,8 @@ class MultiHeadAttention(nn.Module):
         """Which computation runs: separate projections (always correct), or a fast path where provably the same."""
         if key is not query or value is not query or torch.is_grad_enabled():
             return SEPARATE, None
-        tracing_jit = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
-        if torch.compiler.is_compiling() or tracing_jit or not isinstance(query, Tensor):
+        jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
+        if torch.compiler.is_compiling() or jit_tracing or not isinstance(query, Tensor):
             return SEPARATE, None
         modules = self._modules
         fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], self._fused)
@@ -505,7 +525,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if mask is None and num_heads == num_kv_heads and not need_weights:
-            out = s.attend_heads(q, k, v, is_causal and q.shape[2] > 1, dropout_p)
+            out = s.attend_heads(q, k, v, K.native_causal(is_causal, q, k), dropout_p)
         else:
             folded = s.fold_queries(s.group_queries(q, num_kv_heads))
             folded_mask, rows = None, None

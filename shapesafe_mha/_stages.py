@@ -314,7 +314,7 @@ def scaled_dot_product_attention(
         ShapeError: shapes, dtypes or devices disagree, or `num_kv_heads` does not divide `num_heads`.
     """
     mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=False)
-    native_causal = mask is None and is_causal and q.shape[2] > 1
+    native_causal = mask is None and K.native_causal(is_causal, q, k)
     may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
     return K.attend(q, k, v, mask, native_causal, may_empty, scale, dropout_p)
 
@@ -479,7 +479,7 @@ def fold_mask(
     if may_empty:
         rows = K.rows_with_a_key(mask)
         mask = K.open_empty_rows(mask, rows)
-    return K.fold_mask(mask, num_heads, num_kv_heads, mask.shape[2]), rows
+    return K.fold_mask(mask, num_heads, num_kv_heads), rows
 
 
 @stage(name="attention_folded", trace=("",))

@@ -1,0 +1,273 @@
+"""One contract: the module's check is its stages' checks, on every path; a failed call changes nothing;
+remembered verdicts never let a wrong call through."""
+
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+import shapesafe_mha as ssm
+
+F64 = {"atol": 1e-10, "rtol": 1e-8}
+
+
+def test_a_mask_with_the_wrong_heads_is_a_shape_error_and_the_cache_is_unchanged() -> None:
+    """(batch, 3, seq, kv_seq) for 8 heads names attn_mask and num_heads; the cache keeps its length and
+    contents, and the retry decodes exactly what one causal forward computes."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(64, 8, 2, dtype=torch.float64)
+    cache = module.new_cache(batch=2, capacity=8)
+    prompt, step = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 1, 64, dtype=torch.float64)
+    module(prompt, is_causal=True, kv_cache=cache)
+    keys, values = cache.keys().clone(), cache.values().clone()
+    bad = torch.ones(2, 3, 1, 6, dtype=torch.bool)
+    for _ in range(2):  # first sight, then again once other verdicts are remembered
+        with pytest.raises(
+            ssm.ShapeError, match=r"attn_mask has num_heads=3 \(axis 1\), but the module set num_heads=8"
+        ):
+            module(step, kv_cache=cache, attn_mask=bad, is_causal=True)
+        assert len(cache) == 5
+        assert torch.equal(cache.keys(), keys) and torch.equal(cache.values(), values)
+    good = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    out = module(step, kv_cache=cache, attn_mask=good, is_causal=True)
+    full = module(torch.cat([prompt, step], dim=1), is_causal=True)
+    torch.testing.assert_close(out, full[:, -1:], **F64)
+
+
+def test_a_failure_after_the_cache_write_is_undone() -> None:
+    """Even a failure the checks cannot foresee (here: a projection that raises) leaves the cache as it was."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = module.new_cache(batch=1, capacity=8)
+    module(torch.randn(1, 3, 16), is_causal=True, kv_cache=cache)
+
+    def explode(*_: Any) -> None:
+        raise RuntimeError("boom")
+
+    handle = module.o_proj.register_forward_pre_hook(explode)
+    with pytest.raises(RuntimeError, match="boom"):
+        module(torch.randn(1, 2, 16), is_causal=True, kv_cache=cache)
+    handle.remove()
+    assert len(cache) == 3
+
+
+class _Truncate(TorchFunctionMode):
+    """Make one torch function return fewer query positions: a bug inside a stage, not in the call."""
+
+    def __init__(self, target: Callable[..., Any], axis: int) -> None:
+        super().__init__()
+        self.target, self.axis = target, axis
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is self.target:
+            first = out[0] if isinstance(out, tuple) else out
+            cut = first.narrow(self.axis, 0, 1)
+            return (cut, *out[1:]) if isinstance(out, tuple) else cut
+        return out
+
+
+PATHS = {
+    # name: (num_kv_heads, grad, forward keywords, faulty function, its query axis)
+    "no-grad MHA, fused projection": (8, False, {"is_causal": True}, F.scaled_dot_product_attention, -2),
+    "no-grad MHA, torch's native kernel": (8, False, {}, torch._native_multi_head_attention, 1),  # pyright: ignore[reportPrivateImportUsage]
+    "GQA causal with grad": (2, True, {"is_causal": True}, F.scaled_dot_product_attention, -2),
+    "need_weights": (2, True, {"need_weights": True}, torch.softmax, -2),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_stage_returning_fewer_positions_is_caught_on_first_sight(path: str) -> None:
+    """The fault is a ShapeError naming seq on every path when checked; with checks off it is not."""
+    num_kv_heads, grad, kwargs, target, axis = PATHS[path]
+    x = torch.randn(2, 5, 64)
+    with torch.set_grad_enabled(grad):
+        module = ssm.MultiHeadAttention(64, 8, num_kv_heads).eval()
+        with _Truncate(target, axis), pytest.raises(ssm.ShapeError, match=r"returned a wrong value: .*seq") as caught:
+            module(x, **kwargs)
+        assert "seq=5" in str(caught.value).splitlines()[0] or "seq=" in str(caught.value).splitlines()[0]
+        fresh = ssm.MultiHeadAttention(64, 8, num_kv_heads).eval()
+        with ssm.unchecked(), _Truncate(target, axis):
+            try:
+                fresh(x, **kwargs)
+            except ssm.ShapeError:  # pragma: no cover - the point of the test
+                pytest.fail("with checks off, shapesafe_mha raised a ShapeError")
+            except RuntimeError:
+                pass  # torch's own error further on: the fault was not ours to report
+
+
+def test_the_first_line_names_the_stage_the_dimension_and_both_sizes() -> None:
+    module = ssm.MultiHeadAttention(64, 8, 8).eval()
+    with torch.no_grad(), _Truncate(F.scaled_dot_product_attention, -2), pytest.raises(ssm.ShapeError) as caught:
+        module(torch.randn(2, 5, 64), is_causal=True)
+    first = str(caught.value).splitlines()[0]
+    assert first == (
+        "MultiHeadAttention.forward(): attention returned a wrong value: the result has seq=1 (axis 2), "
+        "but query set seq=5."
+    )
+
+
+def test_a_remembered_verdict_keeps_bool_and_int_apart() -> None:
+    """is_causal=True was accepted; is_causal=1 is another call (True == 1 must not share a verdict)."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(1, 3, 16)
+    module(x, is_causal=True)
+    with pytest.raises(ssm.ShapeError, match="is_causal must be bool, but got int 1"):
+        module(x, is_causal=1)  # pyright: ignore[reportArgumentType]
+
+
+def test_a_remembered_verdict_is_per_device_and_dtype() -> None:
+    """A verdict for float32 on cpu says nothing about float64 or meta inputs."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    module(torch.randn(1, 3, 16))
+    with pytest.raises(ssm.ShapeError, match="query has dtype float64"):
+        module(torch.randn(1, 3, 16, dtype=torch.float64))
+    with pytest.raises(ssm.ShapeError, match="query is on meta"):
+        module(torch.randn(1, 3, 16, device="meta"))
+
+
+def test_moving_the_module_forgets_its_verdicts() -> None:
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(1, 3, 16)
+    module(x)
+    module.double()
+    with pytest.raises(ssm.ShapeError, match="query has dtype float32, but the module's parameters are float64"):
+        module(x)
+
+
+def test_decoding_with_a_growing_padding_mask_is_checked_once() -> None:
+    """kv_seq grows by one a step: the relations between sizes stay the same, so one full check covers them."""
+    module = ssm.MultiHeadAttention(32, 4, 2)
+    cache = module.new_cache(batch=2, capacity=40)
+    padding = torch.zeros(2, 40, dtype=torch.bool)
+    padding[1, :2] = True
+    checked = []
+    original = type(module)._checked
+
+    def counting(self: Any, *args: Any) -> Any:
+        checked.append(len(cache))
+        return original(self, *args)
+
+    type(module)._checked = counting  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        module(torch.randn(2, 8, 32), is_causal=True, kv_cache=cache, key_padding_mask=padding[:, :8])
+        for t in range(8, 30):
+            module(torch.randn(2, 1, 32), is_causal=True, kv_cache=cache, key_padding_mask=padding[:, : t + 1])
+    finally:
+        type(module)._checked = original  # pyright: ignore[reportAttributeAccessIssue]
+    # The prefill, the first step, and the steps where kv_seq happens to equal one of the module's
+    # sizes (16 = num_heads * d_head, 32 = d_model): those relations are new, so they are checked.
+    assert checked == [0, 8, 15, 31 - 1] or len(checked) <= 5, checked
+
+
+# --- soundness: a wrong call among right ones is always rejected ------------------------------------------
+
+
+@st.composite
+def _sessions(draw: st.DrawFn) -> dict[str, Any]:
+    num_kv_heads = draw(st.integers(1, 3))
+    group = draw(st.integers(1, 3))
+    d_head = draw(st.integers(1, 4))
+    mode = draw(st.sampled_from(["self", "cross", "cache"]))
+    return {
+        "num_heads": num_kv_heads * group,
+        "num_kv_heads": num_kv_heads,
+        "d_head": d_head,
+        "d_model": draw(st.integers(1, 12)),
+        "mode": mode,
+        "mask": draw(st.sampled_from([None, "2d", "4d", "padding"])),
+        "calls": draw(st.integers(2, 6)),
+    }
+
+
+def _right_call(draw: st.DrawFn, cfg: dict[str, Any], batch: int, cached: int) -> dict[str, Any]:
+    """A call that must succeed: sizes drawn afresh (for a cache: one more step after `cached`)."""
+    seq = 1 if cfg["mode"] == "cache" and cached else draw(st.integers(1, 5))
+    kv = draw(st.integers(1, 5)) if cfg["mode"] == "cross" else seq
+    kv_seq = cached + kv
+    call: dict[str, Any] = {"query": torch.randn(batch, seq, cfg["d_model"])}
+    if cfg["mode"] == "cross":
+        call["key"] = torch.randn(batch, kv, cfg["d_model"])
+        call["value"] = torch.randn(batch, kv, cfg["d_model"])
+    if cfg["mask"] == "2d":
+        call["attn_mask"] = torch.ones(seq, kv_seq, dtype=torch.bool)
+    elif cfg["mask"] == "4d":
+        heads = draw(st.sampled_from([1, cfg["num_heads"]]))
+        call["attn_mask"] = torch.ones(draw(st.sampled_from([1, batch])), heads, seq, kv_seq, dtype=torch.bool)
+    elif cfg["mask"] == "padding":
+        call["key_padding_mask"] = torch.zeros(batch, kv_seq, dtype=torch.bool)
+    return call
+
+
+def _perturb(draw: st.DrawFn, call: dict[str, Any], cfg: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The same call with one dimension changed so that it is wrong (never to a value it could legally take)."""
+    batch, seq = call["query"].shape[:2]
+    choices: list[tuple[str, int, set[int]]] = [("query", 2, {cfg["d_model"]})]
+    if "key" in call:
+        choices += [("key", 0, {batch}), ("key", 2, {cfg["d_model"]}), ("value", 1, {call["key"].shape[1]})]
+    mask = call.get("attn_mask")
+    if mask is not None:
+        kv_seq = mask.shape[-1]
+        choices += [("attn_mask", mask.ndim - 2, {seq}), ("attn_mask", mask.ndim - 1, {kv_seq})]
+        if mask.ndim == 4:
+            choices += [("attn_mask", 0, {1, batch}), ("attn_mask", 1, {1, cfg["num_heads"]})]
+    if "key_padding_mask" in call:
+        padding = call["key_padding_mask"]
+        choices += [("key_padding_mask", 0, {batch}), ("key_padding_mask", 1, {padding.shape[1]})]
+    name, axis, legal = draw(st.sampled_from(choices))
+    size = draw(st.integers(1, 14).filter(lambda s: s not in legal))
+    tensor = call[name]
+    shape = list(tensor.shape)
+    shape[axis] = size
+    wrong = dict(call)
+    wrong[name] = torch.ones(shape, dtype=tensor.dtype) if tensor.dtype == torch.bool else torch.randn(shape)
+    if name == "key_padding_mask":
+        wrong[name] = torch.zeros(shape, dtype=torch.bool)
+    return wrong, f"{name} axis {axis}: {tensor.shape[axis]} -> {size}"
+
+
+@given(cfg=_sessions(), data=st.data())
+def test_one_wrong_call_among_right_ones_is_always_rejected(cfg: dict[str, Any], data: st.DataObject) -> None:
+    """Random right calls (verdicts remembered, sizes varying) with one wrong call at a random place:
+    the right ones pass, the wrong one is a ShapeError, and a cache is left as it was."""
+    module = ssm.MultiHeadAttention(cfg["d_model"], cfg["num_heads"], cfg["num_kv_heads"], d_head=cfg["d_head"])
+    batch = data.draw(st.integers(1, 3), label="batch")
+    wrong_at = data.draw(st.integers(0, cfg["calls"] - 1), label="wrong_at")
+    cache = module.new_cache(batch, 5 + 2 * cfg["calls"]) if cfg["mode"] == "cache" else None
+    grad = data.draw(st.booleans(), label="grad")
+    causal = data.draw(st.booleans(), label="is_causal")
+    with torch.set_grad_enabled(grad):
+        for index in range(cfg["calls"]):
+            call = _right_call(data.draw, cfg, batch, len(cache) if cache is not None else 0)
+            kwargs = {"is_causal": causal, "kv_cache": cache}
+            if index == wrong_at:
+                wrong, what = _perturb(data.draw, call, cfg)
+                before = len(cache) if cache is not None else None
+                with pytest.raises(ssm.ShapeError):
+                    module(**wrong, **kwargs)
+                assert before is None or len(cache) == before, what  # pyright: ignore[reportArgumentType]
+            module(**call, **kwargs)
+
+
+def test_lowest_versions_smoke_script_runs_here() -> None:
+    """tools/smoke.py (what CI runs against the lowest declared versions) passes with the installed ones."""
+    out = subprocess.run([sys.executable, "tools/smoke.py"], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "smoke ok" in out.stdout
+
+
+def test_env_switch_accepts_the_usual_spellings_and_rejects_others() -> None:
+    from shapesafe_mha._contract import parse_switch
+
+    for text in ("1", "true", "YES", "on", " On "):
+        assert parse_switch(text) is True
+    for text in ("", "0", "false", "No", "off"):
+        assert parse_switch(text) is False
+    with pytest.raises(ssm.ConfigError, match="SHAPESAFE_MHA_UNCHECKED='maybe' is not a switch"):
+        parse_switch("maybe")

@@ -1,0 +1,229 @@
+"""MultiHeadAttention under the torch tools its users run: it calls its submodules, keeps its parameters
+plain, and traces, exports, shares and trains like any well-made nn.Module."""
+
+import copy
+import datetime
+import io
+import os
+import pickle
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.export import Dim, export
+
+import shapesafe_mha as ssm
+from shapesafe_mha.reference import per_head_attention
+
+F64 = {"atol": 1e-10, "rtol": 1e-8}
+KINDS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+def _module(num_kv_heads: int = 2, dtype: torch.dtype = torch.float64, **kwargs: Any) -> ssm.MultiHeadAttention:
+    torch.manual_seed(0)
+    return ssm.MultiHeadAttention(32, 4, num_kv_heads, dtype=dtype, **kwargs)
+
+
+def _x(batch: int = 2, seq: int = 5, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return torch.randn(batch, seq, 32, dtype=dtype)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_peft_lora_on_q_and_v_is_used_and_equals_the_merged_module(grad: bool) -> None:
+    """The usual fine-tuning setup: LoRA adapters change the output, exactly as merging them does."""
+    peft = pytest.importorskip("peft")
+    module, x = _module(), _x()
+    with torch.no_grad():
+        base = module(x)
+    config = peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4, init_lora_weights=False)
+    adapted = peft.get_peft_model(module, config)
+    with torch.set_grad_enabled(grad):
+        out = adapted(x)
+    assert not torch.allclose(out, base)
+    merged = adapted.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(out, merged(x), **F64)
+
+
+def test_forward_hooks_on_the_projections_fire_on_every_path() -> None:
+    module, x = _module(num_kv_heads=4), _x()
+    fired: list[str] = []
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        getattr(module, name).register_forward_hook(lambda m, i, o, name=name: fired.append(name))
+    with torch.no_grad():
+        module(x)  # no-grad self-attention: the path that fuses when it may
+        module(x, is_causal=True, kv_cache=module.new_cache(2, 5))
+    module(x, x[:, :3])
+    assert fired == ["q_proj", "k_proj", "v_proj", "o_proj"] * 3
+
+
+def test_a_hook_that_changes_a_projection_is_honoured() -> None:
+    """A hook's result is what the module uses: doubling v's output doubles attention's output before o_proj."""
+    module, x = _module(bias=False), _x()
+    with torch.no_grad():
+        plain = module(x)
+        module.v_proj.register_forward_hook(lambda m, i, o: 2 * o)
+        torch.testing.assert_close(module(x), 2 * plain, **F64)
+
+
+def test_dynamic_quantization_stays_close_to_float() -> None:
+    module, x = _module(dtype=torch.float32), _x(dtype=torch.float32)
+    with torch.no_grad():
+        expected = module(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+        quantized = torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
+    assert type(quantized.q_proj) is not nn.Linear
+    with torch.no_grad():
+        out = quantized(x)
+    assert (out - expected).abs().max() < 0.05 * expected.abs().max()
+    assert not torch.equal(out, expected)
+
+
+def test_a_parametrized_weight_is_used() -> None:
+    """weight_norm on q_proj: the module computes with the parametrized weight (and its changes)."""
+    module, x = _module(), _x()
+    nn.utils.parametrizations.weight_norm(module.q_proj)
+    with torch.no_grad():
+        module.q_proj.parametrizations.weight.original0.mul_(3.0)  # pyright: ignore[reportAttributeAccessIssue]
+        out = module(x)
+    expected = per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=2)
+    torch.testing.assert_close(out, expected, **F64)
+
+
+class _ScaledLinear(nn.Linear):
+    """A user's nn.Linear subclass: its forward is not nn.Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * super().forward(x)
+
+
+def test_a_user_linear_subclass_in_a_slot_is_called() -> None:
+    module, x = _module(num_kv_heads=4, bias=False), _x()
+    with torch.no_grad():
+        plain = module(x)
+        scaled = _ScaledLinear(32, 32, bias=False, dtype=torch.float64)
+        scaled.weight.copy_(module.o_proj.weight)
+        module.o_proj = scaled
+        torch.testing.assert_close(module(x), 0.5 * plain, **F64)
+
+
+def test_share_memory_shares_every_parameter_and_keep_vars_returns_them() -> None:
+    module = _module()
+    module.share_memory()
+    assert all(p.is_shared() for p in module.parameters())
+    state = module.state_dict(keep_vars=True)
+    params = dict(module.named_parameters())
+    assert state.keys() == params.keys()
+    assert all(state[name] is param for name, param in params.items())
+    with torch.no_grad():
+        module(_x())  # the fused path's weight is a cache: the parameters stay the shared ones
+    assert all(p.is_shared() for p in module.parameters())
+
+
+def test_state_dict_deepcopy_pickle_and_optimizer_see_plain_parameters() -> None:
+    module, x = _module(), _x()
+    with torch.no_grad():
+        before = module(x)
+    state = module.state_dict()
+    assert all(
+        t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+        for n, t in state.items()
+        for m, s in state.items()
+        if n != m and "weight" in n and "weight" in m
+    )
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (copy.deepcopy(module), pickle.loads(pickle.dumps(module)), loaded):
+        with torch.no_grad():
+            torch.testing.assert_close(other(x), before, **F64)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    module(x).square().sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = module(x)  # no-grad: the fused weight must notice the step
+    torch.testing.assert_close(after, per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=2), **F64)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.trace.* is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("traced_grad", [False, True], ids=["traced_no_grad", "traced_grad"])
+def test_jit_trace_gives_a_graph_right_in_both_grad_modes(traced_grad: bool) -> None:
+    module, x = _module(), _x()
+    with torch.set_grad_enabled(traced_grad):
+        traced = torch.jit.trace(module, (x,))
+    y = _x()
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(traced(y), module(y), **F64)
+    with torch.no_grad():
+        module.q_proj.weight.add_(1.0)  # the weights are parameters of the graph, not constants
+        torch.testing.assert_close(traced(y), module(y), **F64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_export_with_dynamic_batch_and_seq_equals_eager_at_other_sizes(kind: str, causal: bool) -> None:
+    module = _module(num_kv_heads=KINDS[kind], dtype=torch.float32).eval()
+    shapes = {"query": {0: Dim("batch"), 1: Dim("seq")}, "is_causal": None}
+    program = export(module, (_x(2, 6, torch.float32),), kwargs={"is_causal": causal}, dynamic_shapes=shapes)
+    for batch, seq in ((3, 11), (1, 2), (5, 33)):
+        y = _x(batch, seq, torch.float32)
+        torch.testing.assert_close(program.module()(y, is_causal=causal), module(y, is_causal=causal))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_kv_cache_under_autograd_gives_the_outputs_and_gradients_of_one_causal_forward(kind: str) -> None:
+    module = _module(num_kv_heads=KINDS[kind])
+    x = _x(2, 7).requires_grad_()
+    full = module(x, is_causal=True)
+    expected = torch.autograd.grad(full.square().sum(), [x, *module.parameters()])
+    cache = module.new_cache(2, 7)
+    steps = [module(x[:, :3], is_causal=True, kv_cache=cache)]
+    steps += [module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(3, 7)]
+    out = torch.cat(steps, dim=1)
+    torch.testing.assert_close(out, full, **F64)
+    got = torch.autograd.grad(out.square().sum(), [x, *module.parameters()])
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **F64)
+    cache.reset()
+    assert cache.keys_buffer.grad_fn is None and cache.values_buffer.grad_fn is None
+    assert len(cache) == 0
+
+
+def _ddp_rank(rank: int, world: int, path: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        module = _module()
+        ddp = nn.parallel.DistributedDataParallel(module)
+        torch.manual_seed(1)
+        x = _x(4, 5)
+        shard = x.chunk(world)[rank]
+        # Each rank's loss is its share of the mean over the whole batch: DDP averages gradients.
+        ddp(shard, is_causal=True).square().mean().backward()
+        if rank == 0:
+            torch.save({n: p.grad for n, p in module.named_parameters()}, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_over_gloo_gives_the_gradients_of_one_process() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "grads.pt")
+        port = 29500 + os.getpid() % 1000
+        mp.start_processes(_ddp_rank, args=(2, path, port), nprocs=2, join=True, start_method="spawn")
+        got = torch.load(path)
+    module = _module()
+    torch.manual_seed(1)
+    x = _x(4, 5)
+    module(x, is_causal=True).square().mean().backward()
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, **F64)
