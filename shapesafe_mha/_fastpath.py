@@ -97,18 +97,22 @@ def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None) -> FusedQKV | Non
 def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> bool:
     """Whether torch's fused MHA kernel computes this call exactly: MHA, num_heads * d_head == d_model,
     biases, no dropout, a plain output projection, a short sequence, a dtype and device it supports."""
+    o_proj = module._modules["o_proj"]
     return (
-        module.num_kv_heads == module.num_heads
-        and module.num_heads * module.d_head == module.d_model
+        module.native_shape
         and fused.bias is not None
-        and plain_linear(module.o_proj)
-        and module.o_proj.bias is not None
-        and (module.dropout == 0.0 or not module.training)
         and query.shape[1] <= NATIVE_MAX_SEQ
-        and query.dtype in (torch.float32, torch.float64)
-        and query.device.type in ("cpu", "cuda")
+        and (module.dropout == 0.0 or not module.training)
+        and plain_linear(o_proj)
+        and o_proj._parameters["bias"] is not None
+        and query.dtype in _NATIVE_DTYPES
+        and query.device.type in _NATIVE_DEVICES
         and not tracing
     )
+
+
+_NATIVE_DTYPES = (torch.float32, torch.float64)
+_NATIVE_DEVICES = ("cpu", "cuda")
 
 
 def native_kernel(

@@ -168,6 +168,8 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
+        # Torch's fused MHA kernel needs MHA with heads that tile d_model (see _fastpath.native_fits).
+        self.native_shape = num_kv_heads == num_heads and num_heads * d_head == d_model
         self._constants = frozenset(
             {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
         )
@@ -384,22 +386,21 @@ class MultiHeadAttention(nn.Module):
         """What a verdict depends on: the call's structure (kinds, ranks, dtypes, devices, flags, path)
         and its sizes; these exactly, for a lookup that costs one hash."""
         kv_len = key.shape[1]
-        cache_kind, buffer_shape = None, None
+        cache_kind = buffer_shape = None
         if kv_cache is not None:
             kv_len += len(kv_cache)
             buffer = kv_cache.keys_buffer
             cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device), buffer.shape
         masked = attn_mask is not None or key_padding_mask is not None
-        extra = (key, value, attn_mask, key_padding_mask)
-        kinds = tuple(None if t is None else (type(t), t.dtype, t.device) for t in extra)
         structure = (
             path,
             type(query),
             query.dtype,
             query.device,
-            key is query,
-            value is key,
-            kinds,
+            None if key is query else (type(key), key.dtype, key.device),
+            None if value is key else (type(value), value.dtype, value.device),
+            None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device),
+            None if key_padding_mask is None else (type(key_padding_mask), key_padding_mask.dtype),
             cache_kind,
             type(is_causal),
             is_causal,
@@ -407,7 +408,7 @@ class MultiHeadAttention(nn.Module):
             need_weights,
             query.shape[1] > kv_len,  # some rows have nothing to attend to
             self.training,
-            tuple(map(id, self._modules.values())),
+            *self._modules.values(),  # a projection replaced is another module (compared by identity)
         )
         shapes = (
             query.shape,
@@ -504,16 +505,19 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The forward, stage by stage: `s` holds the stages, checked (a session's) or plain."""
         num_heads, num_kv_heads, d_head = self.num_heads, self.num_kv_heads, self.d_head
-        o_proj = self.o_proj
+        modules = self._modules  # plain dict lookups: nn.Module.__getattr__ costs a microsecond each
+        q_proj, k_proj, v_proj, o_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["o_proj"]
         if path is NATIVE and fused is not None:
-            return s.native_attention(query, fused.weight, fused.bias, o_proj.weight, o_proj.bias, num_heads)
+            out = o_proj._parameters  # pyright: ignore[reportOptionalMemberAccess]  (built in __init__)
+            out_weight, out_bias = out["weight"], out["bias"]
+            return s.native_attention(query, fused.weight, fused.bias, out_weight, out_bias, num_heads)
         if path is FUSED and fused is not None:
             qkv = s.project_qkv(query, fused.weight, fused.bias)
             q, k, v = s.unfuse(qkv, num_heads * d_head, num_kv_heads * d_head)
         else:
-            q = s.project_query(self.q_proj, query)
-            k = s.project_key(self.k_proj, key)
-            v = s.project_value(self.v_proj, value)
+            q = s.project_query(q_proj, query)
+            k = s.project_key(k_proj, key)
+            v = s.project_value(v_proj, value)
         q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)

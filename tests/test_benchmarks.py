@@ -21,6 +21,14 @@ def test_performance_benchmark_prints_every_comparison() -> None:
     """`python -m benchmarks --quick` prints each comparison with its ratio and goal (no timing asserted)."""
     command = [sys.executable, "-m", "benchmarks", "--quick", "--no-compile"]
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    for name in ("decode: checked / unchecked", "prefill: ours checked / nn.MHA", "checks off / no checks"):
+    names = (
+        "decode: checked / unchecked",
+        "padded generation: checked / unchecked",
+        "prefill: ours checked / nn.MHA",
+        "checks off / no checks",
+        "training step: ours / nn.MHA",
+        "LoRA q/v: ours / unfused path",
+    )
+    for name in names:
         assert name in out
     assert "long (1, 1024, 512)" in out
