@@ -48,9 +48,7 @@ def _head_mask(
     if is_causal:
         for i in range(seq):
             position = kv_seq - seq + i  # lower-right alignment; negative: sees no key at all
-            for j in range(kv_seq):
-                if j > position:
-                    blocked[:, i, j] = True
+            blocked[:, i, max(position + 1, 0) :] = True  # every key after its own position
     if key_padding_mask is not None:
         blocked |= key_padding_mask[:, None, :]
     if attn_mask is not None:

@@ -79,22 +79,76 @@ def _heads(draw: Any, kind: Kind, max_heads: int) -> tuple[int, int]:
     return num_kv_heads * group, num_kv_heads
 
 
+# Where attention code commonly switches paths: powers of two (blocks, tiles, kernel cut-offs).
+_POWERS_OF_TWO = tuple(2**k for k in range(1, 14))
+# Beyond this many positions a drawn config keeps its heads and widths small, so it stays cheap.
+_LONG = 32
+
+
+def boundary_sizes(max_seq: int, thresholds: Sequence[int] = ()) -> list[int]:
+    """Sizes on purpose at both sides of each power of two and each threshold, up to `max_seq`, ascending.
+
+    Example:
+        >>> from shapesafe_mha.testing import boundary_sizes
+        >>> boundary_sizes(20, thresholds=(10,))
+        [1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 15, 16, 17]
+    """
+    sizes = {1}
+    for edge in (*_POWERS_OF_TWO, *thresholds):
+        sizes.update((edge - 1, edge, edge + 1))
+    return sorted(s for s in sizes if 1 <= s <= max_seq)
+
+
+def sequence_lengths(max_seq: int = 512, thresholds: Sequence[int] = ()) -> st.SearchStrategy[int]:
+    """Draw a sequence length: mostly small, some at the boundaries, some anywhere up to `max_seq`.
+
+    Half the draws are 1 to 8 (cheap, and where most bugs show); a quarter are boundary values
+    (`boundary_sizes`: each power of two and each of `thresholds`, and one either side); a quarter
+    are uniform up to `max_seq`. A failure shrinks to the smallest length that still fails, so a
+    report says where a threshold is ("seq=9": the first length past 8).
+
+    Example:
+        >>> from hypothesis import given, settings
+        >>> from shapesafe_mha.testing import sequence_lengths
+        >>> seen = []
+        >>> @settings(max_examples=200, derandomize=True, database=None)
+        ... @given(sequence_lengths(512, thresholds=(300,)))
+        ... def collect(n):
+        ...     seen.append(n)
+        >>> collect()
+        >>> min(seen) == 1 and max(seen) > 256 and 301 in seen
+        True
+    """
+    if not isinstance(max_seq, int) or max_seq < 1:
+        raise ValueError(f"max_seq must be a positive int, got {max_seq!r}")
+    bad = [t for t in thresholds if not isinstance(t, int) or t < 1]
+    if bad:
+        raise ValueError(f"thresholds must be positive ints (sizes where the implementation switches), got {bad}")
+    small = st.integers(1, min(8, max_seq))
+    edges = st.sampled_from(boundary_sizes(max_seq, thresholds))
+    anywhere = st.integers(1, max_seq)
+    return st.one_of(small, small, edges, anywhere)
+
+
 @st.composite
 def attention_configs(
     draw: Any,
     kinds: Sequence[Kind] = ALL_KINDS,
     *,
     max_heads: int = 8,
-    max_seq: int = 8,
+    max_seq: int = 512,
     max_batch: int = 3,
     max_d_head: int = 8,
     bias: bool | None = None,
     cross: bool = True,
+    thresholds: Sequence[int] = (),
 ) -> AttentionConfig:
     """Draw a valid `AttentionConfig` of one of `kinds`.
 
     Covers the cases bugs hide behind: batch > 1, seq > 1, `kv_seq != seq` (if `cross`),
-    `group > 2`, `d_head = 1`, MQA, and `num_heads * d_head != d_model`.
+    `group > 2`, `d_head = 1`, MQA, `num_heads * d_head != d_model`, and sequence lengths across
+    the sizes where implementations switch paths (see `sequence_lengths`; pass your own
+    `thresholds`). Long sequences come with small heads and widths, so every example stays cheap.
 
     Example:
         >>> from hypothesis import given, settings
@@ -109,11 +163,13 @@ def attention_configs(
     if unknown or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {ALL_KINDS}, got {tuple(kinds)}")
     kind = draw(st.sampled_from(tuple(kinds)))
+    seq = draw(sequence_lengths(max_seq, thresholds), label="seq")
+    kv_seq = draw(sequence_lengths(max_seq, thresholds), label="kv_seq") if cross else seq
+    if max(seq, kv_seq) > _LONG:  # long: keep the rest small
+        max_heads, max_d_head, max_batch = min(max_heads, 4), min(max_d_head, 4), min(max_batch, 2)
     num_heads, num_kv_heads = _heads(draw, kind, max(4 if kind == "gqa" else 2, max_heads))
     d_head = draw(st.integers(1, max_d_head))
     d_model = draw(st.one_of(st.just(num_heads * d_head), st.integers(1, 4 * max_d_head)))
-    seq = draw(st.integers(1, max_seq))
-    kv_seq = draw(st.integers(1, max_seq)) if cross else seq
     return AttentionConfig(
         batch=draw(st.integers(1, max_batch)),
         seq=seq,

@@ -42,7 +42,7 @@ def _call(fn: AttentionFn, x: Tensor, weights: AttentionWeights, config: Attenti
 
 def _describe(config: AttentionConfig, is_causal: bool, dtype: torch.dtype) -> str:
     return (
-        f"batch={config.batch}, seq={config.seq}, d_model={config.d_model}, num_heads={config.num_heads}, "
+        f"seq={config.seq}, batch={config.batch}, d_model={config.d_model}, num_heads={config.num_heads}, "
         f"num_kv_heads={config.num_kv_heads}, d_head={config.d_head}, bias={config.bias}, is_causal={is_causal} "
         f"({config.kind}, group={config.group}, {str(dtype).removeprefix('torch.')})"
     )
@@ -145,6 +145,7 @@ def run_property(
     max_examples: int,
     on_example: Callable[[float], None] | None = None,
     cross: bool = False,
+    thresholds: Sequence[int] = (),
 ) -> None:
     """Run `check(config, data)` on hypothesis-drawn configs; it returns a deviation or raises AssertionError."""
 
@@ -156,7 +157,7 @@ def run_property(
         report_multiple_bugs=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(config=attention_configs(kinds, cross=cross), data=st.data())
+    @given(config=attention_configs(kinds, cross=cross, thresholds=thresholds), data=st.data())
     def prop(config: AttentionConfig, data: Any) -> None:
         deviation = check(config, data)
         if on_example is not None:
@@ -173,6 +174,7 @@ def check_attention(
     max_examples: int = 100,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float64,
+    thresholds: Sequence[int] = (),
 ) -> None:
     """Property-test an attention implementation against `reference.per_head_attention`.
 
@@ -180,6 +182,11 @@ def check_attention(
     `AttentionWeights` (nn.Linear layout; biases may be None) and returns `(batch, seq, d_model)`.
     hypothesis draws configs (MHA/GQA/MQA, as `kinds` says) and inputs, and shrinks a failure to the
     smallest config. Call it from a plain test, not from inside another `@given`.
+
+    Sequence lengths reach 512 and land on purpose on both sides of every power of two; name the
+    sizes where your implementation switches paths (`thresholds=(128, 4096)`) and the draws cover
+    each side of them too. A failure shrinks to the smallest failing length, which the report
+    names first ("seq=9" for keys truncated to 8).
 
     Example:
         >>> import shapesafe_mha as ssm
@@ -203,7 +210,7 @@ def check_attention(
         x = data.draw(attention_inputs(config, dtype=dtype, device=device), label="inputs").query
         return _compare(fn, config, x, weights, is_causal, dtype)
 
-    run_property(check, kinds=kinds, max_examples=max_examples)
+    run_property(check, kinds=kinds, max_examples=max_examples, thresholds=thresholds)
 
 
 def _load(module: nn.Module, weights: AttentionWeights) -> None:
@@ -229,6 +236,7 @@ def check_module(
     max_examples: int = 100,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float64,
+    thresholds: Sequence[int] = (),
 ) -> None:
     """`check_attention` for an `nn.Module` with `q_proj, k_proj, v_proj, o_proj` (nn.Linear) submodules.
 
@@ -251,4 +259,12 @@ def check_module(
         out = forward(module, x, is_causal)
         return out[0] if isinstance(out, tuple) else out
 
-    check_attention(fn, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype)
+    check_attention(
+        fn,
+        kinds=kinds,
+        is_causal=is_causal,
+        max_examples=max_examples,
+        device=device,
+        dtype=dtype,
+        thresholds=thresholds,
+    )

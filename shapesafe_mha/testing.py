@@ -10,7 +10,9 @@ from ._strategies import attention_configs as attention_configs
 from ._strategies import attention_inputs as attention_inputs
 from ._strategies import attention_masks as attention_masks
 from ._strategies import attention_weights as attention_weights
+from ._strategies import boundary_sizes as boundary_sizes
 from ._strategies import key_padding_masks as key_padding_masks
+from ._strategies import sequence_lengths as sequence_lengths
 from ._toolkit import check_attention as check_attention
 from ._toolkit import check_module as check_module
 from ._toolkit import tolerance as tolerance
@@ -32,9 +34,11 @@ __all__ = [
     "attention_inputs",
     "attention_masks",
     "attention_weights",
+    "boundary_sizes",
     "check_attention",
     "check_module",
     "key_padding_masks",
+    "sequence_lengths",
     "storage_id",
     "tolerance",
 ]

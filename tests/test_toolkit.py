@@ -97,7 +97,7 @@ def test_every_planted_bug_is_caught_with_a_readable_report(bug: str) -> None:
         )
     report = str(caught.value)
     assert re.search(
-        r"smallest failing config: batch=\d+, seq=\d+, d_model=\d+, num_heads=\d+, num_kv_heads=\d+, "
+        r"smallest failing config: seq=\d+, batch=\d+, d_model=\d+, num_heads=\d+, num_kv_heads=\d+, "
         r"d_head=\d+, bias=(True|False), is_causal=(True|False)",
         report,
     ), report
