@@ -10,6 +10,9 @@ from ._module import MultiHeadAttention as MultiHeadAttention
 from ._report import TraceConfig as TraceConfig
 from ._report import TraceReport as TraceReport
 from ._report import trace_forward as trace_forward
+from ._rotary import RotaryEmbedding as RotaryEmbedding
+from ._rotary import apply_rotary as apply_rotary
+from ._rotary import inverse_frequencies as inverse_frequencies
 from ._stages import attention_weights as attention_weights
 from ._stages import group_queries as group_queries
 from ._stages import merge_heads as merge_heads
@@ -25,13 +28,16 @@ __all__ = [
     "ConfigError",
     "KVCache",
     "MultiHeadAttention",
+    "RotaryEmbedding",
     "ShapeError",
     "ShapesafeError",
     "TraceConfig",
     "TraceReport",
+    "apply_rotary",
     "attention_weights",
     "checks_enabled",
     "group_queries",
+    "inverse_frequencies",
     "merge_heads",
     "project",
     "scaled_dot_product_attention",

@@ -92,12 +92,15 @@ def trace(
     dtype: Annotated[str, typer.Option(help=", ".join(DTYPES))] = "bfloat16",
     decode: Annotated[int | None, typer.Option(help="one decoding step against a cache holding N positions")] = None,
     tp: Annotated[int, typer.Option("--tp", help="head-parallel ranks: show one rank's share and the all-reduce")] = 1,
+    rope_theta: Annotated[
+        float | None, typer.Option("--rope-theta", help="rotary position embeddings with this base (Llama: 500000)")
+    ] = None,
     format: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
     if dtype not in DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}")
-    config = TraceConfig(d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype, decode, tp)
+    config = TraceConfig(d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype, decode, tp, rope_theta)
     try:
         report = trace_forward(config)
     except ShapesafeError as error:

@@ -22,7 +22,7 @@ Notation:
 Shapes are built from these names once, below, and reused by every stage.
 """
 
-from jaxtyping import Bool, Float, Shaped
+from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
 DIMS = (
@@ -66,10 +66,15 @@ Heads = Float[Tensor, "batch num_heads seq d_head"]
 KVHeads = Float[Tensor, "batch num_kv_heads kv_seq d_head"]
 NewKVHeads = Float[Tensor, "batch num_kv_heads new d_head"]
 CacheBuffer = Float[Tensor, "batch num_kv_heads capacity d_head"]
+SameSeqKVHeads = Float[Tensor, "batch num_kv_heads seq d_head"]  # keys at the queries' positions
 GroupedQueries = Float[Tensor, "batch num_kv_heads group seq d_head"]
 FoldedQueries = Float[Tensor, "batch num_kv_heads group*seq d_head"]  # a group's query heads end to end
 Probabilities = Float[Tensor, "batch num_heads seq kv_seq"]
 FoldedProbabilities = Float[Tensor, "batch num_kv_heads group*seq kv_seq"]
+
+# Rotary position embeddings: integer positions of the queries, and their cos/sin tables.
+Positions = Int[Tensor, "batch seq"]
+RotaryTable = Float[Tensor, "seq d_head"] | Float[Tensor, "#batch seq d_head"]
 
 # Masks. Boolean: True = may attend. Float: added to the scores. Only batch and heads broadcast.
 AttnMask = (

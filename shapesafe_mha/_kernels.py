@@ -35,6 +35,19 @@ def unfold(out: Tensor, num_heads: int) -> Tensor:
     return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
 
 
+def rotate_half(x: Tensor) -> Tensor:
+    """`(x1, x2) -> (-x2, x1)` over the two halves of the last axis."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of per-head `x` `(batch, heads, seq, d_head)`; tables `(seq, d)` or `(batch, seq, d)`."""
+    if cos.ndim == 3:
+        cos, sin = cos[:, None], sin[:, None]  # the same rotation for every head
+    return x * cos + rotate_half(x) * sin
+
+
 def combine_masks(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,

@@ -3,7 +3,7 @@
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -12,16 +12,18 @@ from torch import Tensor, nn
 from . import _kernels as K
 from ._cache import KVCache
 from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational
-from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Probabilities, Tokens
+from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
 from ._errors import ConfigError
 from ._fastpath import FusedQKV, fused_qkv, native_fits
 from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from ._rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
 from ._stages import FORWARD_STAGES, check_groups, explain_mask, positive_count
 from ._trace import current_observer
 from ._weights import AttentionWeights
 
 SEPARATE, FUSED, NATIVE = "separate", "fused", "native"
-_RAW = raw(**FORWARD_STAGES)
+_STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": apply_rotary}
+_RAW = raw(**_STAGES)
 
 
 @functools.lru_cache(maxsize=64)
@@ -51,7 +53,13 @@ def _module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device] 
 
 def _precheck_forward(arguments: dict[str, Any]) -> None:
     """Inputs in the module's dtype and on its device; a cache of the right kind."""
-    found = _module_dtype_device(arguments["self"])
+    module = arguments["self"]
+    if arguments["positions"] is not None and module.rotary is None:
+        raise ConfigError(
+            "positions were given, but this module has no rotary embeddings (rope_theta=None): "
+            "nothing would use them. Build it with rope_theta=..., or drop positions."
+        )
+    found = _module_dtype_device(module)
     cache = arguments["kv_cache"]
     if cache is not None and not isinstance(cache, KVCache):
         raise mismatch(
@@ -116,6 +124,8 @@ class MultiHeadAttention(nn.Module):
         d_head: width of each head; default `d_model // num_heads` (which must then divide).
         bias: biases on all four projections.
         dropout: dropout on the attention probabilities, in training mode.
+        rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
+        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3"), or None.
         device, dtype: of the parameters.
 
     Raises:
@@ -133,6 +143,8 @@ class MultiHeadAttention(nn.Module):
         d_head: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
+        rope_theta: float | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -168,8 +180,13 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
+        self.rope_theta = rope_theta
+        self.rotary: RotaryEmbedding | None = None
+        if rope_theta is not None:
+            check_rotary_width(d_head, owner)
+            self.rotary = RotaryEmbedding(d_head, rope_theta, rope_scaling).to(device=device)
         # Torch's fused MHA kernel needs MHA with heads that tile d_model (see _fastpath.native_fits).
-        self.native_shape = num_kv_heads == num_heads and num_heads * d_head == d_model
+        self.native_shape = num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None
         self._constants = frozenset(
             {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
         )
@@ -203,6 +220,7 @@ class MultiHeadAttention(nn.Module):
         return (
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"d_head={self.d_head}, dropout={self.dropout}"
+            + (f", rope_theta={self.rope_theta}" if self.rope_theta is not None else "")
         )
 
     @property
@@ -224,7 +242,14 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_weights(
-        cls, weights: AttentionWeights, *, num_heads: int, num_kv_heads: int | None = None, dropout: float = 0.0
+        cls,
+        weights: AttentionWeights,
+        *,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        rope_theta: float | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
     ) -> "MultiHeadAttention":
         """A module holding copies of `weights` (on their device, in their dtype).
 
@@ -248,6 +273,8 @@ class MultiHeadAttention(nn.Module):
             d_head=d_head,
             bias=weights.bias,
             dropout=dropout,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             device=weights.w_q.device,
             dtype=weights.w_q.dtype,
         )
@@ -255,7 +282,9 @@ class MultiHeadAttention(nn.Module):
             for name, proj in (("q", module.q_proj), ("k", module.k_proj), ("v", module.v_proj), ("o", module.o_proj)):
                 proj.weight.copy_(getattr(weights, f"w_{name}"))
                 bias = getattr(weights, f"b_{name}")
-                if proj.bias is not None and bias is not None:
+                if bias is None:
+                    proj.register_parameter("bias", None)  # some models bias q/k/v but not o (Qwen2)
+                elif proj.bias is not None:
                     proj.bias.copy_(bias)
         return module
 
@@ -275,6 +304,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         need_weights: bool = False,
         kv_cache: KVCache | None = None,
+        positions: Positions | None = None,
     ) -> Tokens | tuple[Tokens, Probabilities]:
         """Attend from `query` to `key`/`value` (default: `query`, self-attention).
 
@@ -305,6 +335,9 @@ class MultiHeadAttention(nn.Module):
                 `kv_seq - seq + i`), so prefill and decoding with a cache agree.
             need_weights: also return the per-head probabilities `(batch, num_heads, seq, kv_seq)`.
             kv_cache: append this call's keys and values to it and attend over all it holds.
+            positions: `(batch, seq)` integer positions of the queries, for rotary embeddings
+                (default: `len(kv_cache) + arange(seq)` for every sequence, so prefill and
+                decoding agree; a left-padded batch passes its own).
 
         Returns:
             `(batch, seq, d_model)`, or `(output, weights)` with `need_weights=True`. A query
@@ -316,7 +349,7 @@ class MultiHeadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
-        call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache)
+        call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
         path, fused = self._path(*call)
         observer = current_observer()
         check = checks_enabled()
@@ -353,6 +386,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: Any,
         need_weights: Any,
         kv_cache: Any,
+        positions: Any,
     ) -> tuple[str, FusedQKV | None]:
         """Which computation runs: separate projections (always correct), or a fast path where provably the same."""
         if key is not query or value is not query or torch.is_grad_enabled():
@@ -382,6 +416,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: Any,
         need_weights: Any,
         kv_cache: KVCache | None,
+        positions: Tensor | None,
     ) -> tuple[Any, Any, Any]:
         """What a verdict depends on: the call's structure (kinds, ranks, dtypes, devices, flags, path)
         and its sizes; these exactly, for a lookup that costs one hash."""
@@ -401,6 +436,7 @@ class MultiHeadAttention(nn.Module):
             None if value is key else (type(value), value.dtype, value.device),
             None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device),
             None if key_padding_mask is None else (type(key_padding_mask), key_padding_mask.dtype),
+            None if positions is None else (type(positions), positions.dtype, positions.device),
             cache_kind,
             type(is_causal),
             is_causal,
@@ -417,6 +453,7 @@ class MultiHeadAttention(nn.Module):
             None if attn_mask is None else attn_mask.shape,
             None if key_padding_mask is None else key_padding_mask.shape,
             buffer_shape,
+            None if positions is None else positions.shape,
         )
         # kv_seq counts the cached positions too; it is checked only against masks.
         return structure, shapes, kv_len if masked else None
@@ -463,6 +500,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: Any,
         need_weights: Any,
         kv_cache: Any,
+        positions: Any,
     ) -> Any:
         """The forward with every stage checked against one memo, and reported to the trace."""
         with Session("MultiHeadAttention.forward()", check=check, observer=observer) as session:
@@ -477,15 +515,15 @@ class MultiHeadAttention(nn.Module):
                     is_causal=is_causal,
                     need_weights=need_weights,
                     kv_cache=kv_cache,
+                    positions=positions,
                 ),
                 hints=_FORWARD_HINTS if kv_cache is None else _CACHED_FORWARD_HINTS,
             )
             if observer is not None:
                 observer("query", "batch seq d_model", query)
-            stages = session.stages(**FORWARD_STAGES)
-            result = self._run(
-                stages, path, fused, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache
-            )
+            stages = session.stages(**_STAGES)
+            call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
+            result = self._run(stages, path, fused, *call)
             session.report(_FORWARD, result)
         return result
 
@@ -502,6 +540,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool,
         need_weights: bool,
         kv_cache: KVCache | None,
+        positions: Tensor | None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The forward, stage by stage: `s` holds the stages, checked (a session's) or plain."""
         num_heads, num_kv_heads, d_head = self.num_heads, self.num_kv_heads, self.d_head
@@ -521,6 +560,12 @@ class MultiHeadAttention(nn.Module):
         q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)
+        rotary = modules.get("rotary")
+        if rotary is not None:
+            if positions is None:
+                positions = default_positions(query, 0 if kv_cache is None else len(kv_cache))
+            cos, sin = s.rotary_tables(rotary, positions, q)
+            q, k = s.apply_rotary(q, k, cos, sin)
         if kv_cache is None:
             k, v = s.attend_to_new(k, v)
         else:
@@ -594,6 +639,45 @@ class MultiHeadAttention(nn.Module):
                     proj.bias.copy_(b)  # pyright: ignore[reportOptionalMemberAccess]  (built with bias above)
                 ours.o_proj.bias.copy_(module.out_proj.bias)  # pyright: ignore[reportOptionalMemberAccess]
         return ours
+
+    @classmethod
+    def from_hf(cls, attention: nn.Module) -> "MultiHeadAttention":
+        """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
+
+        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2 and alike), configured by
+        `attention.config`: sizes, GQA, biases per projection, dropout, and RoPE (default or llama3
+        scaling; tables computed as transformers computes them). Call it `is_causal=True`;
+        positions default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache`.
+
+        Example:
+            >>> import torch, shapesafe_mha as ssm
+            >>> from transformers import LlamaConfig
+            >>> from transformers.models.llama.modeling_llama import LlamaAttention
+            >>> config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
+            >>> ours = ssm.MultiHeadAttention.from_hf(LlamaAttention(config, layer_idx=0))
+            >>> ours
+            MultiHeadAttention(
+              d_model=64, num_heads=8, num_kv_heads=2, d_head=8, dropout=0.0, rope_theta=10000.0
+              ...
+
+        Raises:
+            ConfigError: a variant computed differently here (sliding window, QK-norm, softcapping,
+                another RoPE scaling, partial rotary), named by its config field.
+        """
+        from ._hf import from_hf
+
+        return from_hf(cls, attention)
+
+    def to_hf(self, config: Any) -> nn.Module:
+        """The transformers attention layer for `config` (a LlamaConfig, Qwen2Config, ...), with these weights.
+
+        Raises:
+            ConfigError: `config` describes other sizes, biases or RoPE than this module, or its model
+                type has no such attention class.
+        """
+        from ._hf import to_hf
+
+        return to_hf(self, config)
 
     def to_torch(self) -> nn.MultiheadAttention:
         """An equivalent `nn.MultiheadAttention(batch_first=True)`; MHA with `num_heads*d_head == d_model` only.

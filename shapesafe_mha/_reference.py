@@ -32,6 +32,17 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
     return exp / torch.where(total == 0, torch.ones_like(total), total)
 
 
+def _rotate_pairs(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """One head's features, pair `(i, i + d_head/2)` turned by the angle `position * theta**(-2i/d_head)`."""
+    half = x.shape[-1] // 2
+    exponents = torch.arange(half, dtype=torch.float32) * 2 / x.shape[-1]
+    frequency = 1.0 / theta**exponents
+    angle = positions.to(torch.float32)[..., None] * frequency
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
 def _head_mask(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,
@@ -74,6 +85,8 @@ def per_head_attention(
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    rope_theta: float | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Multi-head attention computed one head at a time from explicit per-head weight slices.
 
@@ -98,6 +111,10 @@ def per_head_attention(
         weights: the layer's weights in `nn.Linear` layout.
         num_heads, num_kv_heads: the head counts (`num_kv_heads` divides `num_heads`).
         attn_mask, is_causal, key_padding_mask: as in `MultiHeadAttention.forward`.
+        rope_theta: rotate each head's queries and keys (default RoPE with this base), pairing
+            feature `i` with `i + d_head/2`; angles in float32, as transformers computes them.
+        positions: `(batch, seq)` positions of the queries (and keys: self-attention); default
+            `0..seq-1`.
 
     Returns:
         `(batch, seq, d_model)`.
@@ -111,6 +128,9 @@ def per_head_attention(
         kv_head = head // group
         q = _linear(query, *_rows(weights.w_q, weights.b_q, head, d_head))
         k = _linear(key, *_rows(weights.w_k, weights.b_k, kv_head, d_head))
+        if rope_theta is not None:
+            where = torch.arange(seq).expand(batch, seq) if positions is None else positions
+            q, k = _rotate_pairs(q, where, rope_theta), _rotate_pairs(k, where, rope_theta)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
         scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)
         scores = scores + _head_mask(attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores)

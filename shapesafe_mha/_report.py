@@ -31,6 +31,7 @@ class TraceConfig:
     dtype: str = "bfloat16"
     decode: int | None = None  # one step against a cache already holding this many positions
     tp: int = 1  # head-parallel ranks: trace one rank's share (every rank's shapes are the same)
+    rope_theta: float | None = None  # rotary position embeddings with this base
 
 
 @dataclass
@@ -64,7 +65,13 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     dtype = DTYPES[config.dtype]
     device = torch.device(config.device)
     full = MultiHeadAttention(
-        config.d_model, config.num_heads, config.num_kv_heads, d_head=config.d_head, device=device, dtype=dtype
+        config.d_model,
+        config.num_heads,
+        config.num_kv_heads,
+        d_head=config.d_head,
+        rope_theta=config.rope_theta,
+        device=device,
+        dtype=dtype,
     ).eval()
     module, shards = full, []
     if config.tp != 1:
@@ -74,6 +81,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
             shards[0].local_heads,
             shards[0].local_kv_heads,
             d_head=full.d_head,
+            rope_theta=config.rope_theta,
             device=device,
             dtype=dtype,
         ).eval()

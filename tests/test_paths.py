@@ -54,7 +54,7 @@ def test_the_module_properties_take_every_execution_path(monkeypatch: pytest.Mon
     original = ssm.MultiHeadAttention._run
 
     def recording(self: Any, s: Any, path: str, fused: Any, query: torch.Tensor, *rest: Any) -> Any:
-        need_weights, kv_cache = rest[-2:]
+        need_weights, kv_cache = rest[-3:-1]
         taken.update(_paths_of(path, query, kv_cache, need_weights))
         return original(self, s, path, fused, query, *rest)
 

@@ -1,0 +1,146 @@
+"""Hugging Face interop: load a transformers attention layer (Llama, Mistral, Qwen2 layout), and back.
+
+transformers is an optional dependency (`pip install "shapesafe_mha[hf]"`); it is imported only
+when `to_hf` needs it. A variant this module does not compute (sliding windows, QK-norm, logit
+softcapping, partial or scaled RoPE other than llama3) is a `ConfigError` naming the config field,
+never a silently different layer.
+"""
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import ConfigError
+from ._rotary import SUPPORTED_SCALING
+
+_OWNER = "MultiHeadAttention.from_hf()"
+
+
+def _refuse(field: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(
+        f"{_OWNER}: {field}={value!r}: {why}; this layer would compute something else, so it is refused."
+    )
+
+
+def rope_of(config: Any) -> tuple[float | None, dict[str, Any] | None]:
+    """`(rope_theta, scaling)` of a transformers config (`rope_parameters` in transformers 5, else `rope_theta`)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind not in SUPPORTED_SCALING:
+        raise _refuse("rope_parameters['rope_type']", kind, f"only {', '.join(SUPPORTED_SCALING)} RoPE is supported")
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise _refuse("partial_rotary_factor", config.partial_rotary_factor, "only full-width RoPE is supported")
+    return theta, (dict(parameters) if kind != "default" else None)
+
+
+def check_supported(attention: nn.Module, config: Any) -> None:
+    """Refuse the variants `MultiHeadAttention` does not compute, naming the field."""
+    window = getattr(attention, "sliding_window", None)
+    if window is None and not hasattr(config, "use_sliding_window"):  # Mistral: the config's window applies
+        window = getattr(config, "sliding_window", None)
+    if window is not None:
+        raise _refuse("sliding_window", window, "sliding-window attention is not supported (set it to None)")
+    if getattr(config, "use_sliding_window", False):
+        raise _refuse("use_sliding_window", True, "sliding-window attention is not supported")
+    for norm in ("q_norm", "k_norm"):
+        if getattr(attention, norm, None) is not None:
+            raise _refuse(norm, type(getattr(attention, norm)).__name__, "QK-norm is not supported")
+    for field in ("attn_logit_softcapping", "query_pre_attn_scalar"):
+        if getattr(config, field, None) is not None:
+            raise _refuse(field, getattr(config, field), "softcapping and custom query scales are not supported")
+    head_dim = _head_dim(config)
+    scaling = getattr(attention, "scaling", head_dim**-0.5)
+    if abs(scaling - head_dim**-0.5) > 1e-12:
+        raise _refuse("scaling", scaling, f"only 1/sqrt(head_dim) = {head_dim**-0.5:g} is supported")
+    if not getattr(attention, "is_causal", True):
+        raise _refuse("is_causal", False, "only causal (decoder) attention layers are supported")
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def from_hf(cls: Any, attention: nn.Module) -> Any:
+    """Build `cls` (a `MultiHeadAttention`) computing what `attention`, a transformers layer, computes."""
+    config = getattr(attention, "config", None)
+    if config is None:
+        raise ConfigError(f"{_OWNER}: {type(attention).__name__} has no .config; pass a transformers attention layer.")
+    projections: dict[str, Any] = {
+        name: getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    missing = [name for name, proj in projections.items() if not isinstance(proj, nn.Linear)]
+    if missing:
+        raise ConfigError(
+            f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
+            "(Llama, Mistral, Qwen2) is supported."
+        )
+    check_supported(attention, config)
+    theta, scaling = rope_of(config)
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    q_proj = projections["q_proj"]
+    module = cls(
+        config.hidden_size,
+        num_heads,
+        num_kv_heads,
+        d_head=_head_dim(config),
+        bias=True,
+        dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        device=q_proj.weight.device,
+        dtype=q_proj.weight.dtype,
+    )
+    with torch.no_grad():
+        for name, theirs in projections.items():
+            ours: Any = module._modules[name]
+            ours.weight.copy_(theirs.weight)
+            if theirs.bias is None:
+                ours.register_parameter("bias", None)
+            else:
+                ours.bias.copy_(theirs.bias)
+    return module.train(attention.training)
+
+
+def to_hf(module: Any, config: Any) -> nn.Module:
+    """The transformers attention layer of `config`'s model type, holding `module`'s weights."""
+    kind = type(config).__name__.removesuffix("Config")
+    try:
+        modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+        layer_cls = getattr(modeling, f"{kind}Attention")
+    except (ImportError, AttributeError):
+        raise ConfigError(
+            f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
+        ) from None
+    theta, _ = rope_of(config)
+    wanted = {
+        "hidden_size": module.d_model,
+        "num_attention_heads": module.num_heads,
+        "num_key_value_heads": module.num_kv_heads,
+        "head_dim": module.d_head,
+        "rope_theta": module.rope_theta,
+    }
+    found = {**{k: getattr(config, k, None) for k in wanted if k != "head_dim"}, "head_dim": _head_dim(config)}
+    found["rope_theta"] = theta
+    different = {k: (found[k], v) for k, v in wanted.items() if found[k] != v}
+    if different:
+        listed = ", ".join(f"{k}={theirs!r} (module: {ours!r})" for k, (theirs, ours) in different.items())
+        raise ConfigError(f"MultiHeadAttention.to_hf(): the config does not describe this module: {listed}.")
+    weight = module.q_proj.weight
+    theirs = layer_cls(config, layer_idx=0).to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            mine: Any = module._modules[name]
+            other = getattr(theirs, name)
+            if (mine.bias is None) != (other.bias is None):
+                raise ConfigError(
+                    f"MultiHeadAttention.to_hf(): {name} has bias={mine.bias is not None} here but "
+                    f"{other.bias is not None} in {layer_cls.__name__} (config.attention_bias?)."
+                )
+            other.weight.copy_(mine.weight)
+            if mine.bias is not None:
+                other.bias.copy_(mine.bias)
+    return theirs.train(module.training)

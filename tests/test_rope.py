@@ -1,0 +1,214 @@
+"""Rotary position embeddings as a typed stage, and Hugging Face layers loaded and computed as written."""
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shapesafe_mha as ssm
+from shapesafe_mha.reference import per_head_attention
+from shapesafe_mha.testing import attention_configs, attention_inputs, attention_weights
+
+F64 = {"atol": 1e-10, "rtol": 1e-8}
+THETAS = st.sampled_from([10.0, 10000.0, 500000.0])
+
+
+def _rope_config(data: st.DataObject, **kwargs: Any) -> Any:
+    config = data.draw(attention_configs(cross=False, max_seq=40, **kwargs), label="config")
+    d_head = 2 * max(1, config.d_head // 2)  # rotary embeddings rotate pairs: an even width
+    return type(config)(**(config.as_dict() | {"d_head": d_head}))
+
+
+@given(data=st.data())
+def test_module_with_rope_equals_the_per_head_reference(data: st.DataObject) -> None:
+    """MHA/GQA/MQA with RoPE == the reference, which rotates each head's pairs itself."""
+    config = _rope_config(data)
+    theta = data.draw(THETAS, label="rope_theta")
+    weights = data.draw(attention_weights(config))
+    x = data.draw(attention_inputs(config)).query
+    is_causal = data.draw(st.booleans(), label="is_causal")
+    module = ssm.MultiHeadAttention.from_weights(
+        weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, rope_theta=theta
+    )
+    expected = per_head_attention(
+        x, x, x, weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, is_causal=is_causal,
+        rope_theta=theta,
+    )  # fmt: skip
+    torch.testing.assert_close(module(x, is_causal=is_causal), expected, **F64)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, is_causal=is_causal), expected, **F64)
+
+
+@given(data=st.data())
+def test_decoding_with_rope_equals_one_causal_forward(data: st.DataObject) -> None:
+    """Default positions continue from the cache: prefill in chunks, then token by token == full causal."""
+    config = _rope_config(data)
+    module = config.module()
+    module = ssm.MultiHeadAttention.from_weights(
+        module.weights(), num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, rope_theta=data.draw(THETAS)
+    )
+    x = data.draw(attention_inputs(config)).query
+    cache = module.new_cache(config.batch, config.seq)
+    prefill = data.draw(st.integers(0, config.seq), label="prefill")
+    steps = [module(x[:, :prefill], is_causal=True, kv_cache=cache)]
+    steps += [module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(prefill, config.seq)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), module(x, is_causal=True), **F64)
+
+
+@given(data=st.data())
+def test_shifting_every_position_leaves_attention_unchanged(data: st.DataObject) -> None:
+    """RoPE scores depend only on distances. (Angles are float32, as in transformers: 1e-5 apart.)"""
+    config = _rope_config(data)
+    module = ssm.MultiHeadAttention.from_weights(
+        config.module().weights(), num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, rope_theta=10000.0
+    )
+    x = data.draw(attention_inputs(config)).query
+    shift = data.draw(st.integers(1, 200), label="shift")
+    positions = torch.arange(config.seq).expand(config.batch, config.seq)
+    base = module(x, is_causal=True, positions=positions)
+    torch.testing.assert_close(module(x, is_causal=True, positions=positions + shift), base, atol=1e-5, rtol=1e-5)
+
+
+def test_a_left_padded_batch_gives_its_own_positions() -> None:
+    """Row 1 is left-padded by 3: with its own positions it equals the same tokens unpadded."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=10000.0, dtype=torch.float64)
+    tokens = torch.randn(1, 4, 32, dtype=torch.float64)
+    padded = torch.cat([torch.zeros(1, 3, 32, dtype=torch.float64), tokens], dim=1)
+    positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3]])
+    padding = torch.tensor([[True, True, True, False, False, False, False]])
+    out = module(padded, is_causal=True, positions=positions, key_padding_mask=padding)
+    torch.testing.assert_close(out[:, 3:], module(tokens, is_causal=True), **F64)
+
+
+def test_rotary_errors_name_what_is_wrong() -> None:
+    module = ssm.MultiHeadAttention(32, 4, rope_theta=10000.0)
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(ssm.ShapeError, match=r"positions has seq=4 \(axis 1\), but query set seq=5"):
+        module(x, positions=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ssm.ShapeError, match=r"positions has dtype float32, but it must be"):
+        module(x, positions=torch.zeros(2, 5))
+    with pytest.raises(ssm.ConfigError, match=r"d_head=5 is odd, but rotary embeddings rotate pairs"):
+        ssm.MultiHeadAttention(20, 4, rope_theta=10000.0)
+    with pytest.raises(ssm.ConfigError, match="positions were given, but this module has no rotary embeddings"):
+        ssm.MultiHeadAttention(32, 4)(x, positions=torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ssm.ConfigError, match="rope_type='yarn' is not supported"):
+        ssm.RotaryEmbedding(8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], dtype=torch.float32)
+    with pytest.raises(ssm.ShapeError, match=r"k has seq=6 \(axis 2\), but q set seq=5"):
+        ssm.apply_rotary(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 6, 8), cos, sin)
+
+
+def test_the_trace_shows_the_rotary_stage_and_gqa_stays_zero_copy() -> None:
+    report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4, rope_theta=10000.0))
+    stages = {s.name: s for s in report.stages}
+    assert stages["rotary_q"].named_shape == "batch num_heads seq d_head"
+    assert stages["rotary_k"].named_shape == "batch num_kv_heads seq d_head"
+    assert stages["group_queries"].aliases == "rotary_q"  # grouping the rotated queries is a view
+
+
+# --- Hugging Face ---------------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding  # noqa: E402
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+LLAMA = (LlamaAttention, LlamaRotaryEmbedding, "LlamaConfig")
+HF_CASES = {
+    # name: (attention class, rotary class, config class name, config keywords)
+    "llama-gqa-head16-theta500": (*LLAMA, {"num_key_value_heads": 2, "head_dim": 16, "rope_theta": 500.0}),
+    "llama-mha-head8": (*LLAMA, {"num_key_value_heads": 4}),
+    "llama-gqa-llama3-scaling": (*LLAMA, {"num_key_value_heads": 2, "rope_parameters": LLAMA3}),
+    "llama-bias-head4": (*LLAMA, {"num_key_value_heads": 2, "head_dim": 4, "attention_bias": True}),
+    "qwen2-mqa-qkv-bias": (Qwen2Attention, Qwen2RotaryEmbedding, "Qwen2Config", {"num_key_value_heads": 1}),
+}
+
+
+def _hf_layer(case: str, implementation: str) -> tuple[Any, Any]:
+    attention_cls, rotary_cls, config_name, kwargs = HF_CASES[case]
+    config = getattr(transformers, config_name)(
+        hidden_size=32, num_attention_heads=4, attn_implementation=implementation, **kwargs
+    )
+    torch.manual_seed(0)
+    layer = attention_cls(config, layer_idx=0).to(torch.float64).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.3, 0.3)
+    return layer, rotary_cls(config)
+
+
+def _hf_forward(layer: Any, rotary: Any, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The layer called as the HF model calls it: its model's rotary tables, transformers' own causal mask."""
+    from transformers.masking_utils import create_causal_mask
+
+    cos, sin = rotary(x, positions)
+    mask = create_causal_mask(
+        config=layer.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions
+    )
+    return layer(x, position_embeddings=(cos, sin), attention_mask=mask)[0]
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", HF_CASES)
+def test_from_hf_equals_the_hugging_face_layer_full_and_decoding(case: str, implementation: str) -> None:
+    """float64: HF's eager path computes its softmax in float32 (so 1e-6 there); its sdpa path to 1e-10."""
+    layer, rotary = _hf_layer(case, implementation)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    positions = torch.arange(9).expand(2, 9)
+    tol = {"atol": 1e-6, "rtol": 1e-6} if implementation == "eager" else F64
+    with torch.no_grad():
+        expected = _hf_forward(layer, rotary, x, positions)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        cache = ours.new_cache(batch=2, capacity=9)
+        steps = [ours(x[:, :4], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(4, 9)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
+    if case.startswith("qwen2"):
+        assert ours.q_proj.bias is not None and ours.o_proj.bias is None  # biases per projection, as Qwen2
+
+
+def test_to_hf_round_trips() -> None:
+    layer, rotary = _hf_layer("llama-gqa-head16-theta500", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(1, 5, 32, dtype=torch.float64)
+    positions = torch.arange(5)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x, positions), ours(x, is_causal=True), **F64)
+    other = transformers.LlamaConfig(hidden_size=32, num_attention_heads=8, num_key_value_heads=2)
+    with pytest.raises(ssm.ConfigError, match=r"num_attention_heads=8 \(module: 4\)"):
+        ours.to_hf(other)
+
+
+def test_unsupported_variants_are_refused_by_their_config_field() -> None:
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+
+    mistral = transformers.MistralConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, sliding_window=16
+    )
+    with pytest.raises(ssm.ConfigError, match="sliding_window=16"):
+        ssm.MultiHeadAttention.from_hf(MistralAttention(mistral, layer_idx=0))
+    mistral.sliding_window = None  # full attention: then Mistral's layer is Llama's
+    assert ssm.MultiHeadAttention.from_hf(MistralAttention(mistral, layer_idx=0)).num_kv_heads == 2
+    linear = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=4, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    )
+    with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['rope_type'\]='linear'"):
+        ssm.MultiHeadAttention.from_hf(LlamaAttention(linear, layer_idx=0))
+    qwen3 = getattr(transformers, "Qwen3Config", None)
+    if qwen3 is not None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+        with pytest.raises(ssm.ConfigError, match="q_norm"):
+            ssm.MultiHeadAttention.from_hf(Qwen3Attention(qwen3(hidden_size=32, num_attention_heads=4), layer_idx=0))
