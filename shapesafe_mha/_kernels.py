@@ -143,6 +143,15 @@ def zero_rows(x: Tensor, rows: Tensor | None) -> Tensor:
     return x if rows is None else x.masked_fill(~rows, 0.0)
 
 
+def fold_mask_rows(mask: Tensor, may_empty: bool, num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor | None]:
+    """The mask laid out for folded queries, rows with no key opened; and those rows (to zero after), if any."""
+    rows = None
+    if may_empty:
+        rows = rows_with_a_key(mask)
+        mask = open_empty_rows(mask, rows)
+    return fold_mask(mask, num_heads, num_kv_heads), rows
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -157,27 +166,17 @@ def attend(
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if mask is None and num_heads == num_kv_heads:
         return sdpa(q, k, v, None, native_causal, scale, dropout_p)
-    rows = None
-    if mask is not None and may_empty:
-        rows = rows_with_a_key(mask)
-        mask = open_empty_rows(mask, rows)
+    folded_mask, rows = (None, None) if mask is None else fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
     folded = fold_queries(group_queries(q, num_kv_heads))
-    folded_mask = None if mask is None else fold_mask(mask, num_heads, num_kv_heads)
-    out = unfold(sdpa(folded, k, v, folded_mask, False, scale, dropout_p), num_heads)
-    return zero_rows(out, rows)
+    return zero_rows(unfold(sdpa(folded, k, v, folded_mask, False, scale, dropout_p), num_heads), rows)
 
 
 def head_weights(q: Tensor, k: Tensor, mask: Tensor | None, may_empty: bool, scale: float | None) -> Tensor:
     """Per-head probabilities `(batch, num_heads, seq, kv_seq)`; rows with nothing to attend to are zeros."""
-    num_heads, num_kv_heads, seq = q.shape[1], k.shape[1], q.shape[2]
-    rows = None
-    if mask is not None and may_empty:
-        rows = rows_with_a_key(mask)
-        mask = open_empty_rows(mask, rows)
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    folded_mask, rows = (None, None) if mask is None else fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
     folded = fold_queries(group_queries(q, num_kv_heads))
-    folded_mask = None if mask is None else fold_mask(mask, num_heads, num_kv_heads)
-    weights = probabilities(folded, k, folded_mask, scale).unflatten(2, (-1, seq)).flatten(1, 2)
-    return zero_rows(weights, rows)
+    return zero_rows(unfold(probabilities(folded, k, folded_mask, scale), num_heads), rows)
 
 
 def weighted_values(weights: Tensor, v: Tensor, dropout_p: float) -> Tensor:

@@ -475,11 +475,7 @@ def fold_mask(
     mask: FullMask, may_empty: bool, num_heads: int, num_kv_heads: int
 ) -> tuple[FoldedMask, RowsWithAKey | None]:
     """The mask laid out as the folded queries; rows with no key opened (and noted, to zero them after)."""
-    rows = None
-    if may_empty:
-        rows = K.rows_with_a_key(mask)
-        mask = K.open_empty_rows(mask, rows)
-    return K.fold_mask(mask, num_heads, num_kv_heads), rows
+    return K.fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
 
 
 @stage(name="attention_folded", trace=("",))

@@ -239,3 +239,51 @@ def test_a_float32_check_uses_float32_tolerance() -> None:
     check_attention(_reference_fn(1e-6), dtype=torch.float32, max_examples=10)
     with pytest.raises(AssertionError):
         check_attention(_reference_fn(1e-6), dtype=torch.float64, max_examples=10)
+
+
+def test_a_cache_moved_to_another_dtype_rejects_the_old_one() -> None:
+    """The append verdict is per cache state: after kv_cache.to(float64) a float32 append is refused."""
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float32)
+    cache.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    cache.to(torch.float64)
+    with pytest.raises(ssm.ShapeError, match="k has dtype float32, but the cache holds float64"):
+        cache.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+
+
+def test_a_bool_head_count_never_shares_the_verdict_of_1() -> None:
+    x = torch.randn(1, 3, 8)
+    ssm.split_heads(x, 1)
+    with pytest.raises(ssm.ConfigError, match="num_heads must be a positive int, but got True"):
+        ssm.split_heads(x, True)  # pyright: ignore[reportArgumentType]
+
+
+def test_apply_rotary_refuses_an_odd_head_width() -> None:
+    table = torch.randn(3, 5)
+    with pytest.raises(ssm.ShapeError, match=r"q has d_head=5 \(axis 3\), which is odd"):
+        ssm.apply_rotary(torch.randn(1, 2, 3, 5), torch.randn(1, 1, 3, 5), table, table)
+
+
+def test_a_global_module_hook_turns_the_fast_path_off() -> None:
+    """register_module_forward_hook sees every module call: then the projections must really be called."""
+    module, x = _module(num_kv_heads=4), _x()
+    seen: list[str] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: seen.append(type(m).__name__) if isinstance(m, torch.nn.Linear) else None
+    )
+    try:
+        with torch.no_grad():
+            module(x)
+    finally:
+        handle.remove()
+    assert seen == ["Linear"] * 4
+
+
+def test_from_weights_keeps_each_projections_bias_as_given() -> None:
+    """Weights with q/k/v biases but none on o (Qwen2's layout): the module has no o bias, and matches."""
+    source = _module()
+    weights = source.weights()
+    weights = ssm.AttentionWeights(*(getattr(weights, n) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")))
+    module = ssm.MultiHeadAttention.from_weights(weights, num_heads=4, num_kv_heads=2)
+    assert module.o_proj.bias is None and module.q_proj.bias is not None
+    x = _x()
+    torch.testing.assert_close(module(x), per_head_attention(x, x, x, weights, num_heads=4, num_kv_heads=2), **F64)

@@ -1,0 +1,289 @@
+"""A curated mutation suite: realistic bugs planted one at a time, each one the tests must catch.
+
+    python -m tools.mutation            # every mutant; prints the score, the survivors, the stale ones
+    python -m tools.mutation --check    # only verify that every mutant still applies (fast)
+    python -m tools.mutation -k cache   # the mutants whose file or description contains "cache"
+
+Each mutant is an exact edit of one file with a one-line description of the bug it stands for, and
+the tests that should catch it. The runner copies the tracked tree to a temporary folder, applies one
+mutant there, runs those tests (the whole suite if none are named), restores the file, and goes on:
+the working tree is never touched. A mutant whose original text is gone (or not unique) is reported
+as stale, never skipped in silence. Equivalent mutants (no observable difference) carry the reason
+and do not count. Exit status 1 if the score is under 95% or any mutant is stale.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL = 0.95
+
+
+@dataclass(frozen=True)
+class Mutant:
+    path: str
+    old: str
+    new: str
+    bug: str
+    tests: tuple[str, ...] = ()
+    equivalent: str | None = None
+
+
+def M(path: str, old: str, new: str, bug: str, *tests: str, equivalent: str | None = None) -> Mutant:  # noqa: N802
+    return Mutant(f"shapesafe_mha/{path}", old, new, bug, tests, equivalent)
+
+
+EQ = "tests/test_equivalence.py"
+CONTRACT = "tests/test_contract.py"
+PINS = "tests/test_pins.py"
+ECO = "tests/test_ecosystem.py"
+ROPE = "tests/test_rope.py"
+ERRORS = "tests/test_errors.py"
+CACHE = "tests/test_cache.py"
+TOOLKIT = "tests/test_toolkit.py"
+PATHS = "tests/test_paths.py"
+
+MUTANTS: list[Mutant] = [
+    # --- kernels: the computation ---
+    M("_kernels.py", "return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)",
+      "return x.reshape(x.shape[0], num_heads, x.shape[1], -1)", "head split by a view without the transpose", EQ),
+    M("_kernels.py", "return x.transpose(1, 2).flatten(2)", "return x.flatten(1, 2).reshape(x.shape[0], x.shape[2], -1)",
+      "heads merged without transposing back", EQ),
+    M("_kernels.py", "return q.unflatten(1, (num_kv_heads, -1))", "return q.unflatten(1, (-1, num_kv_heads)).transpose(1, 2)",
+      "query heads grouped as repeat (h % num_kv_heads), not repeat_interleave", EQ),
+    M("_kernels.py", ".tril(kv_seq - seq)[None, None]", ".tril(kv_seq - seq + 1)[None, None]",
+      "causal mask off by one (sees the next position)", EQ, PINS),
+    M("_kernels.py", ".tril(kv_seq - seq)[None, None]", ".tril(0)[None, None]",
+      "causal mask aligned top-left, not lower-right (decoding sees the first key only)", EQ, CACHE),
+    M("_kernels.py", "causal = is_causal and seq > 1  # a single query", "causal = is_causal and seq > 0  # a single query",
+      "causal mask also built for a single query", EQ,
+      equivalent="a single lower-right-aligned query may attend to every key: the mask built allows all of them"),
+    M("_kernels.py", "keep = ~key_padding_mask[:, None, None, :]", "keep = key_padding_mask[:, None, None, :]",
+      "key_padding_mask read as True = keep (the inverse of torch's convention)", EQ),
+    M("_kernels.py", "return mask4 if allowed is None else mask4.masked_fill(~allowed, -math.inf)", "return mask4",
+      "a float attn_mask drops the causal and padding restrictions", PINS),
+    M("_kernels.py", "return mask4 if allowed is None else allowed & mask4", "return mask4",
+      "a bool attn_mask drops the causal and padding restrictions", EQ),
+    M("_kernels.py", "return q.shape[2] == k.shape[2] and q.shape[1] == k.shape[1]", "return q.shape[1] == k.shape[1]",
+      "torch's top-left is_causal used when seq != kv_seq", EQ, CACHE),
+    M("_kernels.py", "return mask | ~rows if mask.dtype == torch.bool else", "return mask if mask.dtype == torch.bool else",
+      "rows with nothing to attend to are not opened before softmax (NaN)", EQ, PINS),
+    M("_kernels.py", "return x if rows is None else x.masked_fill(~rows, 0.0)", "return x",
+      "rows with nothing to attend to are not zeroed after softmax", EQ, PINS),
+    M("_kernels.py", "mask.repeat(1, 1, group, 1)", "mask.repeat_interleave(group, dim=2)",
+      "mask folded in the wrong order for GQA's folded queries", EQ, PINS),
+    M("_kernels.py", "return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)",
+      "return out.unflatten(2, (-1, num_heads // out.shape[1])).transpose(2, 3).flatten(1, 2)",
+      "GQA output unfolded as (seq, group) instead of (group, seq)", EQ),
+    M("_kernels.py", "scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale",
+      "scale = 1.0 / q.shape[-1] if scale is None else scale", "attention weights scaled by 1/d_head, not 1/sqrt", EQ, PINS),
+    M("_kernels.py", "return torch.softmax(scores, dim=-1)", "return torch.softmax(scores, dim=-2)",
+      "softmax over queries instead of keys (need_weights path)", EQ, PINS),
+    M("_kernels.py", "return torch.cat((-second, first), dim=-1)", "return torch.cat((second, -first), dim=-1)",
+      "RoPE rotated the wrong way", ROPE),
+    # --- stages: what annotations cannot say ---
+    M("_stages.py", "    if width % num_heads:\n", "    if False:\n", "split_heads does not check divisibility", ERRORS),
+    M("_stages.py", "        if tensor.device != first.device:", "        if False:",
+      "stage inputs on different devices are not refused", PINS),
+    M("_stages.py", "        if tensor.is_floating_point() and first.is_floating_point():", "        if False:",
+      "stage inputs of different float dtypes are not refused", PINS),
+    M("_stages.py", 'if dims["num_heads"] % dims["num_kv_heads"] != 0:', "if False:",
+      "SDPA accepts num_kv_heads that do not divide num_heads", ERRORS),
+    M("_stages.py", "    if not 0.0 <= dropout_p < 1.0:", "    if not 0.0 <= dropout_p <= 1.5:",
+      "dropout_p >= 1 accepted", PINS),
+    M("_stages.py", "        if mask.ndim == 3:", "        if mask.ndim == 4:", "the 3-D mask message loses its fix", ERRORS),
+    M("_stages.py", "q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)",
+      "q, v, k = qkv.split([q_width, kv_width, kv_width], dim=-1)", "fused QKV split with k and v swapped", EQ, "tests/test_fused.py"),
+    M("_stages.py", "isinstance(value, bool) or value <= 0:", "isinstance(value, bool) or value < 0:",
+      "a zero head count accepted", PINS, CONTRACT),
+    M("_stages.py", "        if isinstance(mask, Tensor) and mask.device != q.device:", "        if False:",
+      "masks on another device than the module are not refused", PINS),
+    M("_stages.py", "cache.dtype != k.dtype or cache.device != k.device", "False",
+      "a KV cache of another dtype than the module is not refused", CACHE, CONTRACT),
+    # --- the module: composition, verdicts, fast paths, conversions ---
+    M("_module.py", "dropout_p = self.dropout if self.training else 0.0", "dropout_p = self.dropout",
+      "dropout applied in eval mode too", PINS),
+    M("_module.py", "            type(is_causal),\n            is_causal,", "            is_causal,",
+      "verdict key lets True collide with 1", CONTRACT),
+    M("_module.py", "            query.dtype,\n            query.device,", "            query.dtype,",
+      "verdict key without the device", CONTRACT),
+    M("_module.py", "        if self._relations(keys) in self._relations_known:", "        if self._relations_known:",
+      "any remembered verdict covers every call", CONTRACT),
+    M("_module.py", "                kv_cache.restore(state)  # a failed call changes nothing", "                pass",
+      "a failed call leaves the KV cache appended", CONTRACT, CACHE),
+    M("_module.py", "if key is not query or value is not query or torch.is_grad_enabled():",
+      "if key is not query or value is not query:", "the fused (detached) QKV weight used under autograd", ECO, "tests/test_compile.py"),
+    M("_fastpath.py", "        and query.shape[1] <= NATIVE_MAX_SEQ\n", "",
+      "torch's native kernel used past the cut-off", PATHS,
+      equivalent="the native kernel computes the same values at any length; the cut-off is for speed only"),
+    M("_fastpath.py", "all(map(operator.is_, cached.sources, sources)) and cached.stamps == _stamps(sources)",
+      "all(map(operator.is_, cached.sources, sources))", "fused weight not rebuilt after an in-place write", "tests/test_fused.py", ECO),
+    M("_fastpath.py", "        and not module._forward_hooks\n", "", "fast path taken with forward hooks on a projection", ECO),
+    M("_fastpath.py", "    return any(hooks.get(name) for name in _GLOBAL_HOOKS)", "    return False",
+      "fast path taken with a global module hook registered", PINS),
+    M("_module.py", "        if isinstance(value, nn.Module) and \"_fused\" in self.__dict__:\n            self._forget()",
+      "        pass", "fused weight kept when a projection module is replaced (PEFT merge)", ECO),
+    M("_module.py", "        super()._apply(fn, recurse)\n        self._forget()", "        super()._apply(fn, recurse)",
+      "verdicts kept after module.to(dtype)", CONTRACT),
+    M("_module.py", "        if not module.batch_first:", "        if False:",
+      "from_torch reads a seq-first nn.MultiheadAttention as batch-first", EQ),
+    M("_module.py", "            dropout=module.dropout,\n            device=weight.device,",
+      "            dropout=0.0,\n            device=weight.device,", "from_torch drops the dropout", PINS),
+    M("_module.py", '                    proj.register_parameter("bias", None)  # some models', "                    pass  # some models",
+      "from_weights keeps a random bias where the weights have none", PINS),
+    M("_module.py", "default_positions(query, 0 if kv_cache is None else len(kv_cache))", "default_positions(query, 0)",
+      "RoPE positions restart at 0 on every decoding step", ROPE),
+    M("_module.py", '    if arguments["positions"] is not None and module.rotary is None:', "    if False:",
+      "positions silently ignored by a module without RoPE", ROPE),
+    # --- the KV cache ---
+    M("_cache.py", "        self._check_room(k.shape[2], owner)\n", "        self._check_room(k.shape[2], owner)\n        self._length = end\n",
+      "cache length updated before the write (a failed write leaves it longer)", PINS),
+    M("_cache.py", "        if self._length + new <= self.capacity:", "        if self._length + new <= self.capacity + 1:",
+      "one position past the capacity accepted", CACHE, PINS),
+    M("_cache.py", "tracked = torch.is_grad_enabled() and", "tracked = False and",
+      "in-place cache writes under autograd (backward fails)", ECO),
+    M("_cache.py", "        if self.keys_buffer.requires_grad or self.values_buffer.requires_grad:", "        if False:",
+      "reset() keeps the autograd graph", ECO),
+    M("_cache.py", "key = (*signature_key((k, v), {}), self.keys_buffer.shape, self.dtype, self.device)",
+      "key = signature_key((k, v), {})", "append verdict kept after the cache changes dtype", PINS),
+    # --- the contract machinery ---
+    M("_contract.py", "_ITSELF = frozenset({int, str, type(None), torch.dtype, torch.device})",
+      "_ITSELF = frozenset({int, bool, str, type(None), torch.dtype, torch.device})",
+      "a public stage's verdict lets True collide with 1", PINS),
+    M("_contract.py", "    if kwargs:\n        key +=", "    if False:\n        key +=", "verdict key leaves keyword arguments out", PINS),
+    M("_contract.py", 'failure = self.fits("the result", value, hint, stage.sources.get("result", stage.name))', "failure = None",
+      "a stage's result is not checked against its annotation", CONTRACT),
+    M("_contract.py", "s if s < 2 or s in constants else", "s if s < 1 or s in constants else",
+      "relational verdicts forget that 1 broadcasts", CONTRACT),
+    M("_contract.py", "s if s < 2 or s in constants else", "s if s < 2 else",
+      "relational verdicts forget the module's sizes", CONTRACT),
+    M("_contract.py", '_FALSE = ("", "0", "false", "no", "off")', '_FALSE = ("", "0", "no", "off")',
+      "SHAPESAFE_MHA_UNCHECKED=false refused", CONTRACT),
+    M("_contract.py", "return not (torch.compiler.is_compiling() or _OFF_BY_ENV or _off.get())",
+      "return not (torch.compiler.is_compiling() or _OFF_BY_ENV)", "unchecked() does not turn the checks off", "tests/test_switch.py"),
+    # --- messages ---
+    M("_messages.py", "        if axis.broadcast and size == 1:\n            continue", "        if size == 1:\n            continue",
+      "the explainer lets any size-1 axis pass", ERRORS),
+    M("_messages.py", "f\"{name} has {axis.name}={size} (axis {index}), but {source} set", "f\"{name} has {axis.name}={size}, but {source} set",
+      "messages lose the axis", ERRORS),
+    M("_messages.py", "                if not (axis.broadcast and size == 1):\n                    memo[axis.name]",
+      "                if True:\n                    memo[axis.name]", "a broadcast 1 recorded as who set a dimension", ERRORS, CONTRACT),
+    # --- the reference ---
+    M("_reference.py", "        kv_head = head // group", "        kv_head = head % num_kv_heads",
+      "the reference maps query heads to KV heads as repeat", EQ),
+    M("_reference.py", "            blocked[:, i, max(position + 1, 0) :] = True", "            blocked[:, i, position + 1 :] = True",
+      "the reference's causal mask slices from a negative index", PINS),
+    M("_reference.py", "first * cos - second * sin, second * cos + first * sin", "first * cos + second * sin, second * cos - first * sin",
+      "the reference rotates the wrong way", ROPE),
+    # --- the testing toolkit ---
+    M("_toolkit.py", "    torch.float64: 1e-8,", "    torch.float64: 1e-3,", "float64 tolerance loosened to 1e-3", PINS),
+    M("_toolkit.py", "    if not worst <= tol:  # also catches NaN", "    if worst > tol:", "a NaN output passes", PINS),
+    M("_strategies.py", 'ALL_KINDS: tuple[Kind, ...] = ("mha", "gqa", "mqa")', 'ALL_KINDS: tuple[Kind, ...] = ("mha", "gqa")',
+      "MQA dropped from the default kinds", PINS),
+    M("_toolkit.py", "    max_examples: int = 100,\n    device: torch.device | str | None = None,\n    dtype: torch.dtype = torch.float64,\n    thresholds: Sequence[int] = (),\n) -> None:\n    \"\"\"Property-test",
+      "    max_examples: int = 10,\n    device: torch.device | str | None = None,\n    dtype: torch.dtype = torch.float64,\n    thresholds: Sequence[int] = (),\n) -> None:\n    \"\"\"Property-test",
+      "the default budget cut from 100 to 10 examples", PINS),
+    M("_toolkit.py", "            if got.shape != expected.shape or (got.double() - expected.double()).abs().max().item() > tol:\n                wrong.append(head)",
+      "            if False:\n                wrong.append(head)", "the report never names the wrong heads", TOOLKIT),
+    M("_strategies.py", "    return st.one_of(small, small, edges, anywhere)", "    return st.one_of(small, small)",
+      "sequence lengths never past 8", PATHS),
+    M("_strategies.py", "    for edge in (*_POWERS_OF_TWO, *thresholds):", "    for edge in _POWERS_OF_TWO:",
+      "user thresholds ignored", PATHS),
+    # --- observation ---
+    M("_trace.py", "if s == sid and _covers(_span(other), start, end)", "if _covers(_span(other), start, end)",
+      "the trace calls anything in range a view, whatever its storage", "tests/test_aliasing.py"),
+    M("_trace.py", "            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:", "            if False:",
+      "the allocation recorder records nothing", "tests/test_allocations.py"),
+    # --- head-parallel ---
+    M("_parallel.py", '        local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum\n', "",
+      "head-parallel adds the output bias on every rank", "tests/test_parallel.py"),
+    # --- RoPE and Hugging Face ---
+    M("_rotary.py", "    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)", "    scaled = inv_freq",
+      "llama3 RoPE scaling ignored", ROPE),
+    M("_rotary.py", '    if dims["d_head"] % 2:', "    if False:", "apply_rotary accepts an odd head width", PINS),
+    M("_hf.py", "    if window is not None:\n", "    if False:\n", "from_hf loads a sliding-window layer as full attention", ROPE),
+    M("_hf.py", "            if theirs.bias is None:\n                ours.register_parameter", "            if False:\n                ours.register_parameter",
+      "from_hf gives Qwen2 an output bias it does not have", ROPE),
+]  # fmt: skip
+
+
+def _tracked_copy(destination: Path) -> None:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    untracked = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in files + untracked:
+        source = ROOT / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def _stale(mutant: Mutant, tree: Path) -> str | None:
+    count = (tree / mutant.path).read_text().count(mutant.old)
+    return None if count == 1 else f"found {count} times"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check that every mutant applies")
+    parser.add_argument("-k", default="", help="only mutants whose file or description contains this")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per mutant's tests")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if args.k in m.path or args.k in m.bug]
+    stale = [(m, why) for m in chosen if (why := _stale(m, ROOT))]
+    for m, why in stale:
+        print(f"STALE  {m.path}: {m.bug} ({why})")
+    if args.check:
+        print(f"{len(chosen)} mutants, {len(stale)} stale, {sum(m.equivalent is not None for m in chosen)} equivalent")
+        sys.exit(1 if stale else 0)
+    live = [m for m in chosen if m.equivalent is None and not _stale(m, ROOT)]
+    survivors: list[Mutant] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp)
+        _tracked_copy(tree)
+        env = os.environ | {"PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "ci", "PYTHONDONTWRITEBYTECODE": "1"}
+        for index, mutant in enumerate(live, 1):
+            target = tree / mutant.path
+            original = target.read_text()
+            target.write_text(original.replace(mutant.old, mutant.new))
+            try:
+                tests = list(mutant.tests) or ["tests"]
+                command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+                try:
+                    run = subprocess.run(command, cwd=tree, env=env, capture_output=True, timeout=args.timeout)
+                    killed = run.returncode not in (0, 5)
+                except subprocess.TimeoutExpired:
+                    killed = True  # a hang is a failure the suite reports
+            finally:
+                target.write_text(original)
+            print(f"[{index:2}/{len(live)}] {'killed  ' if killed else 'SURVIVED'} {mutant.path}: {mutant.bug}", flush=True)
+            if not killed:
+                survivors.append(mutant)
+    killed_count = len(live) - len(survivors)
+    score = killed_count / len(live) if live else 1.0
+    minutes = (time.perf_counter() - started) / 60
+    print(
+        f"\nscore: {killed_count}/{len(live)} non-equivalent mutants killed ({score:.1%}); "
+        f"{len(survivors)} survived; {len(stale)} stale; {sum(m.equivalent is not None for m in chosen)} equivalent "
+        f"(not run); {minutes:.1f} min"
+    )
+    for m in chosen:
+        if m.equivalent:
+            print(f"  equivalent: {m.path}: {m.bug}: {m.equivalent}")
+    for m in survivors:
+        print(f"  survivor: {m.path}: {m.bug}")
+    sys.exit(1 if stale or score < GOAL else 0)
+
+
+if __name__ == "__main__":
+    main()
