@@ -7,6 +7,8 @@ from ._errors import ConfigError as ConfigError
 from ._errors import ShapeError as ShapeError
 from ._errors import ShapesafeError as ShapesafeError
 from ._module import MultiHeadAttention as MultiHeadAttention
+from ._prove import ShapeProof as ShapeProof
+from ._prove import prove as prove
 from ._report import TraceConfig as TraceConfig
 from ._report import TraceReport as TraceReport
 from ._report import trace_forward as trace_forward
@@ -30,6 +32,7 @@ __all__ = [
     "MultiHeadAttention",
     "RotaryEmbedding",
     "ShapeError",
+    "ShapeProof",
     "ShapesafeError",
     "TraceConfig",
     "TraceReport",
@@ -40,6 +43,7 @@ __all__ = [
     "inverse_frequencies",
     "merge_heads",
     "project",
+    "prove",
     "scaled_dot_product_attention",
     "split_heads",
     "trace_forward",

@@ -149,6 +149,57 @@ def check(
         raise typer.Exit(1)
 
 
+def _load_factory(spec: str) -> object:
+    """`pkg.mod:factory` -> what calling `factory()` returns."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise typer.BadParameter(f"--module must be pkg.mod:factory, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise typer.BadParameter(f"--module {spec}: {error}") from None
+    return factory()
+
+
+@app.command()
+def prove(
+    d_model: Annotated[int, typer.Option(min=1, help="model width")] = 512,
+    num_heads: Annotated[int, typer.Option(min=1, help="query heads")] = 8,
+    num_kv_heads: Annotated[int, typer.Option(min=1, help="key/value heads (MQA: 1)")] = 2,
+    d_head: Annotated[int | None, typer.Option(min=1, help="head width (default: d_model / num_heads)")] = None,
+    batch_max: Annotated[int, typer.Option(min=1, help="prove for every batch from 1 to this")] = 64,
+    seq_max: Annotated[int, typer.Option(min=1, help="prove for every seq from 1 to this")] = 2048,
+    causal: Annotated[bool, typer.Option("--causal", help="is_causal=True")] = False,
+    decode: Annotated[bool, typer.Option("--decode", help="one decoding step against a cache of any fill")] = False,
+    module: Annotated[
+        str | None,
+        typer.Option("--module", help="prove a user's module instead: pkg.mod:factory (called with no arguments)"),
+    ] = None,
+) -> None:
+    """Prove every stage's named shape for all batch and seq sizes in the ranges (exit 1 if not proven)."""
+    from ._module import MultiHeadAttention
+    from ._prove import prove as prove_shapes
+
+    try:
+        if module is not None:
+            target = _load_factory(module)
+            kwargs = {}
+        else:
+            target = MultiHeadAttention(d_model, num_heads, num_kv_heads, d_head=d_head)
+            kwargs = {"is_causal": True} if causal and not decode else {}
+        proof = prove_shapes(target, batch=(1, batch_max), seq=(1, seq_max), decode=decode, **kwargs)  # pyright: ignore[reportArgumentType]
+    except ShapesafeError as error:
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {error}", highlight=False)
+        raise typer.Exit(2) from None
+    console = Console()
+    console.print(proof.table())
+    for failure in proof.failures:
+        console.print(failure, highlight=False, soft_wrap=True)
+    raise typer.Exit(0 if proof.ok else 1)
+
+
 @app.callback()
 def _root() -> None:
     """shapesafe_mha's command line."""

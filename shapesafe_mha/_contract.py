@@ -222,9 +222,9 @@ class Session:
 
     def fits(self, label: str, value: Any, hint: Any, source: str) -> ExplainedError | None:
         """Check one value against its annotation in this session's memo: None, or why it fails."""
-        if hint is None:
+        if hint is None or not self.check:  # only observing: nothing to bind (sizes may be symbolic)
             return None
-        if self.check and not is_bearable(value, hint):
+        if not is_bearable(value, hint):
             return explain(label, value, hint, self.memo) or ExplainedError(
                 f"{label} does not satisfy its annotation {hint}.", arg=label
             )

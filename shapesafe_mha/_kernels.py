@@ -179,10 +179,8 @@ def head_weights(q: Tensor, k: Tensor, mask: Tensor | None, may_empty: bool, sca
     return zero_rows(unfold(probabilities(folded, k, folded_mask, scale), num_heads), rows)
 
 
-def weighted_values(weights: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """`weights @ v` per head, with K/V at their own heads (the weights folded as the values are laid out)."""
-    num_heads = weights.shape[1]
-    folded = weights.unflatten(1, (v.shape[1], -1)).flatten(2, 3)
+def weighted_values(probabilities: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """`probabilities @ v` with queries folded as the values are laid out (dropout on the probabilities)."""
     if dropout_p > 0.0:
-        folded = F.dropout(folded, dropout_p)
-    return unfold(torch.matmul(folded, v), num_heads)
+        probabilities = F.dropout(probabilities, dropout_p)
+    return torch.matmul(probabilities, v)

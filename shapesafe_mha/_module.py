@@ -582,8 +582,9 @@ class MultiHeadAttention(nn.Module):
                 may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
                 folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
             if need_weights:
-                weights = s.unfold_weights(s.folded_weights(folded, k, folded_mask), num_heads, rows)
-                out = s.weigh_values(weights, v, dropout_p)
+                folded_weights = s.folded_weights(folded, k, folded_mask)
+                weights = s.unfold_weights(folded_weights, num_heads, rows)
+                out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)
             else:
                 out = s.unfold(s.attend_folded(folded, k, v, folded_mask, dropout_p), num_heads, rows)
         out = s.project_output(o_proj, s.merge(out))

@@ -498,8 +498,8 @@ def unfold_weights(weights: FoldedProbabilities, num_heads: int, rows: RowsWithA
     return K.zero_rows(K.unfold(weights, num_heads), rows)
 
 
-@stage(name="attention")
-def weigh_values(weights: Probabilities, v: KVHeads, dropout_p: float) -> Heads:
+@stage(name="attention_folded", trace=("",))
+def weigh_values(weights: FoldedProbabilities, v: KVHeads, dropout_p: float) -> FoldedQueries:
     return K.weighted_values(weights, v, dropout_p)
 
 

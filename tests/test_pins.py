@@ -287,3 +287,35 @@ def test_from_weights_keeps_each_projections_bias_as_given() -> None:
     assert module.o_proj.bias is None and module.q_proj.bias is not None
     x = _x()
     torch.testing.assert_close(module(x), per_head_attention(x, x, x, weights, num_heads=4, num_kv_heads=2), **F64)
+
+
+def test_rows_with_nothing_to_attend_to_have_finite_gradients() -> None:
+    """A fully masked row is zeros in the output, and no NaN reaches any gradient."""
+    module = _module()
+    x = _x(1, 4).requires_grad_()
+    padding = torch.tensor([[True, True, False, False]])
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[0] = False  # query 0 may attend to nothing
+    out = module(x, attn_mask=mask, key_padding_mask=padding)
+    assert torch.all(out[:, 0] == module.o_proj.bias)  # pyright: ignore[reportOptionalMemberAccess]
+    out.square().sum().backward()
+    grads = [x.grad, *(p.grad for p in module.parameters())]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_a_zero_head_count_is_a_config_error_everywhere() -> None:
+    x = torch.randn(1, 3, 8)
+    with pytest.raises(ssm.ConfigError, match="num_heads must be a positive int, but got 0"):
+        ssm.split_heads(x, 0)
+    with pytest.raises(ssm.ConfigError, match="num_kv_heads must be a positive int, but got 0"):
+        ssm.group_queries(torch.randn(1, 4, 3, 8), 0)
+    with pytest.raises(ssm.ConfigError, match="num_heads must be a positive int, but got 0"):
+        ssm.MultiHeadAttention(8, 0)
+
+
+def test_a_cache_of_another_dtype_than_the_module_is_refused_and_left_alone() -> None:
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float64)
+    with pytest.raises(ssm.ShapeError, match=r"kv_cache holds float64 on cpu, but the module computes float32"):
+        module(torch.randn(1, 2, 16), kv_cache=cache)
+    assert len(cache) == 0

@@ -1,0 +1,79 @@
+"""prove(): shapes proven for all sizes in a range, by torch's symbolic shapes; planted size bugs named."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from prove_modules import UserAttention
+
+import shapesafe_mha as ssm
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = {"mha": 8, "gqa": 2, "mqa": 1}
+PADDING = {"key_padding_mask": lambda batch, seq: torch.zeros(batch, seq, dtype=torch.bool)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "mode",
+    ["full", "causal", "need_weights", "key_padding_mask", "decode"],
+)
+def test_our_module_is_proven_in_every_mode(kind: str, mode: str) -> None:
+    kwargs = {"causal": {"is_causal": True}, "need_weights": {"need_weights": True}, "key_padding_mask": PADDING}
+    proof = ssm.prove(ssm.MultiHeadAttention(64, 8, KINDS[kind]), decode=mode == "decode", **kwargs.get(mode, {}))
+    assert proof.ok, proof.failures
+    stages = {name: (named, shape) for name, named, shape in proof.stages}
+    if mode != "decode":
+        named, shape = stages["split_q"]
+        assert named == "batch num_heads seq d_head"
+        assert shape.startswith("(s") and ", 8, s" in shape and shape.endswith(", 8)")  # (s0, 8, s1, 8)
+
+
+def test_rope_is_proven_too() -> None:
+    proof = ssm.prove(ssm.MultiHeadAttention(64, 8, 2, rope_theta=10000.0), is_causal=True)
+    assert proof.ok, proof.failures
+    assert "rotary_q" in [name for name, _, _ in proof.stages]
+
+
+def test_a_correct_user_module_is_proven() -> None:
+    proof = ssm.prove(UserAttention())
+    assert proof.ok, proof.failures
+    assert proof.stages[-1][0] == "output"
+
+
+@pytest.mark.parametrize(
+    ("bug", "dimension"),
+    [("view_seq", "seq"), ("view_batch", "batch"), ("truncate", "seq"), ("buffer_mask", "seq")],
+)
+def test_each_size_specific_bug_fails_naming_its_dimension(bug: str, dimension: str) -> None:
+    proof = ssm.prove(UserAttention(bug=bug))
+    assert not proof.ok
+    first_lines = [failure.splitlines()[0] for failure in proof.failures]
+    assert any(line.startswith(f"{dimension}: ") for line in first_lines), first_lines
+    assert all(len(line) <= 240 for line in first_lines)
+
+
+def test_the_truncation_branch_is_located_at_its_threshold() -> None:
+    proof = ssm.prove(UserAttention(bug="truncate"))
+    assert any("seq <= 512" in failure for failure in proof.failures), proof.failures
+    assert ssm.prove(UserAttention(bug="truncate"), seq=(1, 512)).ok  # below the branch: proven
+
+
+def test_the_proof_prints_as_a_table() -> None:
+    text = str(ssm.prove(ssm.MultiHeadAttention(64, 8, 2), is_causal=True))
+    assert "proven for batch in [1, 64], seq in [1, 2048]" in text and "split_q" in text
+
+
+def test_the_cli_proves_and_exits_by_the_outcome() -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "shapesafe_mha", "prove", "--d-model", "64", "--causal"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert ok.returncode == 0 and "proven for" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "shapesafe_mha", "prove", "--module", "prove_modules:view_seq"],
+        capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "tests")},
+    )  # fmt: skip
+    assert bad.returncode == 1 and "seq: " in bad.stdout
