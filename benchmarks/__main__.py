@@ -165,6 +165,14 @@ def main() -> None:
         results.append(
             Comparison("decode: checked / unchecked", "GQA d_model 512, 8/2 heads, cache 256", ratio, a, b, "<= 1.05")
         )
+        rope = ssm.MultiHeadAttention(512, 8, 2, rope_theta=10000.0).eval()
+        rope_step = decode_step(rope, 256)
+        ratio, a, b = measure(rope_step, unchecked(rope_step), rounds, 20)
+        results.append(
+            Comparison(
+                "RoPE decode: checked / unchecked", "GQA 512, 8/2 heads, RoPE, cache 256", ratio, a, b, "<= 1.05"
+            )
+        )
         generate = padded_generation(gqa, batch=4, prompt=16, steps=48)
         ratio, a, b = measure(generate, unchecked(generate), rounds // 2, 1)
         results.append(

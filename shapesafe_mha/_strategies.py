@@ -30,6 +30,7 @@ class AttentionConfig:
     num_kv_heads: int
     d_head: int
     bias: bool
+    rope_theta: float | None = None  # rotary position embeddings (d_head is then even)
 
     @property
     def group(self) -> int:
@@ -54,6 +55,7 @@ class AttentionConfig:
             self.num_kv_heads,
             d_head=self.d_head,
             bias=self.bias,
+            rope_theta=self.rope_theta,
             dtype=dtype,
             device=device,
         )
@@ -142,6 +144,7 @@ def attention_configs(
     bias: bool | None = None,
     cross: bool = True,
     thresholds: Sequence[int] = (),
+    rope: bool = False,
 ) -> AttentionConfig:
     """Draw a valid `AttentionConfig` of one of `kinds`.
 
@@ -149,6 +152,7 @@ def attention_configs(
     `group > 2`, `d_head = 1`, MQA, `num_heads * d_head != d_model`, and sequence lengths across
     the sizes where implementations switch paths (see `sequence_lengths`; pass your own
     `thresholds`). Long sequences come with small heads and widths, so every example stays cheap.
+    `rope=True` also draws a `rope_theta` (and an even `d_head`) for rotary position embeddings.
 
     Example:
         >>> from hypothesis import given, settings
@@ -169,6 +173,10 @@ def attention_configs(
         max_heads, max_d_head, max_batch = min(max_heads, 4), min(max_d_head, 4), min(max_batch, 2)
     num_heads, num_kv_heads = _heads(draw, kind, max(4 if kind == "gqa" else 2, max_heads))
     d_head = draw(st.integers(1, max_d_head))
+    rope_theta = None
+    if rope:
+        d_head = 2 * max(1, d_head // 2)  # rotary embeddings rotate pairs of features
+        rope_theta = draw(st.sampled_from([10.0, 10000.0, 500000.0]))
     d_model = draw(st.one_of(st.just(num_heads * d_head), st.integers(1, 4 * max_d_head)))
     return AttentionConfig(
         batch=draw(st.integers(1, max_batch)),
@@ -179,6 +187,7 @@ def attention_configs(
         num_kv_heads=num_kv_heads,
         d_head=d_head,
         bias=draw(st.booleans()) if bias is None else bias,
+        rope_theta=rope_theta,
     )
 
 

@@ -23,6 +23,7 @@ def test_performance_benchmark_prints_every_comparison() -> None:
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     names = (
         "decode: checked / unchecked",
+        "RoPE decode: checked / unchecked",
         "padded generation: checked / unchecked",
         "prefill: ours checked / nn.MHA",
         "checks off / no checks",

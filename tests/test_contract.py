@@ -271,3 +271,20 @@ def test_env_switch_accepts_the_usual_spellings_and_rejects_others() -> None:
         assert parse_switch(text) is False
     with pytest.raises(ssm.ConfigError, match="SHAPESAFE_MHA_UNCHECKED='maybe' is not a switch"):
         parse_switch("maybe")
+
+
+def test_a_relational_verdict_keeps_the_module_sizes_exact() -> None:
+    """A verdict for d_model=64 must not cover d_model=60, though both are 'some other size' to batch and seq."""
+    module = ssm.MultiHeadAttention(64, 8, 2)
+    module(torch.randn(2, 5, 64))
+    with pytest.raises(ssm.ShapeError, match=r"query has d_model=60"):
+        module(torch.randn(2, 5, 60))
+
+
+def test_a_relational_verdict_keeps_a_broadcast_one_apart() -> None:
+    """A mask broadcast over batch (1) does not vouch for a mask with a third batch size."""
+    module = ssm.MultiHeadAttention(64, 8, 2)
+    x = torch.randn(2, 5, 64)
+    module(x, attn_mask=torch.ones(1, 8, 5, 5, dtype=torch.bool))
+    with pytest.raises(ssm.ShapeError, match=r"attn_mask has batch=3 \(axis 0\), but query set batch=2"):
+        module(x, attn_mask=torch.ones(3, 8, 5, 5, dtype=torch.bool))

@@ -175,7 +175,8 @@ MUTANTS: list[Mutant] = [
     M("_messages.py", "f\"{name} has {axis.name}={size} (axis {index}), but {source} set", "f\"{name} has {axis.name}={size}, but {source} set",
       "messages lose the axis", ERRORS),
     M("_messages.py", "                if not (axis.broadcast and size == 1):\n                    memo[axis.name]",
-      "                if True:\n                    memo[axis.name]", "a broadcast 1 recorded as who set a dimension", ERRORS, CONTRACT),
+      "                if True:\n                    memo[axis.name]", "a broadcast 1 recorded as who set a dimension", ERRORS, CONTRACT,
+      equivalent="in every annotation a broadcastable axis (#batch, #num_heads, #seq) follows an argument that binds the same name (the query, the module), so a 1 is never the first binding"),
     # --- the reference ---
     M("_reference.py", "        kv_head = head // group", "        kv_head = head % num_kv_heads",
       "the reference maps query heads to KV heads as repeat", EQ),
