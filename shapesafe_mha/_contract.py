@@ -143,9 +143,6 @@ class Stage(Generic[P, R]):
             self._verdicts[key] = True
         return result
 
-    def __get__(self, instance: Any, owner: Any = None) -> Any:
-        return self if instance is None else functools.partial(self, instance)
-
     def result_names(self) -> list[tuple[str, Any]]:
         """(trace name, annotation) of each tensor the stage returns."""
         returns = self.returns

@@ -523,33 +523,29 @@ def native_attention(
     return native_kernel(query, in_weight, in_bias, out_weight, out_bias, num_heads)
 
 
-FORWARD_STAGES = {
-    name: value
-    for name, value in dict(globals()).items()
-    if name
-    in (
-        "project_query",
-        "project_key",
-        "project_value",
-        "project_qkv",
-        "unfuse",
-        "split_query",
-        "split_key",
-        "split_value",
-        "attend_to_new",
-        "append_to_cache",
-        "combine_masks",
-        "attend_heads",
-        "group_queries",
-        "fold_queries",
-        "fold_mask",
-        "attend_folded",
-        "unfold",
-        "folded_weights",
-        "unfold_weights",
-        "weigh_values",
-        "merge",
-        "project_output",
-        "native_attention",
-    )
+# The stages MultiHeadAttention.forward composes, by the names it calls them.
+FORWARD_STAGES: dict[str, Any] = {
+    "project_query": project_query,
+    "project_key": project_key,
+    "project_value": project_value,
+    "project_qkv": project_qkv,
+    "unfuse": unfuse,
+    "split_query": split_query,
+    "split_key": split_key,
+    "split_value": split_value,
+    "attend_to_new": attend_to_new,
+    "append_to_cache": append_to_cache,
+    "combine_masks": combine_masks,
+    "attend_heads": attend_heads,
+    "group_queries": group_queries,
+    "fold_queries": fold_queries,
+    "fold_mask": fold_mask,
+    "attend_folded": attend_folded,
+    "unfold": unfold,
+    "folded_weights": folded_weights,
+    "unfold_weights": unfold_weights,
+    "weigh_values": weigh_values,
+    "merge": merge,
+    "project_output": project_output,
+    "native_attention": native_attention,
 }
