@@ -11,7 +11,35 @@ from rich.table import Table
 from ._errors import ShapesafeError
 from ._report import DTYPES, TraceConfig, TraceReport, trace_forward
 
-app = typer.Typer(help="Shape-checked multi-head attention: see every stage's shape.", no_args_is_help=True)
+app = typer.Typer(
+    help="Shape-checked multi-head attention: see every stage's shape.", no_args_is_help=True, add_completion=False
+)
+
+
+class Device(StrEnum):
+    meta = "meta"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(StrEnum):
+    float32 = "float32"
+    float64 = "float64"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+def _usable(device: str) -> str:
+    """`device`, or a one-line usage error if this machine cannot compute on it."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise typer.BadParameter(f"{device} was asked for, but torch.cuda.is_available() is False on this machine")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise typer.BadParameter(f"{device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    return device
 
 
 class Format(StrEnum):
@@ -82,25 +110,30 @@ def render(report: TraceReport, console: Console) -> None:
 
 @app.command()
 def trace(
-    d_model: Annotated[int, typer.Option(help="model width")] = 4096,
-    num_heads: Annotated[int, typer.Option(help="query heads")] = 32,
-    num_kv_heads: Annotated[int, typer.Option(help="key/value heads (MQA: 1)")] = 8,
-    d_head: Annotated[int | None, typer.Option(help="head width [default: d_model // num_heads]")] = None,
-    batch: Annotated[int, typer.Option()] = 1,
-    seq: Annotated[int, typer.Option(help="query positions")] = 128,
-    device: Annotated[str, typer.Option(help="meta (shapes only, no memory), cpu, cuda")] = "meta",
-    dtype: Annotated[str, typer.Option(help=", ".join(DTYPES))] = "bfloat16",
-    decode: Annotated[int | None, typer.Option(help="one decoding step against a cache holding N positions")] = None,
-    tp: Annotated[int, typer.Option("--tp", help="head-parallel ranks: show one rank's share and the all-reduce")] = 1,
+    d_model: Annotated[int, typer.Option(min=1, help="model width")] = 4096,
+    num_heads: Annotated[int, typer.Option(min=1, help="query heads")] = 32,
+    num_kv_heads: Annotated[int, typer.Option(min=1, help="key/value heads (MQA: 1)")] = 8,
+    d_head: Annotated[int | None, typer.Option(min=1, help="head width \\[default: d_model // num_heads]")] = None,
+    batch: Annotated[int, typer.Option(min=1)] = 1,
+    seq: Annotated[int, typer.Option(min=1, help="query positions")] = 128,
+    device: Annotated[Device, typer.Option(help="meta: shapes only, no memory")] = Device.meta,
+    dtype: Annotated[DType, typer.Option()] = DType.bfloat16,
+    decode: Annotated[
+        int | None, typer.Option(min=0, help="one decoding step against a cache holding N positions")
+    ] = None,
+    tp: Annotated[
+        int, typer.Option("--tp", min=1, help="head-parallel ranks: show one rank's share and the all-reduce")
+    ] = 1,
     rope_theta: Annotated[
         float | None, typer.Option("--rope-theta", help="rotary position embeddings with this base (Llama: 500000)")
     ] = None,
     format: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}")
-    config = TraceConfig(d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype, decode, tp, rope_theta)
+    _usable(device.value)
+    config = TraceConfig(
+        d_model, num_heads, num_kv_heads, d_head, batch, seq, device.value, dtype.value, decode, tp, rope_theta
+    )
     try:
         report = trace_forward(config)
     except ShapesafeError as error:
@@ -109,33 +142,33 @@ def trace(
     if format is Format.json:
         typer.echo(json.dumps(report.as_dict(), indent=2))
     else:
-        render(report, Console(width=160))
+        render(report, Console())
 
 
 @app.command()
 def check(
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1 (a device that computes; not meta)")] = "cpu",
-    dtype: Annotated[str, typer.Option(help=", ".join(DTYPES))] = "float64",
-    examples: Annotated[int, typer.Option(help="examples per property")] = 50,
+    dtype: Annotated[DType, typer.Option()] = DType.float64,
+    examples: Annotated[int, typer.Option(min=1, help="examples per property")] = 50,
 ) -> None:
     """Run the built-in property suite on this machine's device and dtype, against the per-head reference."""
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}")
     if device == "meta":
         raise typer.BadParameter("--device meta has no values to compare; use cpu or cuda")
+    _usable(device)
+    dtype_name = dtype.value
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from ._suite import PROPERTIES, run_suite
 
-    console = Console(width=140)
+    console = Console()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console) as progress:
         tasks = [progress.add_task(name, total=examples) for name, *_ in PROPERTIES]
         outcomes = run_suite(
-            device=device, dtype=DTYPES[dtype], examples=examples, on_example=lambda i: progress.advance(tasks[i])
+            device=device, dtype=DTYPES[dtype_name], examples=examples, on_example=lambda i: progress.advance(tasks[i])
         )
         for task, outcome in zip(tasks, outcomes, strict=True):
             progress.update(task, completed=examples if outcome.passed else outcome.examples)
-    table = Table(title=f"shapesafe_mha properties on {device} ({dtype})")
+    table = Table(title=f"shapesafe_mha properties on {device} ({dtype_name})")
     for column in ("property", "examples", "result", "worst deviation", "tolerance"):
         table.add_column(column, justify="left" if column in ("property", "result") else "right")
     for outcome in outcomes:
@@ -206,4 +239,18 @@ def _root() -> None:
 
 
 def main() -> None:
-    app()
+    """The console script: a bad value is one line on stderr and exit code 2, never a traceback."""
+    try:
+        code = typer.main.get_command(app).main(standalone_mode=False)
+    except typer.Abort:
+        raise SystemExit(1) from None
+    except Exception as error:
+        # typer ships click's usage errors (bad value, unknown option) without a public name for
+        # their base class: they are the exceptions that know how to format themselves.
+        if not (hasattr(error, "format_message") and hasattr(error, "exit_code")):
+            raise
+        context = getattr(error, "ctx", None)
+        command = f" {context.info_name}" if context is not None and context.parent is not None else ""
+        typer.echo(f"shapesafe-mha{command}: error: {error.format_message()}", err=True)  # pyright: ignore[reportAttributeAccessIssue]
+        raise SystemExit(error.exit_code) from None  # pyright: ignore[reportAttributeAccessIssue]
+    raise SystemExit(code if isinstance(code, int) else 0)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from shapesafe_mha._cli import app
@@ -39,11 +40,14 @@ def test_default_trace_is_a_llama_style_gqa_layer_on_meta() -> None:
 
 
 def test_table_shows_views_and_allocations() -> None:
-    """The table names each stage, its named shape, and 'view of …' or 'new allocation'."""
-    result = runner.invoke(app, ["trace", "--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2", "--seq", "4"])
+    """The table names each stage, its named shape, and 'view of …' or 'new allocation'; it fits the terminal."""
+    args = ["trace", "--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2", "--seq", "4"]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "split_q" in result.output and "view of q_proj" in result.output and "new allocation" in result.output
     assert "batch num_heads seq d_head" in result.output
+    narrow = runner.invoke(app, args, env={"COLUMNS": "90"})
+    assert max(len(line) for line in narrow.output.splitlines()) <= 90
 
 
 def test_decode_trace_attends_over_the_cache() -> None:
@@ -115,3 +119,33 @@ def test_trace_tp_with_an_unsplittable_config_gets_the_runtime_error() -> None:
     result = runner.invoke(app, ["trace", "--tp", "5"])
     assert result.exit_code == 2
     assert "cannot be split over world_size=5" in result.output
+
+
+BAD_VALUES = [
+    ("trace", "--seq", "0"),
+    ("trace", "--batch", "0"),
+    ("trace", "--tp", "0"),
+    ("trace", "--device", "tpu"),
+    ("trace", "--dtype", "int8"),
+    ("check", "--examples", "0"),
+    ("check", "--device", "meta"),
+    ("prove", "--seq-max", "0"),
+    ("trace", "--bogus"),
+]
+if not torch.cuda.is_available():
+    BAD_VALUES += [("trace", "--device", "cuda"), ("check", "--device", "cuda")]
+
+
+@pytest.mark.parametrize("args", BAD_VALUES, ids=" ".join)
+def test_every_bad_value_is_one_line_and_exit_code_2(args: tuple[str, ...]) -> None:
+    out = subprocess.run([sys.executable, "-m", "shapesafe_mha", *args], capture_output=True, text=True, check=False)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"shapesafe-mha {args[0]}: error: "), out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_help_has_no_completion_options_and_keeps_bracketed_defaults() -> None:
+    out = subprocess.run([sys.executable, "-m", "shapesafe_mha", "trace", "--help"], capture_output=True, text=True)
+    assert "--install-completion" not in out.stdout
+    assert "default:" in out.stdout and "d_model // num_heads" in out.stdout.replace("\n", " ").replace("│", " ")
