@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import UnsatisfiedAssumption
 from torch import Tensor, nn
 
 from ._reference import per_head_attention
@@ -98,6 +99,8 @@ def _compare(
     where = _describe(config, is_causal, dtype)
     try:
         got = _call(fn, x, weights, config, is_causal)
+    except UnsatisfiedAssumption:
+        raise  # hypothesis.assume() in the user's function: skip this example, it is no failure
     except Exception as error:
         raise AssertionError(
             f"the implementation raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
@@ -150,15 +153,21 @@ def run_property(
     check: Callable[[AttentionConfig, Any], float],
     *,
     kinds: Sequence[Kind],
-    max_examples: int,
+    max_examples: int | None,
     on_example: Callable[[float], None] | None = None,
     cross: bool = False,
     thresholds: Sequence[int] = (),
+    base: settings | None = None,
 ) -> None:
-    """Run `check(config, data)` on hypothesis-drawn configs; it returns a deviation or raises AssertionError."""
+    """Run `check(config, data)` on hypothesis-drawn configs; it returns a deviation or raises AssertionError.
+
+    `base` (default: the active hypothesis profile) gives the budget unless `max_examples` is set.
+    """
+    base = settings() if base is None else base
 
     @settings(
-        max_examples=max_examples,
+        base,
+        max_examples=base.max_examples if max_examples is None else max_examples,
         deadline=None,
         database=None,
         derandomize=True,
@@ -185,10 +194,11 @@ def check_attention(
     *,
     kinds: Sequence[Kind] = ALL_KINDS,
     is_causal: bool = False,
-    max_examples: int = 100,
+    max_examples: int | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float64,
     thresholds: Sequence[int] = (),
+    settings: settings | None = None,
 ) -> None:
     """Property-test an attention implementation against `reference.per_head_attention`.
 
@@ -196,6 +206,10 @@ def check_attention(
     `AttentionWeights` (nn.Linear layout; biases may be None) and returns `(batch, seq, d_model)`.
     hypothesis draws configs (MHA/GQA/MQA, as `kinds` says) and inputs, and shrinks a failure to the
     smallest config. Call it from a plain test, not from inside another `@given`.
+
+    The budget is `max_examples`, else that of `settings` (a `hypothesis.settings`), else the
+    active hypothesis profile's (100 by default; `--hypothesis-profile ci` under pytest). No explain
+    phase, whatever the profile. `hypothesis.assume(...)` in `fn` skips an example.
 
     Sequence lengths reach 512 and land on purpose on both sides of every power of two; name the
     sizes where your implementation switches paths (`thresholds=(128, 4096)`) and the draws cover
@@ -224,7 +238,7 @@ def check_attention(
         x = data.draw(attention_inputs(config, dtype=dtype, device=device), label="inputs").query
         return _compare(fn, config, x, weights, is_causal, dtype)
 
-    run_property(check, kinds=kinds, max_examples=max_examples, thresholds=thresholds)
+    run_property(check, kinds=kinds, max_examples=max_examples, thresholds=thresholds, base=settings)
 
 
 def _load(module: nn.Module, weights: AttentionWeights) -> None:
@@ -247,10 +261,11 @@ def check_module(
     forward: Callable[[nn.Module, Tensor, bool], Any] = _default_forward,
     kinds: Sequence[Kind] = ALL_KINDS,
     is_causal: bool = False,
-    max_examples: int = 100,
+    max_examples: int | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float64,
     thresholds: Sequence[int] = (),
+    settings: settings | None = None,
 ) -> None:
     """`check_attention` for an `nn.Module` with `q_proj, k_proj, v_proj, o_proj` (nn.Linear) submodules.
 
@@ -281,4 +296,5 @@ def check_module(
         device=device,
         dtype=dtype,
         thresholds=thresholds,
+        settings=settings,
     )

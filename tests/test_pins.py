@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
@@ -231,7 +231,25 @@ def test_the_default_draws_every_kind_within_the_default_budget() -> None:
 
     check_attention(counting)
     assert set(seen) == {"mha", "gqa", "mqa"}
-    assert sum(seen.values()) >= 100, "the default budget is 100 examples"
+    budget = settings().max_examples  # the active profile's (ci: 50 here); hypothesis' default is 100
+    assert sum(seen.values()) >= budget >= 50, "without max_examples, the active profile's budget"
+
+
+def test_settings_and_profiles_give_the_budget_and_assume_skips() -> None:
+    calls: list[int] = []
+
+    def counting(x: torch.Tensor, w: Any, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> torch.Tensor:
+        calls.append(1)
+        return _reference_fn()(x, w, num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=is_causal)
+
+    check_attention(counting, settings=settings(max_examples=7))
+    assert len(calls) == 7
+
+    def only_even_heads(x: torch.Tensor, w: Any, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> torch.Tensor:
+        assume(num_heads % 2 == 0)  # the user's own precondition: not a failure
+        return _reference_fn()(x, w, num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=is_causal)
+
+    check_attention(only_even_heads, max_examples=20)
 
 
 def test_a_float32_check_uses_float32_tolerance() -> None:
