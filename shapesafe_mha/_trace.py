@@ -139,11 +139,6 @@ def _covers(span: tuple[int, int], start: int, end: int) -> bool:
 _active: list[Tracer] = []
 
 
-def tracing_active() -> bool:
-    """Whether a `tracing` block is recording stages now."""
-    return bool(_active)
-
-
 def current_observer() -> Callable[[str, str, torch.Tensor], None] | None:
     """Where stages report themselves while a `tracing` block is active (None otherwise)."""
     return _active[-1].add if _active else None
