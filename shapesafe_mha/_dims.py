@@ -18,6 +18,12 @@ Notation:
 | `d_in`, `d_out`| a linear map's input and output widths                           |
 | `local_heads`  | query heads held by one rank of a head-parallel group            |
 | `local_kv_heads` | KV heads held by one rank (sharded or replicated)              |
+| `seen`         | positions a sliding-window cache has seen (its masks cover them) |
+| `q_lora_rank`  | latent attention: width of the queries' low-rank bottleneck      |
+| `kv_lora_rank` | latent attention: width of the shared key/value latent (cached)  |
+| `d_nope`       | latent attention: the part of a query/key head without RoPE      |
+| `d_rope`       | latent attention: the rotary part of a query/key head; one rotary key shared by all heads |
+| `d_value`      | latent attention: width of a value head (may differ from `d_nope + d_rope`) |
 
 Shapes are built from these names once, below, and reused by every stage.
 """
@@ -41,6 +47,12 @@ DIMS = (
     "d_out",
     "local_heads",
     "local_kv_heads",
+    "seen",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "d_nope",
+    "d_rope",
+    "d_value",
 )
 
 # The sizes a module fixes, bound before any argument is checked (from a `meta` witness tensor).
@@ -91,3 +103,33 @@ FoldedMask = (
     Bool[Tensor, "#batch #num_kv_heads #group*seq kv_seq"] | Float[Tensor, "#batch #num_kv_heads #group*seq kv_seq"]
 )
 RowsWithAKey = Bool[Tensor, "#batch #num_heads #seq 1"]
+# A sliding-window cache keeps only the positions its window still sees; masks given with it cover
+# every position seen, and are cut to the ones kept.
+SeenAttnMask = (
+    Bool[Tensor, "seq seen"]
+    | Bool[Tensor, "#batch #num_heads seq seen"]
+    | Float[Tensor, "seq seen"]
+    | Float[Tensor, "#batch #num_heads seq seen"]
+)
+SeenPaddingMask = Bool[Tensor, "batch seen"]
+
+# Multi-head latent attention (DeepSeek-V2/V3): queries through a low-rank bottleneck, keys and
+# values rebuilt per head from one latent shared by all heads, which is all that is cached.
+LatentSizes = Shaped[Tensor, "d_model num_heads kv_lora_rank d_nope d_rope d_value"]
+QueryBottleneck = Float[Tensor, "batch seq q_lora_rank"]
+LatentQueries = Float[Tensor, "batch seq num_heads*(d_nope+d_rope)"]
+LatentQueryHeads = Float[Tensor, "batch num_heads seq d_nope+d_rope"]
+NopeQueries = Float[Tensor, "batch num_heads seq d_nope"]
+RopeQueries = Float[Tensor, "batch num_heads seq d_rope"]
+CompressedKV = Float[Tensor, "batch new kv_lora_rank+d_rope"]  # the latent and the rotary key, projected at once
+NewLatent = Float[Tensor, "batch new kv_lora_rank"]
+NewRopeKey = Float[Tensor, "batch 1 new d_rope"]  # one rotary key, shared by every head
+Latent = Float[Tensor, "batch kv_seq kv_lora_rank"]
+RopeKey = Float[Tensor, "batch 1 kv_seq d_rope"]
+LatentBuffer = Float[Tensor, "batch capacity kv_lora_rank+d_rope"]
+ExpandedKV = Float[Tensor, "batch kv_seq num_heads*(d_nope+d_value)"]
+LatentKeyHeads = Float[Tensor, "batch num_heads kv_seq d_nope+d_rope"]
+ValueHeads = Float[Tensor, "batch num_heads kv_seq d_value"]
+LatentOutHeads = Float[Tensor, "batch num_heads seq d_value"]
+LatentMerged = Float[Tensor, "batch seq num_heads*d_value"]
+LatentProbabilities = Float[Tensor, "batch num_heads seq kv_seq"]

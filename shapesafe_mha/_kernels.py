@@ -55,20 +55,29 @@ def combine_masks(
     q: Tensor,
     k: Tensor,
     explicit: bool,
+    window: int | None = None,
 ) -> Tensor | None:
-    """`attn_mask`, `key_padding_mask` and `is_causal` as one 4-D mask (bool: True = may attend, or float).
+    """`attn_mask`, `key_padding_mask`, `is_causal` and a sliding `window` as one 4-D mask.
+
+    Bool (True = may attend) or float (added to the scores).
 
     None when there is nothing to mask, or when the only restriction is causality that torch's
     SDPA applies itself (`seq == kv_seq`, MHA; see `sdpa_causal`), unless `explicit`.
     """
     seq, kv_seq = q.shape[2], k.shape[2]
     causal = is_causal and seq > 1  # a single query, lower-right aligned, sees every key
-    if causal and attn_mask is None and key_padding_mask is None and not explicit and sdpa_causal(q, k):
-        return None
+    windowed = window_matters(window, kv_seq)
+    if causal and attn_mask is None and key_padding_mask is None and not explicit and not windowed:
+        if sdpa_causal(q, k):
+            return None
     allowed: Tensor | None = None
-    if causal:
+    if causal or windowed:
         # Lower-right alignment: query i sits at absolute position kv_seq - seq + i.
-        allowed = torch.ones(seq, kv_seq, dtype=torch.bool, device=q.device).tril(kv_seq - seq)[None, None]
+        ones = torch.ones(seq, kv_seq, dtype=torch.bool, device=q.device)
+        allowed = ones.tril(kv_seq - seq) if causal else ones
+        if windowed and window is not None:
+            allowed = allowed & ~ones.tril(kv_seq - seq - window)  # keys window or more positions back
+        allowed = allowed[None, None]
     if key_padding_mask is not None:
         keep = ~key_padding_mask[:, None, None, :]
         allowed = keep if allowed is None else allowed & keep
@@ -78,6 +87,13 @@ def combine_masks(
             return mask4 if allowed is None else allowed & mask4
         return mask4 if allowed is None else mask4.masked_fill(~allowed, -math.inf)
     return allowed
+
+
+def window_matters(window: int | None, kv_seq: int) -> bool:
+    """Whether a sliding window hides any key: some query is `window` or more positions after some key."""
+    if window is not None and kv_seq > window:  # an `if`: a Python bool under compile and export
+        return True
+    return False
 
 
 def sdpa_causal(q: Tensor, k: Tensor) -> bool:
@@ -130,10 +146,14 @@ def sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
 
 
-def probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
-    """`softmax(q @ k.T * scale + mask)` over the last axis."""
+def probabilities(
+    q: Tensor, k: Tensor, mask: Tensor | None, scale: float | None, softcap: float | None = None
+) -> Tensor:
+    """`softmax(softcap(q @ k.T * scale) + mask)` over the last axis; `softcap(s) = c * tanh(s / c)` (Gemma 2)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
     return torch.softmax(scores, dim=-1)
@@ -161,22 +181,35 @@ def attend(
     may_empty: bool,
     scale: float | None,
     dropout_p: float,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention for MHA/GQA/MQA with our conventions (lower-right causal, empty rows are zeros)."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if mask is None and num_heads == num_kv_heads:
+    if mask is None and num_heads == num_kv_heads and softcap is None:
         return sdpa(q, k, v, None, native_causal, scale, dropout_p)
     folded_mask, rows = (None, None) if mask is None else fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
     folded = fold_queries(group_queries(q, num_kv_heads))
-    return zero_rows(unfold(sdpa(folded, k, v, folded_mask, False, scale, dropout_p), num_heads), rows)
+    if softcap is None:
+        out = sdpa(folded, k, v, folded_mask, False, scale, dropout_p)
+    else:  # SDPA has no softcap: the scores are computed here
+        out = weighted_values(probabilities(folded, k, folded_mask, scale, softcap), v, dropout_p)
+    return zero_rows(unfold(out, num_heads), rows)
 
 
-def head_weights(q: Tensor, k: Tensor, mask: Tensor | None, may_empty: bool, scale: float | None) -> Tensor:
+def head_weights(
+    q: Tensor, k: Tensor, mask: Tensor | None, may_empty: bool, scale: float | None, softcap: float | None = None
+) -> Tensor:
     """Per-head probabilities `(batch, num_heads, seq, kv_seq)`; rows with nothing to attend to are zeros."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     folded_mask, rows = (None, None) if mask is None else fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
     folded = fold_queries(group_queries(q, num_kv_heads))
-    return zero_rows(unfold(probabilities(folded, k, folded_mask, scale), num_heads), rows)
+    return zero_rows(unfold(probabilities(folded, k, folded_mask, scale, softcap), num_heads), rows)
+
+
+def deinterleave(x: Tensor) -> Tensor:
+    """Features `(x0, x1, x2, x3, ...)` laid out as `(x0, x2, ..., x1, x3, ...)`: pairs `(2i, 2i+1)` become
+    `(i, i + d/2)`, the pairing `rotate_half` turns (DeepSeek's interleaved RoPE, as transformers computes it)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def weighted_values(probabilities: Tensor, v: Tensor, dropout_p: float) -> Tensor:

@@ -17,7 +17,7 @@ from ._errors import ConfigError
 from ._fastpath import FusedQKV, fused_qkv, native_fits
 from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from ._rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
-from ._stages import FORWARD_STAGES, check_groups, explain_mask, positive_count
+from ._stages import FORWARD_STAGES, check_groups, check_variants, explain_mask, positive_count
 from ._trace import current_observer
 from ._weights import AttentionWeights
 
@@ -126,12 +126,22 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention probabilities, in training mode.
         rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
         rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3"), or None.
+        qk_norm: RMS-normalise each head's query and key over `d_head` before RoPE, with learned
+            weights (`q_norm`, `k_norm` submodules), as Qwen3 and Gemma 3 do.
+        norm_eps: the epsilon of QK-norm.
+        window: sliding-window attention: a query sees only the `window` most recent keys,
+            itself included (Mistral, Gemma); `new_cache` then keeps only those.
+        logit_softcap: cap the scores at `±logit_softcap` smoothly, `c * tanh(scores / c)`, before
+            the mask (Gemma 2).
+        query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
+            `d_head ** -0.5` (Gemma 2).
         device, dtype: of the parameters.
 
     Raises:
         ConfigError: the sizes are not positive ints, `num_kv_heads` does not divide `num_heads`,
-            `d_head` is not given and `num_heads` does not divide `d_model`, or `dropout` is not a
-            number in [0, 1).
+            `d_head` is not given and `num_heads` does not divide `d_model`, `dropout` is not a
+            number in [0, 1), `window` is not a positive int, or `logit_softcap` /
+            `query_pre_attn_scalar` not a positive number.
     """
 
     def __init__(
@@ -145,6 +155,11 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rope_theta: float | None = None,
         rope_scaling: Mapping[str, Any] | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        window: int | None = None,
+        logit_softcap: float | None = None,
+        query_pre_attn_scalar: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -169,6 +184,7 @@ class MultiHeadAttention(nn.Module):
         positive_count(f"{owner}: ", "d_head", d_head)
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
+        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar)
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -185,10 +201,22 @@ class MultiHeadAttention(nn.Module):
         if rope_theta is not None:
             check_rotary_width(d_head, owner)
             self.rotary = RotaryEmbedding(d_head, rope_theta, rope_scaling).to(device=device)
-        # Torch's fused MHA kernel needs MHA with heads that tile d_model (see _fastpath.native_fits).
-        self.native_shape = num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None
+        self.qk_norm = bool(qk_norm)
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(d_head, eps=norm_eps, **factory)
+            self.k_norm = nn.RMSNorm(d_head, eps=norm_eps, **factory)
+        self.window = window
+        self.logit_softcap = logit_softcap
+        self.query_pre_attn_scalar = query_pre_attn_scalar
+        self.scale = None if query_pre_attn_scalar is None else float(query_pre_attn_scalar) ** -0.5
+        variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
+        # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see _fastpath.native_fits).
+        self.native_shape = (
+            num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
+        )
         self._constants = frozenset(
             {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
+            | ({window} if window is not None else set())
         )
         self._forget()
 
@@ -221,6 +249,10 @@ class MultiHeadAttention(nn.Module):
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"d_head={self.d_head}, dropout={self.dropout}"
             + (f", rope_theta={self.rope_theta}" if self.rope_theta is not None else "")
+            + (", qk_norm=True" if self.qk_norm else "")
+            + (f", window={self.window}" if self.window is not None else "")
+            + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
+            + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
         )
 
     @property
@@ -289,9 +321,20 @@ class MultiHeadAttention(nn.Module):
         return module
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        """A `KVCache` that fits this module: its KV heads, `d_head`, dtype and device."""
+        """A `KVCache` that fits this module: its KV heads, `d_head`, dtype, device and sliding window.
+
+        With a `window`, `capacity >= window` serves a generation of any length (see `KVCache`).
+        """
         weight = self.k_proj.weight
-        return KVCache(batch, self.num_kv_heads, capacity, self.d_head, dtype=weight.dtype, device=weight.device)
+        return KVCache(
+            batch,
+            self.num_kv_heads,
+            capacity,
+            self.d_head,
+            dtype=weight.dtype,
+            device=weight.device,
+            window=self.window,
+        )
 
     def forward(
         self,
@@ -421,11 +464,13 @@ class MultiHeadAttention(nn.Module):
         """What a verdict depends on: the call's structure (kinds, ranks, dtypes, devices, flags, path)
         and its sizes; these exactly, for a lookup that costs one hash."""
         kv_len = key.shape[1]
-        cache_kind = buffer_shape = None
+        cache_kind = buffer_shape = kept = None
         if kv_cache is not None:
             kv_len += len(kv_cache)
             buffer = kv_cache.keys_buffer
-            cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device), buffer.shape
+            cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache.window), buffer.shape
+            if kv_cache.window is not None:
+                kept = (kv_cache.kept, kv_cache.kept + key.shape[1])
         masked = attn_mask is not None or key_padding_mask is not None
         structure = (
             path,
@@ -453,6 +498,7 @@ class MultiHeadAttention(nn.Module):
             None if attn_mask is None else attn_mask.shape,
             None if key_padding_mask is None else key_padding_mask.shape,
             buffer_shape,
+            kept,
             None if positions is None else positions.shape,
         )
         # kv_seq counts the cached positions too; it is checked only against masks.
@@ -560,6 +606,8 @@ class MultiHeadAttention(nn.Module):
         q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)
+        if self.qk_norm:
+            q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
         rotary = modules.get("rotary")
         if rotary is not None:
             if positions is None:
@@ -570,23 +618,29 @@ class MultiHeadAttention(nn.Module):
             k, v = s.attend_to_new(k, v)
         else:
             k, v = s.append_to_cache(kv_cache, kv_cache.keys_buffer, k, v)
-        mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, need_weights)
+            seen, kept = len(kv_cache), k.shape[2]
+            if seen != kept and (attn_mask is not None or key_padding_mask is not None):
+                attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, seen, kept)
+        scale, softcap = self.scale, self.logit_softcap
+        explicit = need_weights or softcap is not None  # the scores computed here, not by SDPA
+        mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
-        if mask is None and num_heads == num_kv_heads and not need_weights:
-            out = s.attend_heads(q, k, v, K.native_causal(is_causal, q, k), dropout_p)
+        if mask is None and num_heads == num_kv_heads and not explicit:
+            out = s.attend_heads(q, k, v, K.native_causal(is_causal, q, k), dropout_p, scale)
         else:
             folded = s.fold_queries(s.group_queries(q, num_kv_heads))
             folded_mask, rows = None, None
             if mask is not None:
                 may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
                 folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
-            if need_weights:
-                folded_weights = s.folded_weights(folded, k, folded_mask)
-                weights = s.unfold_weights(folded_weights, num_heads, rows)
+            if explicit:
+                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap)
+                if need_weights:
+                    weights = s.unfold_weights(folded_weights, num_heads, rows)
                 out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)
             else:
-                out = s.unfold(s.attend_folded(folded, k, v, folded_mask, dropout_p), num_heads, rows)
+                out = s.unfold(s.attend_folded(folded, k, v, folded_mask, dropout_p, scale), num_heads, rows)
         out = s.project_output(o_proj, s.merge(out))
         return out if weights is None else (out, weights)
 

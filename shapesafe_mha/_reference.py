@@ -43,6 +43,15 @@ def _rotate_pairs(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`x / sqrt(mean(x**2) + eps) * weight` over each row's features."""
+    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def _softcap(scores: Tensor, cap: float | None) -> Tensor:
+    return scores if cap is None else cap * torch.tanh(scores / cap)
+
+
 def _head_mask(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,
@@ -52,14 +61,17 @@ def _head_mask(
     seq: int,
     kv_seq: int,
     like: Tensor,
+    window: int | None = None,
 ) -> Tensor:
     """An additive `(batch, seq, kv_seq)` mask for one head: 0 where allowed, -inf where not."""
     additive = torch.zeros(batch, seq, kv_seq, dtype=like.dtype, device=like.device)
     blocked = torch.zeros(batch, seq, kv_seq, dtype=torch.bool, device=like.device)
-    if is_causal:
-        for i in range(seq):
-            position = kv_seq - seq + i  # lower-right alignment; negative: sees no key at all
+    for i in range(seq):
+        position = kv_seq - seq + i  # lower-right alignment; negative: sees no key at all
+        if is_causal:
             blocked[:, i, max(position + 1, 0) :] = True  # every key after its own position
+        if window is not None:
+            blocked[:, i, : max(position - window + 1, 0)] = True  # every key window or more positions back
     if key_padding_mask is not None:
         blocked |= key_padding_mask[:, None, :]
     if attn_mask is not None:
@@ -87,11 +99,16 @@ def per_head_attention(
     key_padding_mask: Tensor | None = None,
     rope_theta: float | None = None,
     positions: Tensor | None = None,
+    qk_norm: tuple[Tensor, Tensor] | None = None,
+    norm_eps: float = 1e-6,
+    window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
 ) -> Tensor:
     """Multi-head attention computed one head at a time from explicit per-head weight slices.
 
     For head `h` with KV head `g = h // (num_heads // num_kv_heads)`:
-    `head_h = softmax((x W_Q[h]) (k W_K[g])^T / sqrt(d_head) + mask) (v W_V[g])`, then
+    `head_h = softmax(softcap((x W_Q[h]) (k W_K[g])^T * scale) + mask) (v W_V[g])`, then
     `out = concat(head_0, ..., head_{H-1}) W_O^T + b_O`. Masks follow `MultiHeadAttention`:
     bool `attn_mask` True = may attend, float added; `key_padding_mask` True = padding;
     `is_causal` lower-right aligned; a row with nothing to attend to is zeros.
@@ -115,6 +132,11 @@ def per_head_attention(
             feature `i` with `i + d_head/2`; angles in float32, as transformers computes them.
         positions: `(batch, seq)` positions of the queries (and keys: self-attention); default
             `0..seq-1`.
+        qk_norm: `(q_weight, k_weight)`, each `(d_head,)`: RMS-normalise every head's query and
+            key with these weights (and `norm_eps`) before RoPE.
+        window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
+        logit_softcap: scores become `c * tanh(scores / c)` before the mask.
+        scale: the scores' scale; default `1 / sqrt(d_head)`.
 
     Returns:
         `(batch, seq, d_model)`.
@@ -128,11 +150,13 @@ def per_head_attention(
         kv_head = head // group
         q = _linear(query, *_rows(weights.w_q, weights.b_q, head, d_head))
         k = _linear(key, *_rows(weights.w_k, weights.b_k, kv_head, d_head))
+        if qk_norm is not None:
+            q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         if rope_theta is not None:
             where = torch.arange(seq).expand(batch, seq) if positions is None else positions
             q, k = _rotate_pairs(q, where, rope_theta), _rotate_pairs(k, where, rope_theta)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)
-        scores = scores + _head_mask(attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores)
+        scores = _softcap(q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale), logit_softcap)
+        scores = scores + _head_mask(attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window)
         heads.append(_softmax_or_zeros(scores) @ v)
     return _linear(torch.cat(heads, dim=-1), weights.w_o, weights.b_o)

@@ -38,6 +38,8 @@ from ._dims import (
     Probabilities,
     QueryInner,
     RowsWithAKey,
+    SeenAttnMask,
+    SeenPaddingMask,
     Tokens,
     Weight,
 )
@@ -135,6 +137,21 @@ def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None
     dropout_p = arguments.get("dropout_p", 0.0)
     if not 0.0 <= dropout_p < 1.0:
         raise ConfigError(f"dropout_p must be in [0, 1), but got {dropout_p}.")
+    check_variants("", arguments.get("window"), arguments.get("softcap"))
+
+
+def check_variants(owner: str, window: Any, softcap: Any, scalar: Any = None) -> None:
+    """Raise `ConfigError` unless a sliding window is a positive int and a softcap (query scalar) a positive number."""
+    if window is not None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ConfigError(
+                f"{owner}window must be a positive int (the keys a query sees, itself included), but got {window!r}."
+            )
+    for name, value in (("logit softcap", softcap), ("query_pre_attn_scalar", scalar)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ConfigError(f"{owner}{name} must be a positive number, but got {value!r}.")
 
 
 def _validate_split(arguments: dict[str, Any], dims: dict[str, int]) -> None:
@@ -276,6 +293,8 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Heads:
     """Attention per head: `softmax(q @ k.T * scale + mask) @ v`, for MHA, GQA and MQA alike.
 
@@ -306,17 +325,23 @@ def scaled_dot_product_attention(
         is_causal: mask future keys, lower-right aligned.
         scale: score scale; default `1 / sqrt(d_head)`.
         dropout_p: dropout on the probabilities (apply only in training).
+        window: sliding-window attention: query `i` sees only keys fewer than `window` positions
+            before it (itself included), lower-right aligned like `is_causal`, as Mistral and
+            Gemma do.
+        softcap: cap the scores smoothly at `±softcap` before the mask, `softcap * tanh(s / softcap)`
+            (Gemma 2's `attn_logit_softcapping`).
 
     Returns:
         `(batch, num_heads, seq, d_head)`.
 
     Raises:
         ShapeError: shapes, dtypes or devices disagree, or `num_kv_heads` does not divide `num_heads`.
+        ConfigError: `window` is not a positive int, or `softcap` not a positive number.
     """
-    mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=False)
+    mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=softcap is not None, window=window)
     native_causal = mask is None and K.native_causal(is_causal, q, k)
     may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
-    return K.attend(q, k, v, mask, native_causal, may_empty, scale, dropout_p)
+    return K.attend(q, k, v, mask, native_causal, may_empty, scale, dropout_p, softcap)
 
 
 @stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
@@ -327,6 +352,8 @@ def attention_weights(
     attn_mask: AttnMask | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Probabilities:
     """The per-head attention probabilities `softmax(q @ k.T * scale + mask)`.
 
@@ -342,7 +369,7 @@ def attention_weights(
     Arguments:
         q: `(batch, num_heads, seq, d_head)`.
         k: `(batch, num_kv_heads, kv_seq, d_head)`.
-        attn_mask, is_causal, scale: as in `scaled_dot_product_attention`.
+        attn_mask, is_causal, scale, window, softcap: as in `scaled_dot_product_attention`.
 
     Returns:
         `(batch, num_heads, seq, kv_seq)`; each row sums to 1 (or is all zeros).
@@ -350,9 +377,9 @@ def attention_weights(
     Raises:
         ShapeError: shapes, dtypes or devices disagree.
     """
-    mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=True)
+    mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=True, window=window)
     may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
-    return K.head_weights(q, k, mask, may_empty, scale)
+    return K.head_weights(q, k, mask, may_empty, scale, softcap)
 
 
 # --- the module's stages --------------------------------------------------------------------------------
@@ -396,6 +423,12 @@ def _split_kv(x: NewKVInner, num_kv_heads: int) -> NewKVHeads:
 
 split_key = stage(name="split_k")(_split_kv)
 split_value = stage(name="split_v")(_split_kv)
+
+
+@stage(name="qk_norm", trace=("q_norm", "k_norm"))
+def normalize_qk(q_norm: nn.Module, k_norm: nn.Module, q: Heads, k: NewKVHeads) -> tuple[Heads, NewKVHeads]:
+    """QK-norm (Qwen3, Gemma 3): each head's query and key RMS-normalised over `d_head`, before RoPE."""
+    return q_norm(q), k_norm(k)
 
 
 @stage(name="keys", trace=("", ""), sources={"result": "key"})
@@ -447,6 +480,30 @@ def _precheck_masks(arguments: dict[str, Any]) -> None:
             )
 
 
+def _validate_seen(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    seen = arguments["seen"]
+    if "seen" in dims and dims["seen"] != seen:
+        name = "attn_mask" if isinstance(arguments["attn_mask"], Tensor) else "key_padding_mask"
+        raise mismatch(
+            f"{name} covers {dims['seen']} key positions, but the sliding-window kv_cache has seen {seen} "
+            f"(cached and new); with a window, masks cover every position seen (the cache keeps the last "
+            f"{arguments['kept']}).",
+            arg=name,
+            dim="seen",
+        )
+
+
+@stage(name="window_masks", trace=("", ""), public=("attn_mask", "key_padding_mask"), validate=_validate_seen)
+def visible_masks(
+    attn_mask: SeenAttnMask | None, key_padding_mask: SeenPaddingMask | None, seen: int, kept: int
+) -> tuple[AttnMask | None, PaddingMask | None]:
+    """Masks over every position a sliding-window cache has seen, cut to the positions it kept (the last)."""
+    return (
+        None if attn_mask is None else attn_mask[..., seen - kept :],
+        None if key_padding_mask is None else key_padding_mask[:, seen - kept :],
+    )
+
+
 @stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=_precheck_masks, explain=explain_mask)
 def combine_masks(
     q: Heads,
@@ -455,14 +512,15 @@ def combine_masks(
     key_padding_mask: PaddingMask | None,
     is_causal: bool,
     explicit: bool,
+    window: int | None,
 ) -> FullMask | None:
-    return K.combine_masks(attn_mask, key_padding_mask, is_causal, q, k, explicit)
+    return K.combine_masks(attn_mask, key_padding_mask, is_causal, q, k, explicit, window)
 
 
 @stage(name="attention")
-def attend_heads(q: Heads, k: KVHeads, v: KVHeads, causal: bool, dropout_p: float) -> Heads:
+def attend_heads(q: Heads, k: KVHeads, v: KVHeads, causal: bool, dropout_p: float, scale: float | None) -> Heads:
     """MHA with nothing to mask but torch's own causality: SDPA as it is."""
-    return K.sdpa(q, k, v, None, causal, None, dropout_p)
+    return K.sdpa(q, k, v, None, causal, scale, dropout_p)
 
 
 @stage(name="fold_queries")
@@ -479,8 +537,10 @@ def fold_mask(
 
 
 @stage(name="attention_folded", trace=("",))
-def attend_folded(q: FoldedQueries, k: KVHeads, v: KVHeads, mask: FoldedMask | None, dropout_p: float) -> FoldedQueries:
-    return K.sdpa(q, k, v, mask, False, None, dropout_p)
+def attend_folded(
+    q: FoldedQueries, k: KVHeads, v: KVHeads, mask: FoldedMask | None, dropout_p: float, scale: float | None
+) -> FoldedQueries:
+    return K.sdpa(q, k, v, mask, False, scale, dropout_p)
 
 
 @stage(name="attention")
@@ -489,8 +549,10 @@ def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Hea
 
 
 @stage(name="weights_folded", trace=("",))
-def folded_weights(q: FoldedQueries, k: KVHeads, mask: FoldedMask | None) -> FoldedProbabilities:
-    return K.probabilities(q, k, mask, None)
+def folded_weights(
+    q: FoldedQueries, k: KVHeads, mask: FoldedMask | None, scale: float | None, softcap: float | None
+) -> FoldedProbabilities:
+    return K.probabilities(q, k, mask, scale, softcap)
 
 
 @stage(name="weights")
@@ -533,8 +595,10 @@ FORWARD_STAGES: dict[str, Any] = {
     "split_query": split_query,
     "split_key": split_key,
     "split_value": split_value,
+    "normalize_qk": normalize_qk,
     "attend_to_new": attend_to_new,
     "append_to_cache": append_to_cache,
+    "visible_masks": visible_masks,
     "combine_masks": combine_masks,
     "attend_heads": attend_heads,
     "group_queries": group_queries,

@@ -1,0 +1,202 @@
+"""QK-norm, sliding windows, softcapping and a custom query scale: the module equals the per-head reference,
+decoding equals one causal forward, and a sliding-window cache keeps only what the window still sees."""
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shapesafe_mha as ssm
+from shapesafe_mha.reference import per_head_attention
+from shapesafe_mha.testing import attention_configs, attention_inputs
+
+F64 = {"atol": 1e-10, "rtol": 1e-8}
+
+
+@st.composite
+def variants(draw: Any) -> dict[str, Any]:
+    """Options of the variants, each on or off, values small enough to matter at the drawn sizes."""
+    return {
+        "qk_norm": draw(st.booleans(), label="qk_norm"),
+        "window": draw(st.one_of(st.none(), st.integers(1, 12)), label="window"),
+        "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
+        "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
+    }
+
+
+def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.MultiHeadAttention:
+    base = config.module()
+    module = ssm.MultiHeadAttention(
+        config.d_model,
+        config.num_heads,
+        config.num_kv_heads,
+        d_head=config.d_head,
+        bias=config.bias,
+        rope_theta=config.rope_theta,
+        dtype=torch.float64,
+        **options,
+    )
+    module.load_state_dict(base.state_dict(), strict=False)
+    if options["qk_norm"]:
+        seed = data.draw(st.integers(0, 2**16), label="norm seed")
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # learned norm weights, not the ones they start at
+            for norm in (module.q_norm, module.k_norm):
+                norm.weight.copy_(torch.rand(config.d_head, generator=generator, dtype=torch.float64) + 0.5)
+    return module
+
+
+def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[str, Any], **kwargs: Any) -> torch.Tensor:
+    norms = (module.q_norm.weight, module.k_norm.weight) if options["qk_norm"] else None
+    scalar = options["query_pre_attn_scalar"]
+    return per_head_attention(
+        x, x, x, module.weights(), num_heads=module.num_heads, num_kv_heads=module.num_kv_heads,
+        rope_theta=module.rope_theta, qk_norm=norms, window=options["window"],
+        logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5, **kwargs,
+    )  # fmt: skip
+
+
+@given(data=st.data(), options=variants())
+def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
+    """Any mix of QK-norm, window, softcap and query scale, with or without RoPE, causal or not, padded or not,
+    MHA/GQA/MQA: the module (with and without grad, so every path) equals the reference, head by head."""
+    rope = data.draw(st.booleans(), label="rope")
+    config = data.draw(attention_configs(cross=False, max_seq=24, rope=rope), label="config")
+    module = _module(config, options, data)
+    x = data.draw(attention_inputs(config)).query
+    is_causal = data.draw(st.booleans(), label="is_causal")
+    padding = None
+    if data.draw(st.booleans(), label="padded"):
+        padding = torch.rand(config.batch, config.seq) < 0.3
+    expected = _reference(module, x, options, is_causal=is_causal, key_padding_mask=padding)
+    torch.testing.assert_close(module(x, is_causal=is_causal, key_padding_mask=padding), expected, **F64)
+    with torch.no_grad():
+        out, weights = module(x, is_causal=is_causal, key_padding_mask=padding, need_weights=True)
+        torch.testing.assert_close(out, expected, **F64)
+    if options["window"] is not None:  # no query sees a key window or more positions back
+        back = torch.arange(config.seq)[:, None] - torch.arange(config.seq)[None, :]
+        assert not weights[..., back >= options["window"]].any()
+
+
+@given(data=st.data(), options=variants())
+def test_decoding_each_variant_equals_one_causal_forward(data: st.DataObject, options: dict[str, Any]) -> None:
+    """Prefill in a chunk, then token by token, through a cache as small as the window allows
+    (`new_cache(batch, capacity)`, `capacity >= window`): the same outputs as one causal forward."""
+    config = data.draw(attention_configs(cross=False, max_seq=30, rope=True), label="config")
+    module = _module(config, options, data)
+    x = data.draw(attention_inputs(config)).query
+    window = options["window"]
+    capacity = config.seq if window is None else data.draw(st.integers(window, window + 6), label="capacity")
+    cache = module.new_cache(config.batch, capacity)
+    prefill = data.draw(st.integers(0, config.seq), label="prefill")
+    steps = [module(x[:, :prefill], is_causal=True, kv_cache=cache)]
+    steps += [module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(prefill, config.seq)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), module(x, is_causal=True), **F64)
+    assert len(cache) == config.seq
+    if window is not None:
+        assert cache.kept <= capacity and cache.keys_buffer.shape[2] == capacity
+
+
+@given(data=st.data())
+def test_padding_mask_over_every_position_seen_is_cut_to_the_window(data: st.DataObject) -> None:
+    """Left-padded batched generation with a sliding-window cache: a growing key_padding_mask over every
+    position seen gives what one padded causal forward gives."""
+    window = data.draw(st.integers(2, 6), label="window")
+    config = data.draw(attention_configs(cross=False, max_seq=20, rope=True), label="config")
+    options = {"qk_norm": False, "window": window, "logit_softcap": None, "query_pre_attn_scalar": None}
+    module = _module(config, options, data)
+    x = data.draw(attention_inputs(config)).query
+    lengths = [data.draw(st.integers(1, config.seq), label="length") for _ in range(config.batch)]
+    padding = torch.arange(config.seq)[None, :] < torch.tensor([config.seq - n for n in lengths])[:, None]
+    cache = module.new_cache(config.batch, window)
+    steps = [
+        module(x[:, i : i + 1], is_causal=True, kv_cache=cache, key_padding_mask=padding[:, : i + 1])
+        for i in range(config.seq)
+    ]
+    full = module(x, is_causal=True, key_padding_mask=padding)
+    real = ~padding  # padded queries see nothing real; compare where the query is a token
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], **F64)
+
+
+def test_a_window_cache_holds_at_most_its_capacity_for_any_length() -> None:
+    """1000 decoding steps with window 16 in a cache of 32 positions: 32 positions of memory, len() 1000."""
+    module = ssm.MultiHeadAttention(32, 4, 2, window=16, rope_theta=10000.0)
+    cache = module.new_cache(1, 32)
+    before = cache.nbytes
+    with torch.no_grad():
+        for _ in range(1000):
+            module(torch.randn(1, 1, 32), is_causal=True, kv_cache=cache)
+    assert (len(cache), cache.nbytes) == (1000, before)
+    assert 15 <= cache.kept <= 32
+
+
+def test_a_chunk_longer_than_the_window_cache_passes_through() -> None:
+    """A 50-token prefill into a window cache of 8: attends like the full forward, keeps the last window - 1."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, 1, window=5, rope_theta=10000.0, dtype=torch.float64)
+    x = torch.randn(2, 53, 16, dtype=torch.float64)
+    cache = module.new_cache(2, 8)
+    out = torch.cat([module(x[:, :50], is_causal=True, kv_cache=cache)] + [
+        module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(50, 53)
+    ], dim=1)  # fmt: skip
+    torch.testing.assert_close(out, module(x, is_causal=True), **F64)
+    assert len(cache) == 53
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"window": 0}, "window must be a positive int"),
+        ({"window": 2.5}, "window must be a positive int"),
+        ({"logit_softcap": -1.0}, "logit softcap must be a positive number"),
+        ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
+    ],
+)
+def test_bad_variant_options_are_config_errors(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ssm.ConfigError, match=message):
+        ssm.MultiHeadAttention(16, 4, **kwargs)
+
+
+def test_a_cache_smaller_than_the_window_is_refused() -> None:
+    module = ssm.MultiHeadAttention(16, 4, window=8)
+    with pytest.raises(ssm.ConfigError, match=r"capacity=4 is less than window=8"):
+        module.new_cache(1, 4)
+
+
+def test_a_padding_mask_of_the_kept_positions_only_names_seen() -> None:
+    """Once the window cache has dropped positions, a mask over the kept ones (not all seen) is a ShapeError."""
+    module = ssm.MultiHeadAttention(16, 4, window=3)
+    cache = module.new_cache(1, 4)
+    for _ in range(6):
+        module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
+    kept = cache.kept + 1
+    with pytest.raises(ssm.ShapeError, match=r"key_padding_mask covers \d+ key positions, but .* has seen 7"):
+        module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache, key_padding_mask=torch.zeros(1, kept).bool())
+    assert len(cache) == 6  # unchanged by the failed call
+
+
+def test_qk_norm_normalises_each_head_before_rope() -> None:
+    """With QK-norm and unit weights every head's query has RMS 1 whatever the input's scale."""
+    module = ssm.MultiHeadAttention(32, 4, 2, qk_norm=True, norm_eps=0.0, rope_theta=10000.0)
+    seen: list[torch.Tensor] = []
+    module.q_norm.register_forward_hook(lambda _module, _args, out: seen.append(out))
+    module(torch.randn(2, 5, 32) * 1000)
+    (q,) = seen
+    assert q.shape == (2, 4, 5, 8)  # per head, before RoPE (which would keep the RMS anyway)
+    torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 4, 5), atol=1e-4, rtol=1e-4)
+
+
+def test_public_attention_takes_window_and_softcap() -> None:
+    """`scaled_dot_product_attention(window=, softcap=)` == the probabilities computed by hand, then @ v."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    out = ssm.scaled_dot_product_attention(q, k, v, is_causal=True, window=3, softcap=2.0)
+    scores = 2.0 * torch.tanh(q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8**0.5 / 2.0)
+    position = torch.arange(6)[:, None] + 3
+    back = position - torch.arange(9)[None, :]
+    expected = scores.masked_fill((back < 0) | (back >= 3), float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ssm.ConfigError, match="window must be a positive int"):
+        ssm.scaled_dot_product_attention(q, k, v, window=0)
