@@ -1,9 +1,10 @@
-"""Hugging Face interop: load a transformers attention layer (Llama, Mistral, Qwen2 layout), and back.
+"""Hugging Face interop: load a transformers attention layer (Llama, Mistral, Qwen2/3, Gemma 2 layout), and back.
 
 transformers is an optional dependency (`pip install "shapesafe_mha[hf]"`); it is imported only
-when `to_hf` needs it. A variant this module does not compute (sliding windows, QK-norm, logit
-softcapping, partial or scaled RoPE other than llama3) is a `ConfigError` naming the config field,
-never a silently different layer.
+when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping and `query_pre_attn_scalar`
+become the module's options; a variant it does not compute (partial RoPE, RoPE scaling other than
+llama3, a QK-norm other than RMSNorm) is a `ConfigError` naming the config field, never a silently
+different layer.
 """
 
 import importlib
@@ -36,27 +37,53 @@ def rope_of(config: Any) -> tuple[float | None, dict[str, Any] | None]:
     return theta, (dict(parameters) if kind != "default" else None)
 
 
-def check_supported(attention: nn.Module, config: Any) -> None:
-    """Refuse the variants `MultiHeadAttention` does not compute, naming the field."""
+def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
+    """The `MultiHeadAttention` options of the variants `attention` uses; refuse the others, naming the field."""
+    options: dict[str, Any] = {}
     window = getattr(attention, "sliding_window", None)
-    if window is None and not hasattr(config, "use_sliding_window"):  # Mistral: the config's window applies
+    if window is None and not hasattr(attention, "sliding_window"):  # Mistral: the config's window applies
         window = getattr(config, "sliding_window", None)
     if window is not None:
-        raise _refuse("sliding_window", window, "sliding-window attention is not supported (set it to None)")
-    if getattr(config, "use_sliding_window", False):
-        raise _refuse("use_sliding_window", True, "sliding-window attention is not supported")
-    for norm in ("q_norm", "k_norm"):
-        if getattr(attention, norm, None) is not None:
-            raise _refuse(norm, type(getattr(attention, norm)).__name__, "QK-norm is not supported")
-    for field in ("attn_logit_softcapping", "query_pre_attn_scalar"):
-        if getattr(config, field, None) is not None:
-            raise _refuse(field, getattr(config, field), "softcapping and custom query scales are not supported")
+        options["window"] = int(window)
+    norms = [getattr(attention, norm, None) for norm in ("q_norm", "k_norm")]
+    if any(norm is not None for norm in norms):
+        options["qk_norm"] = True
+        options["norm_eps"] = _norm_eps(norms[0])
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        options["logit_softcap"] = float(softcap)
     head_dim = _head_dim(config)
-    scaling = getattr(attention, "scaling", head_dim**-0.5)
-    if abs(scaling - head_dim**-0.5) > 1e-12:
-        raise _refuse("scaling", scaling, f"only 1/sqrt(head_dim) = {head_dim**-0.5:g} is supported")
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    expected = head_dim**-0.5
+    if scalar is not None:
+        options["query_pre_attn_scalar"] = float(scalar)
+        expected = float(scalar) ** -0.5
+    scaling = getattr(attention, "scaling", expected)
+    if abs(scaling - expected) > 1e-12:
+        raise _refuse("scaling", scaling, f"only 1/sqrt(query_pre_attn_scalar or head_dim) = {expected:g} is supported")
     if not getattr(attention, "is_causal", True):
         raise _refuse("is_causal", False, "only causal (decoder) attention layers are supported")
+    return options
+
+
+def _norm_eps(norm: Any) -> float:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(eps, float):
+        raise _refuse("q_norm", type(norm).__name__, "a QK-norm without an epsilon is not an RMSNorm we know")
+    return eps
+
+
+def load_norms(module: Any, attention: nn.Module) -> None:
+    """Copy QK-norm weights, after checking on a probe that their norm is an RMSNorm over `d_head` as ours is."""
+    for name in ("q_norm", "k_norm"):
+        theirs, ours = getattr(attention, name), module._modules[name]
+        with torch.no_grad():
+            ours.weight.copy_(theirs.weight)
+            probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
+            probe = probe.to(device=ours.weight.device, dtype=ours.weight.dtype)
+            if not torch.allclose(theirs(probe), ours(probe), rtol=1e-3, atol=1e-5):
+                why = "it computes something other than weight * x / rms(x) (Gemma 3's 1 + weight?)"
+                raise _refuse(name, type(theirs).__name__, why)
 
 
 def _head_dim(config: Any) -> int:
@@ -77,7 +104,7 @@ def from_hf(cls: Any, attention: nn.Module) -> Any:
             f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
             "(Llama, Mistral, Qwen2) is supported."
         )
-    check_supported(attention, config)
+    options = variant_options(attention, config)
     theta, scaling = rope_of(config)
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -93,7 +120,10 @@ def from_hf(cls: Any, attention: nn.Module) -> Any:
         rope_scaling=scaling,
         device=q_proj.weight.device,
         dtype=q_proj.weight.dtype,
+        **options,
     )
+    if module.qk_norm:
+        load_norms(module, attention)
     with torch.no_grad():
         for name, theirs in projections.items():
             ours: Any = module._modules[name]

@@ -1,0 +1,110 @@
+"""The variants against the real transformers layers: Qwen3 (QK-norm), Mistral with a sliding window shorter
+than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternating sliding layers), loaded
+with `MultiHeadAttention.from_hf` and computed as the HF model computes them, full forward and decoding."""
+
+from typing import Any
+
+import pytest
+import torch
+
+import shapesafe_mha as ssm
+
+transformers = pytest.importorskip("transformers")
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
+
+SEQ = 11
+CASES = {
+    # name: (model type, layer index, config keywords, what must be loaded)
+    "qwen3-qk-norm-gqa": ("qwen3", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"qk_norm": True}),
+    "qwen3-qk-norm-window": (
+        "qwen3", 0, {"num_key_value_heads": 1, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0},
+        {"qk_norm": True, "window": 4},
+    ),
+    "mistral-window-3": ("mistral", 0, {"num_key_value_heads": 2, "sliding_window": 3}, {"window": 3}),
+    "gemma2-sliding-softcap": (
+        "gemma2", 0, {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 5, "attn_logit_softcapping": 0.7,
+                      "query_pre_attn_scalar": 3},
+        {"window": 5, "logit_softcap": 0.7, "query_pre_attn_scalar": 3},
+    ),
+    "gemma2-full-softcap": (
+        "gemma2", 1, {"num_key_value_heads": 1, "head_dim": 8, "sliding_window": 5, "attn_logit_softcapping": 0.7,
+                      "query_pre_attn_scalar": 3},
+        {"window": None, "logit_softcap": 0.7},
+    ),
+}  # fmt: skip
+
+
+def _classes(model_type: str) -> tuple[Any, Any, Any]:
+    module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
+    prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2"}[model_type]
+    config = getattr(transformers, f"{prefix}Config")
+    return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
+
+
+def _layer(case: str, implementation: str) -> tuple[Any, Any]:
+    model_type, index, kwargs, _ = CASES[case]
+    config_cls, attention_cls, rotary_cls = _classes(model_type)
+    config = config_cls(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, attn_implementation=implementation, **kwargs
+    )
+    torch.manual_seed(0)
+    layer = attention_cls(config, layer_idx=index).to(torch.float64).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.6, 0.6)
+        for norm in (getattr(layer, "q_norm", None), getattr(layer, "k_norm", None)):
+            if norm is not None:
+                norm.weight.uniform_(0.5, 1.5)
+    return layer, rotary_cls(config)
+
+
+def _hf_forward(layer: Any, rotary: Any, x: torch.Tensor) -> torch.Tensor:
+    """Called as the HF model calls it: its rotary tables, and transformers' own (sliding-window) causal mask."""
+    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+    cos, sin = rotary(x, positions)
+    sliding = getattr(layer, "sliding_window", None) or (
+        layer.config.model_type == "mistral" and layer.config.sliding_window is not None
+    )
+    make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    mask = make_mask(config=layer.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
+    return layer(x, position_embeddings=(cos, sin), attention_mask=mask)[0]
+
+
+# transformers' sdpa path refuses a softcap (Gemma 2 runs eager).
+RUNS = [(case, impl) for case in CASES for impl in ("eager", "sdpa") if impl == "eager" or "gemma2" not in case]
+
+
+@pytest.mark.parametrize(("case", "implementation"), RUNS)
+def test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding(case: str, implementation: str) -> None:
+    """float64. HF computes the eager softmax and Qwen3's RMSNorm in float32, so 1e-5 there; else 1e-10.
+    Decoding runs through our cache as small as the window allows (capacity = window)."""
+    layer, rotary = _layer(case, implementation)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    for option, value in CASES[case][3].items():
+        assert getattr(ours, option) == value, option
+    float32_inside = implementation == "eager" or ours.qk_norm
+    tol = {"atol": 1e-5, "rtol": 1e-5} if float32_inside else {"atol": 1e-10, "rtol": 1e-8}
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _hf_forward(layer, rotary, x)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        cache = ours.new_cache(batch=2, capacity=ours.window or SEQ)
+        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
+        if ours.window is not None:  # the window is shorter than the sequence, so it mattered
+            assert ours.window < SEQ and cache.kept <= ours.window
+
+
+def test_a_qk_norm_other_than_rmsnorm_is_refused_by_its_field() -> None:
+    """Gemma 3 scales by (1 + weight): found on a probe, refused naming q_norm, never loaded as if it were Qwen3's."""
+    gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    config = transformers.Gemma3TextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+        query_pre_attn_scalar=8,
+    )  # fmt: skip
+    layer = gemma3.Gemma3Attention(config, layer_idx=1)
+    with torch.no_grad():
+        layer.q_norm.weight.uniform_(0.1, 0.5)
+    with pytest.raises(ssm.ConfigError, match=r"q_norm='Gemma3RMSNorm'"):
+        ssm.MultiHeadAttention.from_hf(layer)
