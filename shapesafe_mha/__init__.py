@@ -6,12 +6,16 @@ from ._contract import unchecked as unchecked
 from ._errors import ConfigError as ConfigError
 from ._errors import ShapeError as ShapeError
 from ._errors import ShapesafeError as ShapesafeError
+from ._latent import LatentAttention as LatentAttention
+from ._latent import LatentCache as LatentCache
 from ._module import MultiHeadAttention as MultiHeadAttention
 from ._prove import ShapeProof as ShapeProof
 from ._prove import prove as prove
+from ._report import LatentTraceConfig as LatentTraceConfig
 from ._report import TraceConfig as TraceConfig
 from ._report import TraceReport as TraceReport
 from ._report import trace_forward as trace_forward
+from ._report import trace_latent as trace_latent
 from ._rotary import RotaryEmbedding as RotaryEmbedding
 from ._rotary import apply_rotary as apply_rotary
 from ._rotary import inverse_frequencies as inverse_frequencies
@@ -29,6 +33,9 @@ __all__ = [
     "AttentionWeights",
     "ConfigError",
     "KVCache",
+    "LatentAttention",
+    "LatentCache",
+    "LatentTraceConfig",
     "MultiHeadAttention",
     "RotaryEmbedding",
     "ShapeError",
@@ -47,5 +54,6 @@ __all__ = [
     "scaled_dot_product_attention",
     "split_heads",
     "trace_forward",
+    "trace_latent",
     "unchecked",
 ]

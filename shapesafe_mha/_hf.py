@@ -95,6 +95,11 @@ def from_hf(cls: Any, attention: nn.Module) -> Any:
     config = getattr(attention, "config", None)
     if config is None:
         raise ConfigError(f"{_OWNER}: {type(attention).__name__} has no .config; pass a transformers attention layer.")
+    if isinstance(getattr(attention, "kv_a_proj_with_mqa", None), nn.Linear):
+        raise ConfigError(
+            f"{_OWNER}: {type(attention).__name__} is multi-head latent attention (kv_a_proj_with_mqa); "
+            "load it with shapesafe_mha.LatentAttention.from_hf(layer)."
+        )
     projections: dict[str, Any] = {
         name: getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")
     }
@@ -174,3 +179,59 @@ def to_hf(module: Any, config: Any) -> nn.Module:
             if mine.bias is not None:
                 other.bias.copy_(mine.bias)
     return theirs.train(module.training)
+
+
+def latent_from_hf(cls: Any, attention: nn.Module) -> Any:
+    """Build `cls` (a `LatentAttention`) computing what `attention` (DeepseekV3Attention or alike) computes."""
+    owner = "LatentAttention.from_hf()"
+    config = getattr(attention, "config", None)
+    if config is None or not isinstance(getattr(attention, "kv_a_proj_with_mqa", None), nn.Linear):
+        raise ConfigError(
+            f"{owner}: {type(attention).__name__} is not a multi-head latent attention layer (no .config and "
+            "kv_a_proj_with_mqa); for q/k/v/o_proj layers use MultiHeadAttention.from_hf."
+        )
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    kind = parameters.get("rope_type", "default")
+    if kind != "default":
+        raise ConfigError(
+            f"{owner}: rope_parameters['rope_type']={kind!r}: only default RoPE is supported (its positions and "
+            "score scale would differ); this layer would compute something else, so it is refused."
+        )
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    num_heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", num_heads) or num_heads
+    if kv_heads != num_heads:  # transformers' layer repeats the rebuilt K/V; MLA has every head's own
+        raise ConfigError(
+            f"{owner}: num_key_value_heads={kv_heads} != num_attention_heads={num_heads}: latent attention "
+            "rebuilds a key and a value for every head; this layer would compute something else, so it is refused."
+        )
+    norm = attention.kv_a_layernorm
+    projection: Any = attention.kv_a_proj_with_mqa
+    weight = projection.weight
+    module = cls(
+        config.hidden_size,
+        num_heads,
+        kv_lora_rank=config.kv_lora_rank,
+        d_nope=config.qk_nope_head_dim,
+        d_rope=config.qk_rope_head_dim,
+        d_value=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        bias=bool(getattr(config, "attention_bias", False)),
+        rope_theta=theta,
+        interleaved=bool(getattr(config, "rope_interleave", False)),
+        norm_eps=_norm_eps(norm),
+        dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    scaling = getattr(attention, "scaling", module.scale)
+    if abs(scaling - module.scale) > 1e-12:
+        raise _refuse("scaling", scaling, f"only 1/sqrt(qk_head_dim) = {module.scale:g} is supported")
+    theirs = attention.state_dict()
+    missing, unexpected = module.load_state_dict(theirs, strict=False)
+    if missing or unexpected:
+        raise ConfigError(
+            f"{owner}: {type(attention).__name__}'s parameters do not match the layout: missing {missing}, "
+            f"unexpected {unexpected}."
+        )
+    return module.train(attention.training)

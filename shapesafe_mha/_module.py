@@ -618,9 +618,9 @@ class MultiHeadAttention(nn.Module):
             k, v = s.attend_to_new(k, v)
         else:
             k, v = s.append_to_cache(kv_cache, kv_cache.keys_buffer, k, v)
-            seen, kept = len(kv_cache), k.shape[2]
-            if seen != kept and (attn_mask is not None or key_padding_mask is not None):
-                attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, seen, kept)
+            masked = attn_mask is not None or key_padding_mask is not None
+            if masked and kv_cache.window is not None and len(kv_cache) != k.shape[2]:  # positions were dropped
+                attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, len(kv_cache), k.shape[2])
         scale, softcap = self.scale, self.logit_softcap
         explicit = need_weights or softcap is not None  # the scores computed here, not by SDPA
         mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window)
@@ -699,10 +699,12 @@ class MultiHeadAttention(nn.Module):
     def from_hf(cls, attention: nn.Module) -> "MultiHeadAttention":
         """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
 
-        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2 and alike), configured by
-        `attention.config`: sizes, GQA, biases per projection, dropout, and RoPE (default or llama3
-        scaling; tables computed as transformers computes them). Call it `is_causal=True`;
-        positions default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache`.
+        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike), configured by
+        `attention.config`: sizes, GQA, biases per projection, dropout, RoPE (default or llama3
+        scaling; tables computed as transformers computes them), and the variants: sliding window,
+        QK-norm, logit softcapping, `query_pre_attn_scalar`. Call it `is_causal=True`; positions
+        default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
+        the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
 
         Example:
             >>> import torch, shapesafe_mha as ssm
@@ -716,8 +718,8 @@ class MultiHeadAttention(nn.Module):
               ...
 
         Raises:
-            ConfigError: a variant computed differently here (sliding window, QK-norm, softcapping,
-                another RoPE scaling, partial rotary), named by its config field.
+            ConfigError: a variant computed differently here (another RoPE scaling, partial rotary,
+                a QK-norm other than RMSNorm, latent attention), named by its config field.
         """
         from ._hf import from_hf
 

@@ -5,6 +5,7 @@ weights, project, score, mask, softmax, weight the values; then concatenate and 
 """
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -160,3 +161,92 @@ def per_head_attention(
         scores = scores + _head_mask(attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window)
         heads.append(_softmax_or_zeros(scores) @ v)
     return _linear(torch.cat(heads, dim=-1), weights.w_o, weights.b_o)
+
+
+def _rotate_interleaved(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Features `(2i, 2i+1)` turned by `position * theta**(-2i/d)`, left in place (DeepSeek's layout)."""
+    pairs = x.unflatten(-1, (-1, 2))
+    exponents = torch.arange(pairs.shape[-2], dtype=torch.float32) * 2 / x.shape[-1]
+    angle = positions.to(torch.float32)[..., None] * (1.0 / theta**exponents)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+
+def per_head_latent_attention(
+    query: Tensor,
+    parameters: Mapping[str, Tensor],
+    *,
+    num_heads: int,
+    kv_lora_rank: int,
+    d_nope: int,
+    d_rope: int,
+    d_value: int,
+    rope_theta: float = 10000.0,
+    interleaved: bool = False,
+    norm_eps: float = 1e-6,
+    is_causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    positions: Tensor | None = None,
+) -> Tensor:
+    """Multi-head latent attention (DeepSeek-V2/V3) one head at a time, from explicit weight slices.
+
+    For head `h`: `q_h = norm(x W_qa) W_qb[h]` (or `x W_q[h]`), split into `(q_nope, q_rope)`;
+    `latent, k_rope = norm(x W_kva[:r]), x W_kva[r:]`; `k_nope_h = latent W_kvb[h, :d_nope]`,
+    `v_h = latent W_kvb[h, d_nope:]`; `head_h = softmax((q_nope k_nope_h^T + rope(q_rope) rope(k_rope)^T)
+    / sqrt(d_nope + d_rope) + mask) v_h`; `out = concat(heads) W_O^T + b_O`.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> from shapesafe_mha.reference import per_head_latent_attention
+        >>> mla = ssm.LatentAttention(32, 4, q_lora_rank=8, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=6)
+        >>> x = torch.randn(2, 5, 32)
+        >>> ref = per_head_latent_attention(x, mla.state_dict(), num_heads=4, kv_lora_rank=8, d_nope=4, d_rope=4,
+        ...                                 d_value=6, is_causal=True)
+        >>> bool(torch.allclose(ref, mla(x, is_causal=True), atol=1e-5))
+        True
+
+    Arguments:
+        query: `(batch, seq, d_model)` (self-attention).
+        parameters: the layer's weights by transformers' `DeepseekV3Attention` names (`q_proj` or
+            `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`,
+            `kv_b_proj`, `o_proj`; `.weight`, `.bias`), as in a state dict.
+        num_heads, kv_lora_rank, d_nope, d_rope, d_value: the sizes.
+        rope_theta, interleaved: the rotary embedding; `interleaved` pairs features `(2i, 2i+1)`.
+        norm_eps: of the RMSNorms.
+        is_causal, key_padding_mask: as in `per_head_attention`.
+        positions: `(batch, seq)`; default `0..seq-1`.
+
+    Returns:
+        `(batch, seq, d_model)`.
+    """
+    p = parameters
+    batch, seq, _ = query.shape
+    where = torch.arange(seq).expand(batch, seq) if positions is None else positions
+
+    def rope(x: Tensor) -> Tensor:
+        if interleaved:
+            return _rotate_interleaved(x, where, rope_theta)
+        return _rotate_pairs(x, where, rope_theta)
+
+    if "q_proj.weight" in p:
+        queries = _linear(query, p["q_proj.weight"], p.get("q_proj.bias"))
+    else:
+        bottleneck = _linear(query, p["q_a_proj.weight"], p.get("q_a_proj.bias"))
+        bottleneck = _rms_norm(bottleneck, p["q_a_layernorm.weight"], norm_eps)
+        queries = _linear(bottleneck, p["q_b_proj.weight"], p.get("q_b_proj.bias"))
+    compressed = _linear(query, p["kv_a_proj_with_mqa.weight"], p.get("kv_a_proj_with_mqa.bias"))
+    latent = _rms_norm(compressed[..., :kv_lora_rank], p["kv_a_layernorm.weight"], norm_eps)
+    k_rope = rope(compressed[..., kv_lora_rank:])  # one rotary key, shared by every head
+    kv_b = p["kv_b_proj.weight"]
+    mask = _head_mask(None, key_padding_mask, is_causal, 0, batch, seq, seq, query)
+    heads = []
+    for head in range(num_heads):
+        q = queries[..., head * (d_nope + d_rope) : (head + 1) * (d_nope + d_rope)]
+        q_nope, q_rope = q[..., :d_nope], rope(q[..., d_nope:])
+        rows = head * (d_nope + d_value)
+        k_nope = latent @ kv_b[rows : rows + d_nope].T
+        v = latent @ kv_b[rows + d_nope : rows + d_nope + d_value].T
+        scores = (q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)) / math.sqrt(d_nope + d_rope)
+        heads.append(_softmax_or_zeros(scores + mask) @ v)
+    return _linear(torch.cat(heads, dim=-1), p["o_proj.weight"], p.get("o_proj.bias"))

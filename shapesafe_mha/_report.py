@@ -32,6 +32,9 @@ class TraceConfig:
     decode: int | None = None  # one step against a cache already holding this many positions
     tp: int = 1  # head-parallel ranks: trace one rank's share (every rank's shapes are the same)
     rope_theta: float | None = None  # rotary position embeddings with this base
+    qk_norm: bool = False  # RMS-normalise each head's query and key (Qwen3)
+    window: int | None = None  # sliding-window attention (Mistral)
+    logit_softcap: float | None = None  # softcapped scores (Gemma 2)
 
 
 @dataclass
@@ -70,6 +73,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         config.num_kv_heads,
         d_head=config.d_head,
         rope_theta=config.rope_theta,
+        qk_norm=config.qk_norm,
+        window=config.window,
+        logit_softcap=config.logit_softcap,
         device=device,
         dtype=dtype,
     ).eval()
@@ -82,6 +88,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
             shards[0].local_kv_heads,
             d_head=full.d_head,
             rope_theta=config.rope_theta,
+            qk_norm=config.qk_norm,
+            window=config.window,
+            logit_softcap=config.logit_softcap,
             device=device,
             dtype=dtype,
         ).eval()
@@ -143,3 +152,81 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
             ],
         }
     return TraceReport(resolved, stages, totals)
+
+
+@dataclass(frozen=True)
+class LatentTraceConfig:
+    """What to trace of multi-head latent attention. The default is DeepSeek-V3's layer on `meta`."""
+
+    d_model: int = 7168
+    num_heads: int = 128
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    d_nope: int = 128
+    d_rope: int = 64
+    d_value: int = 128
+    batch: int = 1
+    seq: int = 128
+    device: str = "meta"
+    dtype: str = "bfloat16"
+    decode: int | None = None  # one step against a cache already holding this many positions
+
+
+def trace_latent(config: LatentTraceConfig = LatentTraceConfig()) -> TraceReport:
+    """Run one forward of a `LatentAttention` and record every stage, with the cache per position.
+
+    The totals compare what the latent cache holds per position and sequence with a K/V cache of the
+    same heads at every head (MHA) and at one KV head (MQA).
+
+    Example:
+        >>> from shapesafe_mha import LatentTraceConfig, trace_latent
+        >>> report = trace_latent(LatentTraceConfig(decode=10))
+        >>> [s.named_shape for s in report.stages if s.name == "cache_latent"]
+        ['batch kv_seq kv_lora_rank']
+        >>> report.totals["kv_cache_bytes_per_position"], report.totals["kv_cache_bytes_per_position_mha"]
+        (1152, 81920)
+
+    Raises:
+        ConfigError: the config is impossible (the module's own checks).
+    """
+    from ._latent import LatentAttention
+
+    dtype = DTYPES[config.dtype]
+    device = torch.device(config.device)
+    module = LatentAttention(
+        config.d_model,
+        config.num_heads,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        d_nope=config.d_nope,
+        d_rope=config.d_rope,
+        d_value=config.d_value,
+        device=device,
+        dtype=dtype,
+    ).eval()
+    seq = 1 if config.decode is not None else config.seq
+    x = torch.randn(config.batch, seq, config.d_model, device=device, dtype=dtype)
+    cache = None
+    if config.decode is not None:
+        cache = module.new_cache(config.batch, config.decode + 1)
+        latent = torch.zeros(config.batch, config.decode, config.kv_lora_rank, device=device, dtype=dtype)
+        rope = torch.zeros(config.batch, 1, config.decode, config.d_rope, device=device, dtype=dtype)
+        cache.write(latent, rope, "trace_latent()")
+    with torch.no_grad(), tracing() as tracer:
+        if cache is not None:
+            tracer.add("cache_buffer", "batch capacity kv_lora_rank+d_rope", cache.buffer)
+        module(x, is_causal=True, kv_cache=cache)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    positions = config.seq if config.decode is None else config.decode + 1
+    per_position = (config.kv_lora_rank + config.d_rope) * itemsize
+    head = (config.d_nope + config.d_rope + config.d_value) * itemsize  # one head's key and value
+    totals: dict[str, Any] = {
+        "allocated_bytes": sum(s.allocated_bytes for s in tracer.stages),
+        "kv_cache_positions": positions,
+        "kv_cache_bytes": config.batch * positions * per_position,
+        "kv_cache_bytes_per_position": per_position,
+        "kv_cache_bytes_per_position_mha": config.num_heads * head,
+        "kv_cache_bytes_per_position_mqa": head,
+        "kv_cache_ratio_vs_mha": per_position / (config.num_heads * head),
+    }
+    return TraceReport(asdict(config), tracer.stages, totals)

@@ -50,6 +50,9 @@ ERRORS = "tests/test_errors.py"
 CACHE = "tests/test_cache.py"
 TOOLKIT = "tests/test_toolkit.py"
 PATHS = "tests/test_paths.py"
+VARIANTS = "tests/test_variants.py"
+VARIANTS_HF = "tests/test_variants_hf.py"
+LATENT = "tests/test_latent.py"
 
 MUTANTS: list[Mutant] = [
     # --- kernels: the computation ---
@@ -213,6 +216,35 @@ MUTANTS: list[Mutant] = [
     M("_hf.py", "    if window is not None:\n", "    if False:\n", "from_hf loads a sliding-window layer as full attention", ROPE),
     M("_hf.py", "            if theirs.bias is None:\n                ours.register_parameter", "            if False:\n                ours.register_parameter",
       "from_hf gives Qwen2 an output bias it does not have", ROPE),
+    # --- attention variants ---
+    M("_kernels.py", "allowed & ~ones.tril(kv_seq - seq - window)", "allowed & ~ones.tril(kv_seq - seq - window + 1)",
+      "sliding window one key short (sees window - 1 keys)", VARIANTS, VARIANTS_HF),
+    M("_kernels.py", "if window is not None and kv_seq > window:", "if window is not None and kv_seq > window + 1:",
+      "window thought not to matter when the sequence is one longer than it", VARIANTS),
+    M("_cache.py", "kept = min(self.window - 1, self._length)", "kept = min(self.window - 2, self._length)",
+      "sliding cache drops a position the window still sees", VARIANTS),
+    M("_stages.py", "None if key_padding_mask is None else key_padding_mask[:, seen - kept :],",
+      "None if key_padding_mask is None else key_padding_mask[:, :kept],",
+      "padding mask over every position seen cut from the wrong end", VARIANTS),
+    M("_kernels.py", "scores = torch.tanh(scores / softcap) * softcap", "scores = torch.tanh(scores) * softcap",
+      "softcap without dividing by the cap first", VARIANTS, VARIANTS_HF),
+    M("_stages.py", "return q_norm(q), k_norm(k)", "return q_norm(q), k",
+      "QK-norm applied to the queries only", VARIANTS, VARIANTS_HF),
+    M("_module.py", "float(query_pre_attn_scalar) ** -0.5", "float(query_pre_attn_scalar) ** -1.0",
+      "query_pre_attn_scalar used as 1/s, not 1/sqrt(s)", VARIANTS, VARIANTS_HF),
+    M("_latent.py", "self.scale = (d_nope + d_rope) ** -0.5", "self.scale = d_nope**-0.5",
+      "latent attention scaled by the non-rotary width only", LATENT),
+    M("_latent.py", "    if interleaved:\n        q, k = K.deinterleave(q), K.deinterleave(k)\n", "",
+      "interleaved RoPE rotated as rotate-half pairs", LATENT),
+    M("_latent.py", "return kv_a_norm(compressed[..., :kv_lora_rank]), compressed[:, None, :, kv_lora_rank:]",
+      "return compressed[..., :kv_lora_rank], compressed[:, None, :, kv_lora_rank:]",
+      "latent cached before its RMSNorm", LATENT),
+    M("_latent.py", "return heads[..., :d_nope], heads[..., d_nope:]\n\n\n@stage(name=\"kv_a_proj\"",
+      "return heads[..., -d_nope:], heads[..., :-d_nope]\n\n\n@stage(name=\"kv_a_proj\"",
+      "query heads split rotary part first", LATENT),
+    M("_latent.py", "self.buffer[:, start:end, self.kv_lora_rank :] = k_rope[:, 0]",
+      "self.buffer[:, start:end, self.kv_lora_rank :] = k_rope[:, 0].flip(1)",
+      "rotary keys cached in the wrong order", LATENT),
 ]  # fmt: skip
 
 
