@@ -6,8 +6,9 @@ without RoPE and a `d_rope` part with it, the rotary key being one for all heads
 the rotary key are cached: `kv_lora_rank + d_rope` numbers per position and sequence, where a K/V
 cache at every head holds `num_heads * (d_nope + d_rope + d_value)`.
 
-Decoding rebuilds keys and values from the cached latent at every step (`kv_b_proj` over every
-cached position); see docs/variants.md for what that costs against a K/V cache, measured.
+A prefill rebuilds every head's keys and values from the latent (`kv_b_proj`); a decoding step absorbs
+`kv_b_proj` into the query and the output instead and attends the cached buffer as it is, where that is
+provably the same computation (see `LatentAttention._absorbs`).
 """
 
 import functools

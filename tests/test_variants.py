@@ -200,3 +200,46 @@ def test_public_attention_takes_window_and_softcap() -> None:
     torch.testing.assert_close(out, expected)
     with pytest.raises(ssm.ConfigError, match="window must be a positive int"):
         ssm.scaled_dot_product_attention(q, k, v, window=0)
+
+
+COMPILED_VARIANTS = {
+    "qk_norm": {"qk_norm": True},
+    "window": {"window": 3},
+    "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
+}
+
+
+@pytest.mark.parametrize("options", COMPILED_VARIANTS.values(), ids=list(COMPILED_VARIANTS))
+def test_each_variant_compiles_fullgraph_with_no_graph_breaks(options: dict[str, Any]) -> None:
+    import torch._dynamo
+
+    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=10000.0, **options).eval()
+    x = torch.randn(2, 6, 32)
+    explanation = torch._dynamo.explain(lambda t: module(t, is_causal=True))(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(lambda t: module(t, is_causal=True), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), module(x, is_causal=True))
+
+
+def test_latent_attention_compiles_fullgraph_with_no_graph_breaks() -> None:
+    import torch._dynamo
+
+    mla = ssm.LatentAttention(32, 4, q_lora_rank=8, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=6).eval()
+    x = torch.randn(2, 6, 32)
+    explanation = torch._dynamo.explain(lambda t: mla(t, is_causal=True))(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(lambda t: mla(t, is_causal=True), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), mla(x, is_causal=True))
+
+
+@pytest.mark.parametrize("options", COMPILED_VARIANTS.values(), ids=list(COMPILED_VARIANTS))
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_gqa_and_mqa_stay_zero_copy_in_every_variant(options: dict[str, Any], num_kv_heads: int) -> None:
+    """No stage ever holds keys or values at num_heads heads: prefill and decoding, every variant."""
+    traced = {k: v for k, v in options.items() if k != "query_pre_attn_scalar"}  # a scale changes no shape
+    for decode in (None, 12):
+        config = ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=num_kv_heads, seq=6, decode=decode, **traced)
+        stages = ssm.trace_forward(config).stages
+        kv = [s for s in stages if s.name in ("split_k", "split_v", "k_norm", "rotary_k", "cache_k", "cache_v")]
+        assert kv and all(s.shape[1] == num_kv_heads for s in kv)
+        assert all(s.allocated_bytes < 8 * 13 * 8 * 2 for s in stages if s.name in ("cache_k", "cache_v"))

@@ -245,6 +245,12 @@ MUTANTS: list[Mutant] = [
     M("_latent.py", "self.buffer[:, start:end, self.kv_lora_rank :] = k_rope[:, 0]",
       "self.buffer[:, start:end, self.kv_lora_rank :] = k_rope[:, 0].flip(1)",
       "rotary keys cached in the wrong order", LATENT),
+    M("_latent.py", "up_keys = kv_b_weight.unflatten(0, (num_heads, -1))[:, : q_nope.shape[-1]]",
+      "up_keys = kv_b_weight.unflatten(0, (-1, num_heads))[:, : q_nope.shape[-1]]",
+      "absorbed query reads kv_b_proj's rows head-minor", LATENT),
+    M("_latent.py", "return plain_linear(kv_b) and getattr(kv_b, \"bias\", None) is None and not global_hooks()",
+      "return getattr(kv_b, \"bias\", None) is None and not global_hooks()",
+      "absorption bypasses a hooked or adapted kv_b_proj", LATENT),
 ]  # fmt: skip
 
 
