@@ -144,32 +144,33 @@ def pipeline(report: TraceReport) -> str:
             return f"view of {s.aliases}", VIEW
         return ("new allocation", NEW) if s.allocated_bytes else ("input", INPUT)
 
-    columns = ["stage", "named shape", "shape", "storage", "bytes"]
-    cells = [[s.name, s.named_shape, str(tuple(s.shape)), storage(s)[0]] for s in stages]
-    widths = [max(_width(row[i]) for row in [columns, *cells]) + 24 for i in range(4)]
-    pad, bar, row_h, top = 16.0, 180.0, 30.0, 86.0
-    xs = [pad + 8 + sum(widths[:i]) for i in range(5)]
-    right = xs[4] + bar + _width(" 000.0 KiB") + 16
+    firsts = [(s.name, storage(s)[0]) for s in stages]
+    seconds = [(s.named_shape, str(tuple(s.shape))) for s in stages]
+    heads = [("stage", "storage"), ("named shape", "shape")]
+    widths = [max(_width(row[i]) for row in [*heads, *firsts, *seconds]) + 28 for i in range(2)]
+    pad, bar, row_h, top = 16.0, 140.0, 44.0, 112.0
+    xs = [pad + 10, pad + 10 + widths[0], pad + 10 + widths[0] + widths[1]]
+    right = xs[2] + bar + _width(" 000.0 KiB") + 12
     largest = max((s.nbytes for s in stages), default=1) or 1
 
     c = Canvas(pad)
     title = _title(report)
     c.text(pad, 28, "The stages of one forward, as traced", size=16, bold=True)
     c.text(pad, 50, title, fill=MUTED)
-    for x, name in zip(xs, columns, strict=True):
-        c.text(x + 2, top - 10, name, fill=MUTED, bold=True)
+    for x, (first, second) in zip(xs, [*zip(*heads, strict=True), ("bytes", "")], strict=True):
+        c.text(x, top - 30, first, fill=MUTED, bold=True)
+        c.text(x, top - 12, second, fill=MUTED)
     c.line(pad, top, right, top)
-    for i, (s, row) in enumerate(zip(stages, cells, strict=True)):
+    for i, s in enumerate(stages):
         y = top + i * row_h
         c.rect(pad, y + 2, right - pad, row_h - 4, FILLS[owners.index(owner[s.name]) % len(FILLS)], rx=4)
-        baseline = y + row_h / 2 + 5
-        c.text(xs[0] + 2, baseline, s.name, bold=True)
-        c.text(xs[1] + 2, baseline, _highlighted(s.named_shape))
-        c.text(xs[2] + 2, baseline, row[2])
-        c.text(xs[3] + 2, baseline, row[3], fill=storage(s)[1])
+        c.text(xs[0], y + 19, s.name, bold=True)
+        c.text(xs[0], y + 36, _highlighted(s.named_shape))
+        c.text(xs[1], y + 19, storage(s)[0], fill=storage(s)[1])
+        c.text(xs[1], y + 36, str(tuple(s.shape)), fill=MUTED)
         filled = max(2.0, bar * s.nbytes / largest)
-        c.rect(xs[4] + 2, y + 9, filled, row_h - 18, MUTED, rx=2)
-        c.text(xs[4] + 10 + filled, baseline, _bytes(s.nbytes), fill=MUTED)
+        c.rect(xs[2], y + 16, filled, 12, MUTED, rx=2)
+        c.text(xs[2] + 8 + filled, y + 27, _bytes(s.nbytes), fill=MUTED)
     bottom = top + row_h * len(stages)
     c.line(pad, bottom, right, bottom)
     if totals:
@@ -183,18 +184,13 @@ def pipeline(report: TraceReport) -> str:
             ],
             bold=True,
         )
-    c.text(
-        pad,
-        bottom + 52,
-        "One background colour: one storage, a buffer and its views. Bars: each stage's tensor, to scale.",
-        fill=MUTED,
+    legend = (
+        "One background colour: one storage (a buffer and its views).",
+        "Bars: each stage's tensor, to scale. num_kv_heads in purple.",
+        "Observed, not assumed: storage identity and every operator's allocations.",
     )
-    c.text(
-        pad,
-        bottom + 72,
-        "Observed on the real tensors (storage identity and a record of every operator), not assumed.",
-        fill=MUTED,
-    )
+    for i, line in enumerate(legend):
+        c.text(pad, bottom + 52 + 20 * i, line, fill=MUTED)
     return c.svg(f"The stages of one forward: {title}")
 
 
