@@ -77,7 +77,7 @@ def test_every_public_name_is_in_the_reference_with_its_signature(site: Path, na
     unsigned = []
     for name in module.__all__:
         anchor = f'id="{namespace}.{name}"'
-        assert anchor in html, f"{namespace}.{name} is not in the API reference"
+        assert anchor in html, f"{namespace}.{name} is not in the API reference: does it have a docstring?"
         obj = getattr(module, name)
         if callable(obj) and not (isinstance(obj, type) and issubclass(obj, Exception)):  # errors are raised, not built
             section = html[html.index(anchor) :]
