@@ -208,6 +208,10 @@ def head_split(seq: int = 3, num_heads: int = 4, d_head: int = 3) -> str:
 
     The numbers are storage offsets, read from the view `split_heads` returns (the buffer is
     `arange`, so each element is its own offset): the picture shows what the code does.
+
+    Example:
+        >>> "strides (36, 3, 12, 1)" in head_split(seq=3, num_heads=4, d_head=3)
+        True
     """
     inner = num_heads * d_head
     buffer = torch.arange(seq * inner, dtype=torch.float32).view(1, seq, inner)
@@ -253,7 +257,12 @@ def head_split(seq: int = 3, num_heads: int = 4, d_head: int = 3) -> str:
 
 
 def gqa_groups(num_heads: int = 8, num_kv_heads: int = 2) -> str:
-    """Grouped-query attention: which KV head each query head reads, from `group_queries`' own view."""
+    """Grouped-query attention: which KV head each query head reads, from `group_queries`' own view.
+
+    Example:
+        >>> "K/V head 1: query heads 4..7" in gqa_groups(num_heads=8, num_kv_heads=2)
+        True
+    """
     group = num_heads // num_kv_heads
     labels = torch.arange(num_heads, dtype=torch.float32).view(1, num_heads, 1, 1)
     grouped = group_queries(labels, num_kv_heads)  # (1, num_kv_heads, group, 1, 1): which head lands where
