@@ -1,6 +1,5 @@
 """The benchmarks run (small sizes) and print their ratios; no timing is asserted."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +17,9 @@ def test_memory_benchmark_prints_ratios_and_repeat_kv_allocates_more() -> None:
     assert repeat_vs_ours > 1.0
 
 
-def test_performance_benchmark_prints_every_comparison(tmp_path: Path) -> None:
-    """`python -m benchmarks --quick` prints each comparison (no timing asserted) and records the chart's sweep."""
-    sweep = tmp_path / "overhead.json"
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--no-compile", "--record", str(sweep)]
+def test_performance_benchmark_prints_every_comparison() -> None:
+    """`python -m benchmarks --quick` prints each comparison with its ratio and goal (no timing asserted)."""
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--no-compile"]
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     names = (
         "decode: checked / unchecked",
@@ -35,7 +33,3 @@ def test_performance_benchmark_prints_every_comparison(tmp_path: Path) -> None:
     for name in names:
         assert name in out
     assert "long (1, 1024, 512)" in out
-    recorded = json.loads(sweep.read_text())
-    committed = json.loads((ROOT / "docs" / "overhead.json").read_text())
-    assert [p["size"] for p in recorded] == [p["size"] for p in committed]
-    assert all(p["ratio"] > 0 and p["unchecked_us"] > 0 for p in recorded)

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.__main__ import record
 from shapesafe_mha import TraceConfig, trace_forward
 from shapesafe_mha._cli import app
 from shapesafe_mha._svg import gqa_groups, head_split, pipeline
-from tools.pictures import DOCS, PICTURES
+from tools.pictures import DOCS, PICTURES, overhead_chart
 
 runner = CliRunner()
 ARGS = ["--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2", "--seq", "4"]
@@ -98,3 +99,16 @@ def test_performance_page_table_is_the_recorded_sweep() -> None:
         us = float(point["unchecked_us"])
         time = f"{us:.0f} us" if us < 1000 else f"{us / 1000:.1f} ms" if us < 10_000 else f"{us / 1000:.0f} ms"
         assert f"| {point['size']} | {point['ratio']:.3f} | {time} |" in page
+
+
+def test_benchmark_records_the_sweep_the_chart_is_drawn_from(tmp_path: Path) -> None:
+    """`python -m benchmarks --record FILE` writes what tools/pictures.py draws: size, ratio, unchecked time."""
+    path = tmp_path / "overhead.json"
+    record([("tiny (1, 16, 64)", 1.0641, 122.04e-6), ("long (1, 1024, 512)", 0.9987, 48.1e-3)], path)
+    sweep = json.loads(path.read_text())
+    assert sweep == [
+        {"size": "tiny (1, 16, 64)", "ratio": 1.0641, "unchecked_us": 122.0},
+        {"size": "long (1, 1024, 512)", "ratio": 0.9987, "unchecked_us": 48100.0},
+    ]
+    chart = overhead_chart(sweep)
+    assert "tiny (1, 16, 64): +6.4%" in chart and "long (1, 1024, 512): -0.1%" in chart
