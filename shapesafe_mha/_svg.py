@@ -18,7 +18,7 @@ from ._trace import Stage
 
 FONT = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'DejaVu Sans Mono', 'Liberation Mono', monospace"
 SIZE = 13  # px
-CHAR = 0.62 * SIZE  # the advance of one monospace character, with a little room to spare
+ADVANCE = 0.62  # a monospace character's width per px of font size (0.6 in most fonts), with room to spare
 INK, MUTED, LINE = "#1f2328", "#57606a", "#8c959f"
 VIEW, NEW, INPUT, KV = "#1a7f37", "#bc4c00", "#57606a", "#8250df"
 # Pale fills, one per storage (a buffer and every view of it share one).
@@ -28,7 +28,7 @@ HEADS = ("#0969da", "#bf3989", "#1a7f37", "#bc4c00", "#8250df", "#cf222e", "#0a7
 
 
 def _width(text: str, size: float = SIZE) -> float:
-    return len(text) * 0.62 * size
+    return len(text) * ADVANCE * size
 
 
 class Canvas:
