@@ -1,6 +1,6 @@
 """Checked attention at the speed of unchecked torch: every comparison as a ratio measured side by side.
 
-    python -m benchmarks [--quick] [--threads 1] [--plot docs/overhead.png]
+    python -m benchmarks [--quick] [--threads 1] [--record docs/overhead.json]
 
 Each comparison runs its two contenders alternately, round after round, and reports the median of
 the per-round ratios (robust to a shared, noisy machine) next to each contender's median time.
@@ -8,6 +8,7 @@ the per-round ratios (robust to a shared, noisy machine) next to each contender'
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -149,7 +150,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: least noise)")
-    parser.add_argument("--plot", type=Path, default=None, help="save the overhead-vs-size plot here (PNG)")
+    parser.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        help="save the checked/unchecked sweep here as JSON (python tools/pictures.py draws docs/overhead.svg from it)",
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -283,31 +289,19 @@ def main() -> None:
     for label, ratio, base in overhead:
         sweep.add_row(label, f"{ratio:.3f}", f"{base * 1e6:.1f} us")
     console.print(sweep)
-    if args.plot is not None:
-        plot(overhead, args.plot)
-        console.print(f"plot saved to {args.plot}")
+    if args.record is not None:
+        record(overhead, args.record)
+        console.print(f"sweep recorded in {args.record}")
 
 
-def plot(overhead: list[tuple[str, float, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = [base * 1e6 for _, _, base in overhead]
-    ys = [(ratio - 1) * 100 for _, ratio, _ in overhead]
-    ax.plot(xs, ys, "o-")
-    for (label, _, _), x, y in zip(overhead, xs, ys, strict=True):
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set_xscale("log")
-    ax.axhline(0, color="grey", linewidth=0.5)
-    ax.set_xlabel("unchecked forward time (us, log scale)")
-    ax.set_ylabel("overhead of checks (%)")
-    ax.set_title("shapesafe_mha: cost of runtime shape checks vs forward size")
-    fig.tight_layout()
+def record(overhead: list[tuple[str, float, float]], path: Path) -> None:
+    """The checked/unchecked sweep as JSON: one entry per size, with its ratio and unchecked time."""
+    rows = [
+        {"size": label, "ratio": round(ratio, 4), "unchecked_us": round(base * 1e6, 1)}
+        for label, ratio, base in overhead
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    path.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The `shapesafe-mha` command: thin, it parses arguments and calls the public API."""
 
+import io
 import json
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -45,6 +47,7 @@ def _usable(device: str) -> str:
 class Format(StrEnum):
     table = "table"
     json = "json"
+    svg = "svg"
 
 
 def _bytes(n: int) -> str:
@@ -127,7 +130,12 @@ def trace(
     rope_theta: Annotated[
         float | None, typer.Option("--rope-theta", help="rotary position embeddings with this base (Llama: 500000)")
     ] = None,
-    format: Annotated[Format, typer.Option("--format", help="table or json")] = Format.table,
+    format: Annotated[
+        Format, typer.Option("--format", help="table, json, or svg (a picture of the stages)")
+    ] = Format.table,
+    output: Annotated[
+        Path | None, typer.Option("--output", dir_okay=False, help="write to this file instead of the terminal")
+    ] = None,
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
     _usable(device.value)
@@ -139,10 +147,26 @@ def trace(
     except ShapesafeError as error:
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {error}", highlight=False)
         raise typer.Exit(2) from None
-    if format is Format.json:
-        typer.echo(json.dumps(report.as_dict(), indent=2))
-    else:
+    if format is Format.table and output is None:
         render(report, Console())
+        return
+    if format is Format.json:
+        text = json.dumps(report.as_dict(), indent=2) + "\n"
+    elif format is Format.svg:
+        from ._svg import pipeline
+
+        text = pipeline(report)
+    else:
+        console = Console(record=True, width=200, file=io.StringIO())
+        render(report, console)
+        text = console.export_text()
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text)
+    except OSError as error:
+        raise typer.BadParameter(f"cannot write {output}: {error.strerror}", param_hint="--output") from None
 
 
 @app.command()

@@ -16,6 +16,7 @@ from ._weights import AttentionWeights
 
 Kind = Literal["mha", "gqa", "mqa"]
 ALL_KINDS: tuple[Kind, ...] = ("mha", "gqa", "mqa")
+"""Every kind of attention the strategies draw: `kinds=ALL_KINDS` is the default of `attention_configs`."""
 
 
 @dataclass(frozen=True)
