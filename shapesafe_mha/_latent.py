@@ -515,10 +515,11 @@ class LatentAttention(nn.Module):
         self._sizes = (d_model, num_heads, kv_lora_rank, d_nope, d_rope, d_value)
         self._constants = frozenset({*self._sizes, q_lora_rank or 0, d_nope + d_rope, kv_lora_rank + d_rope})
         self._verdicts: dict[Any, bool] = {}
+        self._relations_known: dict[Any, bool] = {}
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LatentAttention":
         super()._apply(fn, recurse)
-        self._verdicts = {}
+        self._verdicts, self._relations_known = {}, {}
         return self
 
     def extra_repr(self) -> str:
@@ -584,19 +585,20 @@ class LatentAttention(nn.Module):
             ShapeError: an input does not fit the module, the others or the cache; a failed call changes nothing.
         """
         call = (query, attn_mask, key_padding_mask, is_causal, kv_cache, positions)
+        absorb = isinstance(query, Tensor) and isinstance(kv_cache, LatentCache) and self._absorbs(query)
         observer = current_observer()
         check = checks_enabled()
-        key = None
+        keys = None
         if check and observer is None and isinstance(query, Tensor) and isinstance(kv_cache, LatentCache | None):
             try:
-                key = self._key(*call)
+                keys = self._keys(absorb, *call)
             except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
-                key = None
-            check = key not in self._verdicts
+                keys = None
+            check = keys is None or not self._known(keys)
         state = kv_cache.state() if isinstance(kv_cache, LatentCache) else None
         try:
             if not check and observer is None:
-                return self._run(_RAW, *call)
+                return self._run(_RAW, absorb, *call)
             with Session(_OWNER, check=check, observer=observer) as session:
                 session.seed(LatentSizes, _witness(self._sizes), "the module")
                 arguments = dict(
@@ -609,17 +611,27 @@ class LatentAttention(nn.Module):
                 session.check_arguments(_FORWARD, (self, query), arguments, hints=_FORWARD_HINTS)
                 if observer is not None:
                     observer("query", "batch seq d_model", query)
-                result = self._run(session.stages(**_STAGES), *call)
+                result = self._run(session.stages(**_STAGES), absorb, *call)
                 session.report(_FORWARD, result)
         except BaseException:
             if state is not None and kv_cache is not None:
                 kv_cache.restore(state)
             raise
-        if key is not None:
-            if len(self._verdicts) >= MAX_VERDICTS:
-                self._verdicts.clear()
-            self._verdicts[key] = True
+        if keys is not None and check:
+            for verdicts, key in zip((self._verdicts, self._relations_known), keys, strict=True):
+                if len(verdicts) >= MAX_VERDICTS:
+                    verdicts.clear()
+                verdicts[key] = True
         return result
+
+    def _known(self, keys: tuple[Any, Any]) -> bool:
+        exact, relations = keys
+        if exact in self._verdicts:
+            return True
+        if relations in self._relations_known:
+            self._verdicts[exact] = True
+            return True
+        return False
 
     def _absorbs(self, query: Tensor) -> bool:
         """Decode one token by absorption (`kv_b_proj`'s weight taken into the query and the output) instead of
@@ -632,21 +644,33 @@ class LatentAttention(nn.Module):
         kv_b = self._modules["kv_b_proj"]
         return plain_linear(kv_b) and getattr(kv_b, "bias", None) is None and not global_hooks()
 
-    def _key(self, *call: Any) -> Any:
-        """What a verdict depends on: the call's structure, and its sizes as relations (`relational`)."""
+    def _keys(self, absorb: bool, *call: Any) -> tuple[Any, Any]:
+        """What a verdict depends on: the call's structure and sizes exactly (one hash), and with its sizes as
+        relations (`relational`), which covers decoding step after step."""
         query, attn_mask, key_padding_mask, is_causal, kv_cache, positions = call
         tensors = (query, attn_mask, key_padding_mask, positions, None if kv_cache is None else kv_cache.buffer)
-        kv_seq = query.shape[1] + (0 if kv_cache is None else len(kv_cache))
-        shapes = [() if t is None else tuple(t.shape) for t in tensors]
-        sizes = (*(size for shape in shapes for size in shape), kv_seq)
-        structure = tuple(None if t is None else (type(t), t.dtype, t.device, t.ndim) for t in tensors)
-        modules = tuple(self._modules.values())
-        path = isinstance(query, Tensor) and kv_cache is not None and self._absorbs(query)
-        return structure, path, type(is_causal), is_causal, self.training, modules, relational(sizes, self._constants)
+        masked = attn_mask is not None or key_padding_mask is not None
+        # kv_seq (cached + new) is checked only against masks.
+        kv_seq = query.shape[1] + (0 if kv_cache is None else len(kv_cache)) if masked else None
+        structure = (
+            tuple(None if t is None else (type(t), t.dtype, t.device) for t in tensors),
+            absorb,
+            type(is_causal),
+            is_causal,
+            self.training,
+            *self._modules.values(),
+        )
+        shapes = tuple(None if t is None else t.shape for t in tensors)
+        sizes = [size for shape in shapes if shape is not None for size in shape]
+        ranks = tuple(None if shape is None else len(shape) for shape in shapes)
+        if kv_seq is not None:
+            sizes.append(kv_seq)
+        return (structure, shapes, kv_seq), (structure, ranks, relational(tuple(sizes), self._constants))
 
     def _run(
         self,
         s: Any,
+        absorb: bool,
         query: Tensor,
         attn_mask: Tensor | None,
         key_padding_mask: Tensor | None,
@@ -673,7 +697,7 @@ class LatentAttention(nn.Module):
         else:
             latent, k_rope = s.append_latent(kv_cache, kv_cache.buffer, latent, k_rope)
         dropout_p = self.dropout if self.training else 0.0
-        if kv_cache is not None and self._absorbs(query):
+        if absorb and kv_cache is not None:
             kv_b: Any = m["kv_b_proj"]
             weight = kv_b.weight
             q = s.absorb_query(q_nope, q_rope, weight, self.num_heads)

@@ -217,3 +217,28 @@ def test_yarn_rope_is_refused_by_its_field() -> None:
     )  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['rope_type'\]='yarn'"):
         ssm.LatentAttention.from_hf(DeepseekV3Attention(config, layer_idx=0))
+
+
+def test_decoding_with_a_growing_padding_mask_is_checked_a_few_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verdicts by relations, as for MultiHeadAttention: a prefill and 22 steps are checked in full only when
+    a size relation is new (the first step, and kv_seq passing one of the module's sizes)."""
+    import shapesafe_mha._latent as latent
+
+    mla = ssm.LatentAttention(24, 4, kv_lora_rank=6, d_nope=3, d_rope=2, d_value=5)
+    cache = mla.new_cache(2, 40)
+    padding = torch.zeros(2, 40, dtype=torch.bool)
+    padding[1, :2] = True
+    sessions: list[int] = []
+    original = latent.Session
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        sessions.append(len(cache))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(latent, "Session", counting)
+    with torch.no_grad():
+        mla(torch.randn(2, 8, 24), is_causal=True, kv_cache=cache, key_padding_mask=padding[:, :8])
+        for t in range(8, 30):
+            mla(torch.randn(2, 1, 24), is_causal=True, kv_cache=cache, key_padding_mask=padding[:, : t + 1])
+    assert len(sessions) <= 6, sessions
+    assert len(cache) == 30
