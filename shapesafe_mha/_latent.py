@@ -405,9 +405,12 @@ _STAGES: dict[str, Any] = {
 _RAW = raw(**_STAGES)
 
 
+_ONE = torch.empty((), device="meta")  # made at import: a trace never sees it allocated
+
+
 @functools.lru_cache(maxsize=64)
 def _witness(sizes: tuple[int, ...]) -> Tensor:
-    return torch.empty((), device="meta").expand(sizes)
+    return _ONE.expand(sizes)
 
 
 def _precheck_forward(arguments: dict[str, Any]) -> None:

@@ -26,13 +26,16 @@ _STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": appl
 _RAW = raw(**_STAGES)
 
 
+_ONE = torch.empty((), device="meta")  # made at import: a trace never sees it allocated
+
+
 @functools.lru_cache(maxsize=64)
 def _witness(sizes: tuple[int, ...]) -> Tensor:
     """A `meta` tensor whose shape is a module's sizes: binds them before any argument is checked.
 
     One element broadcast to that shape, so it costs nothing anywhere (no allocation to record).
     """
-    return torch.empty((), device="meta").expand(sizes)
+    return _ONE.expand(sizes)
 
 
 @contextlib.contextmanager

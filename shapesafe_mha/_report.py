@@ -104,6 +104,11 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
             config.batch, module.num_kv_heads, config.decode, module.d_head, device=device, dtype=dtype
         )
         cache.append(filler, filler)
+    with torch.no_grad():
+        # The fused Q/K/V weight is built once and kept (a fast path's cache): build it before tracing,
+        # so the trace shows what every call allocates, and count it apart.
+        module._path(x, x, x, None, None, True, False, cache, None)
+    fused = module._fused
     with torch.no_grad(), tracing() as tracer:
         if cache is not None:
             tracer.add("cache_keys_buffer", "batch num_kv_heads capacity d_head", cache.keys_buffer)
@@ -119,6 +124,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     stages = tracer.stages
     totals: dict[str, Any] = {
         "allocated_bytes": sum(s.allocated_bytes for s in tracer.stages),
+        "fused_qkv_weight_bytes": 0 if fused is None else fused.weight.numel() * itemsize,
         "kv_cache_bytes": per_kind["this"],
         "kv_cache_positions": positions,
         "kv_cache_bytes_mha": per_kind["mha"],
