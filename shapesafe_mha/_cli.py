@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._errors import ShapesafeError
-from ._report import DTYPES, TraceConfig, TraceReport, trace_forward
+from ._report import DTYPES, LatentTraceConfig, TraceConfig, TraceReport, trace_forward, trace_latent
 
 app = typer.Typer(
     help="Shape-checked multi-head attention: see every stage's shape.", no_args_is_help=True, add_completion=False
@@ -62,18 +62,12 @@ def _bytes(n: int) -> str:
 def render(report: TraceReport, console: Console) -> None:
     """Print a trace as a rich table with totals."""
     c = report.config
-    title = (
-        (f"rank 0 of {c['tp']}: " if c["tp"] != 1 else "")
-        + f"d_model={c['d_model']} num_heads={c['num_heads']} num_kv_heads={c['num_kv_heads']} d_head={c['d_head']} "
-        f"batch={c['batch']} "
-        + (f"decode after {c['decode']}" if c["decode"] is not None else f"seq={c['seq']}")
-        + f" on {c['device']} ({c['dtype']})"
-    )
+    title = f"{report.heading()} on {c['device']} ({c['dtype']})"
     table = Table(title=title)
     for column in ("stage", "named shape", "shape", "strides", "storage", "bytes", "allocated"):
         table.add_column(column, justify="right" if column in ("bytes", "allocated") else "left")
     for s in report.stages:
-        storage = f"view of {s.aliases}" if s.aliases else "new allocation" if s.allocated_bytes else "input"
+        storage = s.storage
         table.add_row(
             s.name,
             s.named_shape,
@@ -130,6 +124,22 @@ def trace(
     rope_theta: Annotated[
         float | None, typer.Option("--rope-theta", help="rotary position embeddings with this base (Llama: 500000)")
     ] = None,
+    qk_norm: Annotated[bool, typer.Option("--qk-norm", help="RMS-normalise each head's q and k (Qwen3)")] = False,
+    window: Annotated[int | None, typer.Option(min=1, help="sliding-window attention (Mistral)")] = None,
+    logit_softcap: Annotated[float | None, typer.Option("--logit-softcap", help="softcapped scores (Gemma 2)")] = None,
+    kv_lora_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--kv-lora-rank",
+            min=1,
+            help="multi-head latent attention (DeepSeek) with this latent width; then --num-kv-heads, --d-head and "
+            "the options above do not apply",
+        ),
+    ] = None,
+    q_lora_rank: Annotated[int | None, typer.Option(min=1, help="latent attention: the queries' bottleneck")] = None,
+    d_nope: Annotated[int, typer.Option(min=1, help="latent attention: a head's part without RoPE")] = 128,
+    d_rope: Annotated[int, typer.Option(min=1, help="latent attention: a head's rotary part (even)")] = 64,
+    d_value: Annotated[int, typer.Option(min=1, help="latent attention: a value head's width")] = 128,
     format: Annotated[
         Format, typer.Option("--format", help="table, json, or svg (a picture of the stages)")
     ] = Format.table,
@@ -139,11 +149,19 @@ def trace(
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
     _usable(device.value)
-    config = TraceConfig(
-        d_model, num_heads, num_kv_heads, d_head, batch, seq, device.value, dtype.value, decode, tp, rope_theta
-    )
     try:
-        report = trace_forward(config)
+        if kv_lora_rank is not None:
+            latent = LatentTraceConfig(
+                d_model, num_heads, q_lora_rank, kv_lora_rank, d_nope, d_rope, d_value, batch, seq, device.value,
+                dtype.value, decode,
+            )  # fmt: skip
+            report = trace_latent(latent)
+        else:
+            config = TraceConfig(
+                d_model, num_heads, num_kv_heads, d_head, batch, seq, device.value, dtype.value, decode, tp, rope_theta,
+                qk_norm, window, logit_softcap,
+            )  # fmt: skip
+            report = trace_forward(config)
     except ShapesafeError as error:
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {error}", highlight=False)
         raise typer.Exit(2) from None

@@ -490,7 +490,7 @@ class LatentAttention(nn.Module):
             sizes["q_lora_rank"] = q_lora_rank
         for name, size in sizes.items():
             positive_count(owner, name, size)
-        check_rotary_width(d_rope, owner.removesuffix(": "))
+        check_rotary_width(d_rope, owner.removesuffix(": "), "d_rope")
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{owner}dropout must be a number in [0, 1), but got {dropout!r}.")
         self.d_model, self.num_heads, self.q_lora_rank, self.kv_lora_rank = (

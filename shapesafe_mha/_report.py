@@ -48,6 +48,23 @@ class TraceReport:
     def as_dict(self) -> dict[str, Any]:
         return {"config": self.config, "stages": [s.as_dict() for s in self.stages], "totals": self.totals}
 
+    def heading(self) -> str:
+        """What was traced, in one line: the sizes, the batch, and prefill or decode."""
+        c = self.config
+        if "kv_lora_rank" in c:
+            sizes = (
+                f"latent attention: d_model={c['d_model']} num_heads={c['num_heads']} q_lora_rank={c['q_lora_rank']} "
+                f"kv_lora_rank={c['kv_lora_rank']} d_nope={c['d_nope']} d_rope={c['d_rope']} d_value={c['d_value']}"
+            )
+        else:
+            sizes = (
+                f"d_model={c['d_model']} num_heads={c['num_heads']} num_kv_heads={c['num_kv_heads']} "
+                f"d_head={c['d_head']}"
+            )
+        rank = f"rank 0 of {c['tp']}: " if c.get("tp", 1) != 1 else ""
+        when = f"decode after {c['decode']}" if c["decode"] is not None else f"seq={c['seq']}"
+        return f"{rank}{sizes} batch={c['batch']} {when}"
+
 
 def _cache_bytes(batch: int, positions: int, kv_heads: int, d_head: int, itemsize: int) -> int:
     return 2 * batch * kv_heads * positions * d_head * itemsize
@@ -233,6 +250,9 @@ def trace_latent(config: LatentTraceConfig = LatentTraceConfig()) -> TraceReport
         "kv_cache_bytes_per_position": per_position,
         "kv_cache_bytes_per_position_mha": config.num_heads * head,
         "kv_cache_bytes_per_position_mqa": head,
+        "kv_cache_bytes_mha": config.batch * positions * config.num_heads * head,
+        "kv_cache_bytes_mqa": config.batch * positions * head,
         "kv_cache_ratio_vs_mha": per_position / (config.num_heads * head),
+        "kv_cache_ratio_mqa_vs_mha": 1 / config.num_heads,
     }
     return TraceReport(asdict(config), tracer.stages, totals)

@@ -22,12 +22,12 @@ from ._messages import mismatch
 SUPPORTED_SCALING = ("default", "llama3")
 
 
-def check_rotary_width(d_head: int, owner: str) -> None:
-    """Raise `ConfigError` unless `d_head` is even (rotary embeddings rotate pairs of features)."""
+def check_rotary_width(d_head: int, owner: str, name: str = "d_head") -> None:
+    """Raise `ConfigError` unless `d_head` (or the rotary part `name`) is even: RoPE rotates pairs of features."""
     if d_head % 2:
         raise ConfigError(
-            f"{owner}: d_head={d_head} is odd, but rotary embeddings rotate pairs of features; "
-            f"use an even d_head (for example {d_head - 1 if d_head > 1 else 2} or {d_head + 1})."
+            f"{owner}: {name}={d_head} is odd, but rotary embeddings rotate pairs of features; "
+            f"use an even {name} (for example {d_head - 1 if d_head > 1 else 2} or {d_head + 1})."
         )
 
 

@@ -102,13 +102,7 @@ def _bytes(n: int) -> str:
 
 
 def _title(report: TraceReport) -> str:
-    c = report.config
-    when = f"decode after {c['decode']}" if c["decode"] is not None else f"seq={c['seq']}"
-    rank = f"rank 0 of {c['tp']}: " if c["tp"] != 1 else ""
-    return (
-        f"{rank}d_model={c['d_model']} num_heads={c['num_heads']} num_kv_heads={c['num_kv_heads']} "
-        f"d_head={c['d_head']} batch={c['batch']} {when} ({c['dtype']})"
-    )
+    return f"{report.heading()} ({report.config['dtype']})"
 
 
 def _highlighted(named_shape: str) -> list[tuple[str, str]]:
@@ -140,9 +134,7 @@ def pipeline(report: TraceReport) -> str:
     owners = list(dict.fromkeys(owner.values()))
 
     def storage(s: Stage) -> tuple[str, str]:
-        if s.aliases:
-            return f"view of {s.aliases}", VIEW
-        return ("new allocation", NEW) if s.allocated_bytes else ("input", INPUT)
+        return s.storage, VIEW if s.aliases else INPUT if s.is_input else NEW
 
     firsts = [(s.name, storage(s)[0]) for s in stages]
     seconds = [(s.named_shape, str(tuple(s.shape))) for s in stages]

@@ -79,6 +79,14 @@ class Stage:
     aliases: str | None
     allocated_bytes: int
     allocations: list[Allocation] = field(default_factory=list)
+    is_input: bool = False  # there before the forward allocated anything (the query, a cache's buffers)
+
+    @property
+    def storage(self) -> str:
+        """ "view of <stage>", "new allocation" (by this stage, or with an earlier output of it), or "input"."""
+        if self.aliases:
+            return f"view of {self.aliases}"
+        return "input" if self.is_input else "new allocation"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -100,6 +108,7 @@ class Tracer:
         self.stages: list[Stage] = []
         self._recorder = recorder
         self._storages: list[tuple[int, str, torch.Tensor]] = []
+        self._allocated = False
 
     def add(self, name: str, named_shape: str, tensor: torch.Tensor) -> None:
         sid, (start, end) = storage_id(tensor), _span(tensor)
@@ -110,6 +119,10 @@ class Tracer:
         )
         self._storages.append((sid, name, tensor))  # holding the tensor keeps its identity unique
         allocations = self._recorder.take()
+        # A stage with several outputs has its allocations counted at the first: an unaliased tensor with none
+        # is new all the same, unless nothing has been allocated yet (then it was given to the forward).
+        is_input = aliases is None and not allocations and not self._allocated
+        self._allocated = self._allocated or bool(allocations)
         self.stages.append(
             Stage(
                 name=name,
@@ -121,6 +134,7 @@ class Tracer:
                 aliases=aliases,
                 allocated_bytes=sum(a.nbytes for a in allocations),
                 allocations=allocations,
+                is_input=is_input,
             )
         )
 

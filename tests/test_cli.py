@@ -149,3 +149,43 @@ def test_help_has_no_completion_options_and_keeps_bracketed_defaults() -> None:
     out = subprocess.run([sys.executable, "-m", "shapesafe_mha", "trace", "--help"], capture_output=True, text=True)
     assert "--install-completion" not in out.stdout
     assert "default:" in out.stdout and "d_model // num_heads" in out.stdout.replace("\n", " ").replace("│", " ")
+
+
+def test_trace_shows_the_variants_stages() -> None:
+    """--qk-norm, --window and --logit-softcap trace those stages; K/V stay at num_kv_heads."""
+    report = _trace_json("--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2", "--seq", "6", "--qk-norm",
+                         "--window", "4", "--logit-softcap", "30", "--rope-theta", "10000")  # fmt: skip
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["k_norm"]["named_shape"] == "batch num_kv_heads new d_head" and stages["k_norm"]["shape"][1] == 2
+    assert (report["config"]["window"], report["config"]["logit_softcap"]) == (4, 30.0)
+
+
+def test_trace_of_latent_attention_shows_the_latent_and_the_cache_per_position() -> None:
+    """--kv-lora-rank traces multi-head latent attention: DeepSeek-V3's layer decoding after 4095 positions."""
+    args = ["--d-model", "7168", "--num-heads", "128", "--q-lora-rank", "1536", "--kv-lora-rank", "512"]
+    report = _trace_json(*args, "--decode", "4095")
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["keys_latent"]["named_shape"] == "batch 1 kv_seq kv_lora_rank+d_rope"
+    assert stages["keys_latent"]["aliases"] == "cache_buffer"
+    assert report["totals"]["kv_cache_bytes_per_position"] == 1152
+    table = runner.invoke(app, ["trace", *args, "--decode", "4095"], terminal_width=200)
+    assert table.exit_code == 0, table.output
+    text = " ".join(table.output.split())
+    assert "latent attention: d_model=7168 num_heads=128 q_lora_rank=1536 kv_lora_rank=512" in text
+    assert "KV cache for 4096 positions: 4.5 MiB (MHA 320.0 MiB, MQA 2.5 MiB)" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--window", "0"], "--window"),
+        (["--logit-softcap", "-1"], "logit softcap must be a positive number"),
+        (["--kv-lora-rank", "512", "--d-rope", "3"], "d_rope=3 is odd"),
+    ],
+)
+def test_bad_variant_options_are_one_line_errors(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "shapesafe_mha", "trace", *args], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr

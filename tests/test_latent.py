@@ -107,7 +107,7 @@ def test_latent_shape_mistakes_are_shape_errors_naming_the_dimension() -> None:
         mla(torch.randn(1, 3, 16), kv_cache=ssm.KVCache(1, 4, 8, 5, dtype=torch.float32))  # type: ignore[arg-type]
     with pytest.raises(ssm.ShapeError, match=r"key_padding_mask has kv_seq=2 \(axis 1\)"):
         mla(torch.randn(1, 3, 16), key_padding_mask=torch.zeros(1, 2, dtype=torch.bool))
-    with pytest.raises(ssm.ConfigError, match=r"d_rope|odd"):
+    with pytest.raises(ssm.ConfigError, match=r"d_rope=3 is odd, but rotary embeddings rotate pairs"):
         ssm.LatentAttention(16, 4, kv_lora_rank=6, d_nope=3, d_rope=3, d_value=5)
     with pytest.raises(ssm.ConfigError, match="kv_lora_rank must be a positive int"):
         ssm.LatentAttention(16, 4, kv_lora_rank=0, d_nope=3, d_rope=2, d_value=5)

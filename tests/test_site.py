@@ -141,7 +141,7 @@ def test_readme_trace_rows_are_what_trace_prints_today() -> None:
     assert _row_cells(header) == ["stage", "named shape", "shape", "strides", "storage"]
     traced = {}
     for s in trace_forward(config).stages:
-        storage = f"view of {s.aliases}" if s.aliases else "new allocation" if s.allocated_bytes else "input"
+        storage = s.storage
         traced[s.name] = [s.name, s.named_shape, str(tuple(s.shape)), str(tuple(s.strides)), storage]
     shown = [_row_cells(row) for row in rows]
     for cells in shown:
