@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from shapesafe_mha import TraceConfig, trace_forward
+from shapesafe_mha import LatentTraceConfig, TraceConfig, trace_forward, trace_latent
 from shapesafe_mha._svg import INK, LINE, MUTED, Canvas, gqa_groups, head_split, pipeline
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -67,6 +67,8 @@ PICTURES: dict[str, Callable[[], str]] = {
     "stages.svg": lambda: pipeline(trace_forward(STAGES)),
     "head-split.svg": head_split,
     "gqa.svg": gqa_groups,
+    # DeepSeek-V3's latent attention decoding one token: the cache attended as it is.
+    "latent-decode.svg": lambda: pipeline(trace_latent(LatentTraceConfig(decode=4095))),
     "overhead.svg": lambda: overhead_chart(json.loads((DOCS / "overhead.json").read_text())),
 }
 
