@@ -166,7 +166,21 @@ def to_hf(module: Any, config: Any) -> nn.Module:
         raise ConfigError(f"MultiHeadAttention.to_hf(): the config does not describe this module: {listed}.")
     weight = module.q_proj.weight
     theirs = layer_cls(config, layer_idx=0).to(device=weight.device, dtype=weight.dtype)
+    options = variant_options(theirs, config)
+    ours = {
+        "window": module.window,
+        "qk_norm": module.qk_norm or None,
+        "logit_softcap": module.logit_softcap,
+        "query_pre_attn_scalar": module.query_pre_attn_scalar,
+    }
+    different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
+    if different:
+        listed = ", ".join(f"{k}={theirs_!r} (module: {mine!r})" for k, (theirs_, mine) in different.items())
+        raise ConfigError(f"MultiHeadAttention.to_hf(): the config's layer 0 computes another variant: {listed}.")
     with torch.no_grad():
+        if module.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                getattr(theirs, name).weight.copy_(module._modules[name].weight)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             mine: Any = module._modules[name]
             other = getattr(theirs, name)

@@ -108,3 +108,17 @@ def test_a_qk_norm_other_than_rmsnorm_is_refused_by_its_field() -> None:
         layer.q_norm.weight.uniform_(0.1, 0.5)
     with pytest.raises(ssm.ConfigError, match=r"q_norm='Gemma3RMSNorm'"):
         ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_the_variants_and_refuses_a_config_of_another() -> None:
+    """Qwen3 with QK-norm: from_hf then to_hf gives a layer computing the same; a module without the
+    config's variant is refused naming the option, never written into a layer that computes otherwise."""
+    layer, rotary = _layer("qwen3-qk-norm-gqa", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta)
+    with pytest.raises(ssm.ConfigError, match=r"qk_norm=True \(module: None\)"):
+        plain.to_hf(layer.config)
