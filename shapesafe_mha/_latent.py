@@ -53,7 +53,7 @@ from ._errors import ConfigError, ShapeError
 from ._fastpath import global_hooks, plain_linear
 from ._messages import dtype_name, mismatch
 from ._rotary import RotaryEmbedding, check_rotary_width, default_positions
-from ._stages import explain_mask, positive_count
+from ._stages import check_cache, explain_mask, positive_count
 from ._trace import current_observer
 
 _OWNER = "LatentAttention.forward()"
@@ -240,19 +240,7 @@ def attend_to_new_latent(latent: NewLatent, k_rope: NewRopeKey) -> tuple[Latent,
 
 
 def _precheck_latent_cache(arguments: dict[str, Any]) -> None:
-    cache, latent = arguments["cache"], arguments["latent"]
-    if not isinstance(cache, LatentCache):
-        raise mismatch(
-            f"kv_cache must be a shapesafe_mha.LatentCache, but got {type(cache).__name__}; "
-            "make one with module.new_cache(batch, capacity).",
-            arg="kv_cache",
-        )
-    if isinstance(latent, Tensor) and (cache.dtype != latent.dtype or cache.device != latent.device):
-        raise mismatch(
-            f"kv_cache holds {dtype_name(cache.dtype)} on {cache.device}, but the module computes "
-            f"{dtype_name(latent.dtype)} on {latent.device}; use module.new_cache(batch, capacity).",
-            arg="kv_cache",
-        )
+    check_cache(arguments["cache"], LatentCache, arguments["latent"])
 
 
 @stage(
@@ -414,13 +402,8 @@ def _witness(sizes: tuple[int, ...]) -> Tensor:
 
 
 def _precheck_forward(arguments: dict[str, Any]) -> None:
-    module, query, cache = arguments["self"], arguments["query"], arguments["kv_cache"]
-    if cache is not None and not isinstance(cache, LatentCache):
-        raise mismatch(
-            f"kv_cache must be a shapesafe_mha.LatentCache, but got {type(cache).__name__}; "
-            "make one with module.new_cache(batch, capacity).",
-            arg="kv_cache",
-        )
+    module, query = arguments["self"], arguments["query"]
+    check_cache(arguments["kv_cache"], LatentCache)
     weight = module.kv_a_proj_with_mqa.weight
     if isinstance(query, Tensor) and query.dtype != weight.dtype:
         raise mismatch(

@@ -17,7 +17,7 @@ from ._errors import ConfigError
 from ._fastpath import FusedQKV, fused_qkv, native_fits
 from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from ._rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
-from ._stages import FORWARD_STAGES, check_groups, check_variants, explain_mask, positive_count
+from ._stages import FORWARD_STAGES, check_cache, check_groups, check_variants, explain_mask, positive_count
 from ._trace import current_observer
 from ._weights import AttentionWeights
 
@@ -64,12 +64,7 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
         )
     found = _module_dtype_device(module)
     cache = arguments["kv_cache"]
-    if cache is not None and not isinstance(cache, KVCache):
-        raise mismatch(
-            f"kv_cache must be a shapesafe_mha.KVCache, but got {type(cache).__name__}; "
-            "make one with module.new_cache(batch, capacity).",
-            arg="kv_cache",
-        )
+    check_cache(cache, KVCache)
     if found is None:
         return
     dtype, device = found

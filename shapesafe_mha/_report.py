@@ -84,33 +84,20 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     """
     dtype = DTYPES[config.dtype]
     device = torch.device(config.device)
-    full = MultiHeadAttention(
-        config.d_model,
-        config.num_heads,
-        config.num_kv_heads,
-        d_head=config.d_head,
-        rope_theta=config.rope_theta,
-        qk_norm=config.qk_norm,
-        window=config.window,
-        logit_softcap=config.logit_softcap,
-        device=device,
-        dtype=dtype,
-    ).eval()
-    module, shards = full, []
+    options: dict[str, Any] = {
+        "rope_theta": config.rope_theta,
+        "qk_norm": config.qk_norm,
+        "window": config.window,
+        "logit_softcap": config.logit_softcap,
+        "device": device,
+        "dtype": dtype,
+    }
+    full = MultiHeadAttention(config.d_model, config.num_heads, config.num_kv_heads, d_head=config.d_head, **options)
+    module, shards = full.eval(), []
     if config.tp != 1:
         shards = [plan_heads(full.num_heads, full.num_kv_heads, config.tp, rank) for rank in range(config.tp)]
-        module = MultiHeadAttention(
-            full.d_model,
-            shards[0].local_heads,
-            shards[0].local_kv_heads,
-            d_head=full.d_head,
-            rope_theta=config.rope_theta,
-            qk_norm=config.qk_norm,
-            window=config.window,
-            logit_softcap=config.logit_softcap,
-            device=device,
-            dtype=dtype,
-        ).eval()
+        local = shards[0].local_heads, shards[0].local_kv_heads
+        module = MultiHeadAttention(full.d_model, *local, d_head=full.d_head, **options).eval()
         module.o_proj.register_parameter("bias", None)  # added once, after the all-reduce
     seq = 1 if config.decode is not None else config.seq
     x = torch.randn(config.batch, seq, config.d_model, device=device, dtype=dtype)

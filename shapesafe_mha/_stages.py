@@ -437,21 +437,30 @@ def attend_to_new(k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
     return k, v
 
 
-def _precheck_cache(arguments: dict[str, Any]) -> None:
-    cache, k = arguments["cache"], arguments["k"]
-    if not isinstance(cache, KVCache):
+def check_cache(cache: Any, kind: type, computed: Any = None, fix: str = "") -> None:
+    """Raise unless `cache` is a `kind` (KVCache, LatentCache) holding what the module computes (`computed`'s
+    dtype and device); `fix` adds a way out to the message."""
+    if cache is None:
+        return
+    if not isinstance(cache, kind):
         raise mismatch(
-            f"kv_cache must be a shapesafe_mha.KVCache, but got {type(cache).__name__}; "
+            f"kv_cache must be a shapesafe_mha.{kind.__name__}, but got {type(cache).__name__}; "
             "make one with module.new_cache(batch, capacity).",
             arg="kv_cache",
         )
-    if isinstance(k, Tensor) and (cache.dtype != k.dtype or cache.device != k.device):
+    held = cache.dtype, cache.device
+    if isinstance(computed, Tensor) and held != (computed.dtype, computed.device):
         raise mismatch(
             f"kv_cache holds {dtype_name(cache.dtype)} on {cache.device}, but the module computes "
-            f"{dtype_name(k.dtype)} on {k.device}; use module.new_cache(batch, capacity) or "
-            f"kv_cache.to({k.dtype}, '{k.device}').",
+            f"{dtype_name(computed.dtype)} on {computed.device}; use module.new_cache(batch, capacity){fix}.",
             arg="kv_cache",
         )
+
+
+def _precheck_cache(arguments: dict[str, Any]) -> None:
+    k = arguments["k"]
+    fix = f" or kv_cache.to({k.dtype}, '{k.device}')" if isinstance(k, Tensor) else ""
+    check_cache(arguments["cache"], KVCache, k, fix)
 
 
 @stage(

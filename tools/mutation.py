@@ -109,7 +109,7 @@ MUTANTS: list[Mutant] = [
       "a zero head count accepted", PINS, ERRORS),
     M("_stages.py", "        if isinstance(mask, Tensor) and mask.device != q.device:", "        if False:",
       "masks on another device than the module are not refused", PINS),
-    M("_stages.py", "cache.dtype != k.dtype or cache.device != k.device", "False",
+    M("_stages.py", "held != (computed.dtype, computed.device)", "False",
       "a KV cache of another dtype than the module is not refused", PINS, CACHE),
     # --- the module: composition, verdicts, fast paths, conversions ---
     M("_module.py", "dropout_p = self.dropout if self.training else 0.0", "dropout_p = self.dropout",
