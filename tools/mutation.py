@@ -213,7 +213,7 @@ MUTANTS: list[Mutant] = [
     M("_rotary.py", "    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)", "    scaled = inv_freq",
       "llama3 RoPE scaling ignored", ROPE),
     M("_rotary.py", '    if dims["d_head"] % 2:', "    if False:", "apply_rotary accepts an odd head width", PINS),
-    M("_hf.py", "    if window is not None:\n", "    if False:\n", "from_hf loads a sliding-window layer as full attention", ROPE),
+    M("_hf.py", "    if window is not None:\n", "    if False:\n", "from_hf loads a sliding-window layer as full attention", VARIANTS_HF),
     M("_hf.py", "            if theirs.bias is None:\n                ours.register_parameter", "            if False:\n                ours.register_parameter",
       "from_hf gives Qwen2 an output bias it does not have", ROPE),
     # --- attention variants ---
