@@ -137,6 +137,11 @@ class KVCache:
         return self._start + self._length
 
     @property
+    def seen(self) -> int:
+        """`len(self)`, as a size that may stay symbolic under `torch.export` (`len()` must make it an int)."""
+        return self._start + self._length
+
+    @property
     def kept(self) -> int:
         """Positions the buffers hold now (with a window, the last of those seen)."""
         return self._length

@@ -129,6 +129,11 @@ class LatentCache:
     def __len__(self) -> int:
         return self._length
 
+    @property
+    def seen(self) -> int:
+        """`len(self)`, as a size that may stay symbolic under `torch.export` (`len()` must make it an int)."""
+        return self._length
+
     def __repr__(self) -> str:
         return (
             f"LatentCache(batch={self.batch}, capacity={self.capacity}, kv_lora_rank={self.kv_lora_rank}, "
@@ -675,7 +680,7 @@ class LatentAttention(nn.Module):
             s.compress_kv(m["kv_a_proj_with_mqa"], query), m["kv_a_layernorm"], self.kv_lora_rank
         )
         if positions is None:
-            positions = default_positions(query, 0 if kv_cache is None else len(kv_cache))
+            positions = default_positions(query, 0 if kv_cache is None else kv_cache.seen)
         cos, sin = s.latent_rotary_tables(m["rotary"], positions, q_rope)
         q_rope, k_rope = s.rotate_latent(q_rope, k_rope, cos, sin, self.interleaved)
         if kv_cache is None:

@@ -609,7 +609,7 @@ class MultiHeadAttention(nn.Module):
         rotary = modules.get("rotary")
         if rotary is not None:
             if positions is None:
-                positions = default_positions(query, 0 if kv_cache is None else len(kv_cache))
+                positions = default_positions(query, 0 if kv_cache is None else kv_cache.seen)
             cos, sin = s.rotary_tables(rotary, positions, q)
             q, k = s.apply_rotary(q, k, cos, sin)
         if kv_cache is None:
@@ -617,8 +617,8 @@ class MultiHeadAttention(nn.Module):
         else:
             k, v = s.append_to_cache(kv_cache, kv_cache.keys_buffer, k, v)
             masked = attn_mask is not None or key_padding_mask is not None
-            if masked and kv_cache.window is not None and len(kv_cache) != k.shape[2]:  # positions were dropped
-                attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, len(kv_cache), k.shape[2])
+            if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
+                attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
         scale, softcap = self.scale, self.logit_softcap
         explicit = need_weights or softcap is not None  # the scores computed here, not by SDPA
         mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window)

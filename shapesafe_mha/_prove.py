@@ -204,7 +204,8 @@ def prove(
 
 def _module_sizes(module: nn.Module) -> dict[str, Any]:
     sizes = {}
-    for name in ("d_model", "num_heads", "num_kv_heads", "d_head", "group"):
+    for name in ("d_model", "num_heads", "num_kv_heads", "d_head", "group", "q_lora_rank", "kv_lora_rank", "d_nope",
+                 "d_rope", "d_value"):  # fmt: skip
         value = getattr(module, name, None)
         if isinstance(value, int):
             sizes[name] = sympy.Integer(value)
@@ -230,6 +231,24 @@ class _Decode(nn.Module):
         return self.inner(query, kv_cache=cache, **self.kwargs)
 
 
+class _LatentDecode(nn.Module):
+    """One decoding step of a `LatentAttention` against a latent cache holding `past` positions (symbolic)."""
+
+    def __init__(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.inner, self.kwargs = module, kwargs
+
+    def forward(self, query: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        from ._latent import LatentCache
+
+        cache = LatentCache.__new__(LatentCache)
+        inner: Any = self.inner
+        cache.kv_lora_rank = inner.kv_lora_rank
+        cache.buffer = torch.cat([past, past.new_zeros(past.shape[0], query.shape[1], past.shape[2])], dim=1)
+        cache._length = past.shape[1]  # pyright: ignore[reportAttributeAccessIssue]
+        return self.inner(query, kv_cache=cache, **self.kwargs)
+
+
 def _prove_case(
     module: nn.Module,
     width: int,
@@ -251,19 +270,32 @@ def _prove_case(
         "seq": Dim("seq", min=symbolic["seq"][0], max=symbolic["seq"][1]) if s is None else None,
     }
     names = {"L['query'].size()[0]": "batch", "L['query'].size()[1]": "seq", "L['args'][0][0].size()[0]": "batch"}
-    if decode:
+    latent = hasattr(module, "kv_lora_rank")
+    if decode and latent:
+        query = torch.randn(example_b, 1, width, dtype=dtype, device=device)
+        mla: Any = module
+        entry: int = mla.kv_lora_rank + mla.d_rope
+        target: nn.Module = _LatentDecode(module, {"is_causal": True, **kwargs})
+        args: tuple[Any, ...] = (query, torch.randn(example_b, example_s, entry, dtype=dtype, device=device))
+        batch_only = {0: dims["batch"]} if dims["batch"] else {}
+        past_dims = {i: d for i, d in ((0, dims["batch"]), (1, dims["seq"])) if d is not None}
+        shapes: Any = {"query": batch_only or None, "past": past_dims or None}
+        call_kwargs: dict[str, Any] = {}
+        expected_seq: Any = sympy.Integer(1)
+        names |= {"L['past'].size()[1]": "seq"}
+    elif decode:
         query = torch.randn(example_b, 1, width, dtype=dtype, device=device)
         heads, d_head = getattr(module, "num_kv_heads", 1), getattr(module, "d_head", width)
         past = torch.randn(example_b, heads, example_s, d_head, dtype=dtype, device=device)
-        target: nn.Module = _Decode(module, {"is_causal": True, **kwargs})
-        args: tuple[Any, ...] = (query, past, past)
+        target = _Decode(module, {"is_causal": True, **kwargs})
+        args = (query, past, past)
         batch_only = {0: dims["batch"]} if dims["batch"] else {}
         past_dims = {0: dims["batch"]} if dims["batch"] else {}
         if dims["seq"]:
             past_dims[2] = dims["seq"]
-        shapes: Any = {"query": batch_only or None, "past_keys": past_dims or None, "past_values": past_dims or None}
-        call_kwargs: dict[str, Any] = {}
-        expected_seq: Any = sympy.Integer(1)
+        shapes = {"query": batch_only or None, "past_keys": past_dims or None, "past_values": past_dims or None}
+        call_kwargs = {}
+        expected_seq = sympy.Integer(1)
         names |= {"L['past_keys'].size()[2]": "seq"}
     else:
         target = module

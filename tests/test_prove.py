@@ -37,6 +37,30 @@ def test_rope_is_proven_too() -> None:
     assert "rotary_q" in [name for name, _, _ in proof.stages]
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize(
+    "options",
+    [{"rope_theta": 10000.0}, {"rope_theta": 10000.0, "qk_norm": True, "window": 16, "logit_softcap": 30.0}],
+    ids=["rope", "every-variant"],
+)
+def test_rope_and_the_variants_are_proven_for_prefill_and_decoding(options: dict, decode: bool) -> None:  # type: ignore[type-arg]
+    """The sliding window's mask is built for every size under export, so no guard on seq > window;
+    decoding's positions start at the cache's symbolic length."""
+    proof = ssm.prove(ssm.MultiHeadAttention(64, 8, 2, **options), is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_latent_attention_is_proven_with_its_latent_cache(decode: bool) -> None:
+    mla = ssm.LatentAttention(64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
+    proof = ssm.prove(mla, is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+    stages = {name: (named, shape) for name, named, shape in proof.stages}
+    named, shape = stages["cache_latent" if decode else "latent"]
+    assert named == ("batch kv_seq kv_lora_rank" if decode else "batch seq kv_lora_rank")
+    assert shape.startswith("(s") and shape.endswith(", 16)")
+
+
 def test_a_correct_user_module_is_proven() -> None:
     proof = ssm.prove(UserAttention())
     assert proof.ok, proof.failures

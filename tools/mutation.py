@@ -142,7 +142,7 @@ MUTANTS: list[Mutant] = [
       "            dropout=0.0,\n            device=weight.device,", "from_torch drops the dropout", PINS),
     M("_module.py", '                    proj.register_parameter("bias", None)  # some models', "                    pass  # some models",
       "from_weights keeps a random bias where the weights have none", PINS),
-    M("_module.py", "default_positions(query, 0 if kv_cache is None else len(kv_cache))", "default_positions(query, 0)",
+    M("_module.py", "default_positions(query, 0 if kv_cache is None else kv_cache.seen)", "default_positions(query, 0)",
       "RoPE positions restart at 0 on every decoding step", ROPE),
     M("_module.py", '    if arguments["positions"] is not None and module.rotary is None:', "    if False:",
       "positions silently ignored by a module without RoPE", ROPE),
@@ -219,7 +219,7 @@ MUTANTS: list[Mutant] = [
     # --- attention variants ---
     M("_kernels.py", "allowed & ~ones.tril(kv_seq - seq - window)", "allowed & ~ones.tril(kv_seq - seq - window + 1)",
       "sliding window one key short (sees window - 1 keys)", VARIANTS, VARIANTS_HF),
-    M("_kernels.py", "if window is not None and kv_seq > window:", "if window is not None and kv_seq > window + 1:",
+    M("_kernels.py", "if torch.compiler.is_compiling() or kv_seq > window:", "if torch.compiler.is_compiling() or kv_seq > window + 1:",
       "window thought not to matter when the sequence is one longer than it", VARIANTS),
     M("_cache.py", "kept = min(self.window - 1, self._length)", "kept = min(self.window - 2, self._length)",
       "sliding cache drops a position the window still sees", VARIANTS),
