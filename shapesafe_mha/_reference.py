@@ -5,6 +5,7 @@ weights, project, score, mask, softmax, weight the values; then concatenate and 
 """
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -32,13 +33,25 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
     return exp / torch.where(total == 0, torch.ones_like(total), total)
 
 
-def _rotate_pairs(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """One head's features, pair `(i, i + d_head/2)` turned by the angle `position * theta**(-2i/d_head)`."""
+KVHeads = Literal["grouped", "interleaved"]
+RopeStyle = Literal["half", "interleaved"]
+
+
+def _rotate_pairs(x: Tensor, positions: Tensor, theta: float, style: RopeStyle = "half") -> Tensor:
+    """One head's features, each pair turned by the angle `position * theta**(-2i/d_head)`.
+
+    Pair `i` is features `(i, i + d_head/2)` in the "half" style (Llama, Mistral, Qwen: rotate_half),
+    features `(2i, 2i+1)` in the "interleaved" style (GPT-J, the RoFormer paper).
+    """
     half = x.shape[-1] // 2
     exponents = torch.arange(half, dtype=torch.float32) * 2 / x.shape[-1]
     frequency = 1.0 / theta**exponents
     angle = positions.to(torch.float32)[..., None] * frequency
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    if style == "interleaved":
+        first, second = x[..., 0::2], x[..., 1::2]
+        turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        return turned.flatten(-2)
     first, second = x[..., :half], x[..., half:]
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
@@ -87,10 +100,15 @@ def per_head_attention(
     key_padding_mask: Tensor | None = None,
     rope_theta: float | None = None,
     positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
+    rope_style: RopeStyle = "half",
+    kv_heads: KVHeads = "grouped",
+    scale: float | None = None,
 ) -> Tensor:
     """Multi-head attention computed one head at a time from explicit per-head weight slices.
 
-    For head `h` with KV head `g = h // (num_heads // num_kv_heads)`:
+    For head `h` with KV head `g = h // (num_heads // num_kv_heads)` (or `h % num_kv_heads` with
+    `kv_heads="interleaved"`):
     `head_h = softmax((x W_Q[h]) (k W_K[g])^T / sqrt(d_head) + mask) (v W_V[g])`, then
     `out = concat(head_0, ..., head_{H-1}) W_O^T + b_O`. Masks follow `MultiHeadAttention`:
     bool `attn_mask` True = may attend, float added; `key_padding_mask` True = padding;
@@ -111,10 +129,16 @@ def per_head_attention(
         weights: the layer's weights in `nn.Linear` layout.
         num_heads, num_kv_heads: the head counts (`num_kv_heads` divides `num_heads`).
         attn_mask, is_causal, key_padding_mask: as in `MultiHeadAttention.forward`.
-        rope_theta: rotate each head's queries and keys (default RoPE with this base), pairing
-            feature `i` with `i + d_head/2`; angles in float32, as transformers computes them.
-        positions: `(batch, seq)` positions of the queries (and keys: self-attention); default
-            `0..seq-1`.
+        rope_theta: rotate each head's queries and keys (default RoPE with this base); angles in
+            float32, as transformers computes them.
+        positions: `(batch, seq)` positions of the queries; default `0..seq-1`.
+        key_positions: `(batch, kv_seq)` positions of the keys; default the queries' positions when
+            `kv_seq == seq`, else `0..kv_seq-1`.
+        rope_style: "half" pairs feature `i` with `i + d_head/2` (Llama's rotate_half),
+            "interleaved" pairs `2i` with `2i+1` (GPT-J).
+        kv_heads: which KV head query head `h` reads: "grouped" `h // group` (transformers'
+            repeat_kv, torch's enable_gqa), "interleaved" `h % num_kv_heads` (x-transformers).
+        scale: the score scale; default `1/sqrt(d_head)`.
 
     Returns:
         `(batch, seq, d_model)`.
@@ -123,16 +147,19 @@ def per_head_attention(
     group = num_heads // num_kv_heads
     batch, seq, _ = query.shape
     kv_seq = key.shape[1]
+    where = torch.arange(seq).expand(batch, seq) if positions is None else positions
+    if key_positions is None:
+        key_positions = where if kv_seq == seq else torch.arange(kv_seq).expand(batch, kv_seq)
     heads = []
     for head in range(num_heads):
-        kv_head = head // group
+        kv_head = head % num_kv_heads if kv_heads == "interleaved" else head // group
         q = _linear(query, *_rows(weights.w_q, weights.b_q, head, d_head))
         k = _linear(key, *_rows(weights.w_k, weights.b_k, kv_head, d_head))
         if rope_theta is not None:
-            where = torch.arange(seq).expand(batch, seq) if positions is None else positions
-            q, k = _rotate_pairs(q, where, rope_theta), _rotate_pairs(k, where, rope_theta)
+            q = _rotate_pairs(q, where, rope_theta, rope_style)
+            k = _rotate_pairs(k, key_positions, rope_theta, rope_style)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)
+        scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
         scores = scores + _head_mask(attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores)
         heads.append(_softmax_or_zeros(scores) @ v)
     return _linear(torch.cat(heads, dim=-1), weights.w_o, weights.b_o)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ._module import MultiHeadAttention
 from ._reference import per_head_attention
 from ._stages import merge_heads, scaled_dot_product_attention, split_heads
-from ._strategies import AttentionConfig, Kind, attention_inputs, attention_masks, attention_weights, key_padding_masks
+from ._strategies import AttentionConfig, Kind, attention_inputs, attention_masks, key_padding_masks, projection_weights
 from ._toolkit import _compare, _to, run_property, tolerance
 from ._trace import storage_id
 from ._weights import AttentionWeights
@@ -49,7 +49,7 @@ def _module_fn(x: torch.Tensor, w: AttentionWeights, *, num_heads: int, num_kv_h
 
 def _module_vs_reference(is_causal: bool) -> Property:
     def prop(config: AttentionConfig, data: Any, device: str, dtype: torch.dtype) -> float:
-        weights = data.draw(attention_weights(config, dtype=dtype, device=device))
+        weights = data.draw(projection_weights(config, dtype=dtype, device=device))
         x = data.draw(attention_inputs(config, dtype=dtype, device=device)).query
         return _compare(_module_fn, config, x, weights, is_causal, dtype)
 
@@ -57,7 +57,7 @@ def _module_vs_reference(is_causal: bool) -> Property:
 
 
 def _masks_vs_reference(config: AttentionConfig, data: Any, device: str, dtype: torch.dtype) -> float:
-    weights = data.draw(attention_weights(config, dtype=dtype, device=device))
+    weights = data.draw(projection_weights(config, dtype=dtype, device=device))
     inputs = data.draw(attention_inputs(config, dtype=dtype, device=device))
     mask = data.draw(attention_masks(config, device=device))
     padding = data.draw(key_padding_masks(config, device=device))
@@ -105,7 +105,7 @@ def _split_merge(config: AttentionConfig, data: Any, device: str, dtype: torch.d
 
 
 def _decode_vs_full(config: AttentionConfig, data: Any, device: str, dtype: torch.dtype) -> float:
-    weights = data.draw(attention_weights(config, dtype=dtype, device=device))
+    weights = data.draw(projection_weights(config, dtype=dtype, device=device))
     x = data.draw(attention_inputs(config, dtype=dtype, device=device)).query
     module = MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
     full = module(x, is_causal=True)
