@@ -3,15 +3,16 @@
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 import shapesafe_mha as ssm
 from shapesafe_mha import AttentionWeights
-from shapesafe_mha.testing import check_attention, check_module
+from shapesafe_mha.testing import attention_configs, check_attention, check_module
 
 # --- a plain-torch implementation, with switches for the classic bugs -------------------------------------
 
@@ -169,3 +170,148 @@ def test_check_module_catches_a_module_with_a_bug() -> None:
 def test_float32_uses_a_float32_tolerance() -> None:
     """In float32 the reference is computed in float64 and compared with float32's tolerance."""
     check_attention(attention, dtype=torch.float32, max_examples=20)
+
+
+# --- control over the draws -------------------------------------------------------------------------------
+
+
+def _recording(seen: list[tuple[int, ...]], inner: Callable[..., Tensor] = attention) -> Callable[..., Tensor]:
+    def fn(x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> Tensor:
+        biases = tuple(int(b is not None) for b in (w.b_q, w.b_k, w.b_v, w.b_o))
+        seen.append((x.shape[1], x.shape[2], num_heads, num_kv_heads, w.w_q.shape[0] // num_heads, *biases))
+        return inner(x, w, num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=is_causal)
+
+    return fn
+
+
+def test_configs_and_constraints_bound_every_draw() -> None:
+    """configs= replaces the draws; bias="qkv", max_heads, even_d_head and d_model_is_inner hold in every example."""
+    seen: list[tuple[int, ...]] = []
+    check_attention(_recording(seen), configs=attention_configs(kinds=("gqa",), max_seq=4), max_examples=15)
+    assert seen and all(seq <= 4 and heads > kv_heads > 1 for seq, _, heads, kv_heads, *_ in seen)
+    seen.clear()
+    check_attention(_recording(seen), bias="qkv", max_heads=4, even_d_head=True, d_model_is_inner=True, max_examples=25)
+    assert seen
+    for _, d_model, heads, _, d_head, b_q, b_k, b_v, b_o in seen:
+        assert (b_q, b_k, b_v, b_o) == (1, 1, 1, 0) and heads <= 4 and d_head % 2 == 0 and d_model == heads * d_head
+    with pytest.raises(ValueError, match="either configs= or constraints"):
+        check_attention(attention, configs=attention_configs(), bias=False)
+
+
+# --- tolerances --------------------------------------------------------------------------------------------
+
+
+def _off_by(offset: float) -> Callable[..., Tensor]:
+    def fn(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x, w, **kwargs) + offset
+
+    return fn
+
+
+def test_atol_and_rtol_set_the_tolerance() -> None:
+    """1e-6 off fails float64's default, passes atol=1e-5; rtol scales with the expected values."""
+    with pytest.raises(AssertionError, match=r"tolerance 1e-08"):
+        check_attention(_off_by(1e-3), max_examples=5)
+    check_attention(_off_by(1e-6), atol=1e-5, max_examples=10)
+    with pytest.raises(AssertionError, match=r"tolerance atol=0, rtol=1e-09"):
+        check_attention(_off_by(1e-6), atol=0, rtol=1e-9, max_examples=10)
+
+
+def test_float32_inside_a_float64_check_is_named_not_called_a_bug() -> None:
+    """Softmax in float32, the rest in float64: the report says so, and names no wrong head."""
+
+    def softmax_in_float32(
+        x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool
+    ) -> Tensor:
+        q = ssm.split_heads(F.linear(x, w.w_q, w.b_q), num_heads)
+        k = ssm.split_heads(F.linear(x, w.w_k, w.b_k), num_kv_heads).repeat_interleave(num_heads // num_kv_heads, 1)
+        v = ssm.split_heads(F.linear(x, w.w_v, w.b_v), num_kv_heads).repeat_interleave(num_heads // num_kv_heads, 1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        return F.linear(ssm.merge_heads(probs @ v), w.w_o, w.b_o)
+
+    with pytest.raises(AssertionError, match=r"computes in float32 inside \(softmax\?\)") as caught:
+        check_attention(softmax_in_float32, max_examples=20)
+    assert "wrong heads" not in str(caught.value) and "every head" not in str(caught.value)
+    check_attention(softmax_in_float32, atol=1e-5, max_examples=20)
+
+
+# --- more properties for the user's code -------------------------------------------------------------------
+
+
+def _module_call(x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **extra: Any):
+    module = ssm.MultiHeadAttention.from_weights(
+        w, num_heads=num_heads, num_kv_heads=num_kv_heads, rope_theta=extra.pop("rope_theta", None)
+    )
+    memory = extra.pop("memory", None)
+    return (
+        module(x, memory, memory, is_causal=is_causal, **extra)
+        if memory is not None
+        else module(x, is_causal=is_causal, **extra)
+    )
+
+
+def test_masks_cross_attention_and_rope_pass_correct_code() -> None:
+    """Bool and float masks with key padding, cross-attention, and RoPE the reference applies itself."""
+    check_attention(_module_call, masks=True, max_examples=25)
+    check_attention(_module_call, cross=True, max_examples=25)
+    check_attention(_module_call, rope=True, is_causal=True, max_examples=25)
+
+
+def test_masks_and_rope_catch_what_they_are_for() -> None:
+    """Padding ignored and RoPE pairs interleaved are caught, and named."""
+
+    def ignores_padding(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        kwargs.pop("key_padding_mask")
+        return _module_call(x, w, **kwargs)
+
+    with pytest.raises(AssertionError, match="padding ignored"):
+        check_attention(ignores_padding, masks=True)
+    with pytest.raises(AssertionError, match=r"RoPE rotates pairs \(i, i \+ d_head/2\) where \(2i, 2i\+1\) was meant"):
+        check_attention(_module_call, rope=True, rope_style="interleaved")
+
+
+def test_interleaved_kv_heads_are_a_convention_not_a_bug() -> None:
+    """x-transformers' i % kv_heads fails the default with a hint, and passes kv_heads="interleaved"."""
+
+    def tiled(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x, w, bug="repeat_not_repeat_interleave", **kwargs)
+
+    with pytest.raises(AssertionError, match=r'KV heads tiled.*pass kv_heads="interleaved"'):
+        check_attention(tiled, kinds=("gqa",))
+    check_attention(tiled, kv_heads="interleaved")
+
+
+# --- adapters ----------------------------------------------------------------------------------------------
+
+
+class _Fused(nn.Module):
+    """Attention with one fused qkv nn.Linear, no output bias (the layout of many ViTs)."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.d_head = num_heads, num_kv_heads, d_head
+        self.qkv = nn.Linear(d_model, (num_heads + 2 * num_kv_heads) * d_head, bias=bias)
+        self.proj = nn.Linear(num_heads * d_head, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).split([self.heads * self.d_head, *[self.kv_heads * self.d_head] * 2], dim=-1)
+        q = ssm.split_heads(q, self.heads)
+        out = ssm.scaled_dot_product_attention(q, ssm.split_heads(k, self.kv_heads), ssm.split_heads(v, self.kv_heads))
+        return self.proj(ssm.merge_heads(out))
+
+
+def test_check_module_loads_fused_qkv_conv1d_and_missing_biases() -> None:
+    """A fused qkv nn.Linear, GPT-2's Conv1D c_attn (transposed), and projections without bias (Mistral) load."""
+    check_module(_Fused, max_examples=15)
+    check_module(
+        lambda d, h, hkv, dh, bias: ssm.MultiHeadAttention(d, h, hkv, d_head=dh, bias=False), bias=True, max_examples=10
+    )
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    def gpt2(d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> nn.Module:
+        config = GPT2Config(hidden_size=d_model, num_attention_heads=num_heads, attn_implementation="eager")
+        return GPT2Attention(config, layer_idx=0).eval()
+
+    check_module(gpt2, kinds=("mha",), d_model_is_inner=True, max_examples=10)
