@@ -407,6 +407,37 @@ def _default_forward(module: nn.Module, x: Tensor, is_causal: bool) -> Any:
     return module(x, is_causal=True) if is_causal else module(x)
 
 
+def module_adapter(
+    factory: Callable[..., nn.Module],
+    forward: Callable[[nn.Module, Tensor, bool], Any] = _default_forward,
+    load: Callable[[nn.Module, AttentionWeights], AttentionWeights | None] | None = None,
+) -> tuple[AttentionFn, Callable[[AttentionConfig, AttentionWeights], AttentionWeights]]:
+    """`(fn, prepare)`: a module factory as a `check_attention` function, and the weights it holds once loaded."""
+    from ._adapters import load_weights
+
+    loader = load_weights if load is None else load
+
+    def build(d_model: int, num_heads: int, num_kv_heads: int, d_head: int, has_bias: bool, like: Tensor) -> nn.Module:
+        module = factory(d_model, num_heads, num_kv_heads, d_head, has_bias)
+        return module.to(device=like.device, dtype=like.dtype)
+
+    def prepare(config: AttentionConfig, weights: AttentionWeights) -> AttentionWeights:
+        """The weights the module holds once loaded (a projection without a bias drops the drawn one)."""
+        module = build(config.d_model, config.num_heads, config.num_kv_heads, config.d_head, config.bias, weights.w_q)
+        loaded = loader(module, weights)
+        return weights if loaded is None else loaded
+
+    def fn(x: Tensor, weights: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> Tensor:
+        d_model, d_head = weights.w_q.shape[1], weights.w_q.shape[0] // num_heads
+        has_bias = any(b is not None for b in (weights.b_q, weights.b_k, weights.b_v, weights.b_o))
+        module = build(d_model, num_heads, num_kv_heads, d_head, has_bias, x)
+        loader(module, weights)
+        out = forward(module, x, is_causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    return fn, prepare
+
+
 def check_module(
     factory: Callable[..., nn.Module],
     *,
@@ -444,28 +475,7 @@ def check_module(
         ...     return ssm.MultiHeadAttention(d_model, num_heads, num_kv_heads, d_head=d_head, bias=bias)
         >>> check_module(build, max_examples=10)
     """
-    from ._adapters import load_weights
-
-    loader = load_weights if load is None else load
-
-    def build(d_model: int, num_heads: int, num_kv_heads: int, d_head: int, has_bias: bool, like: Tensor) -> nn.Module:
-        module = factory(d_model, num_heads, num_kv_heads, d_head, has_bias)
-        return module.to(device=like.device, dtype=like.dtype)
-
-    def prepare(config: AttentionConfig, weights: AttentionWeights) -> AttentionWeights:
-        """The weights the module holds once loaded (a projection without a bias drops the drawn one)."""
-        module = build(config.d_model, config.num_heads, config.num_kv_heads, config.d_head, config.bias, weights.w_q)
-        loaded = loader(module, weights)
-        return weights if loaded is None else loaded
-
-    def fn(x: Tensor, weights: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> Tensor:
-        d_model, d_head = weights.w_q.shape[1], weights.w_q.shape[0] // num_heads
-        has_bias = any(b is not None for b in (weights.b_q, weights.b_k, weights.b_v, weights.b_o))
-        module = build(d_model, num_heads, num_kv_heads, d_head, has_bias, x)
-        loader(module, weights)
-        out = forward(module, x, is_causal)
-        return out[0] if isinstance(out, tuple) else out
-
+    fn, prepare = module_adapter(factory, forward, load)
     _check(
         fn, prepare, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
         thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
