@@ -438,10 +438,31 @@ def module_adapter(
     return fn, prepare
 
 
+def decoding(
+    step: Callable[[nn.Module, Tensor, Any], tuple[Tensor, Any]],
+) -> Callable[[nn.Module, Tensor, bool], Tensor]:
+    """A `forward` that decodes: `step(module, chunk, cache) -> (out, cache)` on a prefill, then token by token.
+
+    The prefill is the first half of the sequence (at least one token); `cache` is None at first.
+    """
+
+    def forward(module: nn.Module, x: Tensor, is_causal: bool) -> Tensor:
+        prefill = max(1, x.shape[1] // 2)
+        out, cache = step(module, x[:, :prefill], None)
+        pieces = [out[0] if isinstance(out, tuple) else out]
+        for i in range(prefill, x.shape[1]):
+            out, cache = step(module, x[:, i : i + 1], cache)
+            pieces.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(pieces, dim=1)
+
+    return forward
+
+
 def check_module(
     factory: Callable[..., nn.Module],
     *,
     forward: Callable[[nn.Module, Tensor, bool], Any] = _default_forward,
+    decode_step: Callable[[nn.Module, Tensor, Any], tuple[Tensor, Any]] | None = None,
     load: Callable[[nn.Module, AttentionWeights], AttentionWeights | None] | None = None,
     kinds: Sequence[Kind] = ALL_KINDS,
     is_causal: bool = False,
@@ -468,6 +489,10 @@ def check_module(
     `module(x, is_causal=True)`); a tuple result's first item is the output. The budget and the
     draws are as in `check_attention` (the active hypothesis profile's, unless `max_examples`).
 
+    `decode_step(module, chunk, cache) -> (out, cache)` checks decoding instead: a prefill of half
+    the sequence, then one token at a time (`cache` is None at first, then what the last step
+    returned), concatenated, must equal one causal forward of the reference.
+
     Example:
         >>> import shapesafe_mha as ssm
         >>> from shapesafe_mha.testing import check_module
@@ -475,6 +500,8 @@ def check_module(
         ...     return ssm.MultiHeadAttention(d_model, num_heads, num_kv_heads, d_head=d_head, bias=bias)
         >>> check_module(build, max_examples=10)
     """
+    if decode_step is not None:
+        forward, is_causal = decoding(decode_step), True
     fn, prepare = module_adapter(factory, forward, load)
     _check(
         fn, prepare, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,

@@ -315,3 +315,22 @@ def test_check_module_loads_fused_qkv_conv1d_and_missing_biases() -> None:
         return GPT2Attention(config, layer_idx=0).eval()
 
     check_module(gpt2, kinds=("mha",), d_model_is_inner=True, max_examples=10)
+
+
+def test_check_module_decodes_step_by_step_against_one_causal_forward() -> None:
+    """decode_step: a prefill then token by token through the module's cache == the causal reference."""
+
+    def build(d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> nn.Module:
+        return ssm.MultiHeadAttention(d_model, h, hkv, d_head=d_head, bias=bias)
+
+    def step(module: Any, chunk: Tensor, cache: Any) -> tuple[Tensor, Any]:
+        cache = module.new_cache(chunk.shape[0], 1024) if cache is None else cache
+        return module(chunk, is_causal=True, kv_cache=cache), cache
+
+    check_module(build, decode_step=step, max_examples=20)
+
+    def forgets_the_cache(module: Any, chunk: Tensor, cache: Any) -> tuple[Tensor, Any]:
+        return module(chunk, is_causal=True), None  # each step sees only itself
+
+    with pytest.raises(AssertionError, match=r"is_causal=True"):
+        check_module(build, decode_step=forgets_the_cache)
