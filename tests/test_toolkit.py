@@ -60,6 +60,8 @@ def attention(
     out = probs @ v
     if bug == "merge_without_transpose":
         merged = out.reshape(b, s, -1)
+    elif bug == "merge_d_h":
+        merged = out.permute(0, 2, 3, 1).reshape(b, s, -1)
     else:
         merged = out.transpose(1, 2).reshape(b, s, -1)
     return F.linear(merged, w.w_o, None if bug == "forgot_o_bias" else w.b_o)
@@ -103,8 +105,25 @@ def test_every_planted_bug_is_caught_with_a_readable_report(bug: str) -> None:
         report,
     ), report
     assert "differs from the per-head reference by" in report or "raised" in report or "returned shape" in report
+    assert "tensor(" not in report and "Falsifying" not in report and "_toolkit.py" not in report, report
     if "differs" in report:
         assert re.search(r"query position \d+", report) and ("head" in report), report
+
+
+@pytest.mark.parametrize(
+    ("bug", "named"),
+    [
+        ("repeat_not_repeat_interleave", "KV heads tiled"),
+        ("scale_by_d_model", "scores scaled by 1/sqrt(d_model)"),
+        ("causal_off_by_one", "no query sees its own key"),
+        ("forgot_v_bias", "the v projection's bias not added"),
+        ("merge_d_h", "heads merged in (d_head num_heads) order"),
+    ],
+)
+def test_the_report_names_the_bug_class(bug: str, named: str) -> None:
+    """The wrong output equals the reference with that one mistake made: the report says which."""
+    with pytest.raises(AssertionError, match=re.escape(named)):
+        check_attention(_planted(bug), is_causal=bug == "causal_off_by_one", kinds=("gqa",))
 
 
 def test_a_wrong_head_is_located() -> None:
