@@ -17,8 +17,9 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama import modeling_llama
-from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
 # The unchanged classes, each with its config class.
@@ -53,6 +54,13 @@ def _rotate_half_wrong_sign(_: Callable[..., Any]) -> Callable[..., Any]:
         return torch.cat((x2, -x1), dim=-1)  # the bug: (-x2, x1) was meant
 
     return rotate_half
+
+
+def _positions_restart(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        return original(self, x, position_ids - position_ids[:, :1])  # the bug: every call counts from 0
+
+    return forward
 
 
 def _own_causal_mask(shift: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -172,6 +180,10 @@ BUGS = [
         "padding/mask", "padding ignored"),
     Bug("cache appended twice", CacheAppendedTwice, LlamaConfig, _none, "decoding/cache", None),
     Bug("RoPE applied after the cache update", RopeAfterCache, LlamaConfig, _none, "decoding/cache", None),
+    Bug("rotary positions restart at 0 on every call", LlamaAttention, LlamaConfig,
+        lambda: _patched(LlamaRotaryEmbedding, "forward", _positions_restart), "decoding/cache", None),
+    Bug("Qwen2: rotate_half with the wrong sign", Qwen2Attention, Qwen2Config,
+        lambda: _patched(modeling_qwen2, "rotate_half", _rotate_half_wrong_sign), "RoPE/positions", "wrong way"),
     Bug("GPT-2: scores not scaled", GPT2Attention, GPT2Config,
         lambda: _patched(modeling_gpt2, "eager_attention_forward", _unscaled), "heads", "not scaled"),
 ]  # fmt: skip
