@@ -239,6 +239,10 @@ def run_property(
     except AssertionError as failure:
         clean = AssertionError(str(failure))  # without hypothesis' notes, which dump tensors
         raise clean from failure.__cause__
+    except Exception as error:  # not a failed check: the error as raised, without hypothesis' notes
+        if hasattr(error, "__notes__"):
+            del error.__notes__
+        raise
 
 
 def _configs(
@@ -379,7 +383,14 @@ def _check(
     def check(config: AttentionConfig, data: Any) -> float:
         weights = data.draw(projection_weights(config, dtype=dtype, device=device), label="weights")
         if prepare is not None:
-            weights = prepare(config, weights)
+            try:
+                weights = prepare(config, weights)
+            except Exception as error:
+                first = str(error).splitlines()[0] if str(error) else ""
+                raise AssertionError(
+                    f"building the module or loading the drawn weights raised {type(error).__name__}: {first}\n"
+                    f"  smallest failing config: {_describe(config, is_causal, dtype)}"
+                ) from error
         inputs = data.draw(attention_inputs(config, dtype=dtype, device=device), label="inputs")
         extra: dict[str, Any] = {}
         memory = None

@@ -353,3 +353,31 @@ def test_check_module_decodes_step_by_step_against_one_causal_forward() -> None:
 
     with pytest.raises(AssertionError, match=r"is_causal=True"):
         check_module(build, decode_step=forgets_the_cache)
+
+
+def test_x_transformers_attention_passes_with_its_convention_when_present() -> None:
+    """x-transformers (if installed): i % kv_heads and a float32 softmax; the default check names the convention."""
+    xt = pytest.importorskip("x_transformers.x_transformers")
+
+    def build(d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> nn.Module:
+        return xt.Attention(dim=d_model, dim_head=d_head, heads=h, kv_heads=hkv, project_out=True)
+
+    check_module(build, kv_heads="interleaved", atol=1e-5, max_examples=15)
+    with pytest.raises(AssertionError, match=r'x-transformers\), pass kv_heads="interleaved"'):
+        check_module(build, kinds=("gqa",), atol=1e-5)
+
+
+def test_a_module_the_loader_cannot_read_is_a_clean_failure() -> None:
+    """No output projection under any known name: the loader's error, chained, without hypothesis' tensor dump."""
+
+    class NoOutput(nn.Module):
+        def __init__(self, d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(d_model, h * d_head), nn.Linear(d_model, hkv * d_head)
+            self.v_proj = nn.Linear(d_model, hkv * d_head)
+
+    with pytest.raises(
+        AssertionError, match="loading the drawn weights raised ValueError: load_weights: no o projection"
+    ) as caught:
+        check_module(NoOutput, max_examples=5)
+    assert isinstance(caught.value.__cause__, ValueError) and "tensor(" not in str(caught.value)
