@@ -25,10 +25,21 @@ from transformers.masking_utils import create_causal_mask
 
 from ._adapters import load_weights
 from ._diagnose import Scenario
+from ._errors import ConfigError
 from ._hf import rope_of
 from ._strategies import ALL_KINDS, AttentionConfig, attention_configs, attention_inputs, projection_weights
 from ._toolkit import _to, judge, resolve, run_property
 from ._weights import AttentionWeights
+
+# Config fields that change what attention computes, and the values under which it is the reference's.
+_FIELDS: dict[str, tuple[Any, ...]] = {
+    "attn_logit_softcapping": (None,),
+    "query_pre_attn_scalar": (None,),
+    "attention_multiplier": (None,),  # Granite: a scale of its own
+    "partial_rotary_factor": (None, 1.0),
+    "scale_attn_weights": (True,),  # GPT-2
+    "scale_attn_by_inverse_layer_idx": (False,),
+}
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,34 @@ class _Target:
         self.cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self.takes_position_embeddings = "position_embeddings" in parameters
         self.takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        self._refuse_what_the_reference_does_not_compute()
+
+    def _refuse_what_the_reference_does_not_compute(self) -> None:
+        """QK-norm, softcapping, other scales, non-causal layers: a ConfigError naming the field, not a failed check."""
+        sizes: dict[str, Any] = {"hidden_size": 8, "num_attention_heads": 2, "attn_implementation": self.implementation}
+        if self.has_kv_heads:
+            sizes["num_key_value_heads"] = 1
+        if self.has_head_dim:
+            sizes["head_dim"] = 4
+        if self.has_window:
+            sizes["sliding_window"] = None
+        config = self.config_cls(**sizes)
+        module = self.attention_cls(config, layer_idx=0)
+        # Decided from the config's fields and the layer's structure, never from a computed
+        # attribute such as `scaling`: a wrong one there is a bug to catch, not a variant to refuse.
+        why = next(
+            (f"{norm}={type(getattr(module, norm)).__name__}: QK-norm" for norm in ("q_norm", "k_norm")
+             if getattr(module, norm, None) is not None),
+            None,
+        )  # fmt: skip
+        for field, fine in _FIELDS.items():
+            if why is None and hasattr(config, field) and getattr(config, field) not in fine:
+                why = f"config.{field}={getattr(config, field)!r}"
+        if why is not None:
+            raise ConfigError(
+                f"check_hf_attention(): {self.name}: {why} computes what the per-head reference does not; "
+                "it cannot be checked against it."
+            )
 
     def _accepts(self, **sizes: int) -> bool:
         """Whether the config class accepts these sizes (Llama's wants hidden_size a multiple of the heads)."""
@@ -298,6 +337,8 @@ def check_hf_attention(
         >>> check_hf_attention(LlamaAttention, LlamaConfig, max_examples=5)
 
     Raises:
+        ConfigError: the class computes what the reference does not (QK-norm, logit softcapping, a
+            scale other than 1/sqrt(head_dim), sliding windows, a non-causal layer), named by field.
         AssertionError: the first property that fails, named in brackets on the report's first
             line (`[RoPE/positions] LlamaAttention (eager, float32) differs from the per-head
             reference by 0.83 ...`), with the smallest failing sizes, what the property did, the

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 from transformers.models.gpt2 import modeling_gpt2
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.phi3.modeling_phi3 import Phi3Attention
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
@@ -28,6 +29,7 @@ REAL: list[tuple[type[nn.Module], type]] = [
     (Qwen2Attention, Qwen2Config),
     (MistralAttention, MistralConfig),
     (GPT2Attention, GPT2Config),
+    (Phi3Attention, Phi3Config),  # one fused qkv_proj nn.Linear
 ]
 
 

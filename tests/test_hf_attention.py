@@ -12,7 +12,7 @@ from shapesafe_mha.testing.hf import check_hf_attention
 
 @pytest.mark.parametrize(("attention_cls", "config_cls"), REAL, ids=[cls.__name__ for cls, _ in REAL])
 def test_the_real_classes_pass_as_written(attention_cls: type[nn.Module], config_cls: type) -> None:
-    """Llama, Qwen2 (q/k/v bias, no o bias), Mistral (no bias) and GPT-2 (Conv1D c_attn) pass, eager, float32."""
+    """Llama, Qwen2 (q/k/v bias, no o bias), Mistral (no bias), GPT-2 (Conv1D c_attn), Phi-3 (qkv_proj) pass."""
     check_hf_attention(attention_cls, config_cls)
 
 
@@ -49,3 +49,17 @@ def test_a_planted_bug_is_caught_and_its_property_named(bug: Bug) -> None:
     assert "tensor(" not in report and "_toolkit.py" not in report and "Falsifying" not in report, report
     if bug.named is not None:
         assert "bug class:" in report and bug.named in report, report
+
+
+def test_what_the_reference_does_not_compute_is_refused_by_name() -> None:
+    """QK-norm (Qwen3) and a scale of its own (Granite) are a ConfigError naming the field, not a failed check."""
+    from transformers import GraniteConfig, Qwen3Config
+    from transformers.models.granite.modeling_granite import GraniteAttention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    import shapesafe_mha as ssm
+
+    with pytest.raises(ssm.ConfigError, match=r"Qwen3Attention: q_norm=Qwen3RMSNorm: QK-norm computes what"):
+        check_hf_attention(Qwen3Attention, Qwen3Config)
+    with pytest.raises(ssm.ConfigError, match=r"GraniteAttention: config.attention_multiplier=1.0"):
+        check_hf_attention(GraniteAttention, GraniteConfig)
