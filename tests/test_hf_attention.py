@@ -13,7 +13,7 @@ from shapesafe_mha.testing.hf import check_hf_attention
 @pytest.mark.parametrize(("attention_cls", "config_cls"), REAL, ids=[cls.__name__ for cls, _ in REAL])
 def test_the_real_classes_pass_as_written(attention_cls: type[nn.Module], config_cls: type) -> None:
     """Llama, Qwen2 (q/k/v bias, no o bias), Mistral (no bias), GPT-2 (Conv1D c_attn), Phi-3 (qkv_proj) pass."""
-    check_hf_attention(attention_cls, config_cls)
+    check_hf_attention(attention_cls, config_cls, max_examples=25)
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,7 @@ def test_llama_passes_in_every_implementation_and_dtype(implementation: str, dty
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    check_hf_attention(LlamaAttention, LlamaConfig, attn_implementation=implementation, dtype=dtype)
+    check_hf_attention(LlamaAttention, LlamaConfig, attn_implementation=implementation, dtype=dtype, max_examples=25)
 
 
 def test_float32_rounding_fails_a_strict_float64_tolerance() -> None:
