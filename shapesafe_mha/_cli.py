@@ -192,34 +192,59 @@ def check(
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1 (a device that computes; not meta)")] = "cpu",
     dtype: Annotated[DType, typer.Option()] = DType.float64,
     examples: Annotated[int, typer.Option(min=1, help="examples per property")] = 50,
+    impl: Annotated[
+        str | None,
+        typer.Option("--impl", help="check your function instead: pkg.mod:fn, fn(x, weights, *, num_heads, ...)"),
+    ] = None,
+    module: Annotated[
+        str | None,
+        typer.Option("--module", help="check your module instead: pkg.mod:factory, factory(d_model, num_heads, ...)"),
+    ] = None,
 ) -> None:
-    """Run the built-in property suite on this machine's device and dtype, against the per-head reference."""
+    """Run the built-in property suite, or with --impl/--module the same checks on your code, on a device and dtype."""
     if device == "meta":
         raise typer.BadParameter("--device meta has no values to compare; use cpu or cuda")
+    if impl is not None and module is not None:
+        raise typer.BadParameter("pass --impl or --module, not both")
     _usable(device)
     dtype_name = dtype.value
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from ._suite import PROPERTIES, run_suite
+    from ._suite import PROPERTIES, load_callable, module_properties, run_suite, user_properties
 
+    properties = PROPERTIES
+    try:
+        if impl is not None:
+            properties = user_properties(load_callable(impl))
+        elif module is not None:
+            properties = module_properties(load_callable(module))
+    except ValueError as error:
+        raise typer.BadParameter(f"{'--impl' if impl else '--module'} {error}") from None
     console = Console()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console) as progress:
-        tasks = [progress.add_task(name, total=examples) for name, *_ in PROPERTIES]
+        tasks = [progress.add_task(escape(name), total=examples) for name, *_ in properties]
         outcomes = run_suite(
-            device=device, dtype=DTYPES[dtype_name], examples=examples, on_example=lambda i: progress.advance(tasks[i])
+            device=device,
+            dtype=DTYPES[dtype_name],
+            examples=examples,
+            on_example=lambda i: progress.advance(tasks[i]),
+            properties=properties,
         )
         for task, outcome in zip(tasks, outcomes, strict=True):
             progress.update(task, completed=examples if outcome.passed else outcome.examples)
-    table = Table(title=f"shapesafe_mha properties on {device} ({dtype_name})")
+    whose = f"{impl or module}: " if impl or module else "shapesafe_mha "
+    table = Table(title=escape(f"{whose}properties on {device} ({dtype_name})"))
     for column in ("property", "examples", "result", "worst deviation", "tolerance"):
         table.add_column(column, justify="left" if column in ("property", "result") else "right")
     for outcome in outcomes:
         result = "[green]pass[/green]" if outcome.passed else "[red]FAIL[/red]"
-        table.add_row(outcome.name, str(outcome.examples), result, f"{outcome.worst:.2e}", f"{outcome.tolerance:.0e}")
+        row = (escape(outcome.name), str(outcome.examples), result, f"{outcome.worst:.2e}", f"{outcome.tolerance:.0e}")
+        table.add_row(*row)
     console.print(table)
     failed = [o for o in outcomes if not o.passed]
     for outcome in failed:
-        console.print(f"[red]{outcome.name}[/red]: {outcome.failure}", highlight=False)
+        console.print(f"[red]{escape(outcome.name)}[/red]: {escape(outcome.failure or '')}", highlight=False)
     if failed:
         raise typer.Exit(1)
 

@@ -6,6 +6,7 @@ weights, project, score, mask, softmax, weight the values; then concatenate and 
 
 import math
 from collections.abc import Mapping
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -33,13 +34,25 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
     return exp / torch.where(total == 0, torch.ones_like(total), total)
 
 
-def _rotate_pairs(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """One head's features, pair `(i, i + d_head/2)` turned by the angle `position * theta**(-2i/d_head)`."""
+KVHeads = Literal["grouped", "interleaved"]
+RopeStyle = Literal["half", "interleaved"]
+
+
+def _rotate_pairs(x: Tensor, positions: Tensor, theta: float, style: RopeStyle = "half") -> Tensor:
+    """One head's features, each pair turned by the angle `position * theta**(-2i/d_head)`.
+
+    Pair `i` is features `(i, i + d_head/2)` in the "half" style (Llama, Mistral, Qwen: rotate_half),
+    features `(2i, 2i+1)` in the "interleaved" style (GPT-J, the RoFormer paper).
+    """
     half = x.shape[-1] // 2
     exponents = torch.arange(half, dtype=torch.float32) * 2 / x.shape[-1]
     frequency = 1.0 / theta**exponents
     angle = positions.to(torch.float32)[..., None] * frequency
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    if style == "interleaved":
+        first, second = x[..., 0::2], x[..., 1::2]
+        turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        return turned.flatten(-2)
     first, second = x[..., :half], x[..., half:]
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
@@ -100,6 +113,9 @@ def per_head_attention(
     key_padding_mask: Tensor | None = None,
     rope_theta: float | None = None,
     positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
+    rope_style: RopeStyle = "half",
+    kv_heads: KVHeads = "grouped",
     qk_norm: tuple[Tensor, Tensor] | None = None,
     norm_eps: float = 1e-6,
     window: int | None = None,
@@ -108,7 +124,8 @@ def per_head_attention(
 ) -> Tensor:
     """Multi-head attention computed one head at a time from explicit per-head weight slices.
 
-    For head `h` with KV head `g = h // (num_heads // num_kv_heads)`:
+    For head `h` with KV head `g = h // (num_heads // num_kv_heads)` (or `h % num_kv_heads` with
+    `kv_heads="interleaved"`):
     `head_h = softmax(softcap((x W_Q[h]) (k W_K[g])^T * scale) + mask) (v W_V[g])`, then
     `out = concat(head_0, ..., head_{H-1}) W_O^T + b_O`. Masks follow `MultiHeadAttention`:
     bool `attn_mask` True = may attend, float added; `key_padding_mask` True = padding;
@@ -129,15 +146,20 @@ def per_head_attention(
         weights: the layer's weights in `nn.Linear` layout.
         num_heads, num_kv_heads: the head counts (`num_kv_heads` divides `num_heads`).
         attn_mask, is_causal, key_padding_mask: as in `MultiHeadAttention.forward`.
-        rope_theta: rotate each head's queries and keys (default RoPE with this base), pairing
-            feature `i` with `i + d_head/2`; angles in float32, as transformers computes them.
-        positions: `(batch, seq)` positions of the queries (and keys: self-attention); default
-            `0..seq-1`.
+        rope_theta: rotate each head's queries and keys (default RoPE with this base); angles in
+            float32, as transformers computes them.
+        positions: `(batch, seq)` positions of the queries; default `0..seq-1`.
+        key_positions: `(batch, kv_seq)` positions of the keys; default the queries' positions when
+            `kv_seq == seq`, else `0..kv_seq-1`.
+        rope_style: "half" pairs feature `i` with `i + d_head/2` (Llama's rotate_half),
+            "interleaved" pairs `2i` with `2i+1` (GPT-J).
+        kv_heads: which KV head query head `h` reads: "grouped" `h // group` (transformers'
+            repeat_kv, torch's enable_gqa), "interleaved" `h % num_kv_heads` (x-transformers).
         qk_norm: `(q_weight, k_weight)`, each `(d_head,)`: RMS-normalise every head's query and
             key with these weights (and `norm_eps`) before RoPE.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
-        scale: the scores' scale; default `1 / sqrt(d_head)`.
+        scale: the score scale; default `1/sqrt(d_head)`.
 
     Returns:
         `(batch, seq, d_model)`.
@@ -146,31 +168,24 @@ def per_head_attention(
     group = num_heads // num_kv_heads
     batch, seq, _ = query.shape
     kv_seq = key.shape[1]
+    where = torch.arange(seq).expand(batch, seq) if positions is None else positions
+    if key_positions is None:
+        key_positions = where if kv_seq == seq else torch.arange(kv_seq).expand(batch, kv_seq)
     heads = []
     for head in range(num_heads):
-        kv_head = head // group
+        kv_head = head % num_kv_heads if kv_heads == "interleaved" else head // group
         q = _linear(query, *_rows(weights.w_q, weights.b_q, head, d_head))
         k = _linear(key, *_rows(weights.w_k, weights.b_k, kv_head, d_head))
         if qk_norm is not None:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         if rope_theta is not None:
-            where = torch.arange(seq).expand(batch, seq) if positions is None else positions
-            q, k = _rotate_pairs(q, where, rope_theta), _rotate_pairs(k, where, rope_theta)
+            q = _rotate_pairs(q, where, rope_theta, rope_style)
+            k = _rotate_pairs(k, key_positions, rope_theta, rope_style)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
         scores = _softcap(q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale), logit_softcap)
         scores = scores + _head_mask(attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window)
         heads.append(_softmax_or_zeros(scores) @ v)
     return _linear(torch.cat(heads, dim=-1), weights.w_o, weights.b_o)
-
-
-def _rotate_interleaved(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Features `(2i, 2i+1)` turned by `position * theta**(-2i/d)`, left in place (DeepSeek's layout)."""
-    pairs = x.unflatten(-1, (-1, 2))
-    exponents = torch.arange(pairs.shape[-2], dtype=torch.float32) * 2 / x.shape[-1]
-    angle = positions.to(torch.float32)[..., None] * (1.0 / theta**exponents)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
 
 
 def per_head_latent_attention(
@@ -225,9 +240,7 @@ def per_head_latent_attention(
     where = torch.arange(seq).expand(batch, seq) if positions is None else positions
 
     def rope(x: Tensor) -> Tensor:
-        if interleaved:
-            return _rotate_interleaved(x, where, rope_theta)
-        return _rotate_pairs(x, where, rope_theta)
+        return _rotate_pairs(x, where, rope_theta, "interleaved" if interleaved else "half")
 
     if "q_proj.weight" in p:
         queries = _linear(query, p["q_proj.weight"], p.get("q_proj.bias"))

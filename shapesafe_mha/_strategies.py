@@ -32,6 +32,11 @@ class AttentionConfig:
     d_head: int
     bias: bool
     rope_theta: float | None = None  # rotary position embeddings (d_head is then even)
+    bias_on: str = "qkvo"  # which projections have a bias when `bias` (Qwen2: "qkv")
+
+    def has_bias(self, projection: str) -> bool:
+        """Whether projection `q`, `k`, `v` or `o` has a bias in this config."""
+        return self.bias and projection in self.bias_on
 
     @property
     def group(self) -> int:
@@ -142,10 +147,12 @@ def attention_configs(
     max_seq: int = 512,
     max_batch: int = 3,
     max_d_head: int = 8,
-    bias: bool | None = None,
+    bias: bool | str | None = None,
     cross: bool = True,
     thresholds: Sequence[int] = (),
     rope: bool = False,
+    even_d_head: bool = False,
+    d_model_is_inner: bool = False,
 ) -> AttentionConfig:
     """Draw a valid `AttentionConfig` of one of `kinds`.
 
@@ -154,6 +161,12 @@ def attention_configs(
     the sizes where implementations switch paths (see `sequence_lengths`; pass your own
     `thresholds`). Long sequences come with small heads and widths, so every example stays cheap.
     `rope=True` also draws a `rope_theta` (and an even `d_head`) for rotary position embeddings.
+
+    Constraints that real code has: `bias` is drawn (None), on or off for all four projections
+    (True, False), or on for the projections a string names (`"qkv"`: Qwen2's q/k/v biases and
+    no output bias; `""`: none, as Mistral); `max_heads` bounds `num_heads`; `even_d_head=True`
+    draws only even head widths (RoPE); `d_model_is_inner=True` keeps `d_model == num_heads * d_head`
+    (layers that reshape `d_model` into heads, as GPT-2 and most of transformers).
 
     Example:
         >>> from hypothesis import given, settings
@@ -175,10 +188,21 @@ def attention_configs(
     num_heads, num_kv_heads = _heads(draw, kind, max(4 if kind == "gqa" else 2, max_heads))
     d_head = draw(st.integers(1, max_d_head))
     rope_theta = None
-    if rope:
+    if rope or even_d_head:
         d_head = 2 * max(1, d_head // 2)  # rotary embeddings rotate pairs of features
+    if rope:
         rope_theta = draw(st.sampled_from([10.0, 10000.0, 500000.0]))
-    d_model = draw(st.one_of(st.just(num_heads * d_head), st.integers(1, 4 * max_d_head)))
+    if d_model_is_inner:
+        d_model = num_heads * d_head
+    else:
+        d_model = draw(st.one_of(st.just(num_heads * d_head), st.integers(1, 4 * max_d_head)))
+    if isinstance(bias, str):
+        unknown = set(bias) - set("qkvo")
+        if unknown:
+            raise ValueError(f"bias names the projections with a bias, a subset of 'qkvo'; got {bias!r}")
+        has_bias, bias_on = bool(bias), bias
+    else:
+        has_bias, bias_on = (draw(st.booleans()) if bias is None else bias), "qkvo"
     return AttentionConfig(
         batch=draw(st.integers(1, max_batch)),
         seq=seq,
@@ -187,8 +211,9 @@ def attention_configs(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         d_head=d_head,
-        bias=draw(st.booleans()) if bias is None else bias,
+        bias=has_bias,
         rope_theta=rope_theta,
+        bias_on=bias_on,
     )
 
 
@@ -214,22 +239,26 @@ def attention_inputs(
 
 
 @st.composite
-def attention_weights(
+def projection_weights(
     draw: Any, config: AttentionConfig, *, dtype: torch.dtype = torch.float64, device: Any = None
 ) -> AttentionWeights:
-    """Draw an `AttentionWeights` for `config` (scaled like `nn.Linear`'s initialisation)."""
+    """Draw an `AttentionWeights` for `config` (scaled like `nn.Linear`'s initialisation).
+
+    A projection has a bias where `config.has_bias` says so. (Named so that it does not clash with
+    `shapesafe_mha.attention_weights`, the stage that computes softmax scores.)
+    """
     generator = _generator(draw(st.integers(0, 2**32 - 1)))
     inner, kv_inner = config.num_heads * config.d_head, config.num_kv_heads * config.d_head
 
-    def linear(d_out: int, d_in: int) -> tuple[Tensor, Tensor | None]:
+    def linear(d_out: int, d_in: int, name: str) -> tuple[Tensor, Tensor | None]:
         weight = _randn(generator, d_out, d_in, dtype=dtype, device=device) / d_in**0.5
         bias = _randn(generator, d_out, dtype=dtype, device=device) if config.bias else None
-        return weight, bias
+        return weight, bias if config.has_bias(name) else None
 
-    w_q, b_q = linear(inner, config.d_model)
-    w_k, b_k = linear(kv_inner, config.d_model)
-    w_v, b_v = linear(kv_inner, config.d_model)
-    w_o, b_o = linear(config.d_model, inner)
+    w_q, b_q = linear(inner, config.d_model, "q")
+    w_k, b_k = linear(kv_inner, config.d_model, "k")
+    w_v, b_v = linear(kv_inner, config.d_model, "v")
+    w_o, b_o = linear(config.d_model, inner, "o")
     return AttentionWeights(w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o)
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from ._module import MultiHeadAttention
 from ._reference import per_head_attention
 from ._stages import merge_heads, scaled_dot_product_attention, split_heads
-from ._strategies import AttentionConfig, Kind, attention_inputs, attention_masks, attention_weights, key_padding_masks
-from ._toolkit import _compare, _to, run_property, tolerance
+from ._strategies import AttentionConfig, Kind, attention_inputs, attention_masks, key_padding_masks, projection_weights
+from ._toolkit import AttentionFn, _compare, _to, module_adapter, run_property, tolerance
 from ._trace import storage_id
 from ._weights import AttentionWeights
 
@@ -49,7 +49,7 @@ def _module_fn(x: torch.Tensor, w: AttentionWeights, *, num_heads: int, num_kv_h
 
 def _module_vs_reference(is_causal: bool) -> Property:
     def prop(config: AttentionConfig, data: Any, device: str, dtype: torch.dtype) -> float:
-        weights = data.draw(attention_weights(config, dtype=dtype, device=device))
+        weights = data.draw(projection_weights(config, dtype=dtype, device=device))
         x = data.draw(attention_inputs(config, dtype=dtype, device=device)).query
         return _compare(_module_fn, config, x, weights, is_causal, dtype)
 
@@ -57,7 +57,7 @@ def _module_vs_reference(is_causal: bool) -> Property:
 
 
 def _masks_vs_reference(config: AttentionConfig, data: Any, device: str, dtype: torch.dtype) -> float:
-    weights = data.draw(attention_weights(config, dtype=dtype, device=device))
+    weights = data.draw(projection_weights(config, dtype=dtype, device=device))
     inputs = data.draw(attention_inputs(config, dtype=dtype, device=device))
     mask = data.draw(attention_masks(config, device=device))
     padding = data.draw(key_padding_masks(config, device=device))
@@ -105,7 +105,7 @@ def _split_merge(config: AttentionConfig, data: Any, device: str, dtype: torch.d
 
 
 def _decode_vs_full(config: AttentionConfig, data: Any, device: str, dtype: torch.dtype) -> float:
-    weights = data.draw(attention_weights(config, dtype=dtype, device=device))
+    weights = data.draw(projection_weights(config, dtype=dtype, device=device))
     x = data.draw(attention_inputs(config, dtype=dtype, device=device)).query
     module = MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
     full = module(x, is_causal=True)
@@ -129,16 +129,73 @@ PROPERTIES: list[tuple[str, Property, tuple[Kind, ...], bool]] = [
 ]
 
 
+def load_callable(spec: str) -> Any:
+    """`pkg.mod:name` -> the callable it names; the current directory is searched too, as `python -m` does.
+
+    Raises:
+        ValueError: not `pkg.mod:name`, not importable, or not callable (the message says which).
+    """
+    import importlib
+    import sys
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"must be pkg.mod:name, got {spec!r}")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{spec}: {error}") from None
+    if not callable(found):
+        raise ValueError(f"{spec}: {type(found).__name__} is not callable")
+    return found
+
+
+def user_properties(
+    fn: AttentionFn, prepare: Callable[[AttentionConfig, AttentionWeights], AttentionWeights] | None = None
+) -> list[tuple[str, Property, tuple[Kind, ...], bool]]:
+    """The properties `check --impl`/`--module` runs on the user's code: `check_attention`'s, per kind and causal."""
+
+    def against_reference(is_causal: bool) -> Property:
+        def prop(config: AttentionConfig, data: Any, device: str, dtype: torch.dtype) -> float:
+            weights = data.draw(projection_weights(config, dtype=dtype, device=device))
+            if prepare is not None:
+                weights = prepare(config, weights)
+            x = data.draw(attention_inputs(config, dtype=dtype, device=device)).query
+            return _compare(fn, config, x, weights, is_causal, dtype)
+
+        return prop
+
+    return [
+        ("yours == per-head reference (MHA)", against_reference(False), ("mha",), False),
+        ("yours == per-head reference (GQA)", against_reference(False), ("gqa",), False),
+        ("yours == per-head reference (MQA)", against_reference(False), ("mqa",), False),
+        ("causal: yours == reference", against_reference(True), ("mha", "gqa", "mqa"), False),
+    ]
+
+
+def module_properties(factory: Callable[..., Any]) -> list[tuple[str, Property, tuple[Kind, ...], bool]]:
+    """`user_properties` for a module factory `factory(d_model, num_heads, num_kv_heads, d_head, bias)`."""
+    fn, prepare = module_adapter(factory)
+    return user_properties(fn, prepare)
+
+
 def run_suite(
     *,
     device: str,
     dtype: torch.dtype,
     examples: int,
     on_example: Callable[[int], None] | None = None,
+    properties: list[tuple[str, Property, tuple[Kind, ...], bool]] | None = None,
 ) -> list[Outcome]:
-    """Run every property with `examples` examples; `on_example(index)` is called after each."""
+    """Run every property (default: the built-in suite) with `examples` examples; `on_example(index)` after each.
+
+    A failure keeps its whole report (the first line says what differs; then the config, the bug
+    class, the wrong heads).
+    """
     outcomes = []
-    for index, (name, prop, kinds, cross) in enumerate(PROPERTIES):
+    for index, (name, prop, kinds, cross) in enumerate(PROPERTIES if properties is None else properties):
         outcome = Outcome(name, tolerance=tolerance(dtype))
 
         def seen(deviation: float, outcome: Outcome = outcome, index: int = index) -> None:
@@ -153,6 +210,6 @@ def run_suite(
         try:
             run_property(check, kinds=kinds, max_examples=examples, on_example=seen, cross=cross)
         except AssertionError as error:
-            outcome.failure = str(error).splitlines()[0]
+            outcome.failure = str(error)
         outcomes.append(outcome)
     return outcomes

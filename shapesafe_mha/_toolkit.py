@@ -9,8 +9,18 @@ from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 from torch import Tensor, nn
 
-from ._reference import per_head_attention
-from ._strategies import ALL_KINDS, AttentionConfig, Kind, attention_configs, attention_inputs, attention_weights
+from ._diagnose import FLOAT32_INSIDE, Scenario, Tolerance, describe_matches, locate_heads, name_bug
+from ._reference import KVHeads, RopeStyle
+from ._strategies import (
+    ALL_KINDS,
+    AttentionConfig,
+    Kind,
+    attention_configs,
+    attention_inputs,
+    attention_masks,
+    key_padding_masks,
+    projection_weights,
+)
 from ._weights import AttentionWeights
 
 AttentionFn = Callable[..., Tensor]
@@ -28,13 +38,12 @@ def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCES.get(dtype, 1e-4)
 
 
-def _isolate_head(weights: AttentionWeights, head: int, d_head: int) -> AttentionWeights:
-    """The same weights with W_O reading only `head` (and no output bias): the output is that head's part."""
-    keep = torch.zeros_like(weights.w_o)
-    columns = slice(head * d_head, (head + 1) * d_head)
-    keep[:, columns] = weights.w_o[:, columns]
-    no_bias = None if weights.b_o is None else torch.zeros_like(weights.b_o)
-    return AttentionWeights(weights.w_q, weights.w_k, weights.w_v, keep, weights.b_q, weights.b_k, weights.b_v, no_bias)
+def resolve(dtype: torch.dtype, atol: float | None, rtol: float | None) -> Tolerance:
+    """The tolerance of a check: `atol`/`rtol` where given, else the dtype's absolute tolerance."""
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if value is not None and not (isinstance(value, int | float) and value >= 0):
+            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    return Tolerance(tolerance(dtype) if atol is None else float(atol), 0.0 if rtol is None else float(rtol))
 
 
 def _call(fn: AttentionFn, x: Tensor, weights: AttentionWeights, config: AttentionConfig, is_causal: bool) -> Any:
@@ -42,49 +51,83 @@ def _call(fn: AttentionFn, x: Tensor, weights: AttentionWeights, config: Attenti
 
 
 def _describe(config: AttentionConfig, is_causal: bool, dtype: torch.dtype) -> str:
+    bias = config.bias if config.bias_on == "qkvo" or not config.bias else f"{config.bias_on!r}"
+    cross = f", kv_seq={config.kv_seq}" if config.kv_seq != config.seq else ""
     return (
         f"seq={config.seq}, batch={config.batch}, d_model={config.d_model}, num_heads={config.num_heads}, "
-        f"num_kv_heads={config.num_kv_heads}, d_head={config.d_head}, bias={config.bias}, is_causal={is_causal} "
+        f"num_kv_heads={config.num_kv_heads}, d_head={config.d_head}, bias={bias}, is_causal={is_causal}{cross} "
         f"({config.kind}, group={config.group}, {str(dtype).removeprefix('torch.')})"
     )
 
 
-def _locate(
-    fn: AttentionFn, x: Tensor, weights: AttentionWeights, config: AttentionConfig, is_causal: bool, tol: float
-) -> str:
-    """Which heads are wrong, found by running `fn` with W_O restricted to one head at a time."""
-    wrong = []
-    for head in range(config.num_heads):
-        isolated = _isolate_head(weights, head, config.d_head)
-        try:
-            got = _call(fn, x, isolated, config, is_causal)
-            wide = x.double()
-            expected = per_head_attention(
-                wide,
-                wide,
-                wide,
-                _to(isolated, torch.float64),
-                num_heads=config.num_heads,
-                num_kv_heads=config.num_kv_heads,
-                is_causal=is_causal,
-            )
-            if got.shape != expected.shape or (got.double() - expected.double()).abs().max().item() > tol:
-                wrong.append(head)
-        except Exception:
-            wrong.append(head)
-    if not wrong:
-        return "no single head is wrong on its own: the error is in how heads are combined (merge or W_O)"
-    if len(wrong) == config.num_heads:
-        return f"every head ({config.num_heads}) is wrong"
-    return f"wrong heads: {wrong} of {config.num_heads}"
-
-
 class _ValueMismatchError(AssertionError):
-    """A wrong value; which heads are wrong is found once, on the example hypothesis finally reports."""
+    """A wrong value; the bug class and the wrong heads are found once, on the example hypothesis reports."""
 
-    def __init__(self, report: str, locate: Callable[[], str]) -> None:
+    def __init__(self, report: str, diagnose: Callable[[], str]) -> None:
         super().__init__(report)
-        self.locate = locate
+        self.diagnose = diagnose
+
+
+def _where_worst(excess: Tensor) -> str:
+    if excess.ndim != 3:
+        return ""
+    _, seq, width = excess.shape
+    flat = int(excess.argmax().item())
+    b, position, feature = flat // (seq * width), (flat // width) % seq, flat % width
+    return f"\n  largest deviation at batch {b}, query position {position}, output feature {feature}"
+
+
+def judge(
+    got: Any,
+    scenario: Scenario,
+    tol: Tolerance,
+    dtype: torch.dtype,
+    where: str,
+    *,
+    run: Callable[[AttentionWeights], Tensor] | None = None,
+    rows: Tensor | None = None,
+    lenient_float64: bool = False,
+    what: str = "the implementation",
+) -> float:
+    """Compare `got` with the scenario's reference; return the largest deviation or raise AssertionError.
+
+    `rows` selects the outputs that count (padded queries do not); `run(weights)` re-runs the code
+    with other weights, to find the wrong heads. In float64, a deviation of float32 rounding is
+    reported as such (`lenient_float64`: accepted), not as a wrong formula.
+    """
+    expected = scenario.expected()
+    if rows is not None:
+        expected = expected[rows]
+    if not isinstance(got, Tensor) or got.shape != expected.shape:
+        shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+        raise AssertionError(
+            f"{what} returned shape {shape}, expected {tuple(expected.shape)}\n  smallest failing config: {where}"
+        )
+    got = got.double()
+    if not got.numel():
+        return 0.0
+    deviation = (got - expected).abs()
+    worst = deviation.max().item()
+    excess = tol.excess(got, expected)
+    if excess.max().item() <= 0:
+        return worst
+    float32_inside = dtype == torch.float64 and worst <= FLOAT32_INSIDE  # NaN is not
+    if float32_inside and lenient_float64:
+        return worst
+    report = f"{what} differs from the per-head reference by {worst:.3g} ({tol})"
+    if float32_inside:
+        raise AssertionError(
+            f"{report}: float32 rounding, not a wrong formula: it computes in float32 inside (softmax?); "
+            f"pass atol={FLOAT32_INSIDE:g} to accept that, or check in float32\n  smallest failing config: {where}"
+        )
+
+    def diagnose() -> str:
+        lines = [describe_matches(name_bug(got, scenario, tol, rows))]
+        if run is not None:
+            lines.append(locate_heads(run, scenario, tol, rows))
+        return "".join(f"\n  {line}" for line in lines if line)
+
+    raise _ValueMismatchError(f"{report}\n  smallest failing config: {where}{_where_worst(excess)}", diagnose)
 
 
 def _compare(
@@ -94,11 +137,26 @@ def _compare(
     weights: AttentionWeights,
     is_causal: bool,
     dtype: torch.dtype,
+    *,
+    tol: Tolerance | None = None,
+    kv_heads: KVHeads = "grouped",
+    rope_style: RopeStyle = "half",
+    extra: dict[str, Any] | None = None,
+    memory: Tensor | None = None,
 ) -> float:
-    """Run `fn` and the reference; return the largest deviation or raise a readable AssertionError."""
+    """Run `fn` and the reference; return the largest deviation or raise a readable AssertionError.
+
+    `extra` are the keyword arguments a property adds to the call (`attn_mask`, `key_padding_mask`,
+    `memory`, `rope_theta`, `positions`); the reference gets the same.
+    """
     where = _describe(config, is_causal, dtype)
+    extra = extra or {}
+
+    def run(w: AttentionWeights) -> Any:
+        return fn(x, w, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, is_causal=is_causal, **extra)
+
     try:
-        got = _call(fn, x, weights, config, is_causal)
+        got = run(weights)
     except UnsatisfiedAssumption:
         raise  # hypothesis.assume() in the user's function: skip this example, it is no failure
     except Exception as error:
@@ -106,38 +164,24 @@ def _compare(
             f"the implementation raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
             f"  smallest failing config: {where}"
         ) from error
-    expected = per_head_attention(
-        x.double(),
-        x.double(),
-        x.double(),
+    wide = x.double()
+    source = wide if memory is None else memory.double()
+    scenario = Scenario(
+        wide,
+        source,
+        source,
         _to(weights, torch.float64),
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
+        config.num_heads,
+        config.num_kv_heads,
         is_causal=is_causal,
+        attn_mask=extra.get("attn_mask"),
+        key_padding_mask=extra.get("key_padding_mask"),
+        rope_theta=extra.get("rope_theta"),
+        positions=extra.get("positions"),
+        rope_style=rope_style,
+        kv_heads=kv_heads,
     )
-    if not isinstance(got, Tensor) or got.shape != expected.shape:
-        shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
-        raise AssertionError(
-            f"the implementation returned shape {shape}, expected {tuple(expected.shape)} (batch, seq, d_model)\n"
-            f"  smallest failing config: {where}"
-        )
-    deviation = (got.double() - expected).abs()
-    worst = deviation.max().item() if deviation.numel() else 0.0
-    tol = tolerance(dtype)
-    if not worst <= tol:  # also catches NaN
-        flat = int(torch.nan_to_num(deviation, nan=float("inf")).argmax().item())
-        b, position, feature = (
-            flat // (config.seq * config.d_model),
-            (flat // config.d_model) % config.seq,
-            flat % config.d_model,
-        )
-        raise _ValueMismatchError(
-            f"the implementation differs from the per-head reference by {worst:.3g} (tolerance {tol:g})\n"
-            f"  smallest failing config: {where}\n"
-            f"  largest deviation at batch {b}, query position {position}, output feature {feature}",
-            lambda: _locate(fn, x, weights, config, is_causal, tol),
-        )
-    return worst
+    return judge(got, scenario, resolve(dtype, None, None) if tol is None else tol, dtype, where, run=run)
 
 
 def _to(weights: AttentionWeights, dtype: torch.dtype) -> AttentionWeights:
@@ -158,12 +202,17 @@ def run_property(
     cross: bool = False,
     thresholds: Sequence[int] = (),
     base: settings | None = None,
+    configs: st.SearchStrategy[AttentionConfig] | None = None,
 ) -> None:
     """Run `check(config, data)` on hypothesis-drawn configs; it returns a deviation or raises AssertionError.
 
     `base` (default: the active hypothesis profile) gives the budget unless `max_examples` is set.
+    `configs` replaces the default strategy of configs. The AssertionError raised is the report
+    alone: no hypothesis notes (drawn tensors, the falsifying call), the cause still chained.
     """
     base = settings() if base is None else base
+    if configs is None:
+        configs = attention_configs(kinds, cross=cross, thresholds=thresholds)
 
     @settings(
         base,
@@ -177,7 +226,7 @@ def run_property(
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(config=attention_configs(kinds, cross=cross, thresholds=thresholds), data=st.data())
+    @given(config=configs, data=st.data())
     def prop(config: AttentionConfig, data: Any) -> None:
         deviation = check(config, data)
         if on_example is not None:
@@ -185,8 +234,29 @@ def run_property(
 
     try:
         prop()
-    except _ValueMismatchError as mismatch:  # the final, smallest example: now say which heads are wrong
-        raise AssertionError(f"{mismatch}\n  {mismatch.locate()}") from None
+    except _ValueMismatchError as mismatch:  # the final, smallest example: now name the bug and the heads
+        raise AssertionError(f"{mismatch}{mismatch.diagnose()}") from None
+    except AssertionError as failure:
+        clean = AssertionError(str(failure))  # without hypothesis' notes, which dump tensors
+        raise clean from failure.__cause__
+    except Exception as error:  # not a failed check: the error as raised, without hypothesis' notes
+        if hasattr(error, "__notes__"):
+            del error.__notes__
+        raise
+
+
+def _configs(
+    configs: st.SearchStrategy[AttentionConfig] | None,
+    kinds: Sequence[Kind],
+    thresholds: Sequence[int],
+    constraints: dict[str, Any],
+) -> st.SearchStrategy[AttentionConfig]:
+    if configs is not None:
+        if any(value is not None for value in constraints.values()):
+            raise ValueError("pass either configs= or constraints (bias, max_heads, ...), not both")
+        return configs
+    given_ = {name: value for name, value in constraints.items() if value is not None}
+    return attention_configs(kinds, thresholds=thresholds, **given_)
 
 
 def check_attention(
@@ -199,6 +269,18 @@ def check_attention(
     dtype: torch.dtype = torch.float64,
     thresholds: Sequence[int] = (),
     settings: settings | None = None,
+    configs: st.SearchStrategy[AttentionConfig] | None = None,
+    bias: bool | str | None = None,
+    max_heads: int | None = None,
+    even_d_head: bool | None = None,
+    d_model_is_inner: bool | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    kv_heads: KVHeads = "grouped",
+    masks: bool = False,
+    cross: bool = False,
+    rope: bool = False,
+    rope_style: RopeStyle = "half",
 ) -> None:
     """Property-test an attention implementation against `reference.per_head_attention`.
 
@@ -216,6 +298,23 @@ def check_attention(
     each side of them too. A failure shrinks to the smallest failing length, which the report
     names first ("seq=9" for keys truncated to 8).
 
+    The draws: `configs=` (a strategy of `AttentionConfig`, e.g. `attention_configs(...)` with your
+    own bounds), or constraints passed on to `attention_configs`: `bias` (True, False, or the
+    projections that have one: `"qkv"`), `max_heads`, `even_d_head`, `d_model_is_inner`
+    (`d_model == num_heads * d_head`).
+
+    More properties, each passing more keyword arguments to `fn`: `masks=True` draws a bool or float
+    `attn_mask` (True = may attend, float added) and a `key_padding_mask` (True = padding);
+    `cross=True` draws `memory (batch, kv_seq, d_model)`, the keys' and values' source, with
+    `kv_seq != seq`; `rope=True` passes `rope_theta` and `positions (batch, seq)`, and the reference
+    rotates queries and keys itself (`rope_style="half"`: rotate_half, as Llama; `"interleaved"`:
+    pairs `(2i, 2i+1)`, as GPT-J). `kv_heads="interleaved"` says that query head `i` reads KV head
+    `i % num_kv_heads` (x-transformers) instead of `i // group` (transformers, torch).
+
+    Tolerance: `|got - expected| <= atol + rtol * |expected|`, by default `atol=tolerance(dtype)`,
+    `rtol=0`. A float64 deviation of float32 rounding (under 1e-5) is reported as that ("computes
+    in float32 inside (softmax?)"), not as a bug.
+
     Example:
         >>> import shapesafe_mha as ssm
         >>> from shapesafe_mha.testing import check_attention
@@ -229,36 +328,153 @@ def check_attention(
 
     Raises:
         AssertionError: on a mismatch (or an exception from `fn`, chained), with the smallest
-            failing config, the largest deviation, its batch and query position, and which heads
-            are wrong.
+            failing config, the largest deviation, its batch and query position, the bug class
+            where a variant of the reference matches (KV heads tiled, causal mask shifted, ...),
+            and which heads are wrong.
     """
+    _check(
+        fn, None, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
+        thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
+        even_d_head=even_d_head, d_model_is_inner=d_model_is_inner, atol=atol, rtol=rtol, kv_heads=kv_heads,
+        masks=masks, cross=cross, rope=rope, rope_style=rope_style,
+    )  # fmt: skip
+
+
+def _check(
+    fn: AttentionFn,
+    prepare: Callable[[AttentionConfig, AttentionWeights], AttentionWeights] | None,
+    *,
+    kinds: Sequence[Kind],
+    is_causal: bool,
+    max_examples: int | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype,
+    thresholds: Sequence[int],
+    settings: settings | None,
+    configs: st.SearchStrategy[AttentionConfig] | None,
+    bias: bool | str | None,
+    max_heads: int | None,
+    even_d_head: bool | None,
+    d_model_is_inner: bool | None,
+    atol: float | None,
+    rtol: float | None,
+    kv_heads: KVHeads,
+    masks: bool = False,
+    cross: bool = False,
+    rope: bool = False,
+    rope_style: RopeStyle = "half",
+) -> None:
+    """`check_attention`, with `prepare(config, weights)` turning the drawn weights into those the code holds."""
+    tol = resolve(dtype, atol, rtol)
+    strategy = _configs(
+        configs,
+        kinds,
+        thresholds,
+        {
+            "bias": bias,
+            "max_heads": max_heads,
+            "even_d_head": even_d_head or (True if rope else None),
+            "d_model_is_inner": d_model_is_inner,
+            "cross": cross if configs is None else None,
+            "rope": rope or None,
+        },
+    )
 
     def check(config: AttentionConfig, data: Any) -> float:
-        weights = data.draw(attention_weights(config, dtype=dtype, device=device), label="weights")
-        x = data.draw(attention_inputs(config, dtype=dtype, device=device), label="inputs").query
-        return _compare(fn, config, x, weights, is_causal, dtype)
+        weights = data.draw(projection_weights(config, dtype=dtype, device=device), label="weights")
+        if prepare is not None:
+            try:
+                weights = prepare(config, weights)
+            except Exception as error:
+                first = str(error).splitlines()[0] if str(error) else ""
+                raise AssertionError(
+                    f"building the module or loading the drawn weights raised {type(error).__name__}: {first}\n"
+                    f"  smallest failing config: {_describe(config, is_causal, dtype)}"
+                ) from error
+        inputs = data.draw(attention_inputs(config, dtype=dtype, device=device), label="inputs")
+        extra: dict[str, Any] = {}
+        memory = None
+        if cross:
+            memory = extra["memory"] = inputs.key
+        if masks:
+            mask = data.draw(attention_masks(config, device=device), label="attn_mask")
+            if mask is not None and data.draw(st.booleans(), label="float mask"):
+                mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, -1e4)
+            extra["attn_mask"] = mask
+            extra["key_padding_mask"] = data.draw(key_padding_masks(config, device=device), label="padding")
+        if rope:
+            extra["rope_theta"] = config.rope_theta or 10000.0
+            start = data.draw(st.integers(0, 64), label="first position")
+            extra["positions"] = torch.arange(start, start + config.seq, device=device).expand(config.batch, -1)
+        return _compare(
+            fn, config, inputs.query, weights, is_causal, dtype,
+            tol=tol, kv_heads=kv_heads, rope_style=rope_style, extra=extra, memory=memory,
+        )  # fmt: skip
 
-    run_property(check, kinds=kinds, max_examples=max_examples, thresholds=thresholds, base=settings)
-
-
-def _load(module: nn.Module, weights: AttentionWeights) -> None:
-    with torch.no_grad():
-        for name in ("q", "k", "v", "o"):
-            proj = getattr(module, f"{name}_proj")
-            proj.weight.copy_(getattr(weights, f"w_{name}"))
-            bias = getattr(weights, f"b_{name}")
-            if bias is not None:
-                proj.bias.copy_(bias)
+    run_property(check, kinds=kinds, max_examples=max_examples, base=settings, configs=strategy)
 
 
 def _default_forward(module: nn.Module, x: Tensor, is_causal: bool) -> Any:
     return module(x, is_causal=True) if is_causal else module(x)
 
 
+def module_adapter(
+    factory: Callable[..., nn.Module],
+    forward: Callable[[nn.Module, Tensor, bool], Any] = _default_forward,
+    load: Callable[[nn.Module, AttentionWeights], AttentionWeights | None] | None = None,
+) -> tuple[AttentionFn, Callable[[AttentionConfig, AttentionWeights], AttentionWeights]]:
+    """`(fn, prepare)`: a module factory as a `check_attention` function, and the weights it holds once loaded."""
+    from ._adapters import load_weights
+
+    loader = load_weights if load is None else load
+
+    def build(d_model: int, num_heads: int, num_kv_heads: int, d_head: int, has_bias: bool, like: Tensor) -> nn.Module:
+        module = factory(d_model, num_heads, num_kv_heads, d_head, has_bias)
+        return module.to(device=like.device, dtype=like.dtype)
+
+    def prepare(config: AttentionConfig, weights: AttentionWeights) -> AttentionWeights:
+        """The weights the module holds once loaded (a projection without a bias drops the drawn one)."""
+        module = build(config.d_model, config.num_heads, config.num_kv_heads, config.d_head, config.bias, weights.w_q)
+        loaded = loader(module, weights)
+        return weights if loaded is None else loaded
+
+    def fn(x: Tensor, weights: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> Tensor:
+        d_model, d_head = weights.w_q.shape[1], weights.w_q.shape[0] // num_heads
+        has_bias = any(b is not None for b in (weights.b_q, weights.b_k, weights.b_v, weights.b_o))
+        module = build(d_model, num_heads, num_kv_heads, d_head, has_bias, x)
+        loader(module, weights)
+        out = forward(module, x, is_causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    return fn, prepare
+
+
+def decoding(
+    step: Callable[[nn.Module, Tensor, Any], tuple[Tensor, Any]],
+) -> Callable[[nn.Module, Tensor, bool], Tensor]:
+    """A `forward` that decodes: `step(module, chunk, cache) -> (out, cache)` on a prefill, then token by token.
+
+    The prefill is the first half of the sequence (at least one token); `cache` is None at first.
+    """
+
+    def forward(module: nn.Module, x: Tensor, is_causal: bool) -> Tensor:
+        prefill = max(1, x.shape[1] // 2)
+        out, cache = step(module, x[:, :prefill], None)
+        pieces = [out[0] if isinstance(out, tuple) else out]
+        for i in range(prefill, x.shape[1]):
+            out, cache = step(module, x[:, i : i + 1], cache)
+            pieces.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(pieces, dim=1)
+
+    return forward
+
+
 def check_module(
-    factory: Callable[[int, int, int, int, bool], nn.Module],
+    factory: Callable[..., nn.Module],
     *,
     forward: Callable[[nn.Module, Tensor, bool], Any] = _default_forward,
+    decode_step: Callable[[nn.Module, Tensor, Any], tuple[Tensor, Any]] | None = None,
+    load: Callable[[nn.Module, AttentionWeights], AttentionWeights | None] | None = None,
     kinds: Sequence[Kind] = ALL_KINDS,
     is_causal: bool = False,
     max_examples: int | None = None,
@@ -266,12 +482,27 @@ def check_module(
     dtype: torch.dtype = torch.float64,
     thresholds: Sequence[int] = (),
     settings: settings | None = None,
+    configs: st.SearchStrategy[AttentionConfig] | None = None,
+    bias: bool | str | None = None,
+    max_heads: int | None = None,
+    even_d_head: bool | None = None,
+    d_model_is_inner: bool | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    kv_heads: KVHeads = "grouped",
 ) -> None:
-    """`check_attention` for an `nn.Module` with `q_proj, k_proj, v_proj, o_proj` (nn.Linear) submodules.
+    """`check_attention` for an `nn.Module`: build it, load the drawn weights, call it.
 
     `factory(d_model, num_heads, num_kv_heads, d_head, bias)` builds the module; the drawn weights
-    are copied into its projections; `forward(module, x, is_causal)` calls it (default
-    `module(x)`, or `module(x, is_causal=True)`); a tuple result's first item is the output.
+    are loaded by `load(module, weights)` (default: `shapesafe_mha.testing.load_weights`, which
+    finds q/k/v/o `nn.Linear`s under the usual names, a fused qkv `nn.Linear` or GPT-2's `Conv1D`,
+    any subset of biases); `forward(module, x, is_causal)` calls it (default `module(x)`, or
+    `module(x, is_causal=True)`); a tuple result's first item is the output. The budget and the
+    draws are as in `check_attention` (the active hypothesis profile's, unless `max_examples`).
+
+    `decode_step(module, chunk, cache) -> (out, cache)` checks decoding instead: a prefill of half
+    the sequence, then one token at a time (`cache` is None at first, then what the last step
+    returned), concatenated, must equal one causal forward of the reference.
 
     Example:
         >>> import shapesafe_mha as ssm
@@ -280,21 +511,11 @@ def check_module(
         ...     return ssm.MultiHeadAttention(d_model, num_heads, num_kv_heads, d_head=d_head, bias=bias)
         >>> check_module(build, max_examples=10)
     """
-
-    def fn(x: Tensor, weights: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> Tensor:
-        d_model, d_head = weights.w_q.shape[1], weights.w_q.shape[0] // num_heads
-        module = factory(d_model, num_heads, num_kv_heads, d_head, weights.bias).to(device=x.device, dtype=x.dtype)
-        _load(module, weights)
-        out = forward(module, x, is_causal)
-        return out[0] if isinstance(out, tuple) else out
-
-    check_attention(
-        fn,
-        kinds=kinds,
-        is_causal=is_causal,
-        max_examples=max_examples,
-        device=device,
-        dtype=dtype,
-        thresholds=thresholds,
-        settings=settings,
-    )
+    if decode_step is not None:
+        forward, is_causal = decoding(decode_step), True
+    fn, prepare = module_adapter(factory, forward, load)
+    _check(
+        fn, prepare, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
+        thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
+        even_d_head=even_d_head, d_model_is_inner=d_model_is_inner, atol=atol, rtol=rtol, kv_heads=kv_heads,
+    )  # fmt: skip

@@ -29,6 +29,15 @@ class Allocation:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
+    read: int = 0  # distinct elements of the operator's tensor inputs: less than the output's = replicated
+
+
+def distinct_elements(tensor: torch.Tensor) -> int:
+    """How many memory locations a tensor reads: an `expand`ed axis (stride 0) counts once."""
+    count = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        count *= size if stride else min(size, 1)
+    return count
 
 
 class AllocationRecorder(TorchDispatchMode):
@@ -49,14 +58,20 @@ class AllocationRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {storage_id(t) for t in tensors}
+        read: dict[int, int] = {}  # per input storage, the most any input view of it reads
+        for t in tensors:
+            read[storage_id(t)] = max(read.get(storage_id(t), 0), distinct_elements(t))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:
                 storage = t.untyped_storage()
                 inputs.add(storage_id(t))
                 self._alive.append(storage)
                 self.allocations.append(
-                    Allocation(str(func.overloadpacket.__name__), tuple(t.shape), t.dtype, storage.nbytes())
+                    Allocation(
+                        str(func.overloadpacket.__name__), tuple(t.shape), t.dtype, storage.nbytes(), sum(read.values())
+                    )
                 )
         return out
 

@@ -7,6 +7,19 @@ import torch
 
 from ._trace import Allocation, AllocationRecorder, storage_id
 
+# Operators that move or replicate data without computing: what a K/V expansion is made by.
+COPYING = {
+    "clone", "contiguous", "repeat", "repeat_interleave", "index_select", "index", "_unsafe_index", "gather",
+    "cat", "stack", "expand_copy", "tile", "_to_copy", "copy", "narrow_copy", "unfold_copy", "take",
+}  # fmt: skip
+
+
+def _replicates(allocation: Allocation) -> bool:
+    elements = 1
+    for size in allocation.shape:
+        elements *= size
+    return allocation.op in COPYING and 0 < 2 * allocation.read <= elements
+
 
 def assert_shares_storage(view: torch.Tensor, base: torch.Tensor) -> None:
     """Raise `AssertionError` unless `view` is a view of `base`'s storage (works on `meta` too).
@@ -33,12 +46,15 @@ def assert_no_kv_expansion(
     d_head: int,
     dtype: torch.dtype,
 ) -> list[Allocation]:
-    """Run `fn()` and fail if it allocates anything as large as K or V expanded to `num_heads` heads.
+    """Run `fn()` and fail if it makes K or V expanded to `num_heads` heads: a copy that replicates.
 
     GQA/MQA exist to keep K and V at `num_kv_heads` heads; a `repeat_kv`/`repeat_interleave`
     inside attention silently undoes that. Every operator output whose storage is new is recorded
-    (a `TorchDispatchMode`), so this sees copies made anywhere, in any library. Pick sizes where
-    legitimate tensors are smaller (few queries, `d_head > seq`, a long `kv_seq`).
+    (a `TorchDispatchMode`), so this sees copies made anywhere, in any library. An allocation is an
+    expansion by what it was made from, not by its size alone: an operator that computes nothing
+    (`repeat`, `repeat_interleave`, `expand(...).reshape`, `index_select`, `cat`, ...) whose output
+    is at least as large as K at `num_heads` heads and holds at least twice as many elements as it
+    read. So queries, scores and outputs of the same size (`seq == kv_seq`) are never flagged.
 
     Example:
         >>> import torch, shapesafe_mha as ssm
@@ -54,11 +70,11 @@ def assert_no_kv_expansion(
     limit = batch * num_heads * kv_seq * d_head * torch.empty((), dtype=dtype).element_size()
     with AllocationRecorder() as recorder:
         fn()
-    offenders = [a for a in recorder.allocations if a.nbytes >= limit]
+    offenders = [a for a in recorder.allocations if a.nbytes >= limit and _replicates(a)]
     if offenders:
         listed = "; ".join(f"{a.op} -> {a.shape} {str(a.dtype)[6:]} ({a.nbytes} bytes)" for a in offenders)
         raise AssertionError(
-            f"K or V was expanded to num_heads={num_heads} heads: {len(offenders)} allocation(s) of at least "
-            f"{limit} bytes (batch*num_heads*kv_seq*d_head): {listed}"
+            f"K or V was expanded to num_heads={num_heads} heads: {len(offenders)} copy(ies) of at least "
+            f"{limit} bytes (batch*num_heads*kv_seq*d_head), each replicating what it read: {listed}"
         )
     return recorder.allocations

@@ -74,3 +74,27 @@ def test_the_check_catches_repeat_kv() -> None:
         )
     ours = ssm.scaled_dot_product_attention(q, k, k)
     torch.testing.assert_close(ours, _repeat_kv_attention(q, k, k))
+
+
+@pytest.mark.parametrize("how", ["expand+reshape", "repeat", "repeat_interleave", "cat"])
+def test_an_expansion_is_told_by_what_it_was_made_from(how: str) -> None:
+    """seq == kv_seq: queries and outputs are as large as K at num_heads heads, yet only the replicating copy fails."""
+    attn = ssm.MultiHeadAttention(64, num_heads=8, num_kv_heads=2)
+    x = torch.randn(1, 32, 64)
+    assert_no_kv_expansion(
+        lambda: attn(x, is_causal=True), batch=1, num_heads=8, kv_seq=32, d_head=8, dtype=torch.float32
+    )
+    q, k = torch.randn(1, 8, 32, 16), torch.randn(1, 2, 32, 16)
+    expand = {
+        "expand+reshape": lambda: k[:, :, None].expand(-1, -1, 4, -1, -1).reshape(1, 8, 32, 16),
+        "repeat": lambda: k.repeat(1, 4, 1, 1),
+        "repeat_interleave": lambda: k.repeat_interleave(4, dim=1),
+        "cat": lambda: torch.cat([k] * 4, dim=1),
+    }[how]
+
+    def run() -> torch.Tensor:
+        full = expand()
+        return torch.nn.functional.scaled_dot_product_attention(q, full, full)
+
+    with pytest.raises(AssertionError, match="each replicating what it read"):
+        assert_no_kv_expansion(run, batch=1, num_heads=8, kv_seq=32, d_head=16, dtype=torch.float32)

@@ -33,3 +33,11 @@ def test_performance_benchmark_prints_every_comparison() -> None:
     for name in names:
         assert name in out
     assert "long (1, 1024, 512)" in out
+
+
+def test_toolkit_reports_benchmark_prints_classes_and_bugs() -> None:
+    """`python -m benchmarks.toolkit_reports --quick` prints a row per class and per planted bug (no timing checked)."""
+    command = [sys.executable, "-m", "benchmarks.toolkit_reports", "--quick"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "LlamaAttention" in out and "pass" in out
+    assert "repeat_kv tiles" in out and "yes" in out and "[heads]" in out

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
 from shapesafe_mha._trace import storage_id
-from shapesafe_mha.testing import attention_configs, attention_inputs, attention_weights
+from shapesafe_mha.testing import attention_configs, attention_inputs, projection_weights
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
 
@@ -29,7 +29,7 @@ def chunkings(draw: st.DrawFn, length: int) -> list[int]:
 def test_prefill_then_decoding_equals_one_causal_forward(data: st.DataObject, device: str) -> None:
     """Prefill in chunks, then token by token, through a KVCache == one causal forward (MHA, GQA, MQA)."""
     config = data.draw(attention_configs(cross=False, max_seq=10), label="config")
-    weights = data.draw(attention_weights(config, device=device))
+    weights = data.draw(projection_weights(config, device=device))
     x = data.draw(attention_inputs(config, device=device)).query
     chunks = data.draw(chunkings(config.seq), label="chunks")
     module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
@@ -48,7 +48,7 @@ def test_prefill_then_decoding_equals_one_causal_forward(data: st.DataObject, de
 def test_decoding_with_key_padding_equals_full_forward(data: st.DataObject) -> None:
     """Masks during decoding cover every cached position: padding the prompt's start is respected at each step."""
     config = data.draw(attention_configs(cross=False, max_seq=8), label="config")
-    weights = data.draw(attention_weights(config))
+    weights = data.draw(projection_weights(config))
     x = data.draw(attention_inputs(config)).query
     module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
     pad = data.draw(st.integers(0, config.seq - 1), label="left_padding")

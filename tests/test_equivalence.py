@@ -16,8 +16,8 @@ from shapesafe_mha.testing import (
     attention_configs,
     attention_inputs,
     attention_masks,
-    attention_weights,
     key_padding_masks,
+    projection_weights,
 )
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
@@ -36,7 +36,7 @@ def test_module_equals_per_head_reference(data: st.DataObject, device: str) -> N
     """Module == reference for MHA/GQA/MQA, self/cross, bias or not, masks, key padding, causal."""
     cross = data.draw(st.booleans(), label="cross")
     config = data.draw(attention_configs(cross=cross), label="config")
-    weights = data.draw(attention_weights(config, device=device))
+    weights = data.draw(projection_weights(config, device=device))
     inputs = data.draw(attention_inputs(config, device=device))
     key, value = (inputs.key, inputs.value) if cross else (inputs.query, inputs.query)
     attn_mask = data.draw(attention_masks(config, device=device), label="attn_mask")
@@ -67,7 +67,7 @@ def test_module_equals_per_head_reference(data: st.DataObject, device: str) -> N
 def test_gqa_equals_mha_with_repeated_kv_heads(data: st.DataObject, device: str) -> None:
     """GQA/MQA == MHA whose K/V weights repeat each KV head over its group (repeat_interleave)."""
     config = data.draw(attention_configs(kinds=("gqa", "mqa")), label="config")
-    weights = data.draw(attention_weights(config, device=device))
+    weights = data.draw(projection_weights(config, device=device))
     inputs = data.draw(attention_inputs(config, device=device))
     is_causal = data.draw(st.booleans(), label="is_causal")
     grouped = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
@@ -93,7 +93,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads(data: st.DataObject, device: str)
 def test_mha_is_gqa_with_all_kv_heads_and_mqa_is_gqa_with_one(data: st.DataObject, device: str) -> None:
     """num_kv_heads=None, =num_heads (MHA) and =1 (MQA) are the same code path: the same weights, the same output."""
     config = data.draw(attention_configs(kinds=("mha", "mqa")), label="config")
-    weights = data.draw(attention_weights(config, device=device))
+    weights = data.draw(projection_weights(config, device=device))
     inputs = data.draw(attention_inputs(config, device=device))
     explicit = ssm.MultiHeadAttention.from_weights(
         weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads
@@ -120,7 +120,7 @@ def test_mha_is_gqa_with_all_kv_heads_and_mqa_is_gqa_with_one(data: st.DataObjec
 def test_fused_projection_then_split_equals_per_head_projections(data: st.DataObject, device: str) -> None:
     """One big projection plus a free reshape == num_heads small projections, head by head."""
     config = data.draw(attention_configs(), label="config")
-    weights = data.draw(attention_weights(config, device=device))
+    weights = data.draw(projection_weights(config, device=device))
     x = data.draw(attention_inputs(config, device=device)).query
     for weight, bias, heads in (
         (weights.w_q, weights.b_q, config.num_heads),
@@ -248,7 +248,7 @@ def test_to_torch_round_trips(device: str) -> None:
 def test_rows_with_nothing_to_attend_to_are_zero_without_nan(data: st.DataObject, device: str) -> None:
     """All keys padded or masked: zeros in the output, finite gradients, and the reference agrees."""
     config = data.draw(attention_configs(), label="config")
-    weights = data.draw(attention_weights(config, device=device))
+    weights = data.draw(projection_weights(config, device=device))
     inputs = data.draw(attention_inputs(config, device=device))
     module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
     padding = torch.zeros(config.batch, config.kv_seq, dtype=torch.bool, device=device)

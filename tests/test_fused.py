@@ -9,7 +9,7 @@ from torch import nn
 
 import shapesafe_mha as ssm
 from shapesafe_mha.reference import per_head_attention
-from shapesafe_mha.testing import attention_configs, attention_inputs, attention_weights
+from shapesafe_mha.testing import attention_configs, attention_inputs, projection_weights
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
 
@@ -29,7 +29,7 @@ def _uses_fused_path(module: ssm.MultiHeadAttention, x: torch.Tensor) -> bool:
 def test_fused_inference_equals_reference(data: st.DataObject, device: str) -> None:
     """Under no_grad, self-attention (fused QKV) == the per-head reference, causal or not, with or without cache."""
     config = data.draw(attention_configs(cross=False), label="config")
-    weights = data.draw(attention_weights(config, device=device))
+    weights = data.draw(projection_weights(config, device=device))
     x = data.draw(attention_inputs(config, device=device)).query
     is_causal = data.draw(st.booleans(), label="is_causal")
     module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
@@ -95,7 +95,7 @@ def test_torch_fused_kernel_path_equals_reference(data: st.DataObject, device: s
     """Inference MHA self-attention with biases (up to 128 positions) runs torch's fused MHA kernel; == reference."""
     config = data.draw(attention_configs(kinds=("mha",), cross=False, bias=True, max_seq=128), label="config")
     config = type(config)(**(config.as_dict() | {"d_model": config.num_heads * config.d_head}))
-    weights = data.draw(attention_weights(config, device=device))
+    weights = data.draw(projection_weights(config, device=device))
     x = data.draw(attention_inputs(config, device=device)).query
     module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads).eval()
     calls = []

@@ -15,10 +15,10 @@ from shapesafe_mha.testing import (
     attention_configs,
     attention_inputs,
     attention_masks,
-    attention_weights,
     boundary_sizes,
     check_attention,
     key_padding_masks,
+    projection_weights,
 )
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
@@ -71,7 +71,7 @@ def test_the_module_properties_take_every_execution_path(monkeypatch: pytest.Mon
             config = type(config)(**(config.as_dict() | {"kv_seq": seq}))
         else:
             config = data.draw(attention_configs(cross=False, max_seq=160, thresholds=(_fastpath.NATIVE_MAX_SEQ,)))
-        weights = data.draw(attention_weights(config))
+        weights = data.draw(projection_weights(config))
         x = data.draw(attention_inputs(config)).query
         module = ssm.MultiHeadAttention.from_weights(
             weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads

@@ -14,8 +14,8 @@ from shapesafe_mha.testing import (
     AttentionConfig,  # noqa: F401  (re-exported type, used in annotations)
     attention_configs,
     attention_inputs,
-    attention_weights,
     check_attention,
+    projection_weights,
     tolerance,
 )
 
@@ -81,7 +81,7 @@ def test_causal_rows_before_every_key_are_zeros_on_every_path(data: st.DataObjec
     config = data.draw(attention_configs(max_seq=20), label="config")
     if config.seq <= config.kv_seq:
         config = type(config)(**(config.as_dict() | {"seq": config.kv_seq + 1}))
-    weights = data.draw(attention_weights(config))
+    weights = data.draw(projection_weights(config))
     inputs = data.draw(attention_inputs(config))
     module = ssm.MultiHeadAttention.from_weights(weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
     need_weights = data.draw(st.booleans(), label="need_weights")

@@ -20,6 +20,9 @@ def test_every_public_name_imports() -> None:
     assert callable(reference.per_head_attention)
     for name in testing.__all__:
         assert getattr(testing, name) is not None, name
+    from shapesafe_mha.testing import hf
+
+    assert callable(hf.check_hf_attention)
 
 
 def test_error_hierarchy() -> None:
@@ -32,10 +35,13 @@ def test_error_hierarchy() -> None:
 
 
 def test_testing_namespace_needs_hypothesis_but_not_pytest() -> None:
-    """`import shapesafe_mha.testing` works without pytest being imported (hypothesis is its one extra)."""
-    code = "import sys, shapesafe_mha.testing\nprint('pytest' in sys.modules, 'hypothesis' in sys.modules)"
+    """`import shapesafe_mha.testing` works without pytest or transformers (hypothesis is its one extra)."""
+    code = (
+        "import sys, shapesafe_mha.testing\n"
+        "print('pytest' in sys.modules, 'hypothesis' in sys.modules, 'transformers' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["False", "True"]
+    assert result.stdout.split() == ["False", "True", "False"]
 
 
 def test_import_does_not_pull_hypothesis_pytest_or_the_cli() -> None:

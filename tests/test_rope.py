@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
 from shapesafe_mha.reference import per_head_attention
-from shapesafe_mha.testing import attention_configs, attention_inputs, attention_weights
+from shapesafe_mha.testing import attention_configs, attention_inputs, projection_weights
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
 
@@ -23,7 +23,7 @@ def test_module_with_rope_equals_the_per_head_reference(data: st.DataObject) -> 
     """MHA/GQA/MQA with RoPE == the reference, which rotates each head's pairs itself."""
     config = _rope_config(data)
     theta = config.rope_theta
-    weights = data.draw(attention_weights(config))
+    weights = data.draw(projection_weights(config))
     x = data.draw(attention_inputs(config)).query
     is_causal = data.draw(st.booleans(), label="is_causal")
     module = ssm.MultiHeadAttention.from_weights(

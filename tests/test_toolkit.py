@@ -3,15 +3,16 @@
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 import shapesafe_mha as ssm
 from shapesafe_mha import AttentionWeights
-from shapesafe_mha.testing import check_attention, check_module
+from shapesafe_mha.testing import attention_configs, check_attention, check_module
 
 # --- a plain-torch implementation, with switches for the classic bugs -------------------------------------
 
@@ -59,6 +60,8 @@ def attention(
     out = probs @ v
     if bug == "merge_without_transpose":
         merged = out.reshape(b, s, -1)
+    elif bug == "merge_d_h":
+        merged = out.permute(0, 2, 3, 1).reshape(b, s, -1)
     else:
         merged = out.transpose(1, 2).reshape(b, s, -1)
     return F.linear(merged, w.w_o, None if bug == "forgot_o_bias" else w.b_o)
@@ -102,8 +105,25 @@ def test_every_planted_bug_is_caught_with_a_readable_report(bug: str) -> None:
         report,
     ), report
     assert "differs from the per-head reference by" in report or "raised" in report or "returned shape" in report
+    assert "tensor(" not in report and "Falsifying" not in report and "_toolkit.py" not in report, report
     if "differs" in report:
         assert re.search(r"query position \d+", report) and ("head" in report), report
+
+
+@pytest.mark.parametrize(
+    ("bug", "named"),
+    [
+        ("repeat_not_repeat_interleave", "KV heads tiled"),
+        ("scale_by_d_model", "scores scaled by 1/sqrt(d_model)"),
+        ("causal_off_by_one", "no query sees its own key"),
+        ("forgot_v_bias", "the v projection's bias not added"),
+        ("merge_d_h", "heads merged in (d_head num_heads) order"),
+    ],
+)
+def test_the_report_names_the_bug_class(bug: str, named: str) -> None:
+    """The wrong output equals the reference with that one mistake made: the report says which."""
+    with pytest.raises(AssertionError, match=re.escape(named)):
+        check_attention(_planted(bug), is_causal=bug == "causal_off_by_one", kinds=("gqa",))
 
 
 def test_a_wrong_head_is_located() -> None:
@@ -169,3 +189,195 @@ def test_check_module_catches_a_module_with_a_bug() -> None:
 def test_float32_uses_a_float32_tolerance() -> None:
     """In float32 the reference is computed in float64 and compared with float32's tolerance."""
     check_attention(attention, dtype=torch.float32, max_examples=20)
+
+
+# --- control over the draws -------------------------------------------------------------------------------
+
+
+def _recording(seen: list[tuple[int, ...]], inner: Callable[..., Tensor] = attention) -> Callable[..., Tensor]:
+    def fn(x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> Tensor:
+        biases = tuple(int(b is not None) for b in (w.b_q, w.b_k, w.b_v, w.b_o))
+        seen.append((x.shape[1], x.shape[2], num_heads, num_kv_heads, w.w_q.shape[0] // num_heads, *biases))
+        return inner(x, w, num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=is_causal)
+
+    return fn
+
+
+def test_configs_and_constraints_bound_every_draw() -> None:
+    """configs= replaces the draws; bias="qkv", max_heads, even_d_head and d_model_is_inner hold in every example."""
+    seen: list[tuple[int, ...]] = []
+    check_attention(_recording(seen), configs=attention_configs(kinds=("gqa",), max_seq=4), max_examples=15)
+    assert seen and all(seq <= 4 and heads > kv_heads > 1 for seq, _, heads, kv_heads, *_ in seen)
+    seen.clear()
+    check_attention(_recording(seen), bias="qkv", max_heads=4, even_d_head=True, d_model_is_inner=True, max_examples=25)
+    assert seen
+    for _, d_model, heads, _, d_head, b_q, b_k, b_v, b_o in seen:
+        assert (b_q, b_k, b_v, b_o) == (1, 1, 1, 0) and heads <= 4 and d_head % 2 == 0 and d_model == heads * d_head
+    with pytest.raises(ValueError, match="either configs= or constraints"):
+        check_attention(attention, configs=attention_configs(), bias=False)
+
+
+# --- tolerances --------------------------------------------------------------------------------------------
+
+
+def _off_by(offset: float) -> Callable[..., Tensor]:
+    def fn(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x, w, **kwargs) + offset
+
+    return fn
+
+
+def test_atol_and_rtol_set_the_tolerance() -> None:
+    """1e-6 off fails float64's default, passes atol=1e-5; rtol scales with the expected values."""
+    with pytest.raises(AssertionError, match=r"tolerance 1e-08"):
+        check_attention(_off_by(1e-3), max_examples=5)
+    check_attention(_off_by(1e-6), atol=1e-5, max_examples=10)
+    with pytest.raises(AssertionError, match=r"tolerance atol=0, rtol=1e-09"):
+        check_attention(_off_by(1e-6), atol=0, rtol=1e-9, max_examples=10)
+
+
+def test_float32_inside_a_float64_check_is_named_not_called_a_bug() -> None:
+    """Softmax in float32, the rest in float64: the report says so, and names no wrong head."""
+
+    def softmax_in_float32(
+        x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool
+    ) -> Tensor:
+        q = ssm.split_heads(F.linear(x, w.w_q, w.b_q), num_heads)
+        k = ssm.split_heads(F.linear(x, w.w_k, w.b_k), num_kv_heads).repeat_interleave(num_heads // num_kv_heads, 1)
+        v = ssm.split_heads(F.linear(x, w.w_v, w.b_v), num_kv_heads).repeat_interleave(num_heads // num_kv_heads, 1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        return F.linear(ssm.merge_heads(probs @ v), w.w_o, w.b_o)
+
+    with pytest.raises(AssertionError, match=r"computes in float32 inside \(softmax\?\)") as caught:
+        check_attention(softmax_in_float32, max_examples=20)
+    assert "wrong heads" not in str(caught.value) and "every head" not in str(caught.value)
+    check_attention(softmax_in_float32, atol=1e-5, max_examples=20)
+
+
+# --- more properties for the user's code -------------------------------------------------------------------
+
+
+def _module_call(x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **extra: Any):
+    module = ssm.MultiHeadAttention.from_weights(
+        w, num_heads=num_heads, num_kv_heads=num_kv_heads, rope_theta=extra.pop("rope_theta", None)
+    )
+    memory = extra.pop("memory", None)
+    return (
+        module(x, memory, memory, is_causal=is_causal, **extra)
+        if memory is not None
+        else module(x, is_causal=is_causal, **extra)
+    )
+
+
+def test_masks_cross_attention_and_rope_pass_correct_code() -> None:
+    """Bool and float masks with key padding, cross-attention, and RoPE the reference applies itself."""
+    check_attention(_module_call, masks=True, max_examples=15)
+    check_attention(_module_call, cross=True, max_examples=15)
+    check_attention(_module_call, rope=True, is_causal=True, max_examples=15)
+
+
+def test_masks_and_rope_catch_what_they_are_for() -> None:
+    """Padding ignored and RoPE pairs interleaved are caught, and named."""
+
+    def ignores_padding(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        kwargs.pop("key_padding_mask")
+        return _module_call(x, w, **kwargs)
+
+    with pytest.raises(AssertionError, match="padding ignored"):
+        check_attention(ignores_padding, masks=True)
+    with pytest.raises(AssertionError, match=r"RoPE rotates pairs \(i, i \+ d_head/2\) where \(2i, 2i\+1\) was meant"):
+        check_attention(_module_call, rope=True, rope_style="interleaved")
+
+
+def test_interleaved_kv_heads_are_a_convention_not_a_bug() -> None:
+    """x-transformers' i % kv_heads fails the default with a hint, and passes kv_heads="interleaved"."""
+
+    def tiled(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x, w, bug="repeat_not_repeat_interleave", **kwargs)
+
+    with pytest.raises(AssertionError, match=r'KV heads tiled.*pass kv_heads="interleaved"'):
+        check_attention(tiled, kinds=("gqa",))
+    check_attention(tiled, kv_heads="interleaved", max_examples=20)
+
+
+# --- adapters ----------------------------------------------------------------------------------------------
+
+
+class _Fused(nn.Module):
+    """Attention with one fused qkv nn.Linear, no output bias (the layout of many ViTs)."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.d_head = num_heads, num_kv_heads, d_head
+        self.qkv = nn.Linear(d_model, (num_heads + 2 * num_kv_heads) * d_head, bias=bias)
+        self.proj = nn.Linear(num_heads * d_head, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).split([self.heads * self.d_head, *[self.kv_heads * self.d_head] * 2], dim=-1)
+        q = ssm.split_heads(q, self.heads)
+        out = ssm.scaled_dot_product_attention(q, ssm.split_heads(k, self.kv_heads), ssm.split_heads(v, self.kv_heads))
+        return self.proj(ssm.merge_heads(out))
+
+
+def test_check_module_loads_fused_qkv_conv1d_and_missing_biases() -> None:
+    """A fused qkv nn.Linear, GPT-2's Conv1D c_attn (transposed), and projections without bias (Mistral) load."""
+    check_module(_Fused, max_examples=10)
+    check_module(
+        lambda d, h, hkv, dh, bias: ssm.MultiHeadAttention(d, h, hkv, d_head=dh, bias=False), bias=True, max_examples=10
+    )
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    def gpt2(d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> nn.Module:
+        config = GPT2Config(hidden_size=d_model, num_attention_heads=num_heads, attn_implementation="eager")
+        return GPT2Attention(config, layer_idx=0).eval()
+
+    check_module(gpt2, kinds=("mha",), d_model_is_inner=True, max_examples=10)
+
+
+def test_check_module_decodes_step_by_step_against_one_causal_forward() -> None:
+    """decode_step: a prefill then token by token through the module's cache == the causal reference."""
+
+    def build(d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> nn.Module:
+        return ssm.MultiHeadAttention(d_model, h, hkv, d_head=d_head, bias=bias)
+
+    def step(module: Any, chunk: Tensor, cache: Any) -> tuple[Tensor, Any]:
+        cache = module.new_cache(chunk.shape[0], 1024) if cache is None else cache
+        return module(chunk, is_causal=True, kv_cache=cache), cache
+
+    check_module(build, decode_step=step, max_examples=10)
+
+    def forgets_the_cache(module: Any, chunk: Tensor, cache: Any) -> tuple[Tensor, Any]:
+        return module(chunk, is_causal=True), None  # each step sees only itself
+
+    with pytest.raises(AssertionError, match=r"is_causal=True"):
+        check_module(build, decode_step=forgets_the_cache)
+
+
+def test_x_transformers_attention_passes_with_its_convention_when_present() -> None:
+    """x-transformers (if installed): i % kv_heads and a float32 softmax; the default check names the convention."""
+    xt = pytest.importorskip("x_transformers.x_transformers")
+
+    def build(d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> nn.Module:
+        return xt.Attention(dim=d_model, dim_head=d_head, heads=h, kv_heads=hkv, project_out=True)
+
+    check_module(build, kv_heads="interleaved", atol=1e-5, max_examples=15)
+    with pytest.raises(AssertionError, match=r'x-transformers\), pass kv_heads="interleaved"'):
+        check_module(build, kinds=("gqa",), atol=1e-5)
+
+
+def test_a_module_the_loader_cannot_read_is_a_clean_failure() -> None:
+    """No output projection under any known name: the loader's error, chained, without hypothesis' tensor dump."""
+
+    class NoOutput(nn.Module):
+        def __init__(self, d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(d_model, h * d_head), nn.Linear(d_model, hkv * d_head)
+            self.v_proj = nn.Linear(d_model, hkv * d_head)
+
+    with pytest.raises(
+        AssertionError, match="loading the drawn weights raised ValueError: load_weights: no o projection"
+    ) as caught:
+        check_module(NoOutput, max_examples=5)
+    assert isinstance(caught.value.__cause__, ValueError) and "tensor(" not in str(caught.value)

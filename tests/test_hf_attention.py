@@ -1,0 +1,65 @@
+"""check_hf_attention passes the real transformers classes as written and names the property a planted bug breaks."""
+
+import re
+
+import pytest
+import torch
+from hf_bugs import BUGS, REAL, Bug
+from torch import nn
+
+from shapesafe_mha.testing.hf import check_hf_attention
+
+
+@pytest.mark.parametrize(("attention_cls", "config_cls"), REAL, ids=[cls.__name__ for cls, _ in REAL])
+def test_the_real_classes_pass_as_written(attention_cls: type[nn.Module], config_cls: type) -> None:
+    """Llama, Qwen2 (q/k/v bias, no o bias), Mistral (no bias), GPT-2 (Conv1D c_attn), Phi-3 (qkv_proj) pass."""
+    check_hf_attention(attention_cls, config_cls, max_examples=25)
+
+
+@pytest.mark.parametrize(
+    ("implementation", "dtype"),
+    [("sdpa", torch.float32), ("eager", torch.float64), ("sdpa", torch.float64)],
+)
+def test_llama_passes_in_every_implementation_and_dtype(implementation: str, dtype: torch.dtype) -> None:
+    """Eager Llama takes its softmax in float32: in float64 that rounding is accepted, not called a bug."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    check_hf_attention(LlamaAttention, LlamaConfig, attn_implementation=implementation, dtype=dtype, max_examples=25)
+
+
+def test_float32_rounding_fails_a_strict_float64_tolerance() -> None:
+    """With an explicit atol the float32 softmax of eager Llama is a deviation (what the default forgives)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    with pytest.raises(AssertionError, match=r"differs from the per-head reference by \S+ \(tolerance 1e-12\)"):
+        check_hf_attention(LlamaAttention, LlamaConfig, dtype=torch.float64, atol=1e-12, max_examples=20)
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=[bug.name for bug in BUGS])
+def test_a_planted_bug_is_caught_and_its_property_named(bug: Bug) -> None:
+    """The report's first line names the property that broke; where a variant of the reference matches, its class."""
+    with pytest.raises(AssertionError) as caught, bug.patch():
+        check_hf_attention(bug.attention_cls, bug.config_cls)
+    report = str(caught.value)
+    first = report.splitlines()[0]
+    assert first.startswith(f"[{bug.prop}] {bug.attention_cls.__name__} (eager, float32)"), report
+    assert re.search(r"smallest failing config: seq=\d+, batch=\d+, hidden_size=\d+, num_heads=\d+", report), report
+    assert "tensor(" not in report and "_toolkit.py" not in report and "Falsifying" not in report, report
+    if bug.named is not None:
+        assert "bug class:" in report and bug.named in report, report
+
+
+def test_what_the_reference_does_not_compute_is_refused_by_name() -> None:
+    """QK-norm (Qwen3) and a scale of its own (Granite) are a ConfigError naming the field, not a failed check."""
+    from transformers import GraniteConfig, Qwen3Config
+    from transformers.models.granite.modeling_granite import GraniteAttention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    import shapesafe_mha as ssm
+
+    with pytest.raises(ssm.ConfigError, match=r"Qwen3Attention: q_norm=Qwen3RMSNorm: QK-norm computes what"):
+        check_hf_attention(Qwen3Attention, Qwen3Config)
+    with pytest.raises(ssm.ConfigError, match=r"GraniteAttention: config.attention_multiplier=1.0"):
+        check_hf_attention(GraniteAttention, GraniteConfig)
