@@ -4,21 +4,25 @@
     python -m tools.mutation            # every mutant; prints the score, the survivors, the stale ones
     python -m tools.mutation --check    # only verify that every mutant still applies (fast)
     python -m tools.mutation -k cache   # the mutants whose file or description contains "cache"
+    python -m tools.mutation --jobs 1   # one at a time (default: as many at once as there are cores)
 
 Each mutant is an exact edit of one file with a one-line description of the bug it stands for, and
-the tests that should catch it. The runner copies the tracked tree to a temporary folder, applies one
-mutant there, runs those tests (the whole suite if none are named), restores the file, and goes on:
-the working tree is never touched. A mutant whose original text is gone (or not unique) is reported
+the tests that should catch it. The runner copies the tracked tree to a temporary folder (one copy per
+worker), applies one mutant there, runs those tests (the whole suite if none are named), restores the
+file, and goes on: the working tree is never touched. A mutant whose original text is gone (or not unique) is reported
 as stale, never skipped in silence. Equivalent mutants (no observable difference) carry the reason
 and do not count. Exit status 1 if the score is under 95% or any mutant is stale.
 """
 
 import argparse
+import concurrent.futures
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,11 +285,32 @@ def _stale(mutant: Mutant, tree: Path) -> str | None:
     return None if count == 1 else f"found {count} times"
 
 
+def _kill(mutant: Mutant, tree: Path, timeout: int, jobs: int) -> bool:
+    """Apply `mutant` to `tree`, run its tests there, restore the file: whether the tests failed."""
+    env = os.environ | {"PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "ci", "PYTHONDONTWRITEBYTECODE": "1"}
+    if jobs > 1:
+        env |= {"OMP_NUM_THREADS": "1"}  # the workers share the cores: one thread each, no oversubscription
+    target = tree / mutant.path
+    original = target.read_text()
+    target.write_text(original.replace(mutant.old, mutant.new))
+    try:
+        tests = list(mutant.tests) or ["tests"]
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        try:
+            run = subprocess.run(command, cwd=tree, env=env, capture_output=True, timeout=timeout)
+            return run.returncode not in (0, 5)
+        except subprocess.TimeoutExpired:
+            return True  # a hang is a failure the suite reports
+    finally:
+        target.write_text(original)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only check that every mutant applies")
     parser.add_argument("-k", default="", help="only mutants whose file or description contains this")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per mutant's tests")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once (default: cores)")
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if args.k in m.path or args.k in m.bug]
     stale = [(m, why) for m in chosen if (why := _stale(m, ROOT))]
@@ -297,30 +322,33 @@ def main() -> None:
     live = [m for m in chosen if m.equivalent is None and not _stale(m, ROOT)]
     survivors: list[Mutant] = []
     started = time.perf_counter()
+    jobs = max(1, min(args.jobs, len(live)))
     with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp)
-        _tracked_copy(tree)
-        env = os.environ | {"PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "ci", "PYTHONDONTWRITEBYTECODE": "1"}
-        for index, mutant in enumerate(live, 1):
-            target = tree / mutant.path
-            original = target.read_text()
-            target.write_text(original.replace(mutant.old, mutant.new))
+        # One copy of the tree per worker: a mutant is applied to its worker's copy, never to another's.
+        trees: queue.Queue[Path] = queue.Queue()
+        for worker in range(jobs):
+            tree = Path(tmp) / str(worker)
+            _tracked_copy(tree)
+            trees.put(tree)
+        done = iter(range(1, len(live) + 1))
+        lock = threading.Lock()
+
+        def run(mutant: Mutant) -> None:
+            tree = trees.get()
             try:
-                tests = list(mutant.tests) or ["tests"]
-                command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
-                try:
-                    run = subprocess.run(command, cwd=tree, env=env, capture_output=True, timeout=args.timeout)
-                    killed = run.returncode not in (0, 5)
-                except subprocess.TimeoutExpired:
-                    killed = True  # a hang is a failure the suite reports
+                killed = _kill(mutant, tree, args.timeout, jobs)
             finally:
-                target.write_text(original)
-            print(
-                f"[{index:2}/{len(live)}] {'killed  ' if killed else 'SURVIVED'} {mutant.path}: {mutant.bug}",
-                flush=True,
-            )
-            if not killed:
-                survivors.append(mutant)
+                trees.put(tree)
+            with lock:
+                print(
+                    f"[{next(done):2}/{len(live)}] {'killed  ' if killed else 'SURVIVED'} {mutant.path}: {mutant.bug}",
+                    flush=True,
+                )
+                if not killed:
+                    survivors.append(mutant)
+
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(run, live))
     killed_count = len(live) - len(survivors)
     score = killed_count / len(live) if live else 1.0
     minutes = (time.perf_counter() - started) / 60
