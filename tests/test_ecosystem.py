@@ -4,7 +4,6 @@ plain, and traces, exports, shares and trains like any well-made nn.Module."""
 import copy
 import datetime
 import io
-import os
 import pickle
 import tempfile
 import warnings
@@ -198,9 +197,11 @@ def test_a_kv_cache_under_autograd_gives_the_outputs_and_gradients_of_one_causal
     assert len(cache) == 0
 
 
-def _ddp_rank(rank: int, world: int, path: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def _ddp_rank(rank: int, world: int, path: str, store: str) -> None:
+    torch.set_num_threads(1)
+    # A file store, not a TCP port: nothing to collide with other runs on the machine.
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
     try:
         module = _module()
         ddp = nn.parallel.DistributedDataParallel(module)
@@ -211,15 +212,16 @@ def _ddp_rank(rank: int, world: int, path: str, port: int) -> None:
         ddp(shard, is_causal=True).square().mean().backward()
         if rank == 0:
             torch.save({n: p.grad for n, p in module.named_parameters()}, path)
+        dist.barrier()  # neither rank tears gloo down while the other still uses it (that aborts the process)
+        del ddp
     finally:
         dist.destroy_process_group()
 
 
 def test_distributed_data_parallel_over_gloo_gives_the_gradients_of_one_process() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "grads.pt")
-        port = 29500 + os.getpid() % 1000
-        mp.start_processes(_ddp_rank, args=(2, path, port), nprocs=2, join=True, start_method="spawn")
+        path, store = str(Path(tmp) / "grads.pt"), str(Path(tmp) / "store")
+        mp.start_processes(_ddp_rank, args=(2, path, store), nprocs=2, join=True, start_method="spawn")
         got = torch.load(path)
     module = _module()
     torch.manual_seed(1)
