@@ -44,7 +44,10 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     if window is None and not hasattr(attention, "sliding_window"):  # Mistral: the config's window applies
         window = getattr(config, "sliding_window", None)
     if window is not None:
-        options["window"] = int(window)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            field = "sliding_window"
+            raise _refuse(field, window, "a sliding window must be a positive number of keys (None: no window)")
+        options["window"] = window
     norms = [getattr(attention, norm, None) for norm in ("q_norm", "k_norm")]
     if any(norm is not None for norm in norms):
         options["qk_norm"] = True

@@ -53,7 +53,7 @@ from ._errors import ConfigError, ShapeError
 from ._fastpath import global_hooks, plain_linear
 from ._messages import dtype_name, mismatch
 from ._rotary import RotaryEmbedding, check_rotary_width, default_positions
-from ._stages import check_cache, explain_mask, positive_count
+from ._stages import check_cache, check_variants, explain_mask, positive_count
 from ._trace import current_observer
 
 _OWNER = "LatentAttention.forward()"
@@ -176,6 +176,11 @@ class LatentCache:
             self.buffer[:, start:end, self.kv_lora_rank :] = k_rope[:, 0]
         self._length = end
         return self.latent(), self.rope_keys()
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "LatentCache":
+        """Move the buffer (and what it holds) to `dtype` and/or `device`, in place; return the cache."""
+        self.buffer = self.buffer.to(device=device, dtype=dtype)
+        return self
 
     def state(self) -> tuple[Tensor, int]:
         return self.buffer, self._length
@@ -407,8 +412,16 @@ def _witness(sizes: tuple[int, ...]) -> Tensor:
 
 
 def _precheck_forward(arguments: dict[str, Any]) -> None:
-    module, query = arguments["self"], arguments["query"]
-    check_cache(arguments["kv_cache"], LatentCache)
+    module, query, cache = arguments["self"], arguments["query"], arguments["kv_cache"]
+    check_cache(cache, LatentCache)
+    if cache is not None and cache.kv_lora_rank != module.kv_lora_rank:
+        raise mismatch(
+            f"kv_cache holds kv_lora_rank={cache.kv_lora_rank} and d_rope={cache.d_rope} per position, but the module "
+            f"(kv_lora_rank={module.kv_lora_rank}, d_rope={module.d_rope}) needs those; make it with "
+            "module.new_cache(batch, capacity).",
+            arg="kv_cache",
+            dim="kv_lora_rank",
+        )
     weight = module.kv_a_proj_with_mqa.weight
     if isinstance(query, Tensor) and query.dtype != weight.dtype:
         raise mismatch(
@@ -481,6 +494,7 @@ class LatentAttention(nn.Module):
         check_rotary_width(d_rope, owner.removesuffix(": "), "d_rope")
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{owner}dropout must be a number in [0, 1), but got {dropout!r}.")
+        check_variants(owner, None, None, None, norm_eps)
         self.d_model, self.num_heads, self.q_lora_rank, self.kv_lora_rank = (
             d_model,
             num_heads,

@@ -65,6 +65,14 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
     found = _module_dtype_device(module)
     cache = arguments["kv_cache"]
     check_cache(cache, KVCache)
+    if cache is not None and not _window_fits(cache.window, module.window):
+        raise mismatch(
+            f"kv_cache keeps a window of {cache.window} positions, but the module attends over "
+            + ("every position" if module.window is None else f"a window of {module.window}")
+            + "; it would have dropped keys the module needs. Make it with module.new_cache(batch, capacity).",
+            arg="kv_cache",
+            dim="window",
+        )
     if found is None:
         return
     dtype, device = found
@@ -88,6 +96,11 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
                 f"move one of them ({name}.to('{device}') or module.to('{tensor.device}')).",
                 arg=name,
             )
+
+
+def _window_fits(kept: int | None, needed: int | None) -> bool:
+    """Whether a cache keeping a window of `kept` positions (None: all) holds every key a window of `needed` sees."""
+    return kept is None or (needed is not None and kept >= needed)
 
 
 def _explain_forward(arguments: dict[str, Any], failure: ExplainedError) -> str | None:
@@ -128,7 +141,8 @@ class MultiHeadAttention(nn.Module):
             weights (`q_norm`, `k_norm` submodules), as Qwen3 and Gemma 3 do.
         norm_eps: the epsilon of QK-norm.
         window: sliding-window attention: a query sees only the `window` most recent keys,
-            itself included (Mistral, Gemma); `new_cache` then keeps only those.
+            itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
+            `is_causal` the window bounds only how far back a query sees.
         logit_softcap: cap the scores at `±logit_softcap` smoothly, `c * tanh(scores / c)`, before
             the mask (Gemma 2).
         query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
@@ -182,7 +196,7 @@ class MultiHeadAttention(nn.Module):
         positive_count(f"{owner}: ", "d_head", d_head)
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
-        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar)
+        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar, norm_eps)
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -7,6 +7,7 @@ module's stages below them (`project_query`, `split_query`, ..., `project_output
 memo, with its result checked and reported to the trace.
 """
 
+import math
 from typing import Any
 
 import torch
@@ -140,8 +141,9 @@ def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None
     check_variants("", arguments.get("window"), arguments.get("softcap"))
 
 
-def check_variants(owner: str, window: Any, softcap: Any, scalar: Any = None) -> None:
-    """Raise `ConfigError` unless a sliding window is a positive int and a softcap (query scalar) a positive number."""
+def check_variants(owner: str, window: Any, softcap: Any, scalar: Any = None, norm_eps: Any = 0.0) -> None:
+    """Raise `ConfigError` unless a sliding window is a positive int, a softcap (query scalar) a finite positive
+    number, and a norm's epsilon a finite number >= 0."""
     if window is not None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ConfigError(
@@ -150,8 +152,10 @@ def check_variants(owner: str, window: Any, softcap: Any, scalar: Any = None) ->
     for name, value in (("logit softcap", softcap), ("query_pre_attn_scalar", scalar)):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ConfigError(f"{owner}{name} must be a positive number, but got {value!r}.")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ConfigError(f"{owner}{name} must be a finite positive number, but got {value!r}.")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, int | float) or not 0 <= norm_eps < math.inf:
+        raise ConfigError(f"{owner}norm_eps must be a finite number >= 0, but got {norm_eps!r}.")
 
 
 def _validate_split(arguments: dict[str, Any], dims: dict[str, int]) -> None:

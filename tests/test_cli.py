@@ -179,7 +179,7 @@ def test_trace_of_latent_attention_shows_the_latent_and_the_cache_per_position()
     ("args", "message"),
     [
         (["--window", "0"], "--window"),
-        (["--logit-softcap", "-1"], "logit softcap must be a positive number"),
+        (["--logit-softcap", "-1"], "logit softcap must be a finite positive number"),
         (["--kv-lora-rank", "512", "--d-rope", "3"], "d_rope=3 is odd"),
     ],
 )

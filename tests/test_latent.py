@@ -242,3 +242,15 @@ def test_decoding_with_a_growing_padding_mask_is_checked_a_few_times(monkeypatch
             mla(torch.randn(2, 1, 24), is_causal=True, kv_cache=cache, key_padding_mask=padding[:, : t + 1])
     assert len(sessions) <= 6, sessions
     assert len(cache) == 30
+
+
+def test_a_latent_cache_split_otherwise_is_named_not_a_torch_error() -> None:
+    """kv_lora_rank and d_rope swapped: the same total width, so only the split tells; named, cache unchanged."""
+    mla = ssm.LatentAttention(64, 8, q_lora_rank=24, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=6)
+    swapped = ssm.LatentCache(2, 8, 4, 16, dtype=torch.float32)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ssm.ShapeError, match=r"kv_cache holds kv_lora_rank=4"):
+            mla(torch.randn(2, 1, 64), kv_cache=swapped)
+    assert len(swapped) == 0
+    cache = mla.new_cache(2, 8).to(torch.float64)
+    assert cache.dtype == torch.float64 and cache.buffer.shape == (2, 8, 20)

@@ -150,8 +150,8 @@ def test_a_chunk_longer_than_the_window_cache_passes_through() -> None:
     [
         ({"window": 0}, "window must be a positive int"),
         ({"window": 2.5}, "window must be a positive int"),
-        ({"logit_softcap": -1.0}, "logit softcap must be a positive number"),
-        ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
+        ({"logit_softcap": -1.0}, "logit softcap must be a finite positive number"),
+        ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a finite positive number"),
     ],
 )
 def test_bad_variant_options_are_config_errors(kwargs: dict[str, Any], message: str) -> None:
@@ -243,3 +243,40 @@ def test_gqa_and_mqa_stay_zero_copy_in_every_variant(options: dict[str, Any], nu
         kv = [s for s in stages if s.name in ("split_k", "split_v", "k_norm", "rotary_k", "cache_k", "cache_v")]
         assert kv and all(s.shape[1] == num_kv_heads for s in kv)
         assert all(s.allocated_bytes < 8 * 13 * 8 * 2 for s in stages if s.name in ("cache_k", "cache_v"))
+
+
+def test_a_cache_with_a_narrower_window_than_the_module_is_refused() -> None:
+    """A cache that would drop keys the module's window still sees (or any key, for a module without a window)
+    is a ShapeError naming kv_cache; a plain cache, or a wider window, is fine."""
+    x = torch.randn(1, 1, 32)
+    windowed = ssm.MultiHeadAttention(32, 4, 2, window=4)
+    with pytest.raises(ssm.ShapeError, match=r"kv_cache keeps a window of 2 positions, but the module attends over a"):
+        windowed(x, is_causal=True, kv_cache=ssm.KVCache(1, 2, 6, 8, dtype=torch.float32, window=2))
+    with pytest.raises(
+        ssm.ShapeError, match=r"kv_cache keeps a window of 4 positions, but the module attends over every"
+    ):
+        ssm.MultiHeadAttention(32, 4, 2)(
+            x, is_causal=True, kv_cache=ssm.KVCache(1, 2, 6, 8, dtype=torch.float32, window=4)
+        )
+    for fine in (ssm.KVCache(1, 2, 6, 8, dtype=torch.float32), ssm.KVCache(1, 2, 6, 8, dtype=torch.float32, window=6)):
+        assert windowed(x, is_causal=True, kv_cache=fine).shape == (1, 1, 32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"logit_softcap": float("inf")}, "logit softcap must be a finite positive number"),
+        ({"qk_norm": True, "norm_eps": -1.0}, "norm_eps must be a finite number >= 0"),
+        ({"qk_norm": True, "norm_eps": "1e-6"}, "norm_eps must be a finite number >= 0"),
+    ],
+)
+def test_an_infinite_cap_or_a_bad_norm_eps_is_refused(kwargs: dict[str, Any], message: str) -> None:
+    """inf * tanh(s / inf) is NaN, and a negative epsilon NaNs the norm: refused when the module is built."""
+    with pytest.raises(ssm.ConfigError, match=message):
+        ssm.MultiHeadAttention(32, 4, 2, **kwargs)
+    with pytest.raises(ssm.ConfigError, match=r"softcap|norm_eps"):
+        if "logit_softcap" in kwargs:
+            ssm.scaled_dot_product_attention(torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8),
+                                             softcap=float("inf"))  # fmt: skip
+        else:
+            ssm.LatentAttention(16, 4, kv_lora_rank=6, d_nope=3, d_rope=2, d_value=5, norm_eps=kwargs["norm_eps"])

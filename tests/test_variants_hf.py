@@ -122,3 +122,12 @@ def test_to_hf_round_trips_the_variants_and_refuses_a_config_of_another() -> Non
     plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta)
     with pytest.raises(ssm.ConfigError, match=r"qk_norm=True \(module: None\)"):
         plain.to_hf(layer.config)
+
+
+def test_a_bad_sliding_window_in_the_config_is_refused_by_its_field() -> None:
+    _, attention_cls, _ = _classes("mistral")
+    config = transformers.MistralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    layer = attention_cls(config, layer_idx=0)
+    layer.config.sliding_window = 0
+    with pytest.raises(ssm.ConfigError, match=r"sliding_window=0"):
+        ssm.MultiHeadAttention.from_hf(layer)

@@ -264,6 +264,8 @@ MUTANTS: list[Mutant] = [
     M("_latent.py", "return plain_linear(kv_b) and getattr(kv_b, \"bias\", None) is None and not global_hooks()",
       "return getattr(kv_b, \"bias\", None) is None and not global_hooks()",
       "absorption bypasses a hooked or adapted kv_b_proj", LATENT),
+    M("_module.py", "return kept is None or (needed is not None and kept >= needed)", "return True",
+      "a cache with a narrower window than the module's accepted (it drops keys the module needs)", VARIANTS),
 ]  # fmt: skip
 
 
