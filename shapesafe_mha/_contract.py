@@ -186,6 +186,18 @@ def stage(
     return decorate
 
 
+_ONE = torch.empty((), device="meta")  # made at import: a trace never sees it allocated
+
+
+@functools.lru_cache(maxsize=64)
+def witness(sizes: tuple[int, ...]) -> torch.Tensor:
+    """A `meta` tensor whose shape is a module's sizes, for `Session.seed`: binds them before any argument.
+
+    One element broadcast to that shape, so it costs nothing anywhere (no allocation to record).
+    """
+    return _ONE.expand(sizes)
+
+
 class Session:
     """Stages run against one jaxtyping memo, checked (if `check`) and reported to `observer`."""
 

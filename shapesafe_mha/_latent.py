@@ -11,14 +11,13 @@ A prefill rebuilds every head's keys and values from the latent (`kv_b_proj`); a
 provably the same computation (see `LatentAttention._absorbs`).
 """
 
-import functools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from . import _kernels as K
-from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational, stage
+from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational, stage, witness
 from ._dims import (
     AbsorbedOut,
     AbsorbedQueries,
@@ -403,14 +402,6 @@ _STAGES: dict[str, Any] = {
 _RAW = raw(**_STAGES)
 
 
-_ONE = torch.empty((), device="meta")  # made at import: a trace never sees it allocated
-
-
-@functools.lru_cache(maxsize=64)
-def _witness(sizes: tuple[int, ...]) -> Tensor:
-    return _ONE.expand(sizes)
-
-
 def _precheck_forward(arguments: dict[str, Any]) -> None:
     module, query, cache = arguments["self"], arguments["query"], arguments["kv_cache"]
     check_cache(cache, LatentCache)
@@ -605,7 +596,7 @@ class LatentAttention(nn.Module):
             if not check and observer is None:
                 return self._run(_RAW, absorb, *call)
             with Session(_OWNER, check=check, observer=observer) as session:
-                session.seed(LatentSizes, _witness(self._sizes), "the module")
+                session.seed(LatentSizes, witness(self._sizes), "the module")
                 arguments = dict(
                     attn_mask=attn_mask,
                     key_padding_mask=key_padding_mask,

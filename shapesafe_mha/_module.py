@@ -1,7 +1,6 @@
 """`MultiHeadAttention`: the module, for MHA, GQA and MQA, composed of checked stages."""
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -11,7 +10,7 @@ from torch import Tensor, nn
 
 from . import _kernels as K
 from ._cache import KVCache
-from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational
+from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational, witness
 from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
 from ._errors import ConfigError
 from ._fastpath import FusedQKV, fused_qkv, native_fits
@@ -24,18 +23,6 @@ from ._weights import AttentionWeights
 SEPARATE, FUSED, NATIVE = "separate", "fused", "native"
 _STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": apply_rotary}
 _RAW = raw(**_STAGES)
-
-
-_ONE = torch.empty((), device="meta")  # made at import: a trace never sees it allocated
-
-
-@functools.lru_cache(maxsize=64)
-def _witness(sizes: tuple[int, ...]) -> Tensor:
-    """A `meta` tensor whose shape is a module's sizes: binds them before any argument is checked.
-
-    One element broadcast to that shape, so it costs nothing anywhere (no allocation to record).
-    """
-    return _ONE.expand(sizes)
 
 
 @contextlib.contextmanager
@@ -563,7 +550,7 @@ class MultiHeadAttention(nn.Module):
         """The forward with every stage checked against one memo, and reported to the trace."""
         with Session("MultiHeadAttention.forward()", check=check, observer=observer) as session:
             sizes = (self.d_model, self.num_heads, self.num_kv_heads, self.d_head, self.group)
-            session.seed(ModuleSizes, _witness(sizes), "the module")
+            session.seed(ModuleSizes, witness(sizes), "the module")
             session.check_arguments(
                 _FORWARD,
                 (self, query, key, value),
