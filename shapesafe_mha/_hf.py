@@ -8,11 +8,14 @@ different layer.
 """
 
 import importlib
+import inspect
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from . import _probe as probe
+from ._cache import KVCache
 from ._errors import ConfigError
 from ._rotary import SUPPORTED_SCALING
 
@@ -32,8 +35,13 @@ def rope_of(config: Any) -> tuple[float | None, dict[str, Any] | None]:
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind not in SUPPORTED_SCALING:
         raise _refuse("rope_parameters['rope_type']", kind, f"only {', '.join(SUPPORTED_SCALING)} RoPE is supported")
-    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        raise _refuse("partial_rotary_factor", config.partial_rotary_factor, "only full-width RoPE is supported")
+    # transformers 5 keeps it in rope_parameters; earlier releases (and some configs) on the config itself
+    for field, partial in (
+        ("rope_parameters['partial_rotary_factor']", parameters.get("partial_rotary_factor")),
+        ("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)),
+    ):
+        if partial not in (None, 1.0, 1):
+            raise _refuse(field, partial, "only full-width RoPE is supported")
     return theta, (dict(parameters) if kind != "default" else None)
 
 
@@ -93,7 +101,42 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def from_hf(cls: Any, attention: nn.Module) -> Any:
+_LOADED = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+# Config fields of layers that compute a variant we do not (each is None or False where they do not).
+_UNSUPPORTED_FIELDS = {
+    "clip_qkv": "queries, keys and values clipped (OLMo)",
+    "qk_layernorm": "QK LayerNorm (StableLM)",
+    "use_qk_norm": "QK-norm over every head (Cohere)",
+    "attention_multiplier": "a score scale of its own (Granite)",
+    "rope_interleave": "interleaved RoPE pairs",
+}
+
+
+def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
+    """Refuse, by name, what the layer holds that a `MultiHeadAttention` would not load or compute."""
+    own = [name for name, _ in attention.named_parameters(recurse=False)]
+    if own:
+        raise _refuse(
+            "parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded"
+        )
+    for name, child in attention.named_children():
+        if name not in _LOADED and any(True for _ in child.parameters()):
+            why = f"the layer holds a submodule with parameters ({type(child).__name__}) that is not loaded"
+            raise _refuse(name, type(child).__name__, why)
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attention, name, None)
+        weight = getattr(norm, "weight", None)
+        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != (d_head,)):
+            shape = None if not isinstance(weight, Tensor) else tuple(weight.shape)
+            why = f"it normalises features {shape}, not each head's d_head={d_head} (a full-width or per-head norm)"
+            raise _refuse(name, type(norm).__name__, why)
+    for field, what in _UNSUPPORTED_FIELDS.items():
+        value = getattr(config, field, None)
+        if value is not None and value is not False:
+            raise _refuse(f"config.{field}", value, f"{what} is not computed here")
+
+
+def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     """Build `cls` (a `MultiHeadAttention`) computing what `attention`, a transformers layer, computes."""
     config = getattr(attention, "config", None)
     if config is None:
@@ -112,6 +155,8 @@ def from_hf(cls: Any, attention: nn.Module) -> Any:
             f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
             "(Llama, Mistral, Qwen2) is supported."
         )
+    head_dim = _head_dim(config)
+    _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
     theta, scaling = rope_of(config)
     num_heads = config.num_attention_heads
@@ -121,7 +166,7 @@ def from_hf(cls: Any, attention: nn.Module) -> Any:
         config.hidden_size,
         num_heads,
         num_kv_heads,
-        d_head=_head_dim(config),
+        d_head=head_dim,
         bias=True,
         dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
         rope_theta=theta,
@@ -130,20 +175,176 @@ def from_hf(cls: Any, attention: nn.Module) -> Any:
         dtype=q_proj.weight.dtype,
         **options,
     )
+    for name, theirs in projections.items():
+        ours: Any = module._modules[name]
+        if theirs.weight.shape != ours.weight.shape:
+            raise _refuse(
+                f"{name}.weight",
+                tuple(theirs.weight.shape),
+                f"the config's sizes make it {tuple(ours.weight.shape)} (hidden_size={config.hidden_size}, "
+                f"num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads}, head_dim={head_dim})",
+            )
     if module.qk_norm:
         load_norms(module, attention)
     with torch.no_grad():
         for name, theirs in projections.items():
-            ours: Any = module._modules[name]
+            ours = module._modules[name]
             ours.weight.copy_(theirs.weight)
             if theirs.bias is None:
                 ours.register_parameter("bias", None)
             else:
                 ours.bias.copy_(theirs.bias)
-    return module.train(attention.training)
+    module.train(attention.training)
+    if verify:
+        verify_against_hf(_OWNER, module, attention)
+    return module
 
 
-def to_hf(module: Any, config: Any) -> nn.Module:
+def _modeling(layer: nn.Module) -> Any:
+    return importlib.import_module(type(layer).__module__)
+
+
+def _layer_type(layer: nn.Module, config: Any) -> str | None:
+    types = getattr(config, "layer_types", None)
+    index = getattr(layer, "layer_idx", 0) or 0
+    return types[index] if types and index < len(types) else None
+
+
+def _rotary_for(layer: nn.Module, config: Any) -> Any:
+    """The model's own rotary class for `layer` (`LlamaRotaryEmbedding` beside `LlamaAttention`), built from config."""
+    modeling = _modeling(layer)
+    prefix = type(config).__name__.removesuffix("Config")
+    rotary_cls = getattr(modeling, f"{prefix}RotaryEmbedding", None)
+    if rotary_cls is None:
+        named = [getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding")]
+        rotary_cls = named[0] if len(named) == 1 else None
+    if rotary_cls is None:
+        return None
+    return rotary_cls(config=config)
+
+
+def hf_outputs(layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: bool = False) -> probe.Outputs:
+    """`layer` called as its model calls it (its rotary class, its mask function, a `DynamicCache`) on the probe.
+
+    The causal forward is a prefill through the cache (so two calls in all). A layer built alone has no
+    attention implementation set, which its model would set: eager meanwhile, which is what the layer then
+    runs. `unrotated`: cos/sin for position 0 everywhere (the mask keeps the real positions).
+    """
+    from transformers import DynamicCache
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config: Any = layer.config
+    unset = getattr(config, "_attn_implementation", None) is None
+    if unset:
+        config._attn_implementation = "eager"  # transformers' default for a model; unset again below
+    try:
+        return _hf_outputs(layer, config, x, decode, unrotated, DynamicCache, create_causal_mask,
+                           create_sliding_window_causal_mask)  # fmt: skip
+    finally:
+        if unset:
+            config._attn_implementation = None
+
+
+def _hf_outputs(
+    layer: nn.Module, config: Any, x: Tensor, decode: bool, unrotated: bool, cache_cls: Any, causal: Any, sliding: Any
+) -> probe.Outputs:
+    create_causal_mask, create_sliding_window_causal_mask, DynamicCache = causal, sliding, cache_cls
+    layer_type = _layer_type(layer, config)
+    if layer_type is not None:
+        sliding = layer_type == "sliding_attention"
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    mask_parameters = inspect.signature(make_mask).parameters
+    cache_word = "cache" if "cache" in mask_parameters else "past_key_values"
+    parameters = inspect.signature(layer.forward).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    layer_cache_word = "cache" if "cache" in parameters else "past_key_values"
+    rotary = _rotary_for(layer, config) if "position_embeddings" in parameters else None
+    if rotary is not None:
+        rotary = rotary.to(x.device)
+
+    def call(chunk: Tensor, start: int, cache: Any) -> Tensor:
+        positions = torch.arange(start, start + chunk.shape[1], device=x.device)[None]
+        mask = make_mask(config=config, inputs_embeds=chunk, attention_mask=None, position_ids=positions,
+                         **{cache_word: cache})  # fmt: skip
+        kwargs: dict[str, Any] = {"attention_mask": mask, layer_cache_word: cache}
+        if rotary is not None:
+            takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+            angles = positions * 0 if unrotated else positions
+            kwargs["position_embeddings"] = rotary(chunk, angles, *([layer_type] if takes_type else []))
+        if takes_kwargs or "position_ids" in parameters:
+            kwargs["position_ids"] = positions
+        if "cache_position" in parameters:
+            kwargs["cache_position"] = positions[0]
+        out = layer(chunk, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    prompt, step = x[:, : probe.PROMPT].contiguous(), x[:, probe.PROMPT :].contiguous()
+    with torch.no_grad():
+        if not decode:
+            return {probe.FORWARD: call(prompt, 0, None)}
+        # a hybrid model's config may call this index another kind of layer: then a plain cache
+        attention_layer = layer_type in (None, "full_attention", "sliding_attention")
+        cache = DynamicCache(config=config) if attention_layer else DynamicCache()
+        outputs = {probe.FORWARD: call(prompt, 0, cache)}
+        outputs[probe.DECODING] = call(step, probe.PROMPT, cache)
+    return outputs
+
+
+def _run_source(owner: str, layer: nn.Module, x: Tensor, decode: bool = True) -> probe.Outputs:
+    try:
+        return hf_outputs(layer, x, decode=decode)
+    except Exception as error:
+        raise ConfigError(
+            f"{owner}: {type(layer).__name__} could not be run as its model runs it, to verify the conversion "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); pass verify=False "
+            "to convert it unverified."
+        ) from error
+
+
+def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module) -> None:
+    """Raise `ConfigError` unless `module` computes what the transformers `layer` computes, on the probe."""
+    if not (probe.probeable(module) and probe.probeable(layer)):
+        return  # meta holds no values to compare
+    config: Any = layer.config
+    with probe.probing(layer) as theirs_probed, probe.probing(module) as ours_probed:
+        x = probe.probe_tokens(config.hidden_size, probe.device_of(layer), probe.dtype_of(theirs_probed))
+        theirs = _run_source(owner, theirs_probed, x)
+        windowed = getattr(ours_probed, "window", None) is not None  # a window cache is as long as its window
+        ours = probe.our_outputs(ours_probed, x, cache=_plain_cache(ours_probed, x.shape[0]) if windowed else None)
+        source = type(layer).__name__
+        try:
+            probe.verify(owner, ours, theirs, source=source)
+        except ConfigError:
+            suspects = _suspects(ours_probed, theirs_probed, x)
+            probe.verify(owner, ours, theirs, source=source, suspects=suspects)
+            raise
+
+
+def _plain_cache(module: Any, batch: int) -> Any:
+    """A cache that keeps every position (the module's own would be as long as its window)."""
+    weight = module.k_proj.weight
+    capacity = probe.PROMPT + 1
+    return KVCache(batch, module.num_kv_heads, capacity, module.d_head, dtype=weight.dtype, device=weight.device)
+
+
+def _suspects(ours: Any, theirs: nn.Module, x: Tensor) -> list[str]:
+    """What a difference comes from, where a second probe tells: RoPE, if both agree with nothing rotated."""
+    if getattr(ours, "rotary", None) is None:
+        return []
+    try:
+        probe.verify("", probe.our_outputs(ours, x, decode=False, unrotated=True),
+                     hf_outputs(theirs, x, decode=False, unrotated=True), source="")  # fmt: skip
+    except ConfigError:
+        return []
+    return [
+        f"the rotary embeddings (with every position at 0, {type(theirs).__name__} agrees: interleaved pairs, "
+        "partial rotary or another RoPE scaling)"
+    ]
+
+
+def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     """The transformers attention layer of `config`'s model type, holding `module`'s weights."""
     kind = type(config).__name__.removesuffix("Config")
     try:
@@ -153,16 +354,23 @@ def to_hf(module: Any, config: Any) -> nn.Module:
         raise ConfigError(
             f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
         ) from None
-    theta, _ = rope_of(config)
+    theta, scaling = rope_of(config)
     wanted = {
         "hidden_size": module.d_model,
         "num_attention_heads": module.num_heads,
         "num_key_value_heads": module.num_kv_heads,
         "head_dim": module.d_head,
         "rope_theta": module.rope_theta,
+        "rope_parameters (scaling)": None if module.rotary is None else _scaling(module.rotary.scaling),
+        "attention_dropout": float(module.dropout),
     }
-    found = {**{k: getattr(config, k, None) for k in wanted if k != "head_dim"}, "head_dim": _head_dim(config)}
-    found["rope_theta"] = theta
+    found = {k: getattr(config, k, None) for k in wanted}
+    found.update(
+        head_dim=_head_dim(config),
+        rope_theta=theta,
+        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+    )
+    found["rope_parameters (scaling)"] = _scaling(scaling) if module.rotary is not None else None
     different = {k: (found[k], v) for k, v in wanted.items() if found[k] != v}
     if different:
         listed = ", ".join(f"{k}={theirs!r} (module: {ours!r})" for k, (theirs, ours) in different.items())
@@ -195,10 +403,18 @@ def to_hf(module: Any, config: Any) -> nn.Module:
             other.weight.copy_(mine.weight)
             if mine.bias is not None:
                 other.bias.copy_(mine.bias)
-    return theirs.train(module.training)
+    theirs.train(module.training)
+    if verify:
+        verify_against_hf("MultiHeadAttention.to_hf()", module, theirs)
+    return theirs
 
 
-def latent_from_hf(cls: Any, attention: nn.Module) -> Any:
+def _scaling(parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+    """RoPE scaling parameters as compared: the theta apart (compared on its own)."""
+    return None if parameters is None else {k: v for k, v in parameters.items() if k != "rope_theta"}
+
+
+def latent_from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     """Build `cls` (a `LatentAttention`) computing what `attention` (DeepseekV3Attention or alike) computes."""
     owner = "LatentAttention.from_hf()"
     config = getattr(attention, "config", None)
@@ -251,4 +467,14 @@ def latent_from_hf(cls: Any, attention: nn.Module) -> Any:
             f"{owner}: {type(attention).__name__}'s parameters do not match the layout: missing {missing}, "
             f"unexpected {unexpected}."
         )
-    return module.train(attention.training)
+    module.train(attention.training)
+    if verify:
+        if hasattr(config, "rope_interleave"):
+            verify_against_hf(owner, module, attention)
+        else:  # no field says how RoPE pairs features (DeepSeek-V2 interleaves): the probe shows it
+            try:
+                verify_against_hf(owner, module, attention)
+            except ConfigError:
+                module.interleaved = True
+                verify_against_hf(owner, module, attention)
+    return module

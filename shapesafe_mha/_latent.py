@@ -531,19 +531,23 @@ class LatentAttention(nn.Module):
         return LatentCache(batch, capacity, self.kv_lora_rank, self.d_rope, dtype=weight.dtype, device=weight.device)
 
     @classmethod
-    def from_hf(cls, attention: nn.Module) -> "LatentAttention":
+    def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "LatentAttention":
         """A `LatentAttention` computing what transformers' `DeepseekV3Attention` (or alike) computes.
 
         Sizes, biases, norms and `rope_interleave` from `attention.config`; the weights copied (the
         submodule names are the same). Call it `is_causal=True`; decoding uses our `LatentCache`.
+        Verified as `MultiHeadAttention.from_hf` is, on a float64 probe (`verify=False` skips it); a
+        config without `rope_interleave` (DeepSeek-V2, which always interleaves) gets the pairing the
+        probe shows.
 
         Raises:
             ConfigError: a RoPE scaling (`rope_parameters['rope_type']`, e.g. yarn) or another variant
-                computed differently here, named by its config field.
+                computed differently here, named by its config field; or the converted layer differs
+                from `attention` on the probe.
         """
         from ._hf import latent_from_hf
 
-        return latent_from_hf(cls, attention)
+        return latent_from_hf(cls, attention, verify=verify)
 
     def forward(
         self,

@@ -281,8 +281,12 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rope_theta: float | None = None,
         rope_scaling: Mapping[str, Any] | None = None,
+        verify: bool = True,
     ) -> "MultiHeadAttention":
-        """A module holding copies of `weights` (on their device, in their dtype).
+        """A module holding copies of `weights` (on their device, in their dtype), each bias as given.
+
+        Verified on a float64 probe against `reference.per_head_attention` with the same weights
+        (`verify=False` skips it; `meta` weights are not probed).
 
         Example:
             >>> import torch, shapesafe_mha as ssm
@@ -293,16 +297,19 @@ class MultiHeadAttention(nn.Module):
             True
 
         Raises:
-            ConfigError, ShapeError: the weights do not fit the head counts.
+            ConfigError, ShapeError: the weights do not fit the head counts, or are not floating point.
         """
+        from ._torch_interop import verify_weights
+
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         d_head = weights.check(num_heads, num_kv_heads)
+        biases = {name: getattr(weights, f"b_{name}") for name in "qkvo"}
         module = cls(
             weights.d_model,
             num_heads,
             num_kv_heads,
             d_head=d_head,
-            bias=weights.bias,
+            bias=any(b is not None for b in biases.values()),
             dropout=dropout,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -312,11 +319,13 @@ class MultiHeadAttention(nn.Module):
         with torch.no_grad():
             for name, proj in (("q", module.q_proj), ("k", module.k_proj), ("v", module.v_proj), ("o", module.o_proj)):
                 proj.weight.copy_(getattr(weights, f"w_{name}"))
-                bias = getattr(weights, f"b_{name}")
+                bias = biases[name]
                 if bias is None:
                     proj.register_parameter("bias", None)  # some models bias q/k/v but not o (Qwen2)
                 elif proj.bias is not None:
                     proj.bias.copy_(bias)
+        if verify:
+            verify_weights(module, weights)
         return module
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
@@ -695,7 +704,7 @@ class MultiHeadAttention(nn.Module):
         return ours
 
     @classmethod
-    def from_hf(cls, attention: nn.Module) -> "MultiHeadAttention":
+    def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "MultiHeadAttention":
         """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
 
         For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike), configured by
@@ -704,6 +713,11 @@ class MultiHeadAttention(nn.Module):
         QK-norm, logit softcapping, `query_pre_attn_scalar`. Call it `is_causal=True`; positions
         default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
         the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
+
+        The result is verified, not trusted: both layers run a causal forward and a decoding step on
+        a small float64 probe (the layer as its model calls it: its rotary class, its mask function, a
+        `DynamicCache`), and a layer that computes something else is refused, naming the difference.
+        `verify=False` skips the probe (layers on `meta`, which hold no values, are not probed).
 
         Example:
             >>> import torch, shapesafe_mha as ssm
@@ -718,54 +732,42 @@ class MultiHeadAttention(nn.Module):
 
         Raises:
             ConfigError: a variant computed differently here (another RoPE scaling, partial rotary,
-                a QK-norm other than RMSNorm, latent attention), named by its config field.
+                a QK-norm other than RMSNorm, latent attention), named by its config field or the
+                submodule; or the converted layer differs from `attention` on the probe.
         """
         from ._hf import from_hf
 
-        return from_hf(cls, attention)
+        return from_hf(cls, attention, verify=verify)
 
-    def to_hf(self, config: Any) -> nn.Module:
+    def to_hf(self, config: Any, *, verify: bool = True) -> nn.Module:
         """The transformers attention layer for `config` (a LlamaConfig, Qwen2Config, ...), with these weights.
 
+        Verified as `from_hf` is: the layer, called as its model calls it, against this module on a
+        float64 probe (`verify=False` skips it).
+
         Raises:
-            ConfigError: `config` describes other sizes, biases or RoPE than this module, or its model
-                type has no such attention class.
+            ConfigError: `config` describes other sizes, biases, RoPE (theta or scaling), dropout or
+                variants than this module, or its model type has no such attention class, or the
+                layer differs from this module on the probe.
         """
         from ._hf import to_hf
 
-        return to_hf(self, config)
+        return to_hf(self, config, verify=verify)
 
-    def to_torch(self) -> nn.MultiheadAttention:
+    def to_torch(self, *, verify: bool = True) -> nn.MultiheadAttention:
         """An equivalent `nn.MultiheadAttention(batch_first=True)`; MHA with `num_heads*d_head == d_model` only.
 
+        Biases on some projections only become zero biases there (it has all or none). Verified on a
+        float64 probe (`verify=False` skips it).
+
         Raises:
-            ConfigError: the configuration has no `nn.MultiheadAttention` equivalent (GQA/MQA, or
-                `num_heads * d_head != d_model`).
+            ConfigError: the configuration has no `nn.MultiheadAttention` equivalent (GQA/MQA,
+                `num_heads * d_head != d_model`, or a variant: RoPE, QK-norm, a window, softcapping,
+                `query_pre_attn_scalar`), named.
         """
-        if self.num_kv_heads != self.num_heads or self.num_heads * self.d_head != self.d_model:
-            raise ConfigError(
-                f"MultiHeadAttention.to_torch(): nn.MultiheadAttention has no GQA/MQA and needs num_heads * d_head "
-                f"== d_model, but this module has num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"d_head={self.d_head}, d_model={self.d_model}."
-            )
-        weight = self.q_proj.weight
-        theirs = nn.MultiheadAttention(
-            self.d_model,
-            self.num_heads,
-            dropout=self.dropout,
-            bias=self.bias,
-            batch_first=True,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        with torch.no_grad():
-            theirs.in_proj_weight.copy_(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-            theirs.out_proj.weight.copy_(self.o_proj.weight)
-            if self.bias:
-                biases = [p.bias for p in (self.q_proj, self.k_proj, self.v_proj)]
-                theirs.in_proj_bias.copy_(torch.cat([b for b in biases if b is not None]))
-                theirs.out_proj.bias.copy_(self.o_proj.bias)
-        return theirs
+        from ._torch_interop import to_torch
+
+        return to_torch(self, verify=verify)
 
 
 _FORWARD = Stage(

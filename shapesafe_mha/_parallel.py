@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import _probe as probe
 from ._cache import KVCache
 from ._contract import checks_enabled
 from ._errors import ConfigError, ShapeError
@@ -95,6 +96,51 @@ def _rows(heads: range, d_head: int) -> slice:
     return slice(heads.start * d_head, heads.stop * d_head)
 
 
+def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHeadAttention, nn.Parameter | None]:
+    """This rank's `MultiHeadAttention` (every option of `module`, its heads' rows) and the output bias apart."""
+    weight = module.q_proj.weight
+    rotary = module.rotary
+    local = MultiHeadAttention(
+        module.d_model,
+        shard.local_heads,
+        shard.local_kv_heads,
+        d_head=module.d_head,
+        bias=True,
+        dropout=module.dropout,
+        rope_theta=module.rope_theta,
+        rope_scaling=None if rotary is None else rotary.scaling,
+        qk_norm=module.qk_norm,
+        norm_eps=module.q_norm.eps if module.qk_norm else 1e-6,  # pyright: ignore[reportArgumentType]
+        window=module.window,
+        logit_softcap=module.logit_softcap,
+        query_pre_attn_scalar=module.query_pre_attn_scalar,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    q_rows, kv_rows = _rows(shard.q_heads, module.d_head), _rows(shard.kv_heads, module.d_head)
+    with torch.no_grad():
+        for mine, full, rows in (
+            (local.q_proj, module.q_proj, q_rows),
+            (local.k_proj, module.k_proj, kv_rows),
+            (local.v_proj, module.v_proj, kv_rows),
+        ):
+            mine.weight.copy_(full.weight[rows])
+            if full.bias is None:
+                mine.register_parameter("bias", None)
+            else:
+                mine.bias.copy_(full.bias[rows])  # pyright: ignore[reportOptionalMemberAccess]
+        local.o_proj.weight.copy_(module.o_proj.weight[:, q_rows])
+        if module.qk_norm:  # one weight per feature of a head, the same for every head
+            for name in ("q_norm", "k_norm"):
+                mine_norm: Any = local._modules[name]
+                mine_norm.weight.copy_(getattr(module, name).weight)
+    local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum
+    out_bias = None
+    if module.o_proj.bias is not None:
+        out_bias = nn.Parameter(module.o_proj.bias.detach().clone())
+    return local, out_bias
+
+
 class _CopyToHeads(torch.autograd.Function):
     """Forward: the replicated input as is. Backward: sum the input's gradient over the ranks."""
 
@@ -168,12 +214,20 @@ class HeadParallelAttention(nn.Module):
         self.d_head = local.d_head
 
     @classmethod
-    def from_module(cls, module: MultiHeadAttention, group: Any = None) -> "HeadParallelAttention":
+    def from_module(
+        cls, module: MultiHeadAttention, group: Any = None, *, verify: bool = True
+    ) -> "HeadParallelAttention":
         """Keep this rank's share of `module`: its query heads, the KV heads they read, `o_proj`'s columns.
+
+        Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
+        softcap, `query_pre_attn_scalar`, dropout, the biases each projection has). The result is
+        verified: on a float64 copy, a causal forward and a decoding step of the probe, computed
+        head-parallel (collective: every rank joins), equal `module`'s (`verify=False` skips it).
 
         Raises:
             ConfigError: torch.distributed is not initialised, or the heads cannot be split over the
-                group's size (raised on every rank, before any communication).
+                group's size (raised on every rank, before any communication), or the shards differ
+                from `module` on the probe.
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
@@ -182,34 +236,16 @@ class HeadParallelAttention(nn.Module):
             )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         shard = plan_heads(module.num_heads, module.num_kv_heads, world, rank)
-        weight = module.q_proj.weight
-        local = MultiHeadAttention(
-            module.d_model,
-            shard.local_heads,
-            shard.local_kv_heads,
-            d_head=module.d_head,
-            bias=module.bias,
-            dropout=module.dropout,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        q_rows, kv_rows = _rows(shard.q_heads, module.d_head), _rows(shard.kv_heads, module.d_head)
-        with torch.no_grad():
-            for mine, full, rows in (
-                (local.q_proj, module.q_proj, q_rows),
-                (local.k_proj, module.k_proj, kv_rows),
-                (local.v_proj, module.v_proj, kv_rows),
-            ):
-                mine.weight.copy_(full.weight[rows])
-                if mine.bias is not None and full.bias is not None:
-                    mine.bias.copy_(full.bias[rows])
-            local.o_proj.weight.copy_(module.o_proj.weight[:, q_rows])
-        local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum
-        out_bias = None
-        if module.o_proj.bias is not None:
-            out_bias = nn.Parameter(module.o_proj.bias.detach().clone())
+        local, out_bias = _local_share(module, shard)
         parallel = cls(local, out_bias, shard, group)
         parallel.train(module.training)
+        if verify and probe.probeable(module):
+            with probe.probing(local) as mine, probe.probing(module) as full:
+                dtype = probe.dtype_of(mine)
+                bias = None if out_bias is None else nn.Parameter(out_bias.detach().to(dtype))
+                x = probe.probe_tokens(module.d_model, module.q_proj.weight.device, dtype)
+                probe.verify("HeadParallelAttention.from_module()", probe.our_outputs(cls(mine, bias, shard, group), x),
+                             probe.our_outputs(full, x), source="the unsharded module")  # fmt: skip
         parallel._sync_replicated_kv_gradients()
         return parallel
 
@@ -247,6 +283,7 @@ class HeadParallelAttention(nn.Module):
         is_causal: bool = False,
         need_weights: bool = False,
         kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """`MultiHeadAttention.forward`, computed head-parallel; the same arguments and result on every rank."""
         key = query if key is None else key
@@ -274,6 +311,7 @@ class HeadParallelAttention(nn.Module):
             is_causal=is_causal,
             need_weights=need_weights,
             kv_cache=kv_cache,
+            positions=positions,
         )
         # The local module has checked its result: (batch, seq, d_model), and the weights at its heads.
         partial, weights = result if isinstance(result, tuple) else (result, None)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from ._dims import Bias, Weight
 from ._errors import ConfigError, ShapeError
 
@@ -46,6 +48,21 @@ class AttentionWeights:
             ConfigError: the head counts do not fit the widths.
             ShapeError: a weight or bias has the wrong shape.
         """
+        for name, tensor in vars(self).items():
+            rank = 2 if name.startswith("w_") else 1
+            if tensor is None:
+                continue
+            if not isinstance(tensor, Tensor) or tensor.dim() != rank:
+                found = f"{tensor.dim()}-D" if isinstance(tensor, Tensor) else type(tensor).__name__
+                raise ShapeError(
+                    f"AttentionWeights: {name} is {found}, but a {'weight' if rank == 2 else 'bias'} is "
+                    f"{rank}-D (nn.Linear's layout: {'(d_out, d_in)' if rank == 2 else '(d_out,)'})."
+                )
+            if not tensor.is_floating_point():
+                raise ShapeError(
+                    f"AttentionWeights: {name} has dtype {str(tensor.dtype).removeprefix('torch.')}, but weights "
+                    f"must be floating point ({name}.float())."
+                )
         rows = self.w_q.shape[0]
         if num_heads <= 0 or num_kv_heads <= 0 or rows % num_heads or num_heads % num_kv_heads:
             raise ConfigError(

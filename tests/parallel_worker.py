@@ -20,6 +20,15 @@ import shapesafe_mha as ssm
 from shapesafe_mha.parallel import HeadParallelAttention
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
+# The module's options each case may draw: every one must be carried to the shards.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "rope": {"rope_theta": 10.0},
+    "window": {"window": 2},
+    "softcap": {"logit_softcap": 0.7},
+    "qk_norm": {"qk_norm": True},
+    "scalar": {"query_pre_attn_scalar": 3.0},
+}
 
 
 def _inputs(case: dict[str, Any]) -> dict[str, Any]:
@@ -50,16 +59,26 @@ def _check_case(case: dict[str, Any]) -> dict[str, Any]:
         case["num_heads"],
         case["num_kv_heads"],
         d_head=case["d_head"],
-        bias=case["bias"],
+        bias=bool(case["bias"]),
         dtype=torch.float64,
+        **VARIANTS[case.get("variant", "none")],
     )
+    for role in "qkvo":  # biases on the projections named in case["bias"] only
+        if role not in case["bias"]:
+            getattr(full, f"{role}_proj").register_parameter("bias", None)
+    if full.qk_norm:  # norm weights other than ones, so that copying them matters
+        with torch.no_grad():
+            full.q_norm.weight.uniform_(0.5, 1.5)
+            full.k_norm.weight.uniform_(0.5, 1.5)
     try:
         sharded = HeadParallelAttention.from_module(full)
     except ssm.ConfigError as error:
         return {"config_error": str(error).splitlines()[0]}
     t = _inputs(case)
     key = t["memory"] if case["cross"] else t["x"]
-    kwargs = {"attn_mask": t["mask"], "key_padding_mask": t["padding"], "is_causal": case["causal"]}
+    kwargs: dict[str, Any] = {"attn_mask": t["mask"], "key_padding_mask": t["padding"], "is_causal": case["causal"]}
+    if full.rotary is not None:  # positions of our own (a left-padded batch would pass them)
+        kwargs["positions"] = torch.arange(3, 3 + case["seq"]).expand(case["batch"], -1)
 
     # Forward, with weights.
     expected, expected_weights = full(t["x"], key, key, need_weights=True, **kwargs)

@@ -19,6 +19,10 @@ def cases(draw: st.DrawFn, heads: tuple[int, int] | None = None) -> dict[str, ob
         num_kv_heads = draw(st.sampled_from([1, 2, 3, 4]))
         heads = (num_kv_heads * draw(st.sampled_from([1, 2, 3, 4])), num_kv_heads)
     seq = draw(st.integers(1, 5))
+    variant = draw(st.sampled_from(["none", "rope", "window", "softcap", "qk_norm", "scalar"]))
+    d_head = draw(st.integers(1, 4))
+    if variant == "rope":
+        d_head = 2 * ((d_head + 1) // 2)  # RoPE rotates pairs
     return {
         "num_heads": heads[0],
         "num_kv_heads": heads[1],
@@ -26,9 +30,10 @@ def cases(draw: st.DrawFn, heads: tuple[int, int] | None = None) -> dict[str, ob
         "seq": seq,
         "kv_seq": draw(st.integers(1, 5)),
         "d_model": draw(st.integers(4, 16)),
-        "d_head": draw(st.integers(1, 4)),
-        "bias": draw(st.booleans()),
-        "cross": draw(st.booleans()),
+        "d_head": d_head,
+        "bias": draw(st.sampled_from(["qkvo", "", "q", "v", "qkv", "o"])),  # which projections have one
+        "variant": variant,
+        "cross": variant == "none" and draw(st.booleans()),  # the variants are self-attention layers
         "causal": draw(st.booleans()),
         "mask": draw(st.sampled_from(["none", "2d", "heads"])),
         "padding": draw(st.booleans()),
@@ -140,3 +145,29 @@ def test_the_documented_torchrun_example_runs() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "rank 0/2: query heads [0, 1, 2, 3], KV heads [0]: equal" in result.stdout
     assert "rank 1/2: query heads [4, 5, 6, 7], KV heads [1]: equal" in result.stdout
+
+
+def test_from_module_refuses_shards_that_compute_something_else(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A sharding that drops an option (here the window) is caught by the probe, on a real gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    from shapesafe_mha import _parallel
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    honest = _parallel._local_share
+
+    def forgets_the_window(module, shard):  # type: ignore[no-untyped-def]
+        local, bias = honest(module, shard)
+        local.window = None
+        return local, bias
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        full = ssm.MultiHeadAttention(16, 4, 2, window=2, dtype=torch.float64)
+        HeadParallelAttention.from_module(full)  # the honest sharding verifies
+        monkeypatch.setattr(_parallel, "_local_share", forgets_the_window)
+        with pytest.raises(ssm.ConfigError, match=r"from_module\(\): the converted layer differs from the unsharded"):
+            HeadParallelAttention.from_module(full)
+    finally:
+        dist.destroy_process_group()

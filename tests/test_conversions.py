@@ -1,0 +1,233 @@
+"""Conversions verify themselves: each result equals its source on a probe, or is refused by name.
+
+Every conversion of a real transformers class is compared in float64 with the class itself, called as its
+model calls it; what we do not compute is a ConfigError naming the field or the structure behind it, and
+what no field names is caught by the probe.
+"""
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shapesafe_mha as ssm
+from shapesafe_mha import _hf
+from shapesafe_mha.reference import per_head_attention
+from shapesafe_mha.testing import check_attention
+
+transformers = pytest.importorskip("transformers")
+from transformers import CONFIG_MAPPING  # noqa: E402
+
+SIZES = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2}
+F64 = {"atol": 1e-10, "rtol": 1e-8}
+
+
+def _layer(model_type: str, cls_name: str | None = None, **config: Any) -> nn.Module:
+    """A real transformers attention layer of `model_type`, float64, with weights drawn far from their init."""
+    config_cls = CONFIG_MAPPING[model_type]
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    name = cls_name or f"{config_cls.__name__.removesuffix('Config')}Attention"
+    torch.manual_seed(0)
+    layer = getattr(modeling, name)(config_cls(**{**SIZES, **config}), layer_idx=0).to(torch.float64)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.4, 0.4)
+    return layer.eval()
+
+
+def _ours_equal_theirs(ours: nn.Module, layer: nn.Module) -> float:
+    """The largest difference between `ours` and `layer` (as its model calls it), full forward and decoding."""
+    x = torch.randn(2, 7, layer.config.hidden_size, dtype=torch.float64)
+    theirs = _hf.hf_outputs(layer, x[:, :6], decode=False)["a causal forward"]
+    with torch.no_grad():
+        full = ours(x[:, :5], is_causal=True)
+        cache = ours.new_cache(2, max(16, getattr(ours, "window", None) or 0))
+        steps = [ours(x[:, :3], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(3, 5)]
+    return max(float((full - theirs).abs().max()), float((torch.cat(steps, 1) - theirs).abs().max()))
+
+
+_ROPE = r"the converted layer differs from {}Attention by .* Known to differ here: the rotary embeddings"
+# model type, config keywords, what the ConfigError's first line must say
+REFUSED = {
+    "glm (partial rotary in rope_parameters)": ("glm", {}, r"rope_parameters\['partial_rotary_factor'\]=0.5"),
+    "glm4 (partial rotary in rope_parameters)": ("glm4", {}, r"rope_parameters\['partial_rotary_factor'\]=0.5"),
+    "cohere (interleaved RoPE)": ("cohere", {}, _ROPE.format("Cohere")),
+    "ernie4_5 (interleaved RoPE)": ("ernie4_5", {}, _ROPE.format("Ernie4_5")),
+    "helium (interleaved RoPE)": ("helium", {}, _ROPE.format("Helium")),
+    "olmo clip_qkv": ("olmo", {"clip_qkv": 0.05}, r"config.clip_qkv=0.05: queries, keys and values clipped"),
+    "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
+    "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),
+    "olmo2 full-width q_norm": ("olmo2", {}, r"q_norm='Olmo2RMSNorm': it normalises features \(32,\)"),
+    "olmo3 full-width q_norm": ("olmo3", {}, r"q_norm='Olmo3RMSNorm': it normalises features \(32,\)"),
+    "cohere use_qk_norm": ("cohere", {"use_qk_norm": True}, r"q_norm='CohereLayerNorm'"),
+    "gpt_oss sinks": ("gpt_oss", {}, r"parameters=\['sinks'\]: the layer holds parameters of its own"),
+    "granite attention_multiplier": ("granite", {"attention_multiplier": 0.5}, r"config.attention_multiplier=0.5"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_from_hf_refuses_what_it_would_compute_differently_naming_why(case: str) -> None:
+    """Each of these layers converted silently to something else (0.7 to 46 off); now a ConfigError names why."""
+    model_type, config, message = REFUSED[case]
+    with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention.from_hf\(\): " + message):
+        ssm.MultiHeadAttention.from_hf(_layer(model_type, **config))
+
+
+@pytest.mark.parametrize(
+    "model_type, config",
+    [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 3}), ("gemma2", {})],
+)
+def test_from_hf_verified_layers_equal_their_source_full_and_decoding(model_type: str, config: Any) -> None:
+    """What passes the probe equals the transformers layer on other inputs too, decoding included."""
+    layer = _layer(model_type, **config)
+    assert _ours_equal_theirs(ssm.MultiHeadAttention.from_hf(layer), layer) < 1e-6
+
+
+def test_the_probe_catches_a_conversion_that_reads_a_field_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversion that forgets the window (as a moved config field would make it) is refused by the probe;
+    `verify=False` returns it unverified."""
+    layer = _layer("mistral", sliding_window=2)
+    honest = _hf.variant_options
+
+    def forgets_the_window(attention: nn.Module, config: Any) -> dict[str, Any]:
+        return {k: v for k, v in honest(attention, config).items() if k != "window"}
+
+    monkeypatch.setattr(_hf, "variant_options", forgets_the_window)
+    with pytest.raises(ssm.ConfigError, match=r"the converted layer differs from MistralAttention by [0-9.e-]+ in a"):
+        ssm.MultiHeadAttention.from_hf(layer)
+    unverified = ssm.MultiHeadAttention.from_hf(layer, verify=False)
+    assert unverified.window is None and _ours_equal_theirs(unverified, layer) > 1e-3
+
+
+def test_from_hf_on_meta_loads_without_a_probe() -> None:
+    """Meta layers hold no values to compare: the conversion's shapes only (a huge config costs nothing)."""
+    with torch.device("meta"):
+        layer = importlib.import_module("transformers.models.llama.modeling_llama").LlamaAttention(
+            CONFIG_MAPPING["llama"](**SIZES), layer_idx=0
+        )
+    assert ssm.MultiHeadAttention.from_hf(layer).q_proj.weight.device.type == "meta"
+
+
+def test_dropout_is_carried_from_the_config() -> None:
+    layer = _layer("llama", attention_dropout=0.1)
+    assert ssm.MultiHeadAttention.from_hf(layer).dropout == 0.1
+
+
+LATENT = {
+    "q_lora_rank": None,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 4,
+    "head_dim": 4,  # the rotary width, as DeepSeek's configs set it
+    "v_head_dim": 4,
+    "num_key_value_heads": 4,
+}
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_latent_from_hf_pairs_rope_as_the_layer_does(model_type: str) -> None:
+    """DeepSeek-V2 has no rope_interleave field and always interleaves: the probe shows it (it was 2.45 off)."""
+    layer = _layer(model_type, **LATENT)
+    ours = ssm.LatentAttention.from_hf(layer)
+    assert ours.interleaved
+    assert _ours_equal_theirs(ours, layer) < 1e-5  # V2 rotates in complex64
+
+
+def test_latent_from_hf_refuses_a_layer_that_computes_something_else() -> None:
+    """Kimi-Linear's latent attention has no rotary embedding: refused, the RoPE named (it was 0.89 off)."""
+    layer = _layer("kimi_linear", "KimiLinearAttention", **LATENT)
+    with pytest.raises(ssm.ConfigError, match=r"LatentAttention.from_hf\(\): .* the rotary embeddings"):
+        ssm.LatentAttention.from_hf(layer)
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+
+
+def test_to_hf_compares_rope_scaling_and_dropout_and_verifies_the_layer() -> None:
+    """to_hf ignored rope_scaling (0.59 off) and dropout; now both are compared, and the layer is probed."""
+    scaled = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=1e4, rope_scaling=LLAMA3)
+    plain = CONFIG_MAPPING["llama"](**SIZES)
+    with pytest.raises(ssm.ConfigError, match=r"rope_parameters \(scaling\)=None \(module: \{'rope_type': 'llama3'"):
+        scaled.to_hf(plain)
+    with pytest.raises(ssm.ConfigError, match=r"rope_parameters \(scaling\)=\{'rope_type': 'llama3'.*\(module: None\)"):
+        ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=1e4).to_hf(
+            CONFIG_MAPPING["llama"](**SIZES, rope_parameters={**LLAMA3, "rope_theta": 1e4})
+        )
+    layer = scaled.to_hf(CONFIG_MAPPING["llama"](**SIZES, rope_parameters={**LLAMA3, "rope_theta": 1e4}))
+    assert _ours_equal_theirs(scaled.double(), layer.double().eval()) < 1e-6
+    with pytest.raises(ssm.ConfigError, match=r"attention_dropout=0.0 \(module: 0.1\)"):
+        ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=1e4, dropout=0.1).to_hf(plain)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rope_theta": 1e4},
+        {"window": 3},
+        {"logit_softcap": 5.0},
+        {"qk_norm": True},
+        {"query_pre_attn_scalar": 4.0},
+    ],
+)
+def test_to_torch_refuses_each_variant_by_name(options: dict[str, Any]) -> None:
+    """nn.MultiheadAttention computes none of them: it differed by 0.02-0.35 without a word."""
+    name = next(iter(options))
+    with pytest.raises(ssm.ConfigError, match=rf"to_torch\(\): nn.MultiheadAttention computes none of {name}="):
+        ssm.MultiHeadAttention(32, 4, **options).to_torch()
+
+
+@pytest.mark.parametrize("biased", ["qkvo", "o", "v", "qk", "qkv", ""])
+def test_from_weights_and_to_torch_keep_any_subset_of_biases(biased: str) -> None:
+    """from_weights dropped every bias without b_q (0.25 off); to_torch crashed on partial biases."""
+    source = ssm.MultiHeadAttention(32, 4, dtype=torch.float64)
+    w = source.weights()
+    weights = ssm.AttentionWeights(
+        w.w_q, w.w_k, w.w_v, w.w_o, **{f"b_{r}": getattr(w, f"b_{r}") if r in biased else None for r in "qkvo"}
+    )
+    module = ssm.MultiHeadAttention.from_weights(weights, num_heads=4)
+    assert [p.bias is not None for p in (module.q_proj, module.k_proj, module.v_proj, module.o_proj)] == [
+        r in biased for r in "qkvo"
+    ]
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    expected = per_head_attention(x, x, x, weights, num_heads=4, num_kv_heads=4)
+    torch.testing.assert_close(module(x), expected, **F64)
+    theirs = module.to_torch().eval()
+    torch.testing.assert_close(theirs(x, x, x, need_weights=False)[0], expected, **F64)
+
+
+def test_check_attention_with_an_output_bias_only_passes_from_weights() -> None:
+    """check_attention(bias="o") failed a from_weights-built implementation (0.84 off)."""
+
+    def attention(x: torch.Tensor, weights: ssm.AttentionWeights, *, num_heads: int, num_kv_heads: int,
+                  is_causal: bool) -> torch.Tensor:  # fmt: skip
+        module = ssm.MultiHeadAttention.from_weights(weights, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        return module(x, is_causal=is_causal)
+
+    check_attention(attention, bias="o", max_examples=10, dtype=torch.float64)
+
+
+def test_from_weights_names_a_weight_of_the_wrong_rank_or_dtype() -> None:
+    w = ssm.MultiHeadAttention(16, 4).weights()
+    with pytest.raises(ssm.ShapeError, match=r"w_q is 3-D, but a weight is 2-D"):
+        ssm.MultiHeadAttention.from_weights(ssm.AttentionWeights(w.w_q[None], w.w_k, w.w_v, w.w_o), num_heads=4)
+    ints = ssm.AttentionWeights(*(t.long() for t in (w.w_q, w.w_k, w.w_v, w.w_o)))
+    with pytest.raises(ssm.ShapeError, match=r"w_q has dtype int64, but weights must be floating point"):
+        ssm.MultiHeadAttention.from_weights(ints, num_heads=4)
+
+
+def test_the_probe_costs_little_beside_the_load() -> None:
+    """The probe runs on float64 copies and leaves the layer and the result as they were (dtype, mode, weights)."""
+    layer = _layer("llama").float().train()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.training and ours.q_proj.weight.dtype == torch.float32 and layer.training
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
