@@ -17,6 +17,7 @@ the fused kernel itself); those uses are here and nowhere else, each tested in t
 """
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,41 @@ def global_hooks() -> bool:
     """Whether any module-wide hook (`register_module_forward_hook` and friends) is registered."""
     hooks = _module_hooks.__dict__
     return any(hooks.get(name) for name in _GLOBAL_HOOKS)
+
+
+def _hook_stamp(hooks: dict[int, Any], count: int, newest: int) -> tuple[int, int]:
+    if hooks:  # keys are handle ids, which only grow: adding one raises the newest, removing lowers the count
+        return count + len(hooks), max(newest, *hooks)
+    return count, newest
+
+
+def module_state(modules: Iterable[nn.Module | None]) -> tuple[Any, ...]:
+    """What a verdict reads of `modules` (a module's submodules) besides which they are: their forward hooks
+    and torch's module-wide ones, and their parameters' shapes, dtypes and devices.
+
+    Equal before and after a change only if nothing changed: a hook added or removed anywhere, a
+    parameter replaced by one of another shape, dtype or device (`load_state_dict(assign=True)`,
+    `proj.weight = nn.Parameter(...)`, `proj.weight.data = ...`).
+    """
+    count = newest = 0
+    parameters: list[Any] = []
+    for module in modules:
+        if module is None:
+            continue
+        count, newest = _hook_stamp(module._forward_hooks, count, newest)
+        count, newest = _hook_stamp(module._forward_pre_hooks, count, newest)
+        for parameter in module._parameters.values():
+            parameters.append(None if parameter is None else (parameter.shape, parameter.dtype, parameter.device))
+    hooks = _module_hooks.__dict__
+    count, newest = _hook_stamp(hooks.get("_global_forward_hooks") or {}, count, newest)
+    count, newest = _hook_stamp(hooks.get("_global_forward_pre_hooks") or {}, count, newest)
+    return (count, newest, *parameters)
+
+
+def forward_hooked(module: nn.Module) -> bool:
+    """Whether a forward hook (the module's own or a module-wide one) runs after `module.forward` returns."""
+    hooks = _module_hooks.__dict__
+    return bool(module._forward_hooks or hooks.get("_global_forward_hooks"))
 
 
 def plain_linear(module: Any) -> bool:

@@ -49,10 +49,10 @@ from ._dims import (
     ValueHeads,
 )
 from ._errors import ConfigError, ShapeError
-from ._fastpath import global_hooks, plain_linear
+from ._fastpath import forward_hooked, global_hooks, module_state, plain_linear
 from ._messages import dtype_name, mismatch
 from ._rotary import RotaryEmbedding, check_rotary_width, default_positions
-from ._stages import check_cache, check_variants, explain_mask, positive_count
+from ._stages import autocast_dtype, check_cache, check_variants, explain_mask, positive_count, precheck_masks
 from ._trace import current_observer
 
 _OWNER = "LatentAttention.forward()"
@@ -285,7 +285,7 @@ def join_query(q_nope: NopeQueries, q_rope: RopeQueries) -> LatentQueryHeads:
     return torch.cat((q_nope, q_rope), dim=-1)
 
 
-@stage(name="mask", public=("attn_mask", "key_padding_mask"), explain=explain_mask)
+@stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
 def latent_masks(
     q: LatentQueryHeads,
     k: LatentKeyHeads,
@@ -518,6 +518,18 @@ class LatentAttention(nn.Module):
         self._verdicts, self._relations_known = {}, {}
         return self
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A forward hook that raises after `forward` returned fails the call too: the cache is restored.
+        cache = kwargs.get("kv_cache")
+        if not isinstance(cache, LatentCache) or not forward_hooked(self):
+            return super().__call__(*args, **kwargs)
+        state = cache.state()
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            cache.restore(state)
+            raise
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
@@ -654,11 +666,14 @@ class LatentAttention(nn.Module):
         kv_seq = query.shape[1] + (0 if kv_cache is None else len(kv_cache)) if masked else None
         structure = (
             tuple(None if t is None else (type(t), t.dtype, t.device) for t in tensors),
+            None if kv_cache is None else kv_cache.d_rope,  # the buffer's width alone does not say how it splits
             absorb,
             type(is_causal),
             is_causal,
             self.training,
+            autocast_dtype(query.device),
             *self._modules.values(),
+            module_state(self._modules.values()),  # hooks added, parameters replaced or re-typed
         )
         shapes = tuple(None if t is None else t.shape for t in tensors)
         sizes = [size for shape in shapes if shape is not None for size in shape]

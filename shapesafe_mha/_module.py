@@ -13,10 +13,18 @@ from ._cache import KVCache
 from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational, witness
 from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
 from ._errors import ConfigError
-from ._fastpath import FusedQKV, fused_qkv, native_fits
+from ._fastpath import FusedQKV, forward_hooked, fused_qkv, module_state, native_fits
 from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from ._rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
-from ._stages import FORWARD_STAGES, check_cache, check_groups, check_variants, explain_mask, positive_count
+from ._stages import (
+    FORWARD_STAGES,
+    autocast_dtype,
+    check_cache,
+    check_groups,
+    check_variants,
+    explain_mask,
+    positive_count,
+)
 from ._trace import current_observer
 from ._weights import AttentionWeights
 
@@ -49,6 +57,16 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
             "positions were given, but this module has no rotary embeddings (rope_theta=None): "
             "nothing would use them. Build it with rope_theta=..., or drop positions."
         )
+    key, query = arguments["key"], arguments["query"]
+    if module.rotary is not None and isinstance(key, Tensor) and isinstance(query, Tensor) and key is not query:
+        if key.dim() == query.dim() == 3 and key.shape[1] != query.shape[1]:
+            raise mismatch(
+                f"key has kv_seq={key.shape[1]} positions for the query's seq={query.shape[1]}, but this module "
+                f"rotates queries and keys by the same positions (rope_theta={module.rotary.theta}): cross-attention "
+                "with rotary embeddings is not supported. Build the module with rope_theta=None for cross-attention.",
+                arg="key",
+                dim="kv_seq",
+            )
     found = _module_dtype_device(module)
     cache = arguments["kv_cache"]
     check_cache(cache, KVCache)
@@ -83,6 +101,10 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
                 f"move one of them ({name}.to('{device}') or module.to('{tensor.device}')).",
                 arg=name,
             )
+
+
+def _kind(tensor: Tensor) -> tuple[Any, ...]:
+    return type(tensor), tensor.dtype, tensor.device
 
 
 def _window_fits(kept: int | None, needed: int | None) -> bool:
@@ -242,6 +264,18 @@ class MultiHeadAttention(nn.Module):
         state = self.__dict__.copy()
         state.update(_verdicts={}, _relations_known={}, _fused=None)
         return state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A forward hook that raises after `forward` returned fails the call too: the cache is restored.
+        cache = kwargs.get("kv_cache")
+        if not isinstance(cache, KVCache) or not forward_hooked(self):
+            return super().__call__(*args, **kwargs)
+        state = cache.state()
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            cache.restore(state)
+            raise
 
     def extra_repr(self) -> str:
         return (
@@ -488,7 +522,7 @@ class MultiHeadAttention(nn.Module):
             None if key is query else (type(key), key.dtype, key.device),
             None if value is key else (type(value), value.dtype, value.device),
             None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device),
-            None if key_padding_mask is None else (type(key_padding_mask), key_padding_mask.dtype),
+            None if key_padding_mask is None else _kind(key_padding_mask),
             None if positions is None else (type(positions), positions.dtype, positions.device),
             cache_kind,
             type(is_causal),
@@ -497,7 +531,9 @@ class MultiHeadAttention(nn.Module):
             need_weights,
             query.shape[1] > kv_len,  # some rows have nothing to attend to
             self.training,
+            autocast_dtype(query.device),
             *self._modules.values(),  # a projection replaced is another module (compared by identity)
+            module_state(self._modules.values()),  # hooks added, parameters replaced or re-typed
         )
         shapes = (
             query.shape,

@@ -44,8 +44,8 @@ def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | 
             other than "default" and "llama3".
     """
     check_rotary_width(d_head, "RotaryEmbedding()")
-    if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(f"RotaryEmbedding(): rope_theta must be a positive number, but got {theta!r}.")
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
+        raise ConfigError(f"RotaryEmbedding(): rope_theta must be a positive finite number, but got {theta!r}.")
     inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.int64).to(dtype=torch.float) / d_head))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":

@@ -454,11 +454,23 @@ def check_cache(cache: Any, kind: type, computed: Any = None, fix: str = "") -> 
         )
     held = cache.dtype, cache.device
     if isinstance(computed, Tensor) and held != (computed.dtype, computed.device):
+        autocast = autocast_dtype(computed.device)
+        if cache.device == computed.device and autocast is not None and cache.dtype in (autocast, torch.float32):
+            return  # autocast computes in its dtype from a cache of the parameters' (float32) or its own
+        where = "" if autocast is None else f" (autocast computes in {dtype_name(autocast)})"
         raise mismatch(
             f"kv_cache holds {dtype_name(cache.dtype)} on {cache.device}, but the module computes "
-            f"{dtype_name(computed.dtype)} on {computed.device}; use module.new_cache(batch, capacity){fix}.",
+            f"{dtype_name(computed.dtype)} on {computed.device}{where}; use module.new_cache(batch, capacity){fix}.",
             arg="kv_cache",
         )
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype `torch.autocast` computes in on `device` now, or None where it is off."""
+    kind = device.type
+    if kind == "meta" or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
 
 
 def _precheck_cache(arguments: dict[str, Any]) -> None:
@@ -479,13 +491,16 @@ def append_to_cache(cache: KVCache, kv_cache: CacheBuffer, k: NewKVHeads, v: New
     return cache.write(k, v, "MultiHeadAttention.forward()")
 
 
-def _precheck_masks(arguments: dict[str, Any]) -> None:
+def precheck_masks(arguments: dict[str, Any]) -> None:
+    """Masks on the queries' device; a float `attn_mask` in their dtype (any, under autocast)."""
     q = arguments["q"]
     for name in ("attn_mask", "key_padding_mask"):
         mask = arguments[name]
         if isinstance(mask, Tensor) and mask.device != q.device:
             raise mismatch(f"{name} is on {mask.device}, but the module's parameters are on {q.device}.", arg=name)
         if isinstance(mask, Tensor) and mask.is_floating_point() and mask.dtype != q.dtype and name == "attn_mask":
+            if autocast_dtype(q.device) is not None:
+                continue  # autocast casts what it adds the mask to; a mask in the parameters' dtype is fine
             raise mismatch(
                 f"attn_mask has dtype {dtype_name(mask.dtype)}; a float mask is added to the scores, so it must be "
                 f"{dtype_name(q.dtype)} like the module (or bool: True = may attend).",
@@ -517,7 +532,7 @@ def visible_masks(
     )
 
 
-@stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=_precheck_masks, explain=explain_mask)
+@stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
 def combine_masks(
     q: Heads,
     k: KVHeads,

@@ -10,6 +10,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 from torch import Tensor, nn
 
 from ._diagnose import FLOAT32_INSIDE, Scenario, Tolerance, describe_matches, locate_heads, name_bug
+from ._errors import ConfigError
 from ._reference import KVHeads, RopeStyle
 from ._strategies import (
     ALL_KINDS,
@@ -365,6 +366,11 @@ def _check(
     rope_style: RopeStyle = "half",
 ) -> None:
     """`check_attention`, with `prepare(config, weights)` turning the drawn weights into those the code holds."""
+    if device is not None and torch.device(device).type == "meta":
+        raise ConfigError(
+            f"device={str(device)!r}: these checks compare values with the reference, and meta tensors hold none; "
+            "check on cpu or cuda (shapesafe_mha.prove checks shapes, which meta can)."
+        )
     tol = resolve(dtype, atol, rtol)
     strategy = _configs(
         configs,

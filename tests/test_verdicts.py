@@ -1,0 +1,293 @@
+"""Verdicts are keyed on all they read: a warm module answers every call as a fresh one does.
+
+A remembered verdict skips the checks, so it must change whenever anything the checks read changes:
+hooks added (on the module, a submodule, or module-wide), parameters replaced or re-typed, a mask moved
+to another device, a latent cache split otherwise. Also: checked equals unchecked under autocast, and a
+failed call changes nothing, a hook on the module itself raising included.
+"""
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
+
+import shapesafe_mha as ssm
+
+Outcome = tuple[str, Any]
+
+
+def _outcome(run: Callable[[], Any]) -> Outcome:
+    """What a call did: its output, or the kind of error and its first line."""
+    try:
+        out = run()
+    except Exception as error:
+        return type(error).__name__, str(error).splitlines()[0] if str(error) else ""
+    return "ok", out
+
+
+def _same(warm: Outcome, fresh: Outcome) -> None:
+    assert warm[0] == fresh[0], f"the warm module: {warm}; a fresh one: {fresh}"
+    if warm[0] == "ok":
+        torch.testing.assert_close(warm[1], fresh[1], atol=0, rtol=0)
+    else:
+        assert warm[1] == fresh[1]
+
+
+def _fresh(module: nn.Module) -> Any:
+    """The same module, hooks and parameters included, with nothing remembered (deepcopy drops verdicts)."""
+    return copy.deepcopy(module)
+
+
+def _cut_keys(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    return output[:, :-1]
+
+
+def test_a_hook_added_after_a_verdict_is_checked_as_on_a_fresh_module() -> None:
+    """A forward hook truncating k_proj and v_proj by one position: the warm module returned (2, 5, 16) silently."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 6, 16)
+    module(x, is_causal=True)
+    module.k_proj.register_forward_hook(_cut_keys)
+    module.v_proj.register_forward_hook(_cut_keys)
+    with pytest.raises(ssm.ShapeError, match=r"k_proj returned a wrong value: the result has new=5 \(axis 1\)"):
+        module(x, is_causal=True)
+
+
+def test_a_module_wide_hook_added_after_a_verdict_is_checked() -> None:
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 6, 16)
+    module(x, is_causal=True)
+    module.k_proj.cut = True  # the module-wide hook cuts this module only
+    handle = register_module_forward_hook(lambda m, i, o: o[:, :-1] if getattr(m, "cut", False) else o)
+    try:
+        with pytest.raises(ssm.ShapeError, match="k_proj returned a wrong value"):
+            module(x, is_causal=True)
+    finally:
+        handle.remove()
+    module(x, is_causal=True)  # removed: right again
+
+
+def test_a_padding_mask_on_another_device_after_a_verdict_is_a_shape_error() -> None:
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 6, 16)
+    module(x, key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
+    with pytest.raises(ssm.ShapeError, match=r"key_padding_mask is on meta, but the module's parameters are on cpu"):
+        module(x, key_padding_mask=torch.zeros(2, 6, dtype=torch.bool, device="meta"))
+
+
+def test_parameters_replaced_after_a_verdict_are_checked() -> None:
+    """Another dtype (load_state_dict with assign=True) or another shape: the fresh module's ShapeError."""
+    x = torch.randn(2, 6, 16)
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    module(x)
+    module.load_state_dict({k: v.double() for k, v in module.state_dict().items()}, assign=True)
+    with pytest.raises(ssm.ShapeError, match=r"query has dtype float32, but the module's parameters are float64"):
+        module(x)
+    module = ssm.MultiHeadAttention(16, 4, 2, bias=False)
+    module(x)
+    module.k_proj.weight = nn.Parameter(torch.randn(4, 16))
+    with pytest.raises(ssm.ShapeError, match=r"k_proj returned a wrong value: the result has num_kv_heads\*d_head=4"):
+        module(x)
+
+
+def test_a_latent_cache_split_otherwise_after_a_verdict_is_a_shape_error() -> None:
+    """Same width (12), kv_lora_rank 10 + d_rope 2 instead of 8 + 4: named, after a verdict too."""
+    module = ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4)
+    x = torch.randn(1, 3, 32)
+    module(x, is_causal=True, kv_cache=module.new_cache(1, 16))
+    other = ssm.LatentCache(1, 16, kv_lora_rank=10, d_rope=2, dtype=torch.float32)
+    with pytest.raises(ssm.ShapeError, match=r"kv_cache holds kv_lora_rank=10 and d_rope=2 per position"):
+        module(x, is_causal=True, kv_cache=other)
+
+
+# --- the surgery property ---------------------------------------------------------------------------------
+
+
+@st.composite
+def _steps(draw: st.DrawFn) -> list[tuple[str, Any]]:
+    """Rounds of: a right call (its verdict remembered), surgery, then the same call again, right or wrong."""
+    surgery = st.sampled_from(["hook", "unhook", "global hook", "retype", "reshape", "move mask"])
+    steps: list[tuple[str, Any]] = []
+    for _ in range(draw(st.integers(1, 3))):
+        call = {
+            "seq": draw(st.integers(1, 4)),
+            "batch": draw(st.integers(1, 2)),
+            "causal": draw(st.booleans()),
+            "padding": draw(st.sampled_from(["none", "cpu", "meta", "float"])),
+            "cache": draw(st.booleans()),
+            "wrong": draw(st.sampled_from(["d_model", "dtype", "mask length", "mask heads", "cache dtype"])),
+        }
+        again = call
+        kinds = draw(st.lists(surgery, max_size=2))
+        if "move mask" in kinds:  # the same call with its padding mask on another device
+            call = {**call, "padding": "cpu"}
+            again = {**call, "padding": "meta"}
+        steps.append(("call", call))
+        for kind in kinds:
+            target = draw(st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj"]))
+            steps.append((kind, {"target": target, "cut": draw(st.booleans())}))
+        steps.append((draw(st.sampled_from(["call", "wrong call"])), again))
+    return steps
+
+
+def _call(module: Any, d: dict[str, Any], wrong: bool) -> Callable[[], Any]:
+    generator = torch.Generator().manual_seed(d["seq"] * 7 + d["batch"])
+    dtype = module.k_proj.weight.dtype if isinstance(module.k_proj, nn.Linear) else torch.float32
+    width, seq, batch = 16, d["seq"], d["batch"]
+    what = d["wrong"] if wrong else None
+    x = torch.randn(batch, seq, 17 if what == "d_model" else width, generator=generator)
+    x = x.to(torch.float64 if what == "dtype" and dtype != torch.float64 else dtype)
+    kv_seq = seq + (2 if d["cache"] else 0)
+    kwargs: dict[str, Any] = {"is_causal": d["causal"]}
+    if d["padding"] != "none":
+        mask = torch.zeros(batch, kv_seq - (what == "mask length"), dtype=torch.bool)
+        kwargs["key_padding_mask"] = mask.to("meta") if d["padding"] == "meta" else mask
+        if d["padding"] == "float":
+            kwargs["key_padding_mask"] = mask.float()
+    if what == "mask heads":
+        kwargs["attn_mask"] = torch.ones(batch, 3, seq, kv_seq, dtype=torch.bool)
+
+    def run() -> Any:
+        if not d["cache"]:
+            return module(x, **kwargs)
+        cache = ssm.KVCache(batch, 2, 8, 4, dtype=torch.float16 if what == "cache dtype" else dtype)
+        module(torch.zeros(batch, 2, width, dtype=x.dtype), is_causal=True, kv_cache=cache)  # a prefill of 2
+        return module(x, kv_cache=cache, **kwargs)
+
+    return run
+
+
+def _cutting_hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    return output[..., :-1] if getattr(module, "cut_here", False) else output
+
+
+@given(steps=_steps())
+def test_with_surgery_between_calls_a_warm_module_answers_as_a_fresh_one(steps: list[tuple[str, Any]]) -> None:
+    """Random right and wrong calls, hooks added and removed (on submodules and module-wide), parameters
+    re-typed and replaced by others of another shape, masks moved to another device or made float: each call
+    of the warm module (verdicts remembered) has the outcome of the same call on a fresh copy."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    handles: list[Any] = []
+    global_hooks: list[Any] = []
+    try:
+        for kind, d in steps:
+            if kind in ("call", "wrong call"):
+                fresh = _fresh(module)
+                _same(_outcome(_call(module, d, kind == "wrong call")), _outcome(_call(fresh, d, kind == "wrong call")))
+            elif kind == "hook":
+                cut = _cut_keys if d["cut"] else (lambda m, i, o: o)
+                handles.append(module._modules[d["target"]].register_forward_hook(cut))  # pyright: ignore[reportOptionalMemberAccess]
+            elif kind == "unhook" and handles:
+                handles.pop().remove()
+            elif kind == "global hook":
+                module._modules[d["target"]].cut_here = d["cut"]  # pyright: ignore[reportOptionalMemberAccess]
+                if not global_hooks:
+                    global_hooks.append(register_module_forward_hook(_cutting_hook))
+            elif kind == "retype":
+                new_dtype = torch.float64 if module.q_proj.weight.dtype == torch.float32 else torch.float32
+                module.load_state_dict({k: v.to(new_dtype) for k, v in module.state_dict().items()}, assign=True)
+            elif kind == "reshape":
+                proj = module._modules[d["target"]]
+                weight = proj.weight  # pyright: ignore[reportOptionalMemberAccess]
+                rows = weight.shape[0] - 4 if d["cut"] and weight.shape[0] > 4 else weight.shape[0]
+                proj.weight = nn.Parameter(torch.randn(rows, weight.shape[1], dtype=weight.dtype))  # pyright: ignore[reportOptionalMemberAccess]
+                if proj.bias is not None:  # pyright: ignore[reportOptionalMemberAccess]
+                    proj.bias = nn.Parameter(torch.randn(rows, dtype=weight.dtype))  # pyright: ignore[reportOptionalMemberAccess]
+    finally:
+        for handle in handles + global_hooks:
+            handle.remove()
+
+
+# --- autocast, failed calls, raw errors ---------------------------------------------------------------------
+
+
+def test_under_autocast_the_checked_path_accepts_what_unchecked_computes() -> None:
+    """A float32 module and input under bfloat16 autocast: a float32 attn_mask and a float32 KVCache were
+    refused (the message said "bfloat16 like the module"); now checked == unchecked, and a cache in a third
+    dtype is refused naming the dtype autocast computes in."""
+    module = ssm.MultiHeadAttention(32, 4, 2)
+    x, mask = torch.randn(2, 5, 32), torch.zeros(5, 5)
+    with torch.autocast("cpu", torch.bfloat16):
+        for call in (
+            lambda: module(x, attn_mask=mask),
+            lambda: module(x, is_causal=True, kv_cache=module.new_cache(2, 8)),
+        ):
+            checked = call()
+            with ssm.unchecked():
+                torch.testing.assert_close(checked, call(), atol=0, rtol=0)
+        with pytest.raises(ssm.ShapeError, match=r"kv_cache holds float16 .* \(autocast computes in bfloat16\)"):
+            module(x, is_causal=True, kv_cache=module.new_cache(2, 8).to(torch.float16))
+
+
+@pytest.mark.parametrize("kind", ["multi-head", "latent"])
+def test_a_raising_hook_on_the_module_itself_leaves_the_cache_as_it_was(kind: str) -> None:
+    """The forward succeeded, then the module's own forward hook raised: len(cache) was 4, not 0."""
+    if kind == "multi-head":
+        module: Any = ssm.MultiHeadAttention(16, 4, 2)
+        x = torch.randn(2, 4, 16)
+    else:
+        module = ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4)
+        x = torch.randn(2, 4, 32)
+    cache = module.new_cache(2, 8)
+    module(x[:, :1], is_causal=True, kv_cache=cache)
+
+    def fails(m: nn.Module, i: Any, o: Any) -> None:
+        raise RuntimeError("a hook failed")
+
+    handle = module.register_forward_hook(fails)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        module(x, is_causal=True, kv_cache=cache)
+    assert len(cache) == 1
+    handle.remove()
+    module(x[:, 1:], is_causal=True, kv_cache=cache)
+    assert len(cache) == 4
+
+
+def test_latent_attention_refuses_a_float_mask_of_another_dtype_as_multi_head_does() -> None:
+    latent = ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4, dtype=torch.float64)
+    with pytest.raises(ssm.ShapeError, match=r"attn_mask has dtype float32; a float mask is added to the scores"):
+        latent(torch.randn(1, 3, 32, dtype=torch.float64), attn_mask=torch.zeros(3, 3))
+
+
+def test_latent_attention_with_masks_on_meta_checks_shapes() -> None:
+    latent = ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4, device="meta")
+    x = torch.randn(1, 3, 32, device="meta")
+    mask = torch.ones(3, 3, dtype=torch.bool, device="meta")
+    assert latent(x, attn_mask=mask, is_causal=True).shape == (1, 3, 32)
+    cache = latent.new_cache(1, 8)
+    padding = torch.zeros(1, 3, dtype=torch.bool, device="meta")
+    assert latent(x, key_padding_mask=padding, is_causal=True, kv_cache=cache).shape == (1, 3, 32)
+
+
+@pytest.mark.parametrize("theta", [float("nan"), float("inf"), -1.0])
+def test_a_rope_theta_that_is_not_a_positive_finite_number_is_refused(theta: float) -> None:
+    """NaN theta gave finite garbage (0.58 off)."""
+    with pytest.raises(ssm.ConfigError, match="rope_theta must be a positive finite number"):
+        ssm.MultiHeadAttention(16, 4, rope_theta=theta)
+
+
+def test_rope_with_cross_attention_is_refused_as_not_supported() -> None:
+    module = ssm.MultiHeadAttention(16, 4, rope_theta=1e4)
+    with pytest.raises(ssm.ShapeError, match=r"cross-attention with rotary embeddings is not supported"):
+        module(torch.randn(2, 3, 16), torch.randn(2, 5, 16))
+
+
+def test_vmap_with_a_cache_is_a_shape_error_not_a_torch_error() -> None:
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = module.new_cache(3, 8)
+    with pytest.raises(ssm.ShapeError, match=r"kv_cache has batch=3 \(axis 0\), but query set batch=1"):
+        torch.vmap(lambda x: module(x[None], kv_cache=cache))(torch.randn(3, 2, 16))
+
+
+def test_check_attention_on_meta_says_it_compares_values() -> None:
+    from shapesafe_mha.testing import check_attention
+
+    with pytest.raises(ssm.ConfigError, match=r"device='meta': these checks compare values"):
+        check_attention(lambda *a, **k: None, device="meta", max_examples=1)
