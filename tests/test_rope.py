@@ -199,6 +199,16 @@ def test_to_hf_round_trips() -> None:
         ours.to_hf(other)
 
 
+def test_from_hf_carries_the_layers_attention_dropout() -> None:
+    """A Llama layer configured with attention_dropout=0.1 becomes a module with dropout 0.1 (the layer drops
+    attention probabilities in training; a module without dropout would train another model)."""
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1
+    )
+    ours = ssm.MultiHeadAttention.from_hf(LlamaAttention(config, layer_idx=0))
+    assert ours.dropout == 0.1
+
+
 def test_unsupported_variants_are_refused_by_their_config_field() -> None:
     linear = transformers.LlamaConfig(
         hidden_size=32, num_attention_heads=4, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
