@@ -49,7 +49,16 @@ def _inputs(case: dict[str, Any]) -> dict[str, Any]:
     if case["padding"]:
         lengths = torch.randint(0, kv + 1, (b,), generator=generator)
         padding = torch.arange(kv)[None, :] >= lengths[:, None]
-    return {"x": x, "memory": memory, "mask": mask, "padding": padding, "probe": randn(b, s, d)}
+    probe, weights_probe = randn(b, s, d), randn(b, case["num_heads"], s, kv)
+    return {"x": x, "memory": memory, "mask": mask, "padding": padding, "probe": probe, "weights_probe": weights_probe}
+
+
+def _same_gradients(full: ssm.MultiHeadAttention, sharded: HeadParallelAttention) -> None:
+    """Every parameter's gradient, gathered back from the ranks, is the unsharded module's (none: zeros)."""
+    gathered = sharded.gather_gradients()
+    for name, param in full.named_parameters():
+        expected = torch.zeros_like(param) if param.grad is None else param.grad
+        torch.testing.assert_close(gathered[name], expected, **F64, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _check_case(case: dict[str, Any]) -> dict[str, Any]:
@@ -92,10 +101,17 @@ def _check_case(case: dict[str, Any]) -> dict[str, Any]:
         (full(x_full, **kwargs) * t["probe"]).sum().backward()
         (sharded(x_sharded, **kwargs) * t["probe"]).sum().backward()
         torch.testing.assert_close(x_sharded.grad, x_full.grad, **F64)
-        gathered = sharded.gather_gradients()
-        for name, param in full.named_parameters():
-            assert param.grad is not None
-            torch.testing.assert_close(gathered[name], param.grad, **F64, msg=lambda m, n=name: f"{n}: {m}")
+        assert all(param.grad is not None for param in full.parameters())
+        _same_gradients(full, sharded)
+
+        # A loss on the returned weights: through the gather, each rank's heads get the gradient of their share.
+        full.zero_grad()
+        sharded.zero_grad()
+        x_full, x_sharded = t["x"].clone().requires_grad_(), t["x"].clone().requires_grad_()
+        (full(x_full, need_weights=True, **kwargs)[1] * t["weights_probe"]).sum().backward()
+        (sharded(x_sharded, need_weights=True, **kwargs)[1] * t["weights_probe"]).sum().backward()
+        torch.testing.assert_close(x_sharded.grad, x_full.grad, **F64)
+        _same_gradients(full, sharded)
 
     # Prefill then token-by-token decoding with per-rank caches == the unsharded causal forward.
     with torch.no_grad():

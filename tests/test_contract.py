@@ -166,6 +166,37 @@ def test_decoding_with_a_growing_padding_mask_is_checked_once() -> None:
     assert checked == [0, 8, 15, 31 - 1] or len(checked) <= 5, checked
 
 
+def test_a_padding_mask_one_short_is_a_shape_error_at_every_decoding_step() -> None:
+    """Decoding with a growing key_padding_mask remembers verdicts; at every step a mask one position short of
+    the cache plus the new key is still our ShapeError (never torch's), and the cache is left as it was."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(24, 6, 2)
+    cache = module.new_cache(batch=2, capacity=20)
+    padding = torch.zeros(2, 20, dtype=torch.bool)
+    padding[1, :2] = True
+    module(torch.randn(2, 4, 24), is_causal=True, kv_cache=cache, key_padding_mask=padding[:, :4])
+    for t in range(4, 19):
+        step = torch.randn(2, 1, 24)
+        with pytest.raises(ssm.ShapeError, match=f"key_padding_mask has kv_seq={t} "):
+            module(step, is_causal=True, kv_cache=cache, key_padding_mask=padding[:, :t])
+        assert len(cache) == t
+        module(step, is_causal=True, kv_cache=cache, key_padding_mask=padding[:, : t + 1])
+
+
+def test_a_float_padding_mask_after_a_bool_one_of_the_same_shape_is_refused() -> None:
+    """A verdict for a bool key_padding_mask says nothing about a float one of the same shape: it is a ShapeError."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 3, 16)
+    padding = torch.tensor([[False, False, False], [True, False, False]])
+    module(x, key_padding_mask=padding)
+    with pytest.raises(ssm.ShapeError, match="key_padding_mask has dtype float32, but it must be bool"):
+        module(x, key_padding_mask=padding.float())
+    with torch.no_grad():
+        module(x, key_padding_mask=padding)
+        with pytest.raises(ssm.ShapeError, match="key_padding_mask has dtype float32, but it must be bool"):
+            module(x, key_padding_mask=padding.float())
+
+
 # --- soundness: a wrong call among right ones is always rejected ------------------------------------------
 
 

@@ -300,3 +300,20 @@ def test_causal_with_more_queries_than_keys_is_lower_right_aligned(num_kv_heads:
         x, memory, memory, module.weights(), num_heads=4, num_kv_heads=num_kv_heads, is_causal=True
     )
     torch.testing.assert_close(out, expected, **F64)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("kv_seq", [6, 9])
+def test_causal_weights_put_exactly_zero_on_every_future_key(num_kv_heads: int, kv_seq: int) -> None:
+    """is_causal: query i, at position kv_seq - seq + i, gives weight exactly 0 to every later key and some
+    weight to every other, square MHA (seq == kv_seq, the case torch's own causal mask covers) included."""
+    torch.manual_seed(0)
+    seq = 6
+    q = torch.randn(2, 4, seq, 8, dtype=torch.float64)
+    k = torch.randn(2, num_kv_heads, kv_seq, 8, dtype=torch.float64)
+    weights = ssm.attention_weights(q, k, is_causal=True)
+    query_position = torch.arange(kv_seq - seq, kv_seq)[:, None]
+    future = torch.arange(kv_seq)[None, :] > query_position
+    assert torch.all(weights[..., future] == 0)
+    assert torch.all(weights[..., ~future] > 0)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, seq, dtype=torch.float64), **F64)

@@ -44,6 +44,20 @@ def test_detail_lines_give_named_shapes_and_bound_dimensions() -> None:
     assert any(line.startswith("Bound so far:") and "d_head=64 (q)" in line for line in lines)
 
 
+@pytest.mark.parametrize("mask", ["key_padding_mask", "attn_mask"])
+def test_a_cached_call_names_the_cache_plus_key_as_what_set_kv_seq(mask: str) -> None:
+    """With a cache, kv_seq is the cached positions plus the new key: a mask of another length is told so, with
+    both lengths (the user passed no tensor of kv_seq=5, so "key set kv_seq=5" would send them to the key)."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = module.new_cache(batch=2, capacity=8)
+    module(torch.randn(2, 4, 16), is_causal=True, kv_cache=cache)
+    short = torch.zeros(2, 4, dtype=torch.bool) if mask == "key_padding_mask" else torch.ones(1, 4, dtype=torch.bool)
+    expected = rf"^MultiHeadAttention\.forward\(\): {mask} has kv_seq=4 \(axis 1\), but the cache plus key set kv_seq=5"
+    with pytest.raises(ssm.ShapeError, match=expected):
+        module(torch.randn(2, 1, 16), is_causal=True, kv_cache=cache, **{mask: short})
+    assert len(cache) == 4
+
+
 # --- fuzz: one dimension perturbed, for each public function --------------------------------------------
 
 

@@ -81,6 +81,23 @@ def test_a_replaced_or_written_parameter_is_seen_by_the_fused_weight() -> None:
     assert _uses_fused_path(module, x)
 
 
+def test_a_weight_assigned_through_data_is_used_by_the_next_no_grad_forward() -> None:
+    """`proj.weight.data = new` moves no version counter, but it is another tensor: the fused weight is rebuilt,
+    as _fastpath's docstring promises (a stale one is about 0.3 off here)."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, 2, dtype=torch.float64)
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        module(x)  # builds the fused weight
+    for proj in (module.q_proj, module.k_proj, module.v_proj):
+        proj.weight.data = torch.randn_like(proj.weight)
+        with torch.no_grad():
+            out = module(x)
+        expected = per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=2)
+        torch.testing.assert_close(out, expected, **F64)
+    assert _uses_fused_path(module, x)
+
+
 def test_state_dict_tensors_do_not_share_storage() -> None:
     """Saved q/k/v weights are tensors of their own (safetensors refuses shared storage); loading refills the fusion."""
     module = ssm.MultiHeadAttention(16, 4, 2)

@@ -254,3 +254,20 @@ def test_a_latent_cache_split_otherwise_is_named_not_a_torch_error() -> None:
     assert len(swapped) == 0
     cache = mla.new_cache(2, 8).to(torch.float64)
     assert cache.dtype == torch.float64 and cache.buffer.shape == (2, 8, 20)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("d_rope", [2, 6])
+def test_a_latent_cache_of_another_d_rope_is_refused_after_a_verdict_for_a_right_one(grad: bool, d_rope: int) -> None:
+    """The right kv_lora_rank but another d_rope: once prefill and a decoding step with the right cache have been
+    accepted (verdicts remembered), the wrong cache is still a ShapeError naming the width, and is left empty."""
+    mla = ssm.LatentAttention(64, 8, q_lora_rank=24, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=6)
+    with torch.set_grad_enabled(grad):
+        right = mla.new_cache(2, 8)
+        mla(torch.randn(2, 3, 64), kv_cache=right, is_causal=True)
+        mla(torch.randn(2, 1, 64), kv_cache=right, is_causal=True)
+        for seq in (3, 1):
+            wrong = ssm.LatentCache(2, 8, 16, d_rope, dtype=torch.float32)
+            with pytest.raises(ssm.ShapeError, match=rf"kv_cache has kv_lora_rank\+d_rope={16 + d_rope} \(axis 2\)"):
+                mla(torch.randn(2, seq, 64), kv_cache=wrong, is_causal=True)
+            assert len(wrong) == 0

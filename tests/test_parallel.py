@@ -72,9 +72,10 @@ def all_cases() -> list[dict[str, object]]:
 def test_sharded_equals_unsharded_on_every_rank(world_size: int) -> None:
     """World sizes 1, 2, 4; MHA, GQA (sharded and replicated KV), MQA; masks, padding, causal, cross-attention.
 
-    Forward, per-head weights, input and parameter gradients (gathered back), and prefill-then-decode
-    with per-rank caches all equal the unsharded float64 module on every rank; configs that cannot be
-    split raise the same ConfigError on every rank, and no rank hangs (one spawn runs every case).
+    Forward, per-head weights, input and parameter gradients (gathered back) of a loss on the output and of
+    one on the returned weights, and prefill-then-decode with per-rank caches all equal the unsharded float64
+    module on every rank; configs that cannot be split raise the same ConfigError on every rank, and no rank
+    hangs (one spawn runs every case).
     """
     case_list = all_cases()
     results = run_cases(world_size, case_list)

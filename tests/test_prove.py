@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from prove_modules import UserAttention
+from torch import nn
 
 import shapesafe_mha as ssm
 
@@ -77,6 +78,27 @@ def test_each_size_specific_bug_fails_naming_its_dimension(bug: str, dimension: 
     first_lines = [failure.splitlines()[0] for failure in proof.failures]
     assert any(line.startswith(f"{dimension}: ") for line in first_lines), first_lines
     assert all(len(line) <= 240 for line in first_lines)
+
+
+class _DropFirstPosition(nn.Module):
+    """A projection that loses the first position: every later stage sees one position fewer than the query."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[:, 1:]
+
+
+def test_a_stage_whose_plain_dimension_contradicts_an_earlier_one_is_named() -> None:
+    """seq is bound by the query (1 here), and q_proj returns 0 positions under the same name: the named-shape
+    check reports that stage with both sizes, though export itself raises nothing at this size."""
+    module = ssm.MultiHeadAttention(64, 8)
+    module.q_proj = _DropFirstPosition(module.q_proj)
+    proof = ssm.prove(module, seq=(1, 1))
+    assert not proof.ok
+    assert "seq: q_proj has 0 at axis 1 where its annotation 'batch seq num_heads*d_head' needs 1" in proof.failures
 
 
 def test_the_truncation_branch_is_located_at_its_threshold() -> None:

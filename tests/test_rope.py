@@ -77,6 +77,20 @@ def test_a_left_padded_batch_gives_its_own_positions() -> None:
     torch.testing.assert_close(out[:, 3:], module(tokens, is_causal=True), **F64)
 
 
+def test_a_rope_module_fit_for_torchs_fused_kernel_still_rotates_without_grad() -> None:
+    """Biased MHA whose heads tile d_model, in eval, not causal, under no_grad: everything torch's fused MHA kernel
+    needs, but that kernel has no RoPE, so the no-grad output is still the grad-mode one and the reference's."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, bias=True, rope_theta=10000.0, dtype=torch.float64).eval()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    expected = per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4, rope_theta=10000.0)
+    with_grad = module(x)
+    with torch.no_grad():
+        without_grad = module(x)
+    torch.testing.assert_close(with_grad, expected, **F64)
+    torch.testing.assert_close(without_grad, with_grad, **F64)
+
+
 def test_rotary_errors_name_what_is_wrong() -> None:
     module = ssm.MultiHeadAttention(32, 4, rope_theta=10000.0)
     x = torch.randn(2, 5, 32)
@@ -183,6 +197,16 @@ def test_to_hf_round_trips() -> None:
     other = transformers.LlamaConfig(hidden_size=32, num_attention_heads=8, num_key_value_heads=2)
     with pytest.raises(ssm.ConfigError, match=r"num_attention_heads=8 \(module: 4\)"):
         ours.to_hf(other)
+
+
+def test_from_hf_carries_the_layers_attention_dropout() -> None:
+    """A Llama layer configured with attention_dropout=0.1 becomes a module with dropout 0.1 (the layer drops
+    attention probabilities in training; a module without dropout would train another model)."""
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1
+    )
+    ours = ssm.MultiHeadAttention.from_hf(LlamaAttention(config, layer_idx=0))
+    assert ours.dropout == 0.1
 
 
 def test_unsupported_variants_are_refused_by_their_config_field() -> None:

@@ -236,6 +236,13 @@ def test_atol_and_rtol_set_the_tolerance() -> None:
         check_attention(_off_by(1e-6), atol=0, rtol=1e-9, max_examples=10)
 
 
+def test_a_float32_check_rejects_an_output_off_by_1e_3_everywhere() -> None:
+    """1e-3 everywhere is a wrong answer in float32 (its rounding here is about 1e-6, see test_pins' measured bounds):
+    the check fails it, whatever tolerance(float32) says; the number is pinned here, not read from tolerance()."""
+    with pytest.raises(AssertionError, match=r"differs from the per-head reference by 0\.001 "):
+        check_attention(_off_by(1e-3), dtype=torch.float32, max_examples=5)
+
+
 def test_float32_inside_a_float64_check_is_named_not_called_a_bug() -> None:
     """Softmax in float32, the rest in float64: the report says so, and names no wrong head."""
 

@@ -145,6 +145,50 @@ def test_a_chunk_longer_than_the_window_cache_passes_through() -> None:
     assert len(cache) == 53
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_call_failing_after_its_write_slid_the_window_cache_changes_nothing(grad: bool) -> None:
+    """Before every step a call fails after writing (an o_proj hook raises), some of them when the write slides the
+    full buffer: the steps that follow still decode what one causal forward computes (keys and values restored,
+    not only len()), whether the cache is written out of place (autograd) or in place (no_grad)."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, 2, window=4, rope_theta=10000.0, dtype=torch.float64)
+    x = torch.randn(2, 14, 16, dtype=torch.float64)
+    cache = module.new_cache(2, 6)
+
+    def explode(*_: Any) -> None:
+        raise RuntimeError("boom")
+
+    steps = []
+    with torch.set_grad_enabled(grad):
+        for i in range(14):
+            handle = module.o_proj.register_forward_pre_hook(explode)
+            with pytest.raises(RuntimeError, match="boom"):
+                module(torch.randn(2, 1, 16, dtype=torch.float64), is_causal=True, kv_cache=cache)
+            handle.remove()
+            assert len(cache) == i
+            steps.append(module(x[:, i : i + 1], is_causal=True, kv_cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), module(x, is_causal=True), **F64)
+
+
+def test_reset_of_a_window_cache_that_slid_starts_over() -> None:
+    """After sliding, reset() gives len() == 0, and a new prompt with its own padding mask (over its own positions)
+    is accepted and computes what the same prompt computes without a cache."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, 2, window=3, rope_theta=10000.0, dtype=torch.float64)
+    cache = module.new_cache(2, 4)
+    for _ in range(9):
+        module(torch.randn(2, 1, 16, dtype=torch.float64), is_causal=True, kv_cache=cache)
+    assert len(cache) == 9 and cache.kept < 9
+    cache.reset()
+    assert len(cache) == 0
+    prompt = torch.randn(2, 4, 16, dtype=torch.float64)
+    padding = torch.tensor([[True, False, False, False], [False, False, False, False]])
+    out = module(prompt, is_causal=True, kv_cache=cache, key_padding_mask=padding)
+    expected = module(prompt, is_causal=True, key_padding_mask=padding)
+    torch.testing.assert_close(out, expected, **F64)
+    assert len(cache) == 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
