@@ -8,6 +8,7 @@ from torch import Tensor
 from ._contract import Session, Stage, checks_enabled, signature_key
 from ._dims import CacheBuffer, KVHeads, NewKVHeads
 from ._errors import ConfigError, ShapeError
+from ._fastpath import refuse_under_vmap
 from ._messages import dtype_name, mismatch
 
 CacheState = tuple[Tensor, Tensor, int, int]
@@ -218,6 +219,7 @@ class KVCache:
     def write(self, k: Tensor, v: Tensor, owner: str | None = None) -> tuple[Tensor, Tensor]:
         """Append without checking shapes (the capacity is always checked); views of all cached."""
         new = k.shape[2]
+        refuse_under_vmap(k, owner)
         self._check_room(new, owner)
         tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.keys_buffer.requires_grad)
         if self.window is not None and self._length + new > self.capacity:

@@ -297,6 +297,19 @@ class Session:
                 self.observer(trace_name, arrays[0].dim_str if arrays else "", value)
 
 
+def recheck(checked: Callable[[], Any], failure: BaseException) -> None:
+    """A call whose verdict was remembered failed unchecked: run it `checked()` to explain it, as a fresh
+    module would (something it depends on changed that its key did not hold, such as a parameter
+    replaced by one of another shape or dtype). Raises the checked failure, else `failure` itself."""
+    from ._errors import ShapesafeError
+
+    try:
+        checked()
+    except ShapesafeError as explained:
+        raise explained from None
+    raise failure
+
+
 def raw(**stages: Stage[..., Any]) -> SimpleNamespace:
     """The stages' functions themselves: what a forward runs once its verdict is known."""
     return SimpleNamespace(**{n: s.fn for n, s in stages.items()})

@@ -13,7 +13,8 @@ the one autograd cannot see either: in place through `param.data` (`p.data += x`
 `torch.no_grad()` instead, or call `module.to(module.q_proj.weight.device)` afterwards.
 
 torch has no public API for some of what this needs (a module's hooks, a tensor's version counter,
-the fused kernel itself); those uses are here and nowhere else, each tested in tests/test_fastpath.py.
+the fused kernel itself, whether a tensor is a `vmap` slice); those uses are here and nowhere else,
+each tested (tests/test_fused.py, tests/test_verdicts.py).
 """
 
 import operator
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module_hooks
+
+from ._errors import ShapeError
 
 # Up to this many positions torch's fused MHA kernel is as fast as our fused-QKV + SDPA path or
 # faster; beyond it SDPA's flash kernel wins (measured on CPU: 0.82x of the kernel's time at 256).
@@ -44,39 +47,51 @@ def global_hooks() -> bool:
     return any(hooks.get(name) for name in _GLOBAL_HOOKS)
 
 
-def _hook_stamp(hooks: dict[int, Any], count: int, newest: int) -> tuple[int, int]:
-    if hooks:  # keys are handle ids, which only grow: adding one raises the newest, removing lowers the count
-        return count + len(hooks), max(newest, *hooks)
-    return count, newest
-
-
 def module_state(modules: Iterable[nn.Module | None]) -> tuple[Any, ...]:
     """What a verdict reads of `modules` (a module's submodules) besides which they are: their forward hooks
-    and torch's module-wide ones, and their parameters' shapes, dtypes and devices.
+    and torch's module-wide ones, as how many and the newest one's handle id, and their weights' shapes.
 
-    Equal before and after a change only if nothing changed: a hook added or removed anywhere, a
-    parameter replaced by one of another shape, dtype or device (`load_state_dict(assign=True)`,
-    `proj.weight = nn.Parameter(...)`, `proj.weight.data = ...`).
+    Handle ids only grow, so adding a hook raises the newest and removing one lowers the count. A weight
+    of another shape can change a result without an error (`o_proj`'s rows are the output's width); a
+    bias, dtype or device that disagrees makes torch fail instead, and `recheck` explains that failure.
     """
     count = newest = 0
-    parameters: list[Any] = []
-    for module in modules:
+    hooks = _module_hooks.__dict__
+    tables = [hooks.get("_global_forward_hooks"), hooks.get("_global_forward_pre_hooks")]
+    shapes: list[Any] = []
+    for module in modules:  # a plain loop: this runs on every call whose verdict is known
         if module is None:
             continue
-        count, newest = _hook_stamp(module._forward_hooks, count, newest)
-        count, newest = _hook_stamp(module._forward_pre_hooks, count, newest)
-        for parameter in module._parameters.values():
-            parameters.append(None if parameter is None else (parameter.shape, parameter.dtype, parameter.device))
-    hooks = _module_hooks.__dict__
-    count, newest = _hook_stamp(hooks.get("_global_forward_hooks") or {}, count, newest)
-    count, newest = _hook_stamp(hooks.get("_global_forward_pre_hooks") or {}, count, newest)
-    return (count, newest, *parameters)
+        if module._forward_hooks or module._forward_pre_hooks:
+            tables += (module._forward_hooks, module._forward_pre_hooks)
+        weight = module._parameters.get("weight")
+        shapes.append(None if weight is None else weight.shape)
+    for table in tables:
+        if table:
+            count += len(table)
+            newest = max(newest, *table)
+    return (count, newest, *shapes)
 
 
 def forward_hooked(module: nn.Module) -> bool:
     """Whether a forward hook (the module's own or a module-wide one) runs after `module.forward` returns."""
     hooks = _module_hooks.__dict__
     return bool(module._forward_hooks or hooks.get("_global_forward_hooks"))
+
+
+def vmapped(tensor: Tensor) -> bool:
+    """Whether `tensor` is one slice of a `torch.vmap` (torch documents no public test for it)."""
+    return bool(torch._C._functorch.is_batchedtensor(tensor))  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def refuse_under_vmap(tensor: Tensor, owner: str | None) -> None:
+    """A cache is one buffer for the whole batch: `torch.vmap` would write each slice into it."""
+    if vmapped(tensor):
+        raise ShapeError(
+            f"{owner or 'KVCache.append()'}: kv_cache cannot be written under torch.vmap: it is one buffer for "
+            "the whole batch, and each mapped slice would write into it; call the module on the batch instead "
+            "(kv_cache's batch is its first axis)."
+        )
 
 
 def plain_linear(module: Any) -> bool:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _kernels as K
-from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational, stage, witness
+from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, recheck, relational, stage, witness
 from ._dims import (
     AbsorbedOut,
     AbsorbedQueries,
@@ -49,10 +49,18 @@ from ._dims import (
     ValueHeads,
 )
 from ._errors import ConfigError, ShapeError
-from ._fastpath import forward_hooked, global_hooks, module_state, plain_linear
+from ._fastpath import forward_hooked, global_hooks, module_state, plain_linear, refuse_under_vmap
 from ._messages import dtype_name, mismatch
 from ._rotary import RotaryEmbedding, check_rotary_width, default_positions
-from ._stages import autocast_dtype, check_cache, check_variants, explain_mask, positive_count, precheck_masks
+from ._stages import (
+    autocast_dtype,
+    autocast_on,
+    check_cache,
+    check_variants,
+    explain_mask,
+    positive_count,
+    precheck_masks,
+)
 from ._trace import current_observer
 
 _OWNER = "LatentAttention.forward()"
@@ -159,6 +167,7 @@ class LatentCache:
     def write(self, latent: Tensor, k_rope: Tensor, owner: str) -> tuple[Tensor, Tensor]:
         """Append without checking shapes (the capacity is always checked); views of all cached."""
         start, end = self._length, self._length + latent.shape[1]
+        refuse_under_vmap(latent, owner)
         if end > self.capacity:
             raise ShapeError(
                 f"{owner}: appending new={latent.shape[1]} positions to the {start} in kv_cache would exceed its "
@@ -610,21 +619,15 @@ class LatentAttention(nn.Module):
         state = kv_cache.state() if isinstance(kv_cache, LatentCache) else None
         try:
             if not check and observer is None:
-                return self._run(_RAW, absorb, *call)
-            with Session(_OWNER, check=check, observer=observer) as session:
-                session.seed(LatentSizes, witness(self._sizes), "the module")
-                arguments = dict(
-                    attn_mask=attn_mask,
-                    key_padding_mask=key_padding_mask,
-                    is_causal=is_causal,
-                    kv_cache=kv_cache,
-                    positions=positions,
-                )
-                session.check_arguments(_FORWARD, (self, query), arguments, hints=_FORWARD_HINTS)
-                if observer is not None:
-                    observer("query", "batch seq d_model", query)
-                result = self._run(session.stages(**_STAGES), absorb, *call)
-                session.report(_FORWARD, result)
+                try:
+                    return self._run(_RAW, absorb, *call)
+                except Exception as failure:
+                    if keys is None:  # checks off: torch's error as it is
+                        raise
+                    if state is not None and kv_cache is not None:
+                        kv_cache.restore(state)
+                    recheck(lambda: self._checked(True, None, absorb, *call), failure)
+            result = self._checked(check, observer, absorb, *call)
         except BaseException:
             if state is not None and kv_cache is not None:
                 kv_cache.restore(state)
@@ -634,6 +637,25 @@ class LatentAttention(nn.Module):
                 if len(verdicts) >= MAX_VERDICTS:
                     verdicts.clear()
                 verdicts[key] = True
+        return result
+
+    def _checked(self, check: bool, observer: Any, absorb: bool, *call: Any) -> Any:
+        """The forward with every stage checked against one memo, and reported to the trace."""
+        query, attn_mask, key_padding_mask, is_causal, kv_cache, positions = call
+        with Session(_OWNER, check=check, observer=observer) as session:
+            session.seed(LatentSizes, witness(self._sizes), "the module")
+            arguments = dict(
+                attn_mask=attn_mask,
+                key_padding_mask=key_padding_mask,
+                is_causal=is_causal,
+                kv_cache=kv_cache,
+                positions=positions,
+            )
+            session.check_arguments(_FORWARD, (self, query), arguments, hints=_FORWARD_HINTS)
+            if observer is not None:
+                observer("query", "batch seq d_model", query)
+            result = self._run(session.stages(**_STAGES), absorb, *call)
+            session.report(_FORWARD, result)
         return result
 
     def _known(self, keys: tuple[Any, Any]) -> bool:
@@ -671,7 +693,7 @@ class LatentAttention(nn.Module):
             type(is_causal),
             is_causal,
             self.training,
-            autocast_dtype(query.device),
+            autocast_on() and autocast_dtype(query.device),
             *self._modules.values(),
             module_state(self._modules.values()),  # hooks added, parameters replaced or re-typed
         )

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from . import _kernels as K
 from ._cache import KVCache
-from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, relational, witness
+from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, recheck, relational, witness
 from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
 from ._errors import ConfigError
 from ._fastpath import FusedQKV, forward_hooked, fused_qkv, module_state, native_fits
@@ -19,6 +19,7 @@ from ._rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_
 from ._stages import (
     FORWARD_STAGES,
     autocast_dtype,
+    autocast_on,
     check_cache,
     check_groups,
     check_variants,
@@ -450,7 +451,14 @@ class MultiHeadAttention(nn.Module):
         state = kv_cache.state() if isinstance(kv_cache, KVCache) else None
         try:
             if not check and observer is None:
-                return self._run(_RAW, path, fused, *call)
+                try:
+                    return self._run(_RAW, path, fused, *call)
+                except Exception as failure:
+                    if keys is None:  # checks off: torch's error as it is
+                        raise
+                    if state is not None and kv_cache is not None:
+                        kv_cache.restore(state)
+                    recheck(lambda: self._checked(True, None, path, fused, *call), failure)
             with _quiet_jit_tracer() if jit_tracing else contextlib.nullcontext():
                 result = self._checked(check, observer, path, fused, *call)
         except BaseException:
@@ -531,7 +539,7 @@ class MultiHeadAttention(nn.Module):
             need_weights,
             query.shape[1] > kv_len,  # some rows have nothing to attend to
             self.training,
-            autocast_dtype(query.device),
+            autocast_on() and autocast_dtype(query.device),
             *self._modules.values(),  # a projection replaced is another module (compared by identity)
             module_state(self._modules.values()),  # hooks added, parameters replaced or re-typed
         )

@@ -473,6 +473,11 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind)
 
 
+def autocast_on() -> bool:
+    """Whether `torch.autocast` is on for CPU or CUDA (cheaper than asking for a device's dtype)."""
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
 def _precheck_cache(arguments: dict[str, Any]) -> None:
     k = arguments["k"]
     fix = f" or kv_cache.to({k.dtype}, '{k.device}')" if isinstance(k, Tensor) else ""

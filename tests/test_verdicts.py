@@ -279,8 +279,19 @@ def test_rope_with_cross_attention_is_refused_as_not_supported() -> None:
         module(torch.randn(2, 3, 16), torch.randn(2, 5, 16))
 
 
-def test_vmap_with_a_cache_is_a_shape_error_not_a_torch_error() -> None:
-    module = ssm.MultiHeadAttention(16, 4, 2)
+@pytest.mark.parametrize("kind", ["multi-head", "latent"])
+def test_vmap_with_a_cache_is_a_shape_error_not_a_torch_error(kind: str) -> None:
+    """A cache is one buffer for the batch; writing it from vmapped slices was torch's in-place RuntimeError
+    (the module checked first: once without a verdict, once after one)."""
+    module: Any = ssm.MultiHeadAttention(16, 4, 2) if kind == "multi-head" else ssm.LatentAttention(
+        16, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4
+    )
+    for _ in range(2):
+        cache = module.new_cache(1, 8)
+        with pytest.raises(ssm.ShapeError, match=r"kv_cache cannot be written under torch.vmap"):
+            torch.vmap(lambda x, c=cache: module(x, kv_cache=c))(torch.randn(3, 1, 2, 16))
+        assert len(cache) == 0
+        module(torch.randn(1, 2, 16), kv_cache=module.new_cache(1, 8))  # a verdict for that call's shapes
     cache = module.new_cache(3, 8)
     with pytest.raises(ssm.ShapeError, match=r"kv_cache has batch=3 \(axis 0\), but query set batch=1"):
         torch.vmap(lambda x: module(x[None], kv_cache=cache))(torch.randn(3, 2, 16))
