@@ -163,8 +163,11 @@ def _call(module: Any, d: dict[str, Any], wrong: bool) -> Callable[[], Any]:
     return run
 
 
-def _cutting_hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-    return output[..., :-1] if getattr(module, "cut_here", False) else output
+def _cutting_hook(mark: str) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
+    def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return output[..., :-1] if getattr(module, mark, False) else output
+
+    return hook
 
 
 @given(steps=_steps())
@@ -186,10 +189,10 @@ def test_with_surgery_between_calls_a_warm_module_answers_as_a_fresh_one(steps: 
                 handles.append(module._modules[d["target"]].register_forward_hook(cut))  # pyright: ignore[reportOptionalMemberAccess]
             elif kind == "unhook" and handles:
                 handles.pop().remove()
-            elif kind == "global hook":
-                module._modules[d["target"]].cut_here = d["cut"]  # pyright: ignore[reportOptionalMemberAccess]
-                if not global_hooks:
-                    global_hooks.append(register_module_forward_hook(_cutting_hook))
+            elif kind == "global hook":  # a new module-wide hook, acting on the target only (a mark copies along)
+                mark = f"cut_by_hook_{len(global_hooks)}"
+                setattr(module._modules[d["target"]], mark, d["cut"])
+                global_hooks.append(register_module_forward_hook(_cutting_hook(mark)))
             elif kind == "retype":
                 new_dtype = torch.float64 if module.q_proj.weight.dtype == torch.float32 else torch.float32
                 module.load_state_dict({k: v.to(new_dtype) for k, v in module.state_dict().items()}, assign=True)
