@@ -220,7 +220,7 @@ MUTANTS: list[Mutant] = [
     M("_trace.py", "            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:", "            if False:",
       "the allocation recorder records nothing", "tests/test_allocations.py"),
     # --- head-parallel ---
-    M("_parallel.py", '        local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum\n', "",
+    M("_parallel.py", '    local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum\n', "",
       "head-parallel adds the output bias on every rank", "tests/test_parallel.py"),
     # --- RoPE and Hugging Face ---
     M("_rotary.py", "    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)", "    scaled = inv_freq",
