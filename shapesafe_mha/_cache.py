@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._contract import Session, Stage, checks_enabled, signature_key
+from ._contract import Session, Stage, Verdicts, checks_enabled, signature_key
 from ._dims import CacheBuffer, KVHeads, NewKVHeads
 from ._errors import ConfigError, ShapeError
 from ._fastpath import refuse_under_vmap
@@ -102,7 +102,7 @@ class KVCache:
         self.keys_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.values_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self._length = 0
-        self._verdicts: dict[Any, bool] = {}
+        self._verdicts = Verdicts()
 
     @property
     def batch(self) -> int:
@@ -178,11 +178,11 @@ class KVCache:
     def check_append(self, k: Any, v: Any) -> None:
         """Raise `ShapeError` unless `append(k, v)` would succeed; changes nothing."""
         key = (*signature_key((k, v), {}), self.keys_buffer.shape, self.dtype, self.device)
-        if key not in self._verdicts:
+        if not self._verdicts.known(key):
             with Session("KVCache.append()") as session:
                 session.seed(CacheBuffer, self.keys_buffer, "the cache")
                 session.check_arguments(_APPEND, (self, k, v), {})
-            self._verdicts[key] = True
+            self._verdicts.remember(key)
         self._check_room(k.shape[2], None)
 
     def _check_room(self, new: int, owner: str | None) -> None:

@@ -94,6 +94,46 @@ def unchecked() -> Iterator[None]:
         _off.reset(token)
 
 
+class Verdicts:
+    """Calls known to pass their checks: the one memo of stages, modules and users' decorated functions.
+
+    A call is known by its exact key (what the check read, exactly: one hash) or, where a caller can
+    abstract it soundly, by its relations key (sizes replaced by how they relate, see `relational`),
+    asked for only when the exact key misses. At most `MAX_VERDICTS` of each, then forgotten at once.
+    """
+
+    __slots__ = ("exact", "relations")
+
+    def __init__(self) -> None:
+        self.exact: dict[Any, bool] = {}
+        self.relations: dict[Any, bool] = {}
+
+    def known(self, exact: Any, relations: Callable[[], Any] | None = None) -> bool:
+        if exact in self.exact:
+            return True
+        if relations is not None and relations() in self.relations:
+            _add(self.exact, exact)
+            return True
+        return False
+
+    def remember(self, exact: Any, relations: Any = None) -> None:
+        if _UNCACHEABLE in exact if isinstance(exact, tuple) else exact is _UNCACHEABLE:
+            return  # a value whose check cannot be keyed: every such call is checked in full
+        _add(self.exact, exact)
+        if relations is not None:
+            _add(self.relations, relations)
+
+    def forget(self) -> None:
+        self.exact.clear()
+        self.relations.clear()
+
+
+def _add(memo: dict[Any, bool], key: Any) -> None:
+    if len(memo) >= MAX_VERDICTS:
+        memo.clear()
+    memo[key] = True
+
+
 Precheck = Callable[[dict[str, Any]], None]
 Validate = Callable[[dict[str, Any], dict[str, int]], None]
 Explain = Callable[[dict[str, Any], ExplainedError], str | None]
@@ -125,7 +165,7 @@ class Stage(Generic[P, R]):
         self.trace = trace
         self.sources = sources
         self.precheck, self.validate, self.explain = precheck, validate, explain
-        self._verdicts: dict[Any, bool] = {}
+        self.verdicts = Verdicts()
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -133,14 +173,11 @@ class Stage(Generic[P, R]):
         if not checks_enabled():
             return self.fn(*args, **kwargs)
         key = signature_key(args, kwargs)
-        if key in self._verdicts:
+        if self.verdicts.known(key):
             return self.fn(*args, **kwargs)
         with Session(f"{self.name}()") as session:
             result = session.call(self, *args, **kwargs)
-        if _UNCACHEABLE not in key:
-            if len(self._verdicts) >= MAX_VERDICTS:
-                self._verdicts.clear()
-            self._verdicts[key] = True
+        self.verdicts.remember(key)
         return result
 
     def result_names(self) -> list[tuple[str, Any]]:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _kernels as K
-from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, recheck, relational, stage, witness
+from ._contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, stage, witness
 from ._dims import (
     AbsorbedOut,
     AbsorbedQueries,
@@ -519,12 +519,11 @@ class LatentAttention(nn.Module):
         self.rotary = RotaryEmbedding(d_rope, rope_theta).to(device=device)
         self._sizes = (d_model, num_heads, kv_lora_rank, d_nope, d_rope, d_value)
         self._constants = frozenset({*self._sizes, q_lora_rank or 0, d_nope + d_rope, kv_lora_rank + d_rope})
-        self._verdicts: dict[Any, bool] = {}
-        self._relations_known: dict[Any, bool] = {}
+        self._verdicts = Verdicts()
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LatentAttention":
         super()._apply(fn, recurse)
-        self._verdicts, self._relations_known = {}, {}
+        self._verdicts = Verdicts()
         return self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -633,10 +632,7 @@ class LatentAttention(nn.Module):
                 kv_cache.restore(state)
             raise
         if keys is not None and check:
-            for verdicts, key in zip((self._verdicts, self._relations_known), keys, strict=True):
-                if len(verdicts) >= MAX_VERDICTS:
-                    verdicts.clear()
-                verdicts[key] = True
+            self._verdicts.remember(*keys)
         return result
 
     def _checked(self, check: bool, observer: Any, absorb: bool, *call: Any) -> Any:
@@ -660,12 +656,7 @@ class LatentAttention(nn.Module):
 
     def _known(self, keys: tuple[Any, Any]) -> bool:
         exact, relations = keys
-        if exact in self._verdicts:
-            return True
-        if relations in self._relations_known:
-            self._verdicts[exact] = True
-            return True
-        return False
+        return self._verdicts.known(exact, lambda: relations)
 
     def _absorbs(self, query: Tensor) -> bool:
         """Decode one token by absorption (`kv_b_proj`'s weight taken into the query and the output) instead of

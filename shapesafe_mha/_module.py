@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from . import _kernels as K
 from ._cache import KVCache
-from ._contract import MAX_VERDICTS, Session, Stage, checks_enabled, raw, recheck, relational, witness
+from ._contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
 from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
 from ._errors import ConfigError
 from ._fastpath import FusedQKV, forward_hooked, fused_qkv, module_state, native_fits
@@ -244,8 +244,7 @@ class MultiHeadAttention(nn.Module):
 
     def _forget(self) -> None:
         """Drop what is remembered about calls: verdicts and the fused Q/K/V weight."""
-        self._verdicts: dict[Any, bool] = {}
-        self._relations_known: dict[Any, bool] = {}
+        self._verdicts = Verdicts()
         self._fused: FusedQKV | None = None
 
     def _apply(self, fn: Any, recurse: bool = True) -> "MultiHeadAttention":
@@ -263,7 +262,7 @@ class MultiHeadAttention(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_verdicts={}, _relations_known={}, _fused=None)
+        state.update(_verdicts=Verdicts(), _fused=None)
         return state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -566,23 +565,10 @@ class MultiHeadAttention(nn.Module):
         return structure, ranks, kv_len is None, relational(tuple(sizes), self._constants)
 
     def _known(self, keys: tuple[Any, Any, Any]) -> bool:
-        if keys in self._verdicts:
-            return True
-        if self._relations(keys) in self._relations_known:
-            self._remember_exact(keys)
-            return True
-        return False
-
-    def _remember_exact(self, keys: Any) -> None:
-        if len(self._verdicts) >= MAX_VERDICTS:
-            self._verdicts.clear()
-        self._verdicts[keys] = True
+        return self._verdicts.known(keys, lambda: self._relations(keys))
 
     def _remember(self, keys: tuple[Any, Any, Any]) -> None:
-        self._remember_exact(keys)
-        if len(self._relations_known) >= MAX_VERDICTS:
-            self._relations_known.clear()
-        self._relations_known[self._relations(keys)] = True
+        self._verdicts.remember(keys, self._relations(keys))
 
     def _checked(
         self,

@@ -24,6 +24,7 @@ from torch import nn
 from torch.export import Dim, export
 
 from . import _trace
+from ._contract import Verdicts
 from ._errors import ConfigError
 
 
@@ -227,7 +228,7 @@ class _Decode(nn.Module):
         cache.keys_buffer = torch.cat([past_keys, room], dim=2)
         cache.values_buffer = torch.cat([past_values, room], dim=2)
         cache._length = past_keys.shape[2]  # pyright: ignore[reportAttributeAccessIssue]
-        cache._verdicts, cache._start, cache.window = {}, 0, None
+        cache._verdicts, cache._start, cache.window = Verdicts(), 0, None
         return self.inner(query, kv_cache=cache, **self.kwargs)
 
 

@@ -122,7 +122,7 @@ MUTANTS: list[Mutant] = [
       "verdict key lets True collide with 1", CONTRACT),
     M("_module.py", "            query.dtype,\n            query.device,", "            query.dtype,",
       "verdict key without the device", CONTRACT),
-    M("_module.py", "        if self._relations(keys) in self._relations_known:", "        if self._relations_known:",
+    M("_contract.py", "        if relations is not None and relations() in self.relations:", "        if relations is not None and self.relations:",
       "any remembered verdict covers every call", CONTRACT),
     M("_module.py", "                kv_cache.restore(state)  # a failed call changes nothing", "                pass",
       "a failed call leaves the KV cache appended", CONTRACT, CACHE),
