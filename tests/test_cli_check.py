@@ -86,8 +86,11 @@ def mygqa(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shapesafe_mha", *args], capture_output=True, text=True, check=False)
+def _cli(*args: str) -> Any:
+    """The command in this process (a subprocess would pay torch's import again): exit code, stdout, stderr."""
+    result = runner.invoke(app, list(args))
+    result.returncode = result.exit_code
+    return result
 
 
 def test_a_users_name_is_shown_as_written_not_as_markup(mygqa: Path) -> None:

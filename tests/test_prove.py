@@ -1,8 +1,6 @@
 """prove(): shapes proven for all sizes in a range, by torch's symbolic shapes; planted size bugs named."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -115,13 +113,12 @@ def test_the_proof_prints_as_a_table() -> None:
 
 
 def test_the_cli_proves_and_exits_by_the_outcome() -> None:
-    ok = subprocess.run(
-        [sys.executable, "-m", "shapesafe_mha", "prove", "--d-model", "64", "--causal"],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
-    assert ok.returncode == 0 and "proven for" in ok.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "shapesafe_mha", "prove", "--module", "prove_modules:view_seq"],
-        capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "tests")},
-    )  # fmt: skip
-    assert bad.returncode == 1 and "seq: " in bad.stdout
+    """In this process (tests/test_cli_check.py runs the console script from a user's folder)."""
+    from typer.testing import CliRunner
+
+    from shapesafe_mha._cli import app
+
+    ok = CliRunner().invoke(app, ["prove", "--d-model", "64", "--causal"])
+    assert ok.exit_code == 0 and "proven for" in ok.stdout, ok.output
+    bad = CliRunner().invoke(app, ["prove", "--module", "prove_modules:view_seq"])
+    assert bad.exit_code == 1 and "seq: " in bad.stdout, bad.output
