@@ -335,11 +335,10 @@ def check(
     from ._suite import PROPERTIES, module_properties, run_suite, user_properties
 
     properties = PROPERTIES
-    convention = kv_heads.value
-    if impl is not None:
-        properties = user_properties(target, kv_heads=convention, atol=atol)  # pyright: ignore[reportArgumentType]
-    elif module is not None:
-        properties = module_properties(target, kv_heads=convention, atol=atol)  # pyright: ignore[reportArgumentType,reportArgumentType]
+    convention: Any = kv_heads.value  # check_attention's kv_heads: "grouped" or "interleaved"
+    if target is not None:
+        make = user_properties if impl is not None else module_properties
+        properties = make(target, kv_heads=convention, atol=atol)
     console = _console()
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console) as bars:
@@ -401,6 +400,8 @@ def prove(
         fail("prove", "--decode-max N proves one step (seq 1) against caches of 1..N positions: drop --seq-max")
     target = load(module, "--module", "prove") if module is not None else None
 
+    import torch
+
     from ._errors import ShapesafeError
     from ._module import MultiHeadAttention
     from ._prove import prove as prove_shapes
@@ -412,10 +413,11 @@ def prove(
                 built = target(*sizes)
             except Exception as error:
                 fail("prove", f"--module {module}: calling it raised {type(error).__name__}: {error}", 1)
-            kwargs: dict[str, Any] = {}
+            if not isinstance(built, torch.nn.Module):
+                fail("prove", f"--module {module}: it returned a {type(built).__name__}, not an nn.Module")
         else:
             built = MultiHeadAttention(d_model, num_heads, num_kv_heads, d_head=d_head)
-            kwargs = {"is_causal": True} if causal and decode_max is None else {}
+        kwargs = {"is_causal": True} if causal and decode_max is None else {}  # decoding is causal anyway
         top = decode_max if decode_max is not None else seq_max
         proof = prove_shapes(built, batch=(1, batch_max), seq=(1, top), decode=decode_max is not None, **kwargs)
     except ShapesafeError as error:
@@ -433,7 +435,13 @@ def _root() -> None:
 
 
 def main() -> None:
-    """The console script: a bad value is one line on stderr and exit code 2, never a traceback."""
+    """The console script: a bad value is one line on stderr and exit code 2, never a traceback.
+
+    An error nobody foresaw is one line too, exit 1, saying so; `SHAPESAFE_MHA_TRACEBACK=1` shows its
+    traceback (for a bug report).
+    """
+    import os
+
     try:
         code = typer.main.get_command(app).main(standalone_mode=False)
     except typer.Abort:
@@ -442,7 +450,15 @@ def main() -> None:
         # typer ships click's usage errors (bad value, unknown option) without a public name for
         # their base class: they are the exceptions that know how to format themselves.
         if not (hasattr(error, "format_message") and hasattr(error, "exit_code")):
-            raise
+            if os.environ.get("SHAPESAFE_MHA_TRACEBACK"):
+                raise
+            first = (str(error).strip().splitlines() or [""])[0]
+            typer.echo(
+                f"shapesafe-mha: error: unexpected {type(error).__name__}: {first} "
+                "(SHAPESAFE_MHA_TRACEBACK=1 shows where)",
+                err=True,
+            )
+            raise SystemExit(1) from None
         context = getattr(error, "ctx", None)
         command = f" {context.info_name}" if context is not None and context.parent is not None else ""
         typer.echo(f"shapesafe-mha{command}: error: {error.format_message()}", err=True)  # pyright: ignore[reportAttributeAccessIssue]

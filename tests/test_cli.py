@@ -262,3 +262,27 @@ def test_bad_variant_options_are_one_line_errors(args: list[str], message: str) 
     )
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_an_error_nobody_foresaw_is_one_line_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The console script turns an unexpected exception into one line and exit 1; the traceback on request."""
+    import shapesafe_mha._report as report
+    from shapesafe_mha._cli import main
+
+    def broken(config: object) -> None:
+        raise RuntimeError("invalid device ordinal\nCUDA kernel errors might be asynchronously reported")
+
+    monkeypatch.setattr(report, "trace_forward", broken)
+    monkeypatch.setattr(sys, "argv", ["shapesafe-mha", "trace"])
+    monkeypatch.delenv("SHAPESAFE_MHA_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "shapesafe-mha: error: unexpected RuntimeError: invalid device ordinal (SHAPESAFE_MHA_TRACEBACK=1 shows where)"
+    ]
+    monkeypatch.setenv("SHAPESAFE_MHA_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        main()

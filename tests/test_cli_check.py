@@ -80,7 +80,7 @@ def mygqa(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         USER_CODE
         + "\n\ndef factory(d_model, num_heads, num_kv_heads, d_head, bias):\n    return module(d_model, num_heads, "
         "num_kv_heads, d_head, bias)\n\n\ndef broken(*sizes):\n    raise ValueError('no such layer in this build')\n"
-        "\n\nNOT_CALLABLE = 3\n"
+        "\n\nNOT_CALLABLE = 3\n\n\ndef not_a_module(*sizes):\n    return 'attention'\n"
     )
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -142,6 +142,7 @@ def test_kv_heads_and_atol_apply_to_the_users_code_only() -> None:
         (["prove", "--module", "mygqa:NOT_CALLABLE"], 2, "mygqa:NOT_CALLABLE: int is not callable"),
         (["check", "--module", "mygqa:NOT_CALLABLE"], 2, "mygqa:NOT_CALLABLE: int is not callable"),
         (["prove", "--module", "no_colon"], 2, "--module must be pkg.mod:name"),
+        (["prove", "--module", "mygqa:not_a_module"], 2, "mygqa:not_a_module: it returned a str, not an nn.Module"),
         (["prove", "--decode-max", "8", "--seq-max", "4"], 2, "drop --seq-max"),
     ],
 )
