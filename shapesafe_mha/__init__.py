@@ -1,31 +1,79 @@
 """shapesafe_mha: multi-head, grouped-query and multi-query attention with checked shapes."""
 
-from ._cache import KVCache as KVCache
-from ._contract import checks_enabled as checks_enabled
-from ._contract import unchecked as unchecked
-from ._errors import ConfigError as ConfigError
-from ._errors import ShapeError as ShapeError
-from ._errors import ShapesafeError as ShapesafeError
-from ._latent import LatentAttention as LatentAttention
-from ._latent import LatentCache as LatentCache
-from ._module import MultiHeadAttention as MultiHeadAttention
-from ._prove import ShapeProof as ShapeProof
-from ._prove import prove as prove
-from ._report import LatentTraceConfig as LatentTraceConfig
-from ._report import TraceConfig as TraceConfig
-from ._report import TraceReport as TraceReport
-from ._report import trace_forward as trace_forward
-from ._report import trace_latent as trace_latent
-from ._rotary import RotaryEmbedding as RotaryEmbedding
-from ._rotary import apply_rotary as apply_rotary
-from ._rotary import inverse_frequencies as inverse_frequencies
-from ._stages import attention_weights as attention_weights
-from ._stages import group_queries as group_queries
-from ._stages import merge_heads as merge_heads
-from ._stages import project as project
-from ._stages import scaled_dot_product_attention as scaled_dot_product_attention
-from ._stages import split_heads as split_heads
-from ._weights import AttentionWeights as AttentionWeights
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name loads on first use
+    from ._cache import KVCache as KVCache
+    from ._contract import checks_enabled as checks_enabled
+    from ._contract import unchecked as unchecked
+    from ._errors import ConfigError as ConfigError
+    from ._errors import ShapeError as ShapeError
+    from ._errors import ShapesafeError as ShapesafeError
+    from ._latent import LatentAttention as LatentAttention
+    from ._latent import LatentCache as LatentCache
+    from ._module import MultiHeadAttention as MultiHeadAttention
+    from ._prove import ShapeProof as ShapeProof
+    from ._prove import prove as prove
+    from ._report import LatentTraceConfig as LatentTraceConfig
+    from ._report import TraceConfig as TraceConfig
+    from ._report import TraceReport as TraceReport
+    from ._report import trace_forward as trace_forward
+    from ._report import trace_latent as trace_latent
+    from ._rotary import RotaryEmbedding as RotaryEmbedding
+    from ._rotary import apply_rotary as apply_rotary
+    from ._rotary import inverse_frequencies as inverse_frequencies
+    from ._stages import attention_weights as attention_weights
+    from ._stages import group_queries as group_queries
+    from ._stages import merge_heads as merge_heads
+    from ._stages import project as project
+    from ._stages import scaled_dot_product_attention as scaled_dot_product_attention
+    from ._stages import split_heads as split_heads
+    from ._weights import AttentionWeights as AttentionWeights
+
+# Each public name, from the private module that defines it. They load on first use, not on import:
+# `shapesafe-mha --help` lives in this package and must answer before torch is imported (a second).
+_WHERE = {
+    "KVCache": "_cache",
+    "checks_enabled": "_contract",
+    "unchecked": "_contract",
+    "ConfigError": "_errors",
+    "ShapeError": "_errors",
+    "ShapesafeError": "_errors",
+    "LatentAttention": "_latent",
+    "LatentCache": "_latent",
+    "MultiHeadAttention": "_module",
+    "ShapeProof": "_prove",
+    "prove": "_prove",
+    "LatentTraceConfig": "_report",
+    "TraceConfig": "_report",
+    "TraceReport": "_report",
+    "trace_forward": "_report",
+    "trace_latent": "_report",
+    "RotaryEmbedding": "_rotary",
+    "apply_rotary": "_rotary",
+    "inverse_frequencies": "_rotary",
+    "attention_weights": "_stages",
+    "group_queries": "_stages",
+    "merge_heads": "_stages",
+    "project": "_stages",
+    "scaled_dot_product_attention": "_stages",
+    "split_heads": "_stages",
+    "AttentionWeights": "_weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

@@ -36,10 +36,18 @@ class ShapeProof:
     failures: list[str]
     stages: list[tuple[str, str, str]] = field(default_factory=list)
     ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    symbols: dict[str, str] = field(default_factory=dict)
+    """Each size proven symbolically, by name, and torch's symbol for it (`{"batch": "s5", "seq": "s83"}`),
+    the one its guards and errors print. The stages' shapes use the names: `(batch, 8, seq, 8)`."""
+    decode: bool = False
+    """One decoding step (seq 1) against a cache of `ranges["cached"]` positions."""
 
     def table(self) -> Table:
         ranges = ", ".join(f"{n} in [{lo}, {hi}]" for n, (lo, hi) in self.ranges.items())
-        table = Table(title=f"{'proven' if self.ok else 'NOT proven'} for {ranges}")
+        if self.decode:
+            ranges += ", seq = 1 (one decoding step)"
+        legend = ", ".join(f"{name} is torch's {symbol}" for name, symbol in self.symbols.items())
+        table = Table(title=f"{'proven' if self.ok else 'NOT proven'} for {ranges}", caption=legend or None)
         for column in ("stage", "named shape", "symbolic shape"):
             table.add_column(column)
         for row in self.stages:
@@ -179,15 +187,20 @@ def prove(
     known = _module_sizes(module)
     failures: list[str] = []
     rows: list[tuple[str, str, str]] = []
-    seen_rows: list[tuple[str, str, str]] = []
-    symbolic = {name: (max(lo, 2), hi) for name, (lo, hi) in ranges.items() if hi >= 2}
-    concrete = {name: sorted({s for s in (0, 1) if lo <= s <= hi}) for name, (lo, hi) in ranges.items()}
+    symbols: dict[str, str] = {}
+    # torch's symbolic sizes start at 2 (0 and 1 it specializes) and need two values at least:
+    # the rest of a range (0, 1, or its one size) is proven concretely.
+    symbolic = {name: (max(lo, 2), hi) for name, (lo, hi) in ranges.items() if hi > max(lo, 2)}
+    concrete = {
+        name: sorted({s for s in (0, 1, hi) if lo <= s <= hi and not (name in symbolic and s >= 2)})
+        for name, (lo, hi) in ranges.items()
+    }
     # Every combination: each size symbolic (where its range allows) or one of its specialized values.
     choices = {name: [None] * (name in symbolic) + concrete[name] for name in ranges}
     example = {name: min(max(lo, 3 if name == "batch" else 5), hi) for name, (lo, hi) in symbolic.items()}
     for b in choices["batch"]:
         for s in choices["seq"]:
-            fails, seen_rows = _prove_case(module, width, b, s, symbolic, decode, known, forward_kwargs)
+            fails, seen_rows, seen_symbols = _prove_case(module, width, b, s, symbolic, decode, known, forward_kwargs)
             if fails and b is None and s is None:  # which size is it? each one symbolic alone
                 alone = _prove_case(module, width, example["batch"], None, symbolic, decode, known, forward_kwargs)[0]
                 alone += _prove_case(module, width, None, example["seq"], symbolic, decode, known, forward_kwargs)[0]
@@ -196,11 +209,11 @@ def prove(
                 who = failure.split(":")[0]
                 if not any(f.split(":")[0] == who for f in failures):  # one line a dimension
                     failures.append(failure)
-            if b is None and s is None:
-                rows = seen_rows
-    if not rows and not failures:  # only concrete sizes: show the last case's rows
-        rows = seen_rows
-    return ShapeProof(not failures, failures, rows, ranges)
+            if seen_rows and not rows:  # the first case that ran is the most symbolic one
+                rows, symbols = seen_rows, seen_symbols
+    if decode:
+        ranges = {"batch": batch, "cached": seq}
+    return ShapeProof(not failures, failures, rows, ranges, symbols, decode)
 
 
 def _module_sizes(module: nn.Module) -> dict[str, Any]:
@@ -259,7 +272,8 @@ def _prove_case(
     decode: bool,
     known: dict[str, Any],
     kwargs: dict[str, Any],
-) -> tuple[list[str], list[tuple[str, str, str]]]:
+) -> tuple[list[str], list[tuple[str, str, str]], dict[str, str]]:
+    """One export at these sizes (None: symbolic): its failures, its stages' rows, its symbols by name."""
     weight = next((p for p in module.parameters() if p.is_floating_point()), None)
     dtype = weight.dtype if weight is not None else torch.float32
     device = weight.device if weight is not None else torch.device("cpu")
@@ -284,6 +298,7 @@ def _prove_case(
         call_kwargs: dict[str, Any] = {}
         expected_seq: Any = sympy.Integer(1)
         names |= {"L['past'].size()[1]": "seq"}
+        axes_named: list[dict[int, str]] = [{0: "batch"}, {0: "batch", 1: "cached"}]
     elif decode:
         query = torch.randn(example_b, 1, width, dtype=dtype, device=device)
         heads, d_head = getattr(module, "num_kv_heads", 1), getattr(module, "d_head", width)
@@ -298,6 +313,7 @@ def _prove_case(
         call_kwargs = {}
         expected_seq = sympy.Integer(1)
         names |= {"L['past_keys'].size()[2]": "seq"}
+        axes_named = [{0: "batch"}, {0: "batch", 2: "cached"}]
     else:
         target = module
         args = (torch.randn(example_b, example_s, width, dtype=dtype, device=device),)
@@ -318,11 +334,47 @@ def _prove_case(
                 } or None
             shapes[key] = marked
         expected_seq = None
+        axes_named = [{0: "batch", 1: "seq"}]
     with _observing() as observer:
         try:
             program = export(target, args, kwargs=call_kwargs or None, dynamic_shapes=shapes)
         except Exception as error:  # export's own report: which size was specialized, and where
-            return _explain_export_failure(error, names, [n for n, d in dims.items() if d is not None]), []
+            return _explain_export_failure(error, names, [n for n, d in dims.items() if d is not None]), [], {}
+    symbols = _symbols(program, axes_named)
+    failures, rows = _shape_failures(program, observer, known, b, s, width, decode, expected_seq)
+    return [_named(f, symbols) for f in failures], [(n, a, _named(e, symbols)) for n, a, e in rows], symbols
+
+
+def _symbols(program: Any, axes_named: list[dict[int, str]]) -> dict[str, str]:
+    """`{"batch": "s5", ...}`: the symbol torch gave each named axis of the inputs (a fixed size has none)."""
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    symbols: dict[str, str] = {}
+    for name, axes in zip(program.graph_signature.user_inputs, axes_named, strict=False):
+        value = placeholders[name].meta.get("val")
+        for axis, dim in axes.items():
+            size = value.shape[axis] if isinstance(value, torch.Tensor) else None
+            if isinstance(size, torch.SymInt) and isinstance(_expr(size), sympy.Symbol):
+                symbols.setdefault(dim, str(_expr(size)))
+    return symbols
+
+
+def _named(text: str, symbols: dict[str, str]) -> str:
+    """`text` with each of torch's symbols written as the dimension it stands for (`s83 + 1` -> `cached + 1`)."""
+    by_symbol = {symbol: name for name, symbol in symbols.items()}
+    return re.sub(r"\bs\d+\b", lambda m: by_symbol.get(m[0], m[0]), text)
+
+
+def _shape_failures(
+    program: Any,
+    observer: _Observer,
+    known: dict[str, Any],
+    b: int | None,
+    s: int | None,
+    width: int,
+    decode: bool,
+    expected_seq: Any,
+) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """The exported program's output, and each stage the module reported, against their named shapes."""
     out = next(n for n in program.graph.nodes if n.op == "output").args[0]
     value = out[0] if isinstance(out, list | tuple) else out
     value = value.meta["val"]

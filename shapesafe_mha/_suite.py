@@ -9,17 +9,21 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from ._module import MultiHeadAttention
-from ._reference import per_head_attention
+from ._reference import KVHeads, per_head_attention
 from ._stages import merge_heads, scaled_dot_product_attention, split_heads
 from ._strategies import AttentionConfig, Kind, attention_inputs, attention_masks, key_padding_masks, projection_weights
-from ._toolkit import AttentionFn, _compare, _to, module_adapter, run_property, tolerance
+from ._toolkit import AttentionFn, FailedCheckError, _compare, _to, module_adapter, resolve, run_property, tolerance
 from ._trace import storage_id
 from ._weights import AttentionWeights
 
 
 @dataclass
 class Outcome:
-    """What one property did: examples run, the worst deviation seen, and the failure if any."""
+    """What one property did: examples run, the worst deviation seen, and the failure if any.
+
+    After a failure, `worst` is the failing example's deviation (NaN where the failure is not one:
+    an exception, a wrong shape).
+    """
 
     name: str
     examples: int = 0
@@ -38,7 +42,7 @@ Property = Callable[[AttentionConfig, Any, str, torch.dtype], float]
 def _deviation(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> float:
     worst = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
     if not worst <= tolerance(dtype):
-        raise AssertionError(f"{what} differs by {worst:.3g} (tolerance {tolerance(dtype):g})")
+        raise FailedCheckError(f"{what} differs by {worst:.3g} (tolerance {tolerance(dtype):g})", worst)
     return worst
 
 
@@ -129,33 +133,17 @@ PROPERTIES: list[tuple[str, Property, tuple[Kind, ...], bool]] = [
 ]
 
 
-def load_callable(spec: str) -> Any:
-    """`pkg.mod:name` -> the callable it names; the current directory is searched too, as `python -m` does.
-
-    Raises:
-        ValueError: not `pkg.mod:name`, not importable, or not callable (the message says which).
-    """
-    import importlib
-    import sys
-
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"must be pkg.mod:name, got {spec!r}")
-    if "" not in sys.path:
-        sys.path.insert(0, "")
-    try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"{spec}: {error}") from None
-    if not callable(found):
-        raise ValueError(f"{spec}: {type(found).__name__} is not callable")
-    return found
-
-
 def user_properties(
-    fn: AttentionFn, prepare: Callable[[AttentionConfig, AttentionWeights], AttentionWeights] | None = None
+    fn: AttentionFn,
+    prepare: Callable[[AttentionConfig, AttentionWeights], AttentionWeights] | None = None,
+    *,
+    kv_heads: KVHeads = "grouped",
+    atol: float | None = None,
 ) -> list[tuple[str, Property, tuple[Kind, ...], bool]]:
-    """The properties `check --impl`/`--module` runs on the user's code: `check_attention`'s, per kind and causal."""
+    """The properties `check --impl`/`--module` runs on the user's code: `check_attention`'s, per kind and causal.
+
+    `kv_heads` and `atol` are `check_attention`'s: which KV head a query head reads, and the tolerance.
+    """
 
     def against_reference(is_causal: bool) -> Property:
         def prop(config: AttentionConfig, data: Any, device: str, dtype: torch.dtype) -> float:
@@ -163,7 +151,8 @@ def user_properties(
             if prepare is not None:
                 weights = prepare(config, weights)
             x = data.draw(attention_inputs(config, dtype=dtype, device=device)).query
-            return _compare(fn, config, x, weights, is_causal, dtype)
+            tol = resolve(dtype, atol, None)
+            return _compare(fn, config, x, weights, is_causal, dtype, tol=tol, kv_heads=kv_heads)
 
         return prop
 
@@ -175,10 +164,12 @@ def user_properties(
     ]
 
 
-def module_properties(factory: Callable[..., Any]) -> list[tuple[str, Property, tuple[Kind, ...], bool]]:
+def module_properties(
+    factory: Callable[..., Any], *, kv_heads: KVHeads = "grouped", atol: float | None = None
+) -> list[tuple[str, Property, tuple[Kind, ...], bool]]:
     """`user_properties` for a module factory `factory(d_model, num_heads, num_kv_heads, d_head, bias)`."""
     fn, prepare = module_adapter(factory)
-    return user_properties(fn, prepare)
+    return user_properties(fn, prepare, kv_heads=kv_heads, atol=atol)
 
 
 def run_suite(
@@ -192,7 +183,8 @@ def run_suite(
     """Run every property (default: the built-in suite) with `examples` examples; `on_example(index)` after each.
 
     A failure keeps its whole report (the first line says what differs; then the config, the bug
-    class, the wrong heads).
+    class, the wrong heads); its `worst` is the failing example's deviation, the one the report names,
+    and its `examples` count that example too.
     """
     outcomes = []
     for index, (name, prop, kinds, cross) in enumerate(PROPERTIES if properties is None else properties):
@@ -211,5 +203,8 @@ def run_suite(
             run_property(check, kinds=kinds, max_examples=examples, on_example=seen, cross=cross)
         except AssertionError as error:
             outcome.failure = str(error)
+            outcome.examples += 1
+            deviation = error.deviation if isinstance(error, FailedCheckError) else None
+            outcome.worst = float("nan") if deviation is None else deviation
         outcomes.append(outcome)
     return outcomes

@@ -7,7 +7,9 @@ current by drawing them again). `shapesafe-mha trace --format svg` draws `pipeli
 """
 
 import re
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any
 from xml.sax.saxutils import escape
 
 import torch
@@ -113,13 +115,14 @@ def _highlighted(named_shape: str) -> list[tuple[str, str]]:
     return [p for p in pieces if p[0]]
 
 
-def pipeline(report: TraceReport) -> str:
+def pipeline(report: TraceReport, *, narrow: bool = False) -> str:
     """The stages of a traced forward, top to bottom, as an SVG picture.
 
     One row per stage: its name, named shape (`num_kv_heads` highlighted) and shape; whether it
     is a view of an earlier stage (green), a new allocation (orange) or an input (grey); and a bar
     of its bytes, to scale. Rows whose tensors share one storage (a buffer and all its views) have
-    one background colour. Below: the KV cache against MHA's and MQA's.
+    one background colour. Below: the KV cache against MHA's and MQA's. `narrow`: the same in one
+    column, about 360 px wide, for a phone's screen (each row's facts on three lines).
 
     Example:
         >>> from shapesafe_mha import TraceConfig, trace_forward
@@ -127,7 +130,7 @@ def pipeline(report: TraceReport) -> str:
         >>> svg.startswith("<svg"), "view of q_proj" in svg
         (True, True)
     """
-    stages, totals = report.stages, report.totals
+    stages = report.stages
     owner: dict[str, str] = {}  # stage -> the stage that owns its storage
     for s in stages:
         owner[s.name] = owner.get(s.aliases, s.aliases) if s.aliases else s.name
@@ -135,6 +138,13 @@ def pipeline(report: TraceReport) -> str:
 
     def storage(s: Stage) -> tuple[str, str]:
         return s.storage, VIEW if s.aliases else INPUT if s.is_input else NEW
+
+    def fill(s: Stage) -> str:
+        return FILLS[owners.index(owner[s.name]) % len(FILLS)]
+
+    if narrow:
+        return _narrow_pipeline(report, storage, fill)
+    totals = report.totals
 
     firsts = [(s.name, storage(s)[0]) for s in stages]
     seconds = [(s.named_shape, str(tuple(s.shape))) for s in stages]
@@ -155,7 +165,7 @@ def pipeline(report: TraceReport) -> str:
     c.line(pad, top, right, top)
     for i, s in enumerate(stages):
         y = top + i * row_h
-        c.rect(pad, y + 2, right - pad, row_h - 4, FILLS[owners.index(owner[s.name]) % len(FILLS)], rx=4)
+        c.rect(pad, y + 2, right - pad, row_h - 4, fill(s), rx=4)
         c.text(xs[0], y + 19, s.name, bold=True)
         c.text(xs[0], y + 36, _highlighted(s.named_shape))
         c.text(xs[1], y + 19, storage(s)[0], fill=storage(s)[1])
@@ -166,24 +176,60 @@ def pipeline(report: TraceReport) -> str:
     bottom = top + row_h * len(stages)
     c.line(pad, bottom, right, bottom)
     if totals:
-        c.text(
-            pad,
-            bottom + 28,
-            [
-                (f"KV cache for {totals['kv_cache_positions']} positions: ", INK),
-                (_bytes(totals["kv_cache_bytes"]), KV),
-                (f"  (MHA {_bytes(totals['kv_cache_bytes_mha'])}, MQA {_bytes(totals['kv_cache_bytes_mqa'])})", INK),
-            ],
-            bold=True,
-        )
-    legend = (
-        "One background colour: one storage (a buffer and its views).",
-        "Bars: each stage's tensor, to scale. num_kv_heads in purple.",
-        "Observed, not assumed: storage identity and every operator's allocations.",
-    )
-    for i, line in enumerate(legend):
+        c.text(pad, bottom + 28, [*_cache_line(totals)[0], *_cache_line(totals)[1]], bold=True)
+    for i, line in enumerate(LEGEND):
         c.text(pad, bottom + 52 + 20 * i, line, fill=MUTED)
     return c.svg(f"The stages of one forward: {title}")
+
+
+LEGEND = (
+    "One background colour: one storage (a buffer and its views).",
+    "Bars: each stage's tensor, to scale. num_kv_heads in purple.",
+    "Observed, not assumed: storage identity and every operator's allocations.",
+)
+
+
+def _cache_line(totals: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The KV cache's size against MHA's and MQA's, in two pieces (one line each in the narrow picture)."""
+    first = [(f"KV cache for {totals['kv_cache_positions']} positions: ", INK), (_bytes(totals["kv_cache_bytes"]), KV)]
+    return first, [(f"  (MHA {_bytes(totals['kv_cache_bytes_mha'])}, MQA {_bytes(totals['kv_cache_bytes_mqa'])})", INK)]
+
+
+def _narrow_pipeline(
+    report: TraceReport, storage: Callable[[Stage], tuple[str, str]], fill: Callable[[Stage], str]
+) -> str:
+    """`pipeline` in one column: name and storage, then the named shape, then shape and bytes."""
+    size, pad, row_h, top, bar = 12.0, 12.0, 58.0, 0.0, 90.0
+    chars = 44  # 360 px wide in all: a phone's text column at 400 px
+    c = Canvas(pad)
+    y = 24.0
+    c.text(pad, y, "The stages of one forward, as traced", size=15, bold=True)
+    for line in textwrap.wrap(_title(report), chars):
+        y += 18
+        c.text(pad, y, line, fill=MUTED, size=size)
+    top = y + 14
+    largest = max((s.nbytes for s in report.stages), default=1) or 1
+    right = pad + 10 + _width("x" * chars, size)
+    bars_at = pad + 8 + _width(max((str(tuple(s.shape)) for s in report.stages), key=len) + "  ", size)
+    for i, s in enumerate(report.stages):
+        y = top + i * row_h
+        c.rect(pad, y + 2, right - pad, row_h - 4, fill(s), rx=4)
+        c.text(pad + 8, y + 18, [(s.name, INK), ("  ", INK), (storage(s)[0], storage(s)[1])], size=size, bold=True)
+        c.text(pad + 8, y + 34, _highlighted(s.named_shape), size=size)
+        c.text(pad + 8, y + 50, str(tuple(s.shape)), fill=MUTED, size=size)
+        x = bars_at
+        filled = max(2.0, bar * s.nbytes / largest)
+        c.rect(x, y + 41, filled, 10, MUTED, rx=2)
+        c.text(x + 6 + filled, y + 50, _bytes(s.nbytes), fill=MUTED, size=size)
+    y = top + row_h * len(report.stages) + 8
+    if report.totals:
+        for piece in _cache_line(report.totals):
+            y += 18
+            c.text(pad, y, piece, size=size, bold=True)
+    for line in (w for legend in LEGEND for w in textwrap.wrap(legend, chars)):
+        y += 17
+        c.text(pad, y, line, fill=MUTED, size=size)
+    return c.svg(f"The stages of one forward: {_title(report)}")
 
 
 def _grid(c: Canvas, x: float, y: float, values: list[list[int]], colours: list[list[str]], cell: float) -> None:

@@ -61,11 +61,19 @@ def _describe(config: AttentionConfig, is_causal: bool, dtype: torch.dtype) -> s
     )
 
 
-class _ValueMismatchError(AssertionError):
+class FailedCheckError(AssertionError):
+    """A failed check: its report, and how far the failing example's output was off (None: not a deviation)."""
+
+    def __init__(self, report: str, deviation: float | None = None) -> None:
+        super().__init__(report)
+        self.deviation = deviation
+
+
+class _ValueMismatchError(FailedCheckError):
     """A wrong value; the bug class and the wrong heads are found once, on the example hypothesis reports."""
 
-    def __init__(self, report: str, diagnose: Callable[[], str]) -> None:
-        super().__init__(report)
+    def __init__(self, report: str, deviation: float, diagnose: Callable[[], str]) -> None:
+        super().__init__(report, deviation)
         self.diagnose = diagnose
 
 
@@ -117,9 +125,10 @@ def judge(
         return worst
     report = f"{what} differs from the per-head reference by {worst:.3g} ({tol})"
     if float32_inside:
-        raise AssertionError(
+        raise FailedCheckError(
             f"{report}: float32 rounding, not a wrong formula: it computes in float32 inside (softmax?); "
-            f"pass atol={FLOAT32_INSIDE:g} to accept that, or check in float32\n  smallest failing config: {where}"
+            f"pass atol={FLOAT32_INSIDE:g} to accept that, or check in float32\n  smallest failing config: {where}",
+            worst,
         )
 
     def diagnose() -> str:
@@ -128,7 +137,7 @@ def judge(
             lines.append(locate_heads(run, scenario, tol, rows))
         return "".join(f"\n  {line}" for line in lines if line)
 
-    raise _ValueMismatchError(f"{report}\n  smallest failing config: {where}{_where_worst(excess)}", diagnose)
+    raise _ValueMismatchError(f"{report}\n  smallest failing config: {where}{_where_worst(excess)}", worst, diagnose)
 
 
 def _compare(
@@ -236,9 +245,10 @@ def run_property(
     try:
         prop()
     except _ValueMismatchError as mismatch:  # the final, smallest example: now name the bug and the heads
-        raise AssertionError(f"{mismatch}{mismatch.diagnose()}") from None
+        raise FailedCheckError(f"{mismatch}{mismatch.diagnose()}", mismatch.deviation) from None
     except AssertionError as failure:
-        clean = AssertionError(str(failure))  # without hypothesis' notes, which dump tensors
+        # without hypothesis' notes, which dump tensors
+        clean = FailedCheckError(str(failure), failure.deviation if isinstance(failure, FailedCheckError) else None)
         raise clean from failure.__cause__
     except Exception as error:  # not a failed check: the error as raised, without hypothesis' notes
         if hasattr(error, "__notes__"):

@@ -295,6 +295,59 @@ CATALOGUE: list[Entry] = [
 ]
 
 
+# What no shape can tell: a seq-first tensor whose sizes fit. The page shows it and what we do about it;
+# tests/test_errors.py runs these blocks and checks what they print.
+SEQ_FIRST = """\
+attn = ssm.MultiHeadAttention(64, 8, 2)
+x = torch.randn(2, 10, 64)  # (batch=2, seq=10, d_model): two sequences of 10 tokens
+seq_first = x.transpose(0, 1)  # (seq=10, batch=2, d_model): nn.MultiheadAttention's default layout
+out = attn(seq_first, is_causal=True)  # runs: to any shape check this is batch=10, seq=2
+print(out.shape)  # torch.Size([10, 2, 64])
+print(torch.allclose(out.transpose(0, 1), attn(x, is_causal=True)))  # False
+"""
+SEQ_FIRST_CAUGHT = """\
+padding = torch.zeros(2, 10, dtype=torch.bool)  # (batch, kv_seq), built for the real layout
+try:
+    attn(seq_first, key_padding_mask=padding)
+except ssm.ShapeError as error:
+    print(str(error).splitlines()[0])  # key_padding_mask has batch=2 (axis 0), but query set batch=10.
+try:
+    ssm.MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(64, 8))  # batch_first=False
+except ssm.ConfigError as error:
+    print(str(error).split(", so")[0])  # this nn.MultiheadAttention has batch_first=False
+"""
+
+
+def _what_no_shape_can_tell() -> list[str]:
+    return [
+        "",
+        "## What no shape can tell",
+        "",
+        "A check of shapes sees sizes, not meaning. A `(seq, batch, d_model)` tensor, the layout of",
+        "`nn.MultiheadAttention`'s default `batch_first=False`, *is* a valid `(batch, seq, d_model)` one",
+        "whenever its sizes are: 10 tokens of 2 sequences read as 2 tokens of 10 sequences. The call runs",
+        "without an error, and `is_causal=True` masks along the wrong axis (each token attends to the same",
+        "position of the other sequences):",
+        "",
+        "```python",
+        SEQ_FIRST.rstrip("\n"),
+        "```",
+        "",
+        "What we do about it: the layout is one, batch first, everywhere (every signature says so:",
+        '`query: Float[Tensor, "batch seq d_model"]`, and `shapesafe-mha trace` names each axis), and the',
+        "doors a seq-first tensor usually comes through are checked. `MultiHeadAttention.from_torch`",
+        "refuses an `nn.MultiheadAttention` with `batch_first=False` by name, with the conversion to make,",
+        "instead of converting a module whose callers pass `(seq, batch, d)`; and anything built for the",
+        "real layout (a `key_padding_mask`, a `KVCache` of that batch) disagrees with the swapped one:",
+        "",
+        "```python",
+        SEQ_FIRST_CAUGHT.rstrip("\n"),
+        "```",
+        "",
+        "A tensor whose batch and seq sizes are equal passes even that; only its producer knows its layout.",
+    ]
+
+
 def run(code: str) -> BaseException | None:
     """Run a snippet; return what it raised (None if nothing), with anything it printed discarded."""
     namespace: dict[str, object] = {}
@@ -348,6 +401,7 @@ def render() -> str:
             out += ["", "Plain torch:", "", "```text", _describe(run(entry.raw_torch), 4), "```"]
         if entry.raw_jaxtyping:
             out += ["", "Plain jaxtyping + beartype:", "", "```text", _describe(run(entry.raw_jaxtyping), 20), "```"]
+    out += _what_no_shape_can_tell()
     return "\n".join(out) + "\n"
 
 

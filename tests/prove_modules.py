@@ -34,9 +34,10 @@ class UserAttention(nn.Module):
         return self.out(out.transpose(1, 2).reshape(b, out.shape[2], d))
 
 
-def correct() -> nn.Module:
-    return UserAttention()
+def correct(d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> nn.Module:
+    """The factory `--module` calls: `check_module`'s signature (this module is MHA of d_model // num_heads)."""
+    return UserAttention(d_model, num_heads)
 
 
-def view_seq() -> nn.Module:
-    return UserAttention(bug="view_seq")
+def view_seq(d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> nn.Module:
+    return UserAttention(d_model, num_heads, bug="view_seq")

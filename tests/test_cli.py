@@ -1,9 +1,13 @@
 """`shapesafe-mha trace`: the table and the JSON report every stage as observed."""
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,12 +46,28 @@ def test_default_trace_is_a_llama_style_gqa_layer_on_meta() -> None:
 def test_table_shows_views_and_allocations() -> None:
     """The table names each stage, its named shape, and 'view of …' or 'new allocation'; it fits the terminal."""
     args = ["trace", "--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2", "--seq", "4"]
-    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    result = runner.invoke(app, args, env={"COLUMNS": "200", "TTY_COMPATIBLE": "1"})
     assert result.exit_code == 0, result.output
     assert "split_q" in result.output and "view of q_proj" in result.output and "new allocation" in result.output
-    assert "batch num_heads seq d_head" in result.output
-    narrow = runner.invoke(app, args, env={"COLUMNS": "90"})
-    assert max(len(line) for line in narrow.output.splitlines()) <= 90
+    assert "batch num_heads seq d_head" in result.output and "┃" in result.output
+    narrow = runner.invoke(app, args, env={"COLUMNS": "90", "TTY_COMPATIBLE": "1"})
+    assert max(len(re.sub(r"\x1b\[[\d;]*m", "", line)) for line in narrow.output.splitlines()) <= 90
+
+
+def test_trace_into_a_pipe_is_the_readmes_plain_table_at_full_width() -> None:
+    """`shapesafe-mha trace | less`: no box, no cell cut, whatever COLUMNS says; every README row is a line of it."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```text\n\$ shapesafe-mha (trace .*?)\n(.*?)```", readme, re.DOTALL)
+    assert block is not None
+    env = {**os.environ, "COLUMNS": "80"}
+    env.pop("TTY_COMPATIBLE", None), env.pop("FORCE_COLOR", None)
+    command = [sys.executable, "-m", "shapesafe_mha", *block[1].split()]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
+    assert not re.search("[┏┓┗┛┃━│─…]", out) and max(len(line) for line in out.splitlines()) > 80
+    header, *rows = block[2].strip("\n").splitlines()
+    printed = out.splitlines()
+    for row in [header, *rows]:  # the README's abridged columns are the first five of the printed ones
+        assert any(line.startswith(row) for line in printed), f"not printed: {row!r}"
 
 
 def test_decode_trace_attends_over_the_cache() -> None:
@@ -145,10 +165,63 @@ def test_every_bad_value_is_one_line_and_exit_code_2(args: tuple[str, ...]) -> N
     assert "Traceback" not in out.stderr + out.stdout
 
 
+def _help(*command: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "shapesafe_mha", *command, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return " ".join(out.stdout.split())
+
+
 def test_help_has_no_completion_options_and_keeps_bracketed_defaults() -> None:
-    out = subprocess.run([sys.executable, "-m", "shapesafe_mha", "trace", "--help"], capture_output=True, text=True)
-    assert "--install-completion" not in out.stdout
-    assert "default:" in out.stdout and "d_model // num_heads" in out.stdout.replace("\n", " ").replace("│", " ")
+    text = _help("trace")
+    assert "--install-completion" not in text
+    assert "[default: (d_model // num_heads); x>=1]" in text
+
+
+def test_flags_read_as_flags_never_as_bool_values() -> None:
+    """Booleans are `--qk-norm / --no-qk-norm`; no option shows a `<bool>` value."""
+    for command in ("trace", "check", "prove"):
+        assert "bool" not in _help(command), command
+    assert "--qk-norm / --no-qk-norm" in _help("trace") and "--causal / --no-causal" in _help("prove")
+
+
+def _options() -> dict[str, dict[str, tuple[str, str]]]:
+    """Each command's options: name -> (help text, how its default is shown)."""
+    import typer
+
+    group: Any = typer.main.get_command(app)
+    return {
+        name: {
+            opt: (param.help or "", str(param.show_default))
+            for param in command.params
+            for opt in param.opts + param.secondary_opts
+        }
+        for name, command in group.commands.items()
+    }
+
+
+def test_an_option_means_one_thing_in_every_command() -> None:
+    """An option two commands take has one help text and one wording of its default (`--d-head`, `--module`, ...)."""
+    options = _options()
+    names = {opt for command in options.values() for opt in command}
+    for name in names:
+        meanings = {command: spec[name] for command, spec in options.items() if name in spec}
+        helps = {h for h, _ in meanings.values()}
+        defaults = {d for _, d in meanings.values()}
+        assert len(helps) == 1 and len(defaults) == 1, f"{name} differs between commands: {meanings}"
+    assert "--decode" in options["trace"] and "--decode" not in options["prove"]  # prove's is --decode-max N
+
+
+def test_help_and_a_bad_value_answer_before_torch_is_imported() -> None:
+    """Parsing needs no torch (a second or more to import): --help and usage errors never load it."""
+    for argv in (["--help"], ["trace", "--help"], ["prove", "--help"], ["trace", "--seq", "0"], ["check", "--bogus"]):
+        code = (
+            "import sys\nfrom shapesafe_mha._cli import main\n"
+            f"sys.argv = ['shapesafe-mha', *{argv!r}]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert out.stderr.strip().splitlines()[-1] == "False", (argv, out.stderr)
 
 
 def test_trace_shows_the_variants_stages() -> None:
@@ -189,3 +262,27 @@ def test_bad_variant_options_are_one_line_errors(args: list[str], message: str) 
     )
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_an_error_nobody_foresaw_is_one_line_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The console script turns an unexpected exception into one line and exit 1; the traceback on request."""
+    import shapesafe_mha._report as report
+    from shapesafe_mha._cli import main
+
+    def broken(config: object) -> None:
+        raise RuntimeError("invalid device ordinal\nCUDA kernel errors might be asynchronously reported")
+
+    monkeypatch.setattr(report, "trace_forward", broken)
+    monkeypatch.setattr(sys, "argv", ["shapesafe-mha", "trace"])
+    monkeypatch.delenv("SHAPESAFE_MHA_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "shapesafe-mha: error: unexpected RuntimeError: invalid device ordinal (SHAPESAFE_MHA_TRACEBACK=1 shows where)"
+    ]
+    monkeypatch.setenv("SHAPESAFE_MHA_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        main()

@@ -1,6 +1,11 @@
 """`shapesafe-mha check --impl pkg.mod:fn` and `--module pkg.mod:factory`: the property suite on the user's code."""
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -66,3 +71,110 @@ def test_check_impl_refuses_what_it_cannot_load(spec: str) -> None:
     """Not pkg.mod:name, not importable, no such name, not callable: a usage error (exit 2), no traceback."""
     result = runner.invoke(app, ["check", "--impl", spec])
     assert result.exit_code == 2
+
+
+@pytest.fixture
+def mygqa(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user's module file in the current directory, as a user runs `shapesafe-mha` beside their code."""
+    (tmp_path / "mygqa.py").write_text(
+        USER_CODE
+        + "\n\ndef factory(d_model, num_heads, num_kv_heads, d_head, bias):\n    return module(d_model, num_heads, "
+        "num_kv_heads, d_head, bias)\n\n\ndef broken(*sizes):\n    raise ValueError('no such layer in this build')\n"
+        "\n\nNOT_CALLABLE = 3\n\n\ndef not_a_module(*sizes):\n    return 'attention'\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _cli(*args: str) -> Any:
+    """The command in this process (a subprocess would pay torch's import again): exit code, stdout, stderr."""
+    result = runner.invoke(app, list(args))
+    result.returncode = result.exit_code
+    return result
+
+
+def test_a_users_name_is_shown_as_written_not_as_markup(mygqa: Path) -> None:
+    """`mygqa:factory` stays `mygqa:factory` (rich would turn `:factory:` into an emoji)."""
+    result = runner.invoke(app, ["check", "--module", "mygqa:factory", "--examples", "2"])
+    assert result.exit_code == 0, result.output
+    assert "mygqa:factory: properties on cpu (float64)" in " ".join(result.output.split())
+    assert "\N{FACTORY}" not in result.output
+
+
+def _row(output: str, name: str) -> list[str]:
+    line = next(line for line in output.splitlines() if name in line and "│" in line)
+    return [cell.strip() for cell in line.strip("│ ").split("│")]
+
+
+def test_a_failure_row_agrees_with_its_report_and_suggests_only_options_that_exist(user_code: str) -> None:
+    """The table's deviation is the report's; its advice names this command's options, which then work."""
+    result = runner.invoke(app, ["check", "--impl", f"{user_code}:tiled", "--examples", "20"], terminal_width=200)
+    assert result.exit_code == 1
+    cells = _row(result.output, "yours == per-head reference (GQA)")
+    reported = float(re.search(r"differs from the per-head reference by ([\d.e+-]+)", result.output)[1])  # type: ignore[index]
+    assert cells[2] == "FAIL" and int(cells[1]) >= 1
+    assert float(cells[3]) == pytest.approx(reported, rel=1e-2)
+    assert "--kv-heads interleaved" in result.output and 'kv_heads="' not in result.output
+    suggested = set(re.findall(r"--[a-z][a-z-]+", result.output.split("FAIL")[-1]))
+    assert suggested <= set(_options_of("check")), suggested
+    args = ["check", "--impl", f"{user_code}:tiled", "--kv-heads", "interleaved", "--examples", "5"]
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+
+
+def _options_of(command: str) -> list[str]:
+    import typer
+
+    group: Any = typer.main.get_command(app)
+    return [opt for param in group.commands[command].params for opt in param.opts]
+
+
+def test_kv_heads_and_atol_apply_to_the_users_code_only() -> None:
+    result = _cli("check", "--kv-heads", "interleaved")
+    assert result.returncode == 2 and "pass --impl or --module too" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["check", "--module", "mygqa:broken", "--examples", "2"], 1, "mygqa:broken raised ValueError: no such layer"),
+        (["prove", "--module", "mygqa:broken"], 1, "calling it raised ValueError: no such layer"),
+        (["prove", "--module", "mygqa:NOT_CALLABLE"], 2, "mygqa:NOT_CALLABLE: int is not callable"),
+        (["check", "--module", "mygqa:NOT_CALLABLE"], 2, "mygqa:NOT_CALLABLE: int is not callable"),
+        (["prove", "--module", "no_colon"], 2, "--module must be pkg.mod:name"),
+        (["prove", "--module", "mygqa:not_a_module"], 2, "mygqa:not_a_module: it returned a str, not an nn.Module"),
+        (["prove", "--decode-max", "8", "--seq-max", "4"], 2, "drop --seq-max"),
+    ],
+)
+def test_every_failure_of_the_users_code_is_one_line(mygqa: Path, args: list[str], code: int, message: str) -> None:
+    """A factory that raises, a name that is no callable: one line on stderr, exit 1 or 2, no traceback."""
+    result = _cli(*args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"shapesafe-mha {args[0]}: error: ") and message in lines[0], lines
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_prove_finds_a_module_in_the_current_directory_as_check_does(mygqa: Path) -> None:
+    """One resolver: `prove --module mygqa:factory` from the folder of mygqa.py, no PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["prove", "--module", "mygqa:factory", "--d-model", "32", "--num-heads", "4", "--num-kv-heads", "2"]
+    result = subprocess.run([sys.executable, "-m", "shapesafe_mha", *args], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "proven for batch in [1, 64], seq in [1, 2048]" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--batch-max", "1"], ["--batch-max", "2"], ["--seq-max", "2", "--batch-max", "3"]])
+def test_prove_at_small_or_fixed_sizes_proves_them(args: list[str]) -> None:
+    """A range torch cannot make a symbol of (one or two sizes) is proven size by size, not a traceback."""
+    result = _cli("prove", "--d-model", "32", "--num-heads", "4", *args)
+    assert result.returncode == 0, result.stderr
+    assert "proven for batch in [1, " in result.stdout and "Traceback" not in result.stderr
+
+
+def test_prove_decoding_names_the_cache_fill() -> None:
+    result = _cli("prove", "--d-model", "32", "--num-heads", "4", "--decode-max", "100")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "proven for batch in [1, 64], cached in [1, 100], seq = 1 (one decoding step)" in text
+    assert "(batch, 2, cached + 1, 8)" in text and "cached is torch's s" in text

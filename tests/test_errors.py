@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from error_catalogue import CATALOGUE, PAGE, Entry, run
+from error_catalogue import CATALOGUE, PAGE, PRELUDE, SEQ_FIRST, SEQ_FIRST_CAUGHT, Entry, run
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,6 +32,17 @@ def test_errors_page_shows_the_current_messages() -> None:
         line = f"{type(error).__name__}: {str(error).splitlines()[0]}"
         assert line in page, f"docs/errors.md is stale for {entry.title!r}: run python tests/error_catalogue.py"
     assert sum(1 for e in CATALOGUE if e.raw_torch or e.raw_jaxtyping) >= 5
+
+
+def test_the_seq_first_section_runs_and_prints_what_it_says(capsys: pytest.CaptureFixture[str]) -> None:
+    """errors.md's "What no shape can tell": a seq-first tensor runs; a mask, or from_torch, catches it."""
+    namespace: dict[str, object] = {}
+    for block in (SEQ_FIRST, SEQ_FIRST_CAUGHT):
+        assert f"```python\n{block}```" in PAGE.read_text()
+        exec(compile(PRELUDE + block, "errors.md", "exec"), namespace)
+        printed = capsys.readouterr().out
+        for comment in re.findall(r"^\s*print\(.*\)  # (.*)$", block, re.MULTILINE):
+            assert comment in printed, f"{comment!r} not in {printed!r}"
 
 
 def test_detail_lines_give_named_shapes_and_bound_dimensions() -> None:

@@ -53,3 +53,20 @@ def test_import_does_not_pull_hypothesis_pytest_or_the_cli() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+def test_the_lazy_door_and_the_type_checkers_door_list_the_same_names() -> None:
+    """`__init__` loads each name on first use (`--help` needs no torch); its TYPE_CHECKING imports,
+    what pyright and the docs read, name the same objects from the same modules."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(ssm.__file__).read_text())
+    guarded = next(node for node in tree.body if isinstance(node, ast.If))
+    imported = {
+        alias.name: node.module for node in guarded.body if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
+    assert imported == ssm._WHERE and set(imported) == set(ssm.__all__)
+    code = "import sys, shapesafe_mha\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

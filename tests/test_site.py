@@ -4,10 +4,13 @@ The site is built once per session; without mkdocs (the `docs` extra) the build 
 The checks of pages against today's outputs (README's trace, the head-parallel ranks) need no build.
 """
 
+import html
 import importlib
 import io
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +167,82 @@ def test_parallel_page_shows_what_trace_tp_4_prints_today() -> None:
     for prefix in ("each forward all-reduces", "allocated during the forward"):
         line = next(x for x in printed.splitlines() if x.startswith(prefix))
         assert line in page, f"parallel.md is stale: today {line!r}"
+
+
+# In headless Chromium, every page of the built site at a phone's width and at a laptop's: each page
+# in an iframe of that width inside one harness page (one browser start for all), measured by script.
+MEASURE = """
+const results = [];
+let pending = PAGES.length * WIDTHS.length;
+function measure(doc, page, width) {
+  const code = [...doc.querySelectorAll(".md-typeset pre > code")]
+    .filter(c => c.scrollWidth > c.clientWidth + 1)
+    .map(c => c.textContent.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), ""));
+  const images = [...doc.querySelectorAll(".md-typeset img")].map(img => ({
+    src: img.currentSrc.split("/").pop(), shown: img.getBoundingClientRect().width, natural: img.naturalWidth,
+  }));
+  results.push({page, width, code, images});
+  if (--pending === 0) {
+    const out = document.createElement("pre");
+    out.id = "measured";
+    out.textContent = JSON.stringify(results);
+    document.body.appendChild(out);
+  }
+}
+for (const width of WIDTHS) for (const page of PAGES) {
+  const frame = document.createElement("iframe");
+  frame.style.width = width + "px";
+  frame.style.height = "900px";
+  frame.onload = () => measure(frame.contentDocument, page, width);
+  frame.src = page;
+  document.body.appendChild(frame);
+}
+"""
+PHONE, LAPTOP = 400, 1280
+SVG_TEXT_PX = 12  # the smallest text our pictures draw (tools/pictures.py, shapesafe_mha/_svg.py)
+
+
+def _chromium() -> str | None:
+    names = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome", "chrome-headless-shell")
+    return next((found for found in map(shutil.which, names) if found), None)
+
+
+@pytest.fixture(scope="module")
+def measured(site: Path) -> list[dict]:  # type: ignore[type-arg]
+    """What Chromium lays out on each page at 400 and 1280 px: code blocks that overflow, each picture's scale."""
+    browser = _chromium()
+    if browser is None:
+        message = "no Chromium to lay the site out (Debian: apt-get install chromium)"
+        if os.environ.get("SHAPESAFE_REQUIRE_CHROMIUM"):  # .ci/run: the layout must be checked, not skipped
+            pytest.fail(message)
+        pytest.skip(message)
+    pages = sorted(str(p.relative_to(site)) for p in site.rglob("index.html") if "search" not in p.parts)
+    script = f"const PAGES = {json.dumps(pages)}, WIDTHS = [{PHONE}, {LAPTOP}];\n{MEASURE}"
+    harness = site / "measure-harness.html"
+    harness.write_text(f"<!doctype html><html><body><script>{script}</script></body></html>")
+    # No network: the theme's web fonts would wait for DNS on every page (39 s, not 4). The fallback
+    # monospace is what an offline reader sees, as wide a character as the theme's Roboto Mono (0.6 em).
+    command = [
+        browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--allow-file-access-from-files",
+        "--host-resolver-rules=MAP * ~NOTFOUND", "--dump-dom", harness.as_uri(),
+    ]  # fmt: skip
+    dom = subprocess.run(command, capture_output=True, text=True, timeout=300).stdout
+    found = re.search(r'<pre id="measured">(.*?)</pre>', dom, re.DOTALL)
+    assert found, f"Chromium measured nothing:\n{dom[-2000:]}"
+    return json.loads(html.unescape(found[1]))
+
+
+def test_no_code_block_is_cut_at_a_laptops_width(measured: list[dict]) -> None:  # type: ignore[type-arg]
+    """At 1280 px every code line fits its block or wraps under itself (extra.css); none runs under the edge."""
+    cut = {r["page"]: r["code"] for r in measured if r["width"] == LAPTOP and r["code"]}
+    assert not cut, f"code cut at {LAPTOP} px (longest line of each block): {cut}"
+
+
+@pytest.mark.parametrize("width", [PHONE, LAPTOP])
+def test_the_stages_picture_is_legible_at_a_phones_and_a_laptops_width(measured: list[dict], width: int) -> None:  # type: ignore[type-arg]
+    """The landing page's stages picture: the one-column drawing on a phone, its text at 10 px or more."""
+    landing = next(r for r in measured if r["page"] == "index.html" and r["width"] == width)
+    picture = next(i for i in landing["images"] if i["src"].startswith("stages"))
+    assert picture["src"] == ("stages-narrow.svg" if width == PHONE else "stages.svg")
+    scale = picture["shown"] / picture["natural"]
+    assert SVG_TEXT_PX * scale >= 10, f"{picture['src']} shown at {scale:.0%}: its text is {SVG_TEXT_PX * scale:.1f} px"

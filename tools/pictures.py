@@ -65,6 +65,8 @@ def overhead_chart(sweep: list[dict[str, float | str]]) -> str:
 
 PICTURES: dict[str, Callable[[], str]] = {
     "stages.svg": lambda: pipeline(trace_forward(STAGES)),
+    # The same stages in one column, for a phone: docs/index.md shows it below 600 px.
+    "stages-narrow.svg": lambda: pipeline(trace_forward(STAGES), narrow=True),
     "head-split.svg": head_split,
     "gqa.svg": gqa_groups,
     # DeepSeek-V3's latent attention decoding one token: the cache attended as it is.
