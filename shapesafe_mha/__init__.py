@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._rotary import RotaryEmbedding as RotaryEmbedding
     from ._rotary import apply_rotary as apply_rotary
     from ._rotary import inverse_frequencies as inverse_frequencies
+    from ._shapecheck import expect as expect
+    from ._shapecheck import shape_scope as shape_scope
+    from ._shapecheck import shapecheck as shapecheck
     from ._stages import attention_weights as attention_weights
     from ._stages import group_queries as group_queries
     from ._stages import merge_heads as merge_heads
@@ -53,6 +56,9 @@ _WHERE = {
     "RotaryEmbedding": "_rotary",
     "apply_rotary": "_rotary",
     "inverse_frequencies": "_rotary",
+    "expect": "_shapecheck",
+    "shape_scope": "_shapecheck",
+    "shapecheck": "_shapecheck",
     "attention_weights": "_stages",
     "group_queries": "_stages",
     "merge_heads": "_stages",
@@ -63,7 +69,12 @@ _WHERE = {
 }
 
 
+_SUBMODULES = ("dims", "parallel", "reference", "testing")  # public namespaces, imported when first named
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
@@ -94,12 +105,15 @@ __all__ = [
     "apply_rotary",
     "attention_weights",
     "checks_enabled",
+    "expect",
     "group_queries",
     "inverse_frequencies",
     "merge_heads",
     "project",
     "prove",
     "scaled_dot_product_attention",
+    "shape_scope",
+    "shapecheck",
     "split_heads",
     "trace_forward",
     "trace_latent",

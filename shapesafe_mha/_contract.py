@@ -54,6 +54,8 @@ def parse_switch(value: str) -> bool:
 
 
 _OFF_BY_ENV = parse_switch(os.environ.get(ENV_VAR, ""))
+# The session of an open `shape_scope`: our public stages and users' decorated calls inside it share it.
+scope: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("shapesafe_mha_scope", default=None)
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("shapesafe_mha_unchecked", default=False)
 
 MAX_VERDICTS = 4096
@@ -172,6 +174,10 @@ class Stage(Generic[P, R]):
         """Called on its own (a public stage): checked on first sight of each exact signature."""
         if not checks_enabled():
             return self.fn(*args, **kwargs)
+        shared = scope.get()
+        if shared is not None:  # inside a shape_scope: checked in its dimensions, every time
+            with shared.calling(f"{self.name}()"):
+                return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
         if self.verdicts.known(key):
             return self.fn(*args, **kwargs)
@@ -244,6 +250,7 @@ class Session:
         self.observer = observer
         self.memo: Memo = {}
         self.called_with: list[tuple[str, Any, Any]] = []
+        self.where = ""  # in a shared session, which call bound a dimension: " (in split_heads())"
         self._context: Any = None
 
     def __enter__(self) -> "Session":
@@ -255,6 +262,17 @@ class Session:
     def __exit__(self, *exc: Any) -> None:
         if self._context is not None:
             self._context.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def calling(self, owner: str, shared: bool = True) -> Iterator[None]:
+        """One call checked in this session: messages name `owner` and list only its arguments; in a session
+        shared by several calls (a `shape_scope`), what a call binds is said to come from it."""
+        saved = self.owner, self.called_with, self.where
+        self.owner, self.called_with, self.where = owner, [], f" (in {owner})" if shared else ""
+        try:
+            yield
+        finally:
+            self.owner, self.called_with, self.where = saved
 
     def stages(self, **stages: Stage[..., Any]) -> SimpleNamespace:
         """The stages as plain callables that run in this session."""
@@ -309,9 +327,8 @@ class Session:
                 stage.precheck(arguments)
             for name, value in arguments.items():
                 plain = top_level or name in stage.public
-                failure = self.fits(
-                    name, value, hints.get(name), stage.sources.get(name, name if plain else stage.name)
-                )
+                source = stage.sources.get(name, name if plain else stage.name) + self.where
+                failure = self.fits(name, value, hints.get(name), source)
                 if failure is not None:
                     raise failure
             if stage.validate is not None:

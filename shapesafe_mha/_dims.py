@@ -1,29 +1,6 @@
 """The dimension vocabulary: every dimension name is declared here, once.
 
-Notation:
-
-| name           | meaning                                                          |
-|----------------|------------------------------------------------------------------|
-| `batch`        | independent sequences                                            |
-| `seq`          | query positions                                                  |
-| `kv_seq`       | key/value positions attended over (cached + new when decoding)   |
-| `new`          | key/value positions given in this call (appended to a KV cache)  |
-| `capacity`     | positions a `KVCache` can hold                                   |
-| `d_model`      | the model's width                                                |
-| `num_heads`    | query heads                                                      |
-| `num_kv_heads` | key/value heads (MHA: `num_heads`, MQA: 1)                       |
-| `group`        | query heads per KV head, `num_heads // num_kv_heads`             |
-| `d_head`       | width of one head                                                |
-| `d_inner`      | a projection's width around the head split, `heads * d_head`     |
-| `d_in`, `d_out`| a linear map's input and output widths                           |
-| `local_heads`  | query heads held by one rank of a head-parallel group            |
-| `local_kv_heads` | KV heads held by one rank (sharded or replicated)              |
-| `seen`         | positions a sliding-window cache has seen (its masks cover them) |
-| `q_lora_rank`  | latent attention: width of the queries' low-rank bottleneck      |
-| `kv_lora_rank` | latent attention: width of the shared key/value latent (cached)  |
-| `d_nope`       | latent attention: the part of a query/key head without RoPE      |
-| `d_rope`       | latent attention: the rotary part of a query/key head; one rotary key shared by all heads |
-| `d_value`      | latent attention: width of a value head (may differ from `d_nope + d_rope`) |
+Notation: the table below is made from `DIMS`, each name with its meaning.
 
 Shapes are built from these names once, below, and reused by every stage.
 """
@@ -31,29 +8,30 @@ Shapes are built from these names once, below, and reused by every stage.
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
-DIMS = (
-    "batch",
-    "seq",
-    "kv_seq",
-    "new",
-    "capacity",
-    "d_model",
-    "num_heads",
-    "num_kv_heads",
-    "group",
-    "d_head",
-    "d_inner",
-    "d_in",
-    "d_out",
-    "local_heads",
-    "local_kv_heads",
-    "seen",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "d_nope",
-    "d_rope",
-    "d_value",
-)
+DIMS: dict[str, str] = {
+    "batch": "independent sequences",
+    "seq": "query positions",
+    "kv_seq": "key/value positions attended over (cached + new when decoding)",
+    "new": "key/value positions given in this call (appended to a KV cache)",
+    "capacity": "positions a `KVCache` can hold",
+    "d_model": "the model's width",
+    "num_heads": "query heads",
+    "num_kv_heads": "key/value heads (MHA: `num_heads`, MQA: 1)",
+    "group": "query heads per KV head, `num_heads // num_kv_heads`",
+    "d_head": "width of one head",
+    "d_inner": "a projection's width around the head split, `heads * d_head`",
+    "d_in": "a linear map's input width",
+    "d_out": "a linear map's output width",
+    "local_heads": "query heads held by one rank of a head-parallel group",
+    "local_kv_heads": "KV heads held by one rank (sharded or replicated)",
+    "seen": "positions a sliding-window cache has seen (its masks cover them)",
+    "q_lora_rank": "latent attention: width of the queries' low-rank bottleneck",
+    "kv_lora_rank": "latent attention: width of the shared key/value latent (cached)",
+    "d_nope": "latent attention: the part of a query/key head without RoPE",
+    "d_rope": "latent attention: the rotary part of a query/key head; one rotary key shared by all heads",
+    "d_value": "latent attention: width of a value head (may differ from `d_nope + d_rope`)",
+}
+__doc__ = (__doc__ or "") + "\n| name | meaning |\n|---|---|\n" + "\n".join(f"| `{n}` | {m} |" for n, m in DIMS.items())
 
 # The sizes a module fixes, bound before any argument is checked (from a `meta` witness tensor).
 ModuleSizes = Shaped[Tensor, "d_model num_heads num_kv_heads d_head group"]

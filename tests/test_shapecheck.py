@@ -1,0 +1,384 @@
+"""Checks for the code users write: `@shapecheck`, `expect`, `shape_scope` and the public `dims`.
+
+A catalogue of mistakes in users' own attention code, each a ShapeError whose first line names the
+user's function, the argument (or the result, or the expectation), the dimension, the axis and both
+sizes; sizes bound by int arguments, a module's attributes and scopes; nesting; the call forms a
+decorator must keep (methods, keyword-only, defaults, *args, classmethods, staticmethods, hooks);
+torch.compile without graph breaks or recompiles; and the switch that turns it all off.
+"""
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor, nn
+
+import shapesafe_mha as ssm
+from shapesafe_mha.dims import DIMS, Heads, KVHeads, Probabilities, QueryInner, Tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def first_line(run: Callable[[], Any]) -> str:
+    with pytest.raises(ssm.ShapeError) as caught:
+        run()
+    return str(caught.value).splitlines()[0]
+
+
+# --- the users' functions the catalogue calls ------------------------------------------------------------
+
+
+@ssm.shapecheck
+def apply_temperature(q: Heads, log_temp: Float[Tensor, " num_heads"]) -> Heads:
+    return q * log_temp.exp()[:, None, None]
+
+
+@ssm.shapecheck
+def merge_without_transpose(x: Heads) -> QueryInner:
+    return x.flatten(2)  # the bug: should be x.transpose(1, 2).flatten(2)
+
+
+@ssm.shapecheck
+def attend_without_output_projection(x: Tokens, w_qkv: Float[Tensor, "three_inner d_model"], num_heads: int) -> Tokens:
+    q, k, v = (t.unflatten(-1, (num_heads, -1)).transpose(1, 2) for t in (x @ w_qkv.T).chunk(3, dim=-1))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).flatten(2)  # the bug: o_proj forgotten (inner width 48, d_model 64)
+
+
+@ssm.shapecheck
+def causal_mask(q: Heads, k: KVHeads) -> Bool[Tensor, "seq kv_seq"]:
+    return torch.ones(k.shape[2], q.shape[2], dtype=torch.bool).tril()  # the bug: built (kv_seq, seq)
+
+
+@ssm.shapecheck
+def to_heads(x: Float[Tensor, "batch seq num_heads d_head"], num_heads: int) -> Heads:
+    return x.transpose(1, 2)
+
+
+@ssm.shapecheck
+def scores_of(q: Heads, k: KVHeads) -> Probabilities:
+    scores = ssm.expect(q @ q.mT, "batch num_heads seq kv_seq", name="scores")  # the bug: q @ q, not q @ k
+    return scores.softmax(-1)
+
+
+@ssm.shapecheck
+def pooled(x: Tokens) -> Float[Tensor, "batch d_model"]:
+    return x.mean(-1)  # the bug: pools over d_model, not seq
+
+
+@ssm.shapecheck
+def cross_attend(text: Float[Tensor, "batch text d_model"], patches: Float[Tensor, "batch patches d_model"]) -> Float[
+    Tensor, "batch text d_model"
+]:
+    weights = (patches @ text.mT).softmax(-1)  # the bug: patches attend to text, not text to patches
+    return weights @ text
+
+
+@ssm.shapecheck
+def concat_heads(*heads: Float[Tensor, "batch seq d_head"]) -> Float[Tensor, "batch seq d_inner"]:
+    return torch.cat(heads, dim=-1)
+
+
+@ssm.shapecheck
+def padding_scores(scores: Probabilities, *, padding: Bool[Tensor, "batch kv_seq"]) -> Probabilities:
+    return scores.masked_fill(padding[:, None, None], 0.0)
+
+
+class GroupedAttention(nn.Module):
+    """A user's GQA layer: its sizes are attributes, so the checks hold its inputs to them."""
+
+    def __init__(self, d_model: int = 64, num_heads: int = 8, num_kv_heads: int = 2) -> None:
+        super().__init__()
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.d_head = d_model // num_heads
+        self.q_proj = nn.Linear(d_model, num_heads * self.d_head)
+        self.kv_proj = nn.Linear(d_model, 2 * num_kv_heads * self.d_head)
+        self.o_proj = nn.Linear(num_heads * self.d_head, d_model)
+
+    @ssm.shapecheck
+    def forward(self, x: Tokens) -> Tokens:
+        q = ssm.split_heads(self.q_proj(x), self.num_heads)
+        k, v = (ssm.split_heads(t, self.num_kv_heads) for t in self.kv_proj(x).chunk(2, dim=-1))
+        k = ssm.expect(k, KVHeads, name="keys")
+        out = ssm.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(ssm.merge_heads(out))
+
+    @ssm.shapecheck
+    def attend(self, q: Heads, k: KVHeads) -> Probabilities:
+        return (q.unflatten(1, (self.num_kv_heads, -1)) @ k[:, :, None].mT).flatten(1, 2).softmax(-1)
+
+
+CATALOGUE: dict[str, tuple[Callable[[], Any], str]] = {
+    "a per-head parameter with the wrong number of heads": (
+        lambda: apply_temperature(torch.randn(2, 6, 5, 8), torch.randn(2)),
+        r"apply_temperature\(\): log_temp has num_heads=2 \(axis 0\), but q set num_heads=6\.",
+    ),
+    "a forgotten transpose before the merge": (
+        lambda: merge_without_transpose(torch.randn(2, 6, 5, 8)),
+        r"merge_without_transpose\(\): the result has seq=6 \(axis 1\), but x set seq=5\.",
+    ),
+    "a forgotten output projection": (
+        lambda: attend_without_output_projection(torch.randn(2, 5, 64), torch.randn(144, 64), 6),
+        r"attend_without_output_projection\(\): the result has d_model=48 \(axis 2\), but x set d_model=64\.",
+    ),
+    "a mask built (kv_seq, seq)": (
+        lambda: causal_mask(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 7, 8)),
+        r"causal_mask\(\): the result has seq=7 \(axis 0\), but q set seq=5\.",
+    ),
+    "an int argument that disagrees with a tensor": (
+        lambda: to_heads(torch.randn(2, 5, 6, 8), num_heads=4),
+        r"to_heads\(\): x has num_heads=6 \(axis 2\), but the argument num_heads set num_heads=4\.",
+    ),
+    "a module attribute that disagrees with an input": (
+        lambda: GroupedAttention()(torch.randn(2, 5, 60)),
+        r"GroupedAttention\.forward\(\): x has d_model=60 \(axis 2\), but the module set d_model=64\.",
+    ),
+    "an expect that disagrees with an argument": (
+        lambda: scores_of(torch.randn(1, 4, 5, 8), torch.randn(1, 4, 7, 8)),
+        r"scores_of\(\): scores has kv_seq=5 \(axis 3\), but k set kv_seq=7\.",
+    ),
+    "a result of the wrong shape": (
+        lambda: pooled(torch.randn(2, 5, 64)),
+        r"pooled\(\): the result has d_model=5 \(axis 1\), but x set d_model=64\.",
+    ),
+    "cross-attention the wrong way round": (
+        lambda: cross_attend(torch.randn(2, 5, 16), torch.randn(2, 9, 16)),
+        r"cross_attend\(\): the result has text=9 \(axis 1\), but text set text=5\.",
+    ),
+    "one of *args with another head width": (
+        lambda: concat_heads(torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 4)),
+        r"concat_heads\(\): heads\[2\] has d_head=4 \(axis 2\), but heads\[0\] set d_head=8\.",
+    ),
+    "a keyword-only padding mask one key short": (
+        lambda: padding_scores(torch.rand(2, 4, 5, 7), padding=torch.zeros(2, 6, dtype=torch.bool)),
+        r"padding_scores\(\): padding has kv_seq=6 \(axis 1\), but scores set kv_seq=7\.",
+    ),
+    "a float mask where a bool one is annotated": (
+        lambda: padding_scores(torch.rand(2, 4, 5, 7), padding=torch.zeros(2, 7)),
+        r"padding_scores\(\): padding has dtype float32, but it must be bool\.",
+    ),
+    "keys with the wrong number of KV heads for the module": (
+        lambda: GroupedAttention().attend(torch.randn(1, 8, 5, 8), torch.randn(1, 4, 5, 8)),
+        r"GroupedAttention\.attend\(\): k has num_kv_heads=4 \(axis 1\), but the module set num_kv_heads=2\.",
+    ),
+    "queries and keys of different batches": (
+        lambda: scores_of(torch.randn(2, 4, 5, 8), torch.randn(3, 4, 5, 8)),
+        r"scores_of\(\): k has batch=3 \(axis 0\), but q set batch=2\.",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", CATALOGUE)
+def test_a_mistake_in_users_code_is_named_on_the_first_line(mistake: str) -> None:
+    """Function, argument or result or expectation, dimension, axis, both sizes, and who set the other."""
+    run, expected = CATALOGUE[mistake]
+    assert len(CATALOGUE) >= 12
+    line = first_line(run)
+    assert re.fullmatch(expected, line), line
+
+
+def test_the_same_calls_done_right_pass() -> None:
+    assert apply_temperature(torch.randn(2, 6, 5, 8), torch.randn(6)).shape == (2, 6, 5, 8)
+    assert to_heads(torch.randn(2, 5, 6, 8), num_heads=6).shape == (2, 6, 5, 8)
+    assert GroupedAttention()(torch.randn(2, 5, 64)).shape == (2, 5, 64)
+    assert concat_heads(torch.randn(2, 5, 8), torch.randn(2, 5, 8)).shape == (2, 5, 16)
+    assert padding_scores(torch.rand(2, 4, 5, 7), padding=torch.zeros(2, 7, dtype=torch.bool)).shape == (2, 4, 5, 7)
+
+
+def test_a_remembered_verdict_still_rejects_a_new_wrong_call() -> None:
+    """Verdicts are per exact signature: right calls repeated run unchecked, a new wrong one is caught."""
+    q = torch.randn(2, 6, 5, 8)
+    for _ in range(3):
+        apply_temperature(q, torch.randn(6))
+    assert "log_temp has num_heads=3" in first_line(lambda: apply_temperature(q, torch.randn(3)))
+
+
+# --- sizes bound before any tensor -----------------------------------------------------------------------
+
+
+@ssm.shapecheck
+def split(x: QueryInner, num_heads: int, d_head: int) -> Heads:
+    return x.unflatten(-1, (num_heads, d_head)).transpose(1, 2)
+
+
+class Merger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.d_head = 4, 8
+
+    @ssm.shapecheck
+    def forward(self, x: Heads) -> QueryInner:
+        return x.transpose(1, 2).flatten(2)
+
+    @ssm.shapecheck
+    def project_in(self, x: QueryInner) -> QueryInner:
+        return x
+
+
+def test_arithmetic_aliases_work_as_arguments_where_their_names_are_bound() -> None:
+    """`batch seq num_heads*d_head` as an argument: bound by int arguments, by the module, or by a scope;
+    unbound, a ShapeError says which names to bind (jaxtyping alone: AnnotationError)."""
+    assert split(torch.randn(2, 5, 48), 6, 8).shape == (2, 6, 5, 8)
+    line = first_line(lambda: split(torch.randn(2, 5, 48), 4, 8))
+    assert "x has num_heads*d_head=48 (axis 2), but the argument d_head and the argument num_heads (num_heads=4" in line
+    assert Merger().project_in(torch.randn(2, 5, 32)).shape == (2, 5, 32)
+    assert "but the module (num_heads=4, d_head=8) set num_heads*d_head=32" in first_line(
+        lambda: Merger().project_in(torch.randn(2, 5, 48))
+    )
+
+    @ssm.shapecheck
+    def identity(x: QueryInner) -> QueryInner:
+        return x
+
+    assert "nothing has bound d_head, num_heads yet" in first_line(lambda: identity(torch.randn(2, 5, 48)))
+    with ssm.shape_scope(num_heads=6, d_head=8):
+        assert identity(torch.randn(2, 5, 48)).shape == (2, 5, 48)
+
+
+@ssm.shapecheck
+def inner(x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
+    return x
+
+
+@ssm.shapecheck
+def outer(x: Float[Tensor, "batch seq d_model"], memory: Float[Tensor, "batch kv_seq d_model"]) -> Float[
+    Tensor, "batch seq d_model"
+]:
+    inner(memory)  # its own seq is the caller's kv_seq: fine outside a scope
+    return inner(x)
+
+
+def test_nested_calls_keep_their_own_dimensions_outside_a_scope_and_share_them_inside() -> None:
+    x, memory = torch.randn(2, 5, 16), torch.randn(2, 9, 16)
+    assert outer(x, memory).shape == (2, 5, 16)
+    with ssm.shape_scope():
+        line = first_line(lambda: outer(x, memory))
+    assert line == "inner(): x has seq=9 (axis 1), but x (in outer()) set seq=5."
+
+
+def test_our_stages_join_a_scope() -> None:
+    """Pinned: inside a scope our public stages are checked against its dimensions (and every time)."""
+    with ssm.shape_scope(num_heads=8):
+        assert ssm.split_heads(torch.randn(2, 5, 64), 8).shape == (2, 8, 5, 8)
+        line = first_line(lambda: ssm.split_heads(torch.randn(2, 5, 64), 4))
+    assert line.startswith("split_heads(): ") and "num_heads=4" in line and "shape_scope" in line
+    assert ssm.split_heads(torch.randn(2, 5, 64), 4).shape == (2, 4, 5, 16)  # outside: its own dimensions
+
+
+def test_scope_sizes_must_be_sizes() -> None:
+    with pytest.raises(ssm.ConfigError, match=r"shape_scope\(\): num_heads must be a non-negative int"):
+        with ssm.shape_scope(num_heads=2.5):  # type: ignore[arg-type]
+            pass
+
+
+def test_expect_checks_alone_outside_any_call() -> None:
+    assert ssm.expect(torch.zeros(2, 8, 5, 5), "batch num_heads seq seq").shape == (2, 8, 5, 5)
+    line = first_line(lambda: ssm.expect(torch.zeros(2, 8, 5, 6), "batch num_heads seq seq", name="scores"))
+    assert line == "expect(): scores has seq=6 (axis 3), but scores set seq=5."
+
+
+# --- the call forms --------------------------------------------------------------------------------------
+
+
+class Forms:
+    num_heads = 4
+
+    @classmethod
+    @ssm.shapecheck
+    def made(cls, x: Heads) -> Heads:
+        return x
+
+    @staticmethod
+    @ssm.shapecheck
+    def static(x: Heads, scale: float = 1.0) -> Heads:
+        return x * scale
+
+    @ssm.shapecheck
+    @classmethod
+    def made_outer(cls, x: Heads) -> Heads:
+        return x
+
+
+def test_classmethods_staticmethods_defaults_and_hooks_work() -> None:
+    x = torch.randn(1, 4, 3, 8)
+    assert Forms.made(x).shape == Forms.static(x).shape == Forms.made_outer(x).shape == x.shape
+    assert "the result has" not in str(Forms.static(x, scale=2.0).shape)
+    seen: list[tuple[int, ...]] = []
+
+    @ssm.shapecheck
+    def hook(module: nn.Module, inputs: tuple[Any, ...], output: Tokens) -> None:
+        seen.append(tuple(output.shape))
+
+    layer = nn.Linear(16, 16)
+    layer.register_forward_hook(hook)
+    layer(torch.randn(2, 3, 16))
+    assert seen == [(2, 3, 16)]
+    with pytest.raises(ssm.ShapeError, match=r"hook\(\): output must be 3-D"):
+        layer(torch.randn(2, 16))
+
+
+def test_decorating_what_has_no_shape_to_check_is_a_config_error() -> None:
+    def plain(x: int, y: Tensor) -> Tensor:
+        return y
+
+    with pytest.raises(ssm.ConfigError, match=r"shapecheck: .*plain has no shape annotation to check"):
+        ssm.shapecheck(plain)
+
+
+def test_the_switch_turns_the_checks_off() -> None:
+    wrong = (torch.randn(2, 6, 5, 8), torch.randn(2))
+    with ssm.unchecked():
+        with pytest.raises(RuntimeError):  # torch's own broadcasting error: no check ran
+            apply_temperature(*wrong)
+        ssm.expect(torch.zeros(2, 3), "batch batch")
+    code = (
+        "import torch, shapesafe_mha as ssm\n"
+        "print(ssm.expect(torch.zeros(2, 3), 'batch batch').shape)\n"
+    )
+    env = {"SHAPESAFE_MHA_UNCHECKED": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    assert "torch.Size([2, 3])" in out.stdout
+
+
+def test_dims_lists_every_name_with_its_meaning() -> None:
+    assert DIMS["num_kv_heads"].startswith("key/value heads") and DIMS["group"].startswith("query heads per KV head")
+    assert all(isinstance(meaning, str) and meaning for meaning in DIMS.values())
+    assert "dims" in dir(ssm) or ssm.dims.Tokens is Tokens
+
+
+# --- torch.compile ---------------------------------------------------------------------------------------
+
+
+def test_compile_fullgraph_without_graph_breaks_or_recompiles() -> None:
+    """A decorated function and a module with a decorated forward: equal to eager, no graph break, and one
+    compilation serves 5 calls of one shape."""
+    torch._dynamo.reset()
+    module = GroupedAttention().eval()
+    x = torch.randn(2, 5, 64)
+    for target, args in ((apply_temperature, (torch.randn(2, 6, 5, 8), torch.randn(6))), (module, (x,))):
+        explained = torch._dynamo.explain(target)(*args)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        compiled = torch.compile(target, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*args), target(*args))
+            counts_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            for _ in range(5):
+                compiled(*args)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == counts_before
+
+
+def test_pyright_accepts_a_user_module_that_uses_the_decorator_expect_and_aliases() -> None:
+    """The decorated functions keep their signatures for type checkers (standard mode, zero errors)."""
+    example = ROOT / "examples" / "checked_attention.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "pyright", "--outputjson", str(example)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert '"errorCount": 0' in result.stdout, result.stdout[-2000:]
+    runs = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "torch.Size([2, 10, 64])" in runs.stdout
