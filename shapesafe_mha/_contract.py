@@ -107,8 +107,8 @@ class Verdicts:
     __slots__ = ("exact", "relations")
 
     def __init__(self) -> None:
-        self.exact: dict[Any, bool] = {}
-        self.relations: dict[Any, bool] = {}
+        self.exact: dict[Any, Any] = {}
+        self.relations: dict[Any, Any] = {}
 
     def known(self, exact: Any, relations: Callable[[], Any] | None = None) -> bool:
         if exact in self.exact:
@@ -118,10 +118,11 @@ class Verdicts:
             return True
         return False
 
-    def remember(self, exact: Any, relations: Any = None) -> None:
+    def remember(self, exact: Any, relations: Any = None, note: Any = True) -> None:
+        """Remember `exact` (and `relations`); `note` is what `exact[key]` holds (a caller's detail of the call)."""
         if _UNCACHEABLE in exact if isinstance(exact, tuple) else exact is _UNCACHEABLE:
             return  # a value whose check cannot be keyed: every such call is checked in full
-        _add(self.exact, exact)
+        _add(self.exact, exact, note)
         if relations is not None:
             _add(self.relations, relations)
 
@@ -130,10 +131,10 @@ class Verdicts:
         self.relations.clear()
 
 
-def _add(memo: dict[Any, bool], key: Any) -> None:
+def _add(memo: dict[Any, Any], key: Any, note: Any = True) -> None:
     if len(memo) >= MAX_VERDICTS:
         memo.clear()
-    memo[key] = True
+    memo[key] = note
 
 
 Precheck = Callable[[dict[str, Any]], None]
@@ -382,11 +383,11 @@ _ITSELF = frozenset({int, str, type(None), torch.dtype, torch.device})  # hashab
 
 def signature_of(value: Any) -> Any:
     """What a check depends on: a tensor's shape, dtype and device; a plain value with its type."""
+    if isinstance(value, torch.Tensor):  # the common case first: this runs on every remembered call
+        return (value.shape, value.dtype, value.device)
     kind = type(value)
     if kind in _ITSELF:
         return value
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.device)
     if kind is bool or kind is float:
         return (kind, value)  # True == 1 == 1.0 would collide with the int
     if kind is tuple:

@@ -215,17 +215,21 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
     if isinstance(fn, classmethod | staticmethod):
         return type(fn)(shapecheck(fn.__func__))  # type: ignore[return-value]
     contract = _Checked(fn)
-    verdicts, key_of, run, owner = contract.verdicts, contract.key, contract.run, contract.owner
+    verdicts, run, owner = contract.verdicts, contract.run, contract.owner
+    key_of = contract.key if contract.method else signature_key  # a method's key holds its sizes on self
 
     @functools.wraps(fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
-        if not checks_enabled():
+        if torch.compiler.is_compiling() or not checks_enabled():  # the first folds to a constant under dynamo
             return fn(*args, **kwargs)
         shared = scope.get()
         if shared is not None:
             return run(shared, args, kwargs, True)
         key = key_of(args, kwargs)
-        if key in verdicts.exact:  # remembered: expectations inside held for these shapes too
+        expects = verdicts.exact.get(key)  # remembered: whether the checked call made expectations
+        if expects is False:
+            return fn(*args, **kwargs)
+        if expects:  # they held for these shapes too: `expect` inside skips its check
             token = _current.set(_KNOWN)
             try:
                 return fn(*args, **kwargs)
@@ -233,7 +237,7 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
                 _current.reset(token)
         with Session(owner) as session:
             result = run(session, args, kwargs)
-        verdicts.remember(key)
+        verdicts.remember(key, note=getattr(session, "expectations", 0) > 0)
         return result
 
     checked.__shapecheck__ = contract  # type: ignore[attr-defined]

@@ -348,6 +348,76 @@ def _what_no_shape_can_tell() -> list[str]:
     ]
 
 
+# Mistakes in a user's own functions, each checked three ways (`{check}` is the decorator, or nothing):
+# our decorator, plain jaxtyping+beartype, and none (raw torch). The page measures first lines and lengths.
+USER_CODE = {
+    "a per-head temperature with 2 entries for 6 heads": (
+        """
+from jaxtyping import Float
+from torch import Tensor
+{check}
+def apply_temperature(q: Float[Tensor, "batch num_heads seq d_head"], log_temp: Float[Tensor, " num_heads"]) -> Float[
+    Tensor, "batch num_heads seq d_head"
+]:
+    return q * log_temp.exp()[:, None, None]
+apply_temperature(torch.randn(2, 6, 5, 8), torch.randn(2))
+"""
+    ),
+    "a forgotten output projection (inner width 48, d_model 64)": (
+        """
+from jaxtyping import Float
+from torch import Tensor
+{check}
+def attend(x: Float[Tensor, "batch seq d_model"], w_qkv: Float[Tensor, "inner3 d_model"],
+           w_o: Float[Tensor, "d_model inner"]) -> Float[Tensor, "batch seq d_model"]:
+    q, k, v = (t.unflatten(-1, (6, -1)).transpose(1, 2) for t in (x @ w_qkv.T).chunk(3, dim=-1))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+    return out  # forgot: out @ w_o.T
+attend(torch.randn(2, 5, 64), torch.randn(144, 64), torch.randn(64, 48))
+"""
+    ),
+    "a causal mask built (kv_seq, seq)": (
+        """
+from jaxtyping import Bool, Float
+from torch import Tensor
+{check}
+def causal_mask(q: Float[Tensor, "batch num_heads seq d_head"], k: Float[Tensor, "batch num_kv_heads kv_seq d_head"]
+                ) -> Bool[Tensor, "seq kv_seq"]:
+    return torch.ones(k.shape[2], q.shape[2], dtype=torch.bool).tril()
+q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 7, 8)
+torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=causal_mask(q, k), enable_gqa=True)
+"""
+    ),
+}
+CHECKS = {
+    "shapesafe_mha": "@ssm.shapecheck",
+    "plain jaxtyping + beartype": "from beartype import beartype\nfrom jaxtyping import jaxtyped\n@jaxtyped(typechecker=beartype)",
+    "raw torch": "",
+}
+
+
+def _your_own_code() -> list[str]:
+    out = [
+        "",
+        "## Your own code",
+        "",
+        "Functions of your own, annotated with our dimension names (`shapesafe_mha.dims`) or yours, and",
+        "decorated with `@ssm.shapecheck`, get the same messages (see [Checking your own code](own-code.md)).",
+        "Each mistake below run three ways, measured when this page was made: our decorator, plain",
+        "`@jaxtyped(typechecker=beartype)`, and no check (what torch says, if anything):",
+    ]
+    for title, code in USER_CODE.items():
+        out += ["", f"### {title}", "", "```python", code.strip().replace("{check}\n", "@ssm.shapecheck\n"), "```", ""]
+        out += ["| checked by | first line | characters | lines |", "|---|---|---|---|"]
+        for name, check in CHECKS.items():
+            error = run(code.replace("{check}", check))
+            text = "" if error is None else f"{type(error).__name__}: {error}"
+            first = text.splitlines()[0] if text else "(no error: the mistake passes silently)"
+            first = first.replace("|", "\\|")
+            out.append(f"| {name} | `{first}` | {len(text)} | {len(text.splitlines())} |")
+    return out
+
+
 def run(code: str) -> BaseException | None:
     """Run a snippet; return what it raised (None if nothing), with anything it printed discarded."""
     namespace: dict[str, object] = {}
@@ -401,6 +471,7 @@ def render() -> str:
             out += ["", "Plain torch:", "", "```text", _describe(run(entry.raw_torch), 4), "```"]
         if entry.raw_jaxtyping:
             out += ["", "Plain jaxtyping + beartype:", "", "```text", _describe(run(entry.raw_jaxtyping), 20), "```"]
+    out += _your_own_code()
     out += _what_no_shape_can_tell()
     return "\n".join(out) + "\n"
 
