@@ -62,12 +62,30 @@ class ShapeProof:
         return console.export_text()
 
 
+Seen = tuple[str, str, torch.Tensor, Any, dict[str, int] | None]  # name, named shape, tensor, group, seed
+
+
 class _Observer:
     def __init__(self) -> None:
-        self.seen: list[tuple[str, str, torch.Tensor]] = []
+        self.seen: list[Seen] = []
+        self.spans: list[tuple[str, int, int]] = []  # a user's decorated call, and the guards made during it
 
-    def add(self, name: str, named_shape: str, tensor: torch.Tensor) -> None:
-        self.seen.append((name, named_shape, tensor))
+    def guarded(self, owner: str, before: int, after: int) -> None:
+        self.spans.append((owner, before, after))
+
+    def guarding_calls(self) -> list[str]:
+        """The innermost decorated call in which each guard was made: where a size-specific branch is."""
+        owners: list[str] = []
+        for guard in sorted({g for _, lo, hi in self.spans for g in range(lo, hi)}):
+            owner = min((s for s in self.spans if s[1] <= guard < s[2]), key=lambda s: s[2] - s[1])[0]
+            if owner not in owners:
+                owners.append(owner)
+        return owners
+
+    def add(
+        self, name: str, named_shape: str, tensor: torch.Tensor, group: Any = None, seed: dict[str, int] | None = None
+    ) -> None:
+        self.seen.append((name, named_shape, tensor, group, seed))
 
 
 @contextlib.contextmanager
@@ -118,13 +136,19 @@ def _explain_export_failure(error: Exception, names: dict[str, str], dynamic: li
     return failures
 
 
-def _check_named(
-    seen: list[tuple[str, str, torch.Tensor]], known: dict[str, Any]
-) -> tuple[list[str], list[tuple[str, str, str]]]:
-    """Check each observed stage's named shape against its symbolic shape; bind names on first sight."""
-    bound = dict(known)
+def _check_named(seen: list[Seen], known: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """Check each observed stage's named shape against its symbolic shape; bind names on first sight.
+
+    Our stages share one set of names (`known`, the module's sizes, and what they bind); each call of a
+    user's decorated function has its own (its `group`), seeded with the sizes it binds from int
+    arguments and `self` (its `seed`), as at run time outside a `shape_scope`.
+    """
+    groups: dict[Any, dict[str, Any]] = {None: dict(known)}
     failures, rows = [], []
-    for name, named_shape, tensor in seen:
+    for name, named_shape, tensor, group, seed in seen:
+        if group not in groups:
+            groups[group] = {k: sympy.Integer(v) for k, v in (seed or {}).items()}
+        bound = groups[group]
         tokens = named_shape.split()
         shape = [_expr(s) for s in tensor.shape]
         rows.append((name, named_shape, "(" + ", ".join(map(str, shape)) + ")"))
@@ -339,7 +363,11 @@ def _prove_case(
         try:
             program = export(target, args, kwargs=call_kwargs or None, dynamic_shapes=shapes)
         except Exception as error:  # export's own report: which size was specialized, and where
-            return _explain_export_failure(error, names, [n for n, d in dims.items() if d is not None]), [], {}
+            failures = _explain_export_failure(error, names, [n for n, d in dims.items() if d is not None])
+            where = observer.guarding_calls()
+            if where:  # the user's decorated functions in which the size-specific guards were made
+                failures = [f"{f} in {', '.join(where)}" for f in failures]
+            return failures, [], {}
     symbols = _symbols(program, axes_named)
     failures, rows = _shape_failures(program, observer, known, b, s, width, decode, expected_seq)
     return [_named(f, symbols) for f in failures], [(n, a, _named(e, symbols)) for n, a, e in rows], symbols

@@ -21,6 +21,7 @@ import torch
 from jaxtyping import AnnotationError, Shaped
 from torch import nn
 
+from . import _trace
 from ._contract import Session, Verdicts, checks_enabled, scope, signature_key, witness
 from ._errors import ConfigError
 from ._messages import ExplainedError, arrays_of, axes
@@ -149,6 +150,32 @@ class _Checked:
                 self.fit(session, "the result", result, self.returns, f"the result of {self.owner}")
             return result
 
+    def report(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call, its annotated arguments, expectations and result reported to the active observer (for
+        `prove`, which checks them against torch's symbolic shapes): one group of names per call."""
+        observer = _trace.current_observer()
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        group = _Reporting(observer, self.owner, {n: size for n, (size, _) in self.sizes(bound).items()})
+        for label, value, hint in self.arguments(bound):
+            group.add(label, value, hint)
+        before = _trace.guards_so_far(bound.arguments.values())
+        token = _current.set(group)
+        try:
+            result = self.fn(*args, **kwargs)
+        finally:
+            _current.reset(token)
+            after = _trace.guards_so_far(bound.arguments.values())
+            if before is not None and after is not None:
+                _trace.note_guards(self.owner, before, after)  # a size-specific branch or slice made here
+        parts = typing.get_args(self.returns) if typing.get_origin(self.returns) is tuple else None
+        if parts and isinstance(result, tuple) and ... not in parts:
+            for index, (value, hint) in enumerate(zip(result, parts, strict=False)):
+                group.add(f"the result[{index}]", value, hint)
+        else:
+            group.add("the result", result, self.returns)
+        return result
+
     def arguments(self, bound: inspect.BoundArguments) -> Iterator[tuple[str, Any, Any]]:
         for name, value in bound.arguments.items():
             hint = self.hints.get(name)
@@ -164,6 +191,20 @@ class _Checked:
         failure = fits(session, label, value, hint, source)
         if failure is not None:
             raise session.fail(failure) from None
+
+
+class _Reporting:
+    """One decorated call reporting its values to an observer (under `prove`): its own group of names."""
+
+    def __init__(self, observer: Any, owner: str, seed: dict[str, int]) -> None:
+        self.observer, self.owner, self.seed, self.expectations = observer, owner, seed, 0
+
+    def add(self, label: str, value: Any, hint: Any) -> None:
+        if self.observer is None or not isinstance(value, torch.Tensor):
+            return
+        shapes = [a.dim_str for a in arrays_of(hint) if len(a.dim_str.split()) == value.ndim]
+        if shapes:
+            self.observer(f"{self.owner}: {label}", shapes[0], value, group=self, seed=self.seed)
 
 
 def fits(session: Session, label: str, value: Any, hint: Any, source: str) -> ExplainedError | None:
@@ -221,6 +262,8 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
         if torch.compiler.is_compiling() or not checks_enabled():  # the first folds to a constant under dynamo
+            if _trace._active:  # prove() or a trace: the call reports its annotated values instead
+                return contract.report(args, kwargs)
             return fn(*args, **kwargs)
         shared = scope.get()
         if shared is not None:
@@ -260,7 +303,12 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
         ShapeError: `tensor` does not fit; the message names the enclosing function and the expectation
             (`name`, or its position among the call's expectations).
     """
-    if not checks_enabled():
+    if torch.compiler.is_compiling() or not checks_enabled():  # the first folds to a constant under dynamo
+        reporting = _current.get() if _trace._active else None
+        if isinstance(reporting, _Reporting):  # under prove(): reported, to be checked symbolically
+            reporting.expectations += 1
+            hint = _shape_hint(shape) if isinstance(shape, str) else shape
+            reporting.add(name or f"expectation {reporting.expectations}", tensor, hint)
         return tensor
     session = _current.get()
     if session is _KNOWN:

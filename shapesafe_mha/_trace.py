@@ -125,7 +125,7 @@ class Tracer:
         self._storages: list[tuple[int, str, torch.Tensor]] = []
         self._allocated = False
 
-    def add(self, name: str, named_shape: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, named_shape: str, tensor: torch.Tensor, group: Any = None, seed: Any = None) -> None:
         sid, (start, end) = storage_id(tensor), _span(tensor)
         # The earlier stage this one was taken from: the latest on the same storage whose memory covers it.
         aliases = next(
@@ -171,6 +171,23 @@ _active: list[Tracer] = []
 def current_observer() -> Callable[[str, str, torch.Tensor], None] | None:
     """Where stages report themselves while a `tracing` block is active (None otherwise)."""
     return _active[-1].add if _active else None
+
+
+def guards_so_far(values: Any) -> int | None:
+    """How many guards torch's symbolic shapes hold now, read from the first symbolic size among `values`
+    (None outside `torch.export`). torch has no public API for a shape environment's guards: here only."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt):
+                    return len(size.node.shape_env.guards)
+    return None
+
+
+def note_guards(owner: str, before: int, after: int) -> None:
+    """Tell the active observer that guards `before..after` were made inside `owner`'s call (for `prove`)."""
+    if _active and after > before and hasattr(_active[-1], "guarded"):
+        _active[-1].guarded(owner, before, after)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 @contextmanager

@@ -382,3 +382,57 @@ def test_pyright_accepts_a_user_module_that_uses_the_decorator_expect_and_aliase
     assert '"errorCount": 0' in result.stdout, result.stdout[-2000:]
     runs = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=ROOT, check=True)
     assert "torch.Size([2, 10, 64])" in runs.stdout
+
+
+# --- static proofs of users' annotations -----------------------------------------------------------------
+
+
+@ssm.shapecheck
+def grouped_attend(q: Heads, k: KVHeads, v: KVHeads, cut: int = 0) -> Heads:
+    if cut and k.shape[2] > cut:  # a planted size-specific branch, in the helper
+        k, v = k[:, :, :cut], v[:, :, :cut]
+    scores = ssm.expect(q.unflatten(1, (k.shape[1], -1)) @ k[:, :, None].mT, "batch num_kv_heads group seq kv_seq",
+                        name="scores")  # fmt: skip
+    return (scores.softmax(-1) @ v[:, :, None]).flatten(1, 2)
+
+
+class ProvenAttention(nn.Module):
+    def __init__(self, bug: str | None = None) -> None:
+        super().__init__()
+        self.d_model, self.num_heads, self.num_kv_heads, self.d_head = 64, 8, 2, 8
+        self.q_proj, self.kv_proj, self.o_proj = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 64)
+        self.bug = bug
+
+    @ssm.shapecheck
+    def forward(self, x: Tokens) -> Tokens:
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+        k, v = (t.unflatten(-1, (self.num_kv_heads, -1)).transpose(1, 2) for t in self.kv_proj(x).chunk(2, -1))
+        if self.bug == "hard-coded length":
+            q = q[:, :, :16]
+        out = grouped_attend(q, k, v, cut=12 if self.bug == "helper branch" else 0)
+        if self.bug == "wrong expectation":
+            out = ssm.expect(out, "batch num_heads kv_seq d_head", name="out")
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def test_prove_checks_the_users_own_annotations_for_every_size() -> None:
+    """A user module's decorated forward and helper, and the expectation inside, all proven symbolically."""
+    proof = ssm.prove(ProvenAttention(), batch=(1, 8), seq=(1, 64))
+    assert proof.ok, proof.failures
+    named = {row[0]: row[1] for row in proof.stages}
+    assert named["grouped_attend(): scores"] == "batch num_kv_heads group seq kv_seq"
+    assert named["ProvenAttention.forward(): the result"] == "batch seq d_model"
+    assert {"grouped_attend(): q", "grouped_attend(): k", "grouped_attend(): the result"} <= set(named)
+
+
+@pytest.mark.parametrize(
+    "bug, message",
+    [
+        ("hard-coded length", r"^seq: the shapes hold only where seq <= 15 .* in ProvenAttention\.forward\(\)$"),
+        ("helper branch", r"^seq: the shapes hold only where seq <= 12 .* in grouped_attend\(\)$"),
+    ],
+)
+def test_prove_names_the_users_function_and_dimension_of_a_size_specific_bug(bug: str, message: str) -> None:
+    proof = ssm.prove(ProvenAttention(bug), batch=(1, 8), seq=(1, 64))
+    assert not proof.ok
+    assert any(re.match(message, failure) for failure in proof.failures), proof.failures
