@@ -118,3 +118,19 @@ def test_a_query_with_no_key_to_attend_gets_zeros() -> None:
     mask = block_mask(lambda b, h, q_idx, kv_idx: q_idx != 3, None, None, 8, 8)
     out = ssm.flex_attention(q, k, k, block_mask=mask)
     assert torch.equal(out[:, :, 3], torch.zeros(1, 4, 4)) and not out.isnan().any()
+
+
+def test_compiles_with_no_graph_break_and_the_same_values() -> None:
+    """Under torch.compile(fullgraph=True) the stage is torch's call with enable_gqa=True, traced whole.
+
+    (Dynamo with the eager backend: it proves the trace; inductor's kernel is torch's concern.)
+    """
+    q, k = torch.randn(1, 8, 16, 4), torch.randn(1, 2, 16, 4)
+    mask = block_mask(causal, None, None, 16, 16)
+
+    def fn(q: Tensor, k: Tensor) -> Tensor:
+        return ssm.flex_attention(q, k, k, temperature_and_bias, mask)
+
+    assert torch._dynamo.explain(fn)(q, k).graph_break_count == 0
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k), torch_flex(q, k, k, temperature_and_bias, mask, enable_gqa=True))
