@@ -109,7 +109,7 @@ def _folded(
 
     folded = q.reshape(batch, k.shape[1], group * seq, d_head)
     out = _torch_flex(folded, k, v, score_mod=unfolded, scale=scale, kernel_options=kernel_options)
-    return out.view(batch, num_heads, seq, v.shape[-1])
+    return out.reshape(batch, num_heads, seq, v.shape[-1])
 
 
 @stage(precheck=_precheck_flex, validate=_validate_flex, explain=_explain_attention)
