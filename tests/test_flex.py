@@ -66,6 +66,13 @@ def test_a_block_mask_built_for_32_positions_used_at_64_is_a_shape_error() -> No
         ssm.flex_attention(q, k, k, block_mask=mask)
 
 
+def test_a_block_mask_built_for_more_positions_than_used_is_a_shape_error_too() -> None:
+    """Built for 64, used at 32: torch would crop it to the upper left corner only if asked (`_adjust`); refused."""
+    q, k = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8)
+    with pytest.raises(ssm.ShapeError, match=r"block_mask was built for seq=64 query positions, but q has seq=32"):
+        ssm.flex_attention(q, k, k, block_mask=block_mask(causal, None, None, 64, 64))
+
+
 def test_a_block_mask_built_for_other_key_lengths_names_kv_seq() -> None:
     """Queries right, keys wrong: the message names kv_seq and both sizes, and the call that would fit."""
     q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 48, 8)
