@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._errors import ConfigError as ConfigError
     from ._errors import ShapeError as ShapeError
     from ._errors import ShapesafeError as ShapesafeError
+    from ._flex import flex_attention as flex_attention
     from ._latent import LatentAttention as LatentAttention
     from ._latent import LatentCache as LatentCache
     from ._module import MultiHeadAttention as MultiHeadAttention
@@ -43,6 +44,7 @@ _WHERE = {
     "ConfigError": "_errors",
     "ShapeError": "_errors",
     "ShapesafeError": "_errors",
+    "flex_attention": "_flex",
     "LatentAttention": "_latent",
     "LatentCache": "_latent",
     "MultiHeadAttention": "_module",
@@ -106,6 +108,7 @@ __all__ = [
     "attention_weights",
     "checks_enabled",
     "expect",
+    "flex_attention",
     "group_queries",
     "inverse_frequencies",
     "merge_heads",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._reference import KVHeads, RopeStyle, per_head_attention
+from ._reference import KVHeads, MaskMod, RopeStyle, ScoreMod, per_head_attention
 from ._weights import AttentionWeights
 
 # Below this a float64 deviation is float32 rounding, not a wrong formula (float32's epsilon is 1.2e-7).
@@ -59,6 +59,8 @@ class Scenario:
     rope_style: RopeStyle = "half"
     kv_heads: KVHeads = "grouped"
     scale: float | None = None
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def expected(self) -> Tensor:
@@ -78,6 +80,8 @@ class Scenario:
             rope_style=self.rope_style,
             kv_heads=self.kv_heads,
             scale=self.scale,
+            score_mod=self.score_mod,
+            mask_mod=self.mask_mod,
         )
 
     @property
@@ -108,9 +112,88 @@ def _positions(s: Scenario) -> tuple[Tensor, Tensor]:
 Variant = tuple[str, str, Callable[[Scenario], Scenario]]
 
 
+def _score_mod_heads(mod: ScoreMod, heads: Callable[[Tensor], Tensor]) -> ScoreMod:
+    """`mod` given another head index than the query head's."""
+    return lambda score, b, h, q_idx, kv_idx: mod(score, b, heads(h), q_idx, kv_idx)
+
+
+def _mod_variants(s: Scenario) -> list[Variant]:
+    """The classic mistakes of code that applies a score_mod or a mask_mod (FlexAttention's signatures)."""
+    out: list[Variant] = []
+    group, num_kv_heads, last = s.num_heads // s.num_kv_heads, s.num_kv_heads, s.num_heads - 1
+    if s.score_mod is not None:
+        mod = s.score_mod
+        out.append(("score_mod", "score_mod not applied", lambda t: replace(t, score_mod=None)))
+        if s.num_kv_heads != s.num_heads:
+            out.append(
+                (
+                    "score_mod",
+                    "score_mod given the KV head index (h // group) instead of the query head h: "
+                    "a per-head parameter (temperature, slope) indexed per KV head",
+                    lambda t: replace(t, score_mod=_score_mod_heads(mod, lambda h: h // group)),
+                )
+            )
+            if s.num_kv_heads > 1:
+                out.append(
+                    (
+                        "score_mod",
+                        "score_mod given h % num_kv_heads instead of the query head h",
+                        lambda t: replace(t, score_mod=_score_mod_heads(mod, lambda h: h % num_kv_heads)),
+                    )
+                )
+        if s.num_heads > 1:
+            out.append(
+                (
+                    "score_mod",
+                    "score_mod's heads in reverse order (h read as num_heads - 1 - h: ALiBi's slopes reversed?)",
+                    lambda t: replace(t, score_mod=_score_mod_heads(mod, lambda h: last - h)),
+                )
+            )
+        out.append(
+            (
+                "score_mod",
+                "score_mod's change to the scores negated (a bias with the wrong sign: ALiBi's distance reversed?)",
+                lambda t: replace(t, score_mod=lambda score, *idx: 2 * score - mod(score, *idx)),
+            )
+        )
+        out.append(
+            (
+                "score_mod",
+                "score_mod given q_idx and kv_idx swapped",
+                lambda t: replace(t, score_mod=lambda score, b, h, q, kv: mod(score, b, h, kv, q)),
+            )
+        )
+    if s.mask_mod is not None:
+        allowed = s.mask_mod
+        out.append(("mask_mod", "mask_mod not applied", lambda t: replace(t, mask_mod=None)))
+        out.append(
+            (
+                "mask_mod",
+                "mask_mod negated (True taken as masked out; FlexAttention's True = may attend)",
+                lambda t: replace(t, mask_mod=lambda *idx: ~allowed(*idx).to(torch.bool)),
+            )
+        )
+        out.append(
+            (
+                "mask_mod",
+                "mask_mod given q_idx and kv_idx swapped",
+                lambda t: replace(t, mask_mod=lambda b, h, q, kv: allowed(b, h, kv, q)),
+            )
+        )
+        if s.num_kv_heads != s.num_heads:
+            out.append(
+                (
+                    "mask_mod",
+                    "mask_mod given the KV head index (h // group) instead of the query head h",
+                    lambda t: replace(t, mask_mod=lambda b, h, q, kv: allowed(b, h // group, q, kv)),
+                )
+            )
+    return out
+
+
 def variants(s: Scenario) -> list[Variant]:
     """(bug class, description, how the scenario changes) for each mistake that applies to `s`."""
-    out: list[Variant] = []
+    out: list[Variant] = _mod_variants(s)
     other: KVHeads = "interleaved" if s.kv_heads == "grouped" else "grouped"
     if s.num_kv_heads not in (1, s.num_heads):
         if other == "interleaved":

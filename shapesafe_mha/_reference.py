@@ -5,7 +5,7 @@ weights, project, score, mask, softmax, weight the values; then concatenate and 
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
@@ -36,6 +36,29 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
 
 KVHeads = Literal["grouped", "interleaved"]
 RopeStyle = Literal["half", "interleaved"]
+# FlexAttention's signatures (torch.nn.attention.flex_attention): `score_mod(score, b, h, q_idx, kv_idx)`
+# returns the modified score; `mask_mod(b, h, q_idx, kv_idx)` returns True where the query may attend.
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _indices(batch: int, head: int, seq: int, kv_seq: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`b (batch, 1, 1)`, `h ()`, `q_idx (1, seq, 1)`, `kv_idx (1, 1, kv_seq)`: int32, as FlexAttention passes them,
+    laid out to broadcast against one head's `(batch, seq, kv_seq)` scores."""
+
+    def arange(n: int) -> Tensor:
+        return torch.arange(n, dtype=torch.int32, device=like.device)
+
+    h = torch.tensor(head, dtype=torch.int32, device=like.device)
+    return arange(batch)[:, None, None], h, arange(seq)[None, :, None], arange(kv_seq)[None, None, :]
+
+
+def _score_mod(scores: Tensor, score_mod: ScoreMod | None, head: int) -> Tensor:
+    """One head's scores with `score_mod` applied elementwise (h is the query head)."""
+    if score_mod is None:
+        return scores
+    batch, seq, kv_seq = scores.shape
+    return score_mod(scores, *_indices(batch, head, seq, kv_seq, scores)).expand_as(scores)
 
 
 def _rotate_pairs(x: Tensor, positions: Tensor, theta: float, style: RopeStyle = "half") -> Tensor:
@@ -76,6 +99,7 @@ def _head_mask(
     kv_seq: int,
     like: Tensor,
     window: int | None = None,
+    mask_mod: MaskMod | None = None,
 ) -> Tensor:
     """An additive `(batch, seq, kv_seq)` mask for one head: 0 where allowed, -inf where not."""
     additive = torch.zeros(batch, seq, kv_seq, dtype=like.dtype, device=like.device)
@@ -88,6 +112,8 @@ def _head_mask(
             blocked[:, i, : max(position - window + 1, 0)] = True  # every key window or more positions back
     if key_padding_mask is not None:
         blocked |= key_padding_mask[:, None, :]
+    if mask_mod is not None:
+        blocked |= ~mask_mod(*_indices(batch, head, seq, kv_seq, like)).to(torch.bool).expand(batch, seq, kv_seq)
     if attn_mask is not None:
         mask = attn_mask
         if mask.ndim == 4:
@@ -121,15 +147,18 @@ def per_head_attention(
     window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
 ) -> Tensor:
     """Multi-head attention computed one head at a time from explicit per-head weight slices.
 
     For head `h` with KV head `g = h // (num_heads // num_kv_heads)` (or `h % num_kv_heads` with
     `kv_heads="interleaved"`):
-    `head_h = softmax(softcap((x W_Q[h]) (k W_K[g])^T * scale) + mask) (v W_V[g])`, then
+    `head_h = softmax(softcap(score_mod((x W_Q[h]) (k W_K[g])^T * scale)) + mask) (v W_V[g])`, then
     `out = concat(head_0, ..., head_{H-1}) W_O^T + b_O`. Masks follow `MultiHeadAttention`:
     bool `attn_mask` True = may attend, float added; `key_padding_mask` True = padding;
-    `is_causal` lower-right aligned; a row with nothing to attend to is zeros.
+    `is_causal` lower-right aligned; `mask_mod` True = may attend; a key must be allowed by every
+    mask given, and a row with nothing to attend to is zeros.
 
     Example:
         >>> import torch, shapesafe_mha as ssm
@@ -160,6 +189,13 @@ def per_head_attention(
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         scale: the score scale; default `1/sqrt(d_head)`.
+        score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, applied to each head's
+            scaled scores (before the softcap and the masks); `h` is the *query* head. It is called
+            once per head on int32 index tensors laid out to broadcast against that head's scores
+            (`b (batch, 1, 1)`, `h` 0-D, `q_idx (1, seq, 1)`, `kv_idx (1, 1, kv_seq)`), so the
+            elementwise tensor code FlexAttention takes works as written.
+        mask_mod: FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, True = may attend, combined with
+            the other masks; called as `score_mod` is.
 
     Returns:
         `(batch, seq, d_model)`.
@@ -182,8 +218,11 @@ def per_head_attention(
             q = _rotate_pairs(q, where, rope_theta, rope_style)
             k = _rotate_pairs(k, key_positions, rope_theta, rope_style)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
-        scores = _softcap(q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale), logit_softcap)
-        scores = scores + _head_mask(attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window)
+        scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
+        scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
+        scores = scores + _head_mask(
+            attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod
+        )
         heads.append(_softmax_or_zeros(scores) @ v)
     return _linear(torch.cat(heads, dim=-1), weights.w_o, weights.b_o)
 

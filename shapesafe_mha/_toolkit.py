@@ -1,5 +1,6 @@
 """`check_attention` and `check_module`: property-test a user's attention against the reference."""
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 
 from ._diagnose import FLOAT32_INSIDE, Scenario, Tolerance, describe_matches, locate_heads, name_bug
 from ._errors import ConfigError
-from ._reference import KVHeads, RopeStyle
+from ._reference import KVHeads, MaskMod, RopeStyle, ScoreMod
 from ._strategies import (
     ALL_KINDS,
     AttentionConfig,
@@ -25,6 +26,57 @@ from ._strategies import (
 from ._weights import AttentionWeights
 
 AttentionFn = Callable[..., Tensor]
+# A FlexAttention mod, or a function of the drawn config that returns one (ALiBi's slopes depend on num_heads).
+Mod = Callable[..., Any]
+
+
+def _positional(fn: Callable[..., Any]) -> int | None:
+    """How many positional arguments `fn` takes; None when it takes any number (`*args`) or cannot be read."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in parameters)
+
+
+def check_mod(name: str, mod: Any, arity: int) -> None:
+    """Raise `ConfigError` unless `mod` is None, a FlexAttention mod taking `arity` arguments, or a function of
+    the config (one argument) that returns one."""
+    if mod is None:
+        return
+    signature = "(score, b, h, q_idx, kv_idx)" if arity == 5 else "(b, h, q_idx, kv_idx)"
+    taken = _positional(mod) if callable(mod) else -1
+    if taken not in (None, 1, arity):
+        what = f"takes {taken} positional arguments" if callable(mod) else f"is a {type(mod).__name__}"
+        raise ConfigError(
+            f"{name} must be FlexAttention's {name}{signature}, or a function of the drawn AttentionConfig that "
+            f"returns one (for mods that depend on the sizes); but it {what}."
+        )
+
+
+def mod_for(mod: Mod | None, arity: int, config: AttentionConfig) -> Any:
+    """The mod for this config: `mod` itself, or what a function of the config returns."""
+    if mod is None or _positional(mod) != 1:
+        return mod
+    made = mod(config)
+    check_mod("score_mod" if arity == 5 else "mask_mod", made, arity)
+    return made
+
+
+def _mods_note(score_mod: Mod | None, mask_mod: Mod | None) -> str:
+    """The property line of a check with mods (empty without: reports stay as they were)."""
+    named = [
+        f"{label}={getattr(mod, '__qualname__', None) or type(mod).__name__}{what}"
+        for label, mod, what in (
+            ("score_mod", score_mod, " on each query head's scaled scores"),
+            ("mask_mod", mask_mod, " (True = may attend, combined with the other masks)"),
+        )
+        if mod is not None
+    ]
+    return "\n  property: the reference applies " + " and ".join(named) if named else ""
+
 
 TOLERANCES = {
     torch.float64: 1e-8,
@@ -153,13 +205,15 @@ def _compare(
     rope_style: RopeStyle = "half",
     extra: dict[str, Any] | None = None,
     memory: Tensor | None = None,
+    note: str = "",
 ) -> float:
     """Run `fn` and the reference; return the largest deviation or raise a readable AssertionError.
 
     `extra` are the keyword arguments a property adds to the call (`attn_mask`, `key_padding_mask`,
-    `memory`, `rope_theta`, `positions`); the reference gets the same.
+    `memory`, `rope_theta`, `positions`, `score_mod`, `mask_mod`); the reference gets the same.
+    `note` follows the config in a report (the property checked).
     """
-    where = _describe(config, is_causal, dtype)
+    where = _describe(config, is_causal, dtype) + note
     extra = extra or {}
 
     def run(w: AttentionWeights) -> Any:
@@ -190,6 +244,8 @@ def _compare(
         positions=extra.get("positions"),
         rope_style=rope_style,
         kv_heads=kv_heads,
+        score_mod=extra.get("score_mod"),
+        mask_mod=extra.get("mask_mod"),
     )
     return judge(got, scenario, resolve(dtype, None, None) if tol is None else tol, dtype, where, run=run)
 
@@ -292,6 +348,8 @@ def check_attention(
     cross: bool = False,
     rope: bool = False,
     rope_style: RopeStyle = "half",
+    score_mod: ScoreMod | Mod | None = None,
+    mask_mod: MaskMod | Mod | None = None,
 ) -> None:
     """Property-test an attention implementation against `reference.per_head_attention`.
 
@@ -322,6 +380,18 @@ def check_attention(
     pairs `(2i, 2i+1)`, as GPT-J). `kv_heads="interleaved"` says that query head `i` reads KV head
     `i % num_kv_heads` (x-transformers) instead of `i // group` (transformers, torch).
 
+    Variants, with FlexAttention's signatures (`torch.nn.attention.flex_attention`):
+    `score_mod(score, b, h, q_idx, kv_idx)` modifies each head's scaled scores (a per-head
+    temperature, ALiBi, a softcap), `h` being the *query* head; `mask_mod(b, h, q_idx, kv_idx)` says
+    where a query may attend (True), combined with the other masks (a document mask, a window). The
+    reference applies them, and `fn` receives them as keyword arguments `score_mod=`/`mask_mod=`
+    (pass them on to `flex_attention`, or ignore them where your code computes the variant itself).
+    A mod that depends on the sizes may be given as a function of the drawn `AttentionConfig` that
+    returns the mod (`lambda config: alibi(config.num_heads)`). A report then names the property
+    ("property: the reference applies score_mod=..."), and the bug class where a classic mistake
+    matches (the mod given the KV head instead of the query head, its heads reversed, its sign
+    flipped, its indices swapped, not applied; a mask_mod negated or not applied).
+
     Tolerance: `|got - expected| <= atol + rtol * |expected|`, by default `atol=tolerance(dtype)`,
     `rtol=0`. A float64 deviation of float32 rounding (under 1e-5) is reported as that ("computes
     in float32 inside (softmax?)"), not as a bug.
@@ -347,7 +417,7 @@ def check_attention(
         fn, None, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
         thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
         even_d_head=even_d_head, d_model_is_inner=d_model_is_inner, atol=atol, rtol=rtol, kv_heads=kv_heads,
-        masks=masks, cross=cross, rope=rope, rope_style=rope_style,
+        masks=masks, cross=cross, rope=rope, rope_style=rope_style, score_mod=score_mod, mask_mod=mask_mod,
     )  # fmt: skip
 
 
@@ -374,6 +444,8 @@ def _check(
     cross: bool = False,
     rope: bool = False,
     rope_style: RopeStyle = "half",
+    score_mod: Mod | None = None,
+    mask_mod: Mod | None = None,
 ) -> None:
     """`check_attention`, with `prepare(config, weights)` turning the drawn weights into those the code holds."""
     if device is not None and torch.device(device).type == "meta":
@@ -382,6 +454,9 @@ def _check(
             "check on cpu or cuda (shapesafe_mha.prove checks shapes, which meta can)."
         )
     tol = resolve(dtype, atol, rtol)
+    check_mod("score_mod", score_mod, 5)
+    check_mod("mask_mod", mask_mod, 4)
+    note = _mods_note(score_mod, mask_mod)
     strategy = _configs(
         configs,
         kinds,
@@ -422,9 +497,13 @@ def _check(
             extra["rope_theta"] = config.rope_theta or 10000.0
             start = data.draw(st.integers(0, 64), label="first position")
             extra["positions"] = torch.arange(start, start + config.seq, device=device).expand(config.batch, -1)
+        if score_mod is not None:
+            extra["score_mod"] = mod_for(score_mod, 5, config)
+        if mask_mod is not None:
+            extra["mask_mod"] = mod_for(mask_mod, 4, config)
         return _compare(
             fn, config, inputs.query, weights, is_causal, dtype,
-            tol=tol, kv_heads=kv_heads, rope_style=rope_style, extra=extra, memory=memory,
+            tol=tol, kv_heads=kv_heads, rope_style=rope_style, extra=extra, memory=memory, note=note,
         )  # fmt: skip
 
     run_property(check, kinds=kinds, max_examples=max_examples, base=settings, configs=strategy)
@@ -454,7 +533,10 @@ def module_adapter(
         loaded = loader(module, weights)
         return weights if loaded is None else loaded
 
-    def fn(x: Tensor, weights: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool) -> Tensor:
+    def fn(
+        x: Tensor, weights: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **mods: Any
+    ) -> Tensor:
+        """The module computes its variant itself: the mods (`score_mod`, `mask_mod`) are the reference's."""
         d_model, d_head = weights.w_q.shape[1], weights.w_q.shape[0] // num_heads
         has_bias = any(b is not None for b in (weights.b_q, weights.b_k, weights.b_v, weights.b_o))
         module = build(d_model, num_heads, num_kv_heads, d_head, has_bias, x)
@@ -506,6 +588,8 @@ def check_module(
     atol: float | None = None,
     rtol: float | None = None,
     kv_heads: KVHeads = "grouped",
+    score_mod: ScoreMod | Mod | None = None,
+    mask_mod: MaskMod | Mod | None = None,
 ) -> None:
     """`check_attention` for an `nn.Module`: build it, load the drawn weights, call it.
 
@@ -519,6 +603,10 @@ def check_module(
     `decode_step(module, chunk, cache) -> (out, cache)` checks decoding instead: a prefill of half
     the sequence, then one token at a time (`cache` is None at first, then what the last step
     returned), concatenated, must equal one causal forward of the reference.
+
+    `score_mod` and `mask_mod` (FlexAttention's signatures, or functions of the config that return
+    one, as in `check_attention`) say what variant the module computes: the reference applies them
+    (`h` is the query head), and the module is called as always (it computes the variant itself).
 
     Example:
         >>> import shapesafe_mha as ssm
@@ -534,4 +622,5 @@ def check_module(
         fn, prepare, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
         thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
         even_d_head=even_d_head, d_model_is_inner=d_model_is_inner, atol=atol, rtol=rtol, kv_heads=kv_heads,
+        score_mod=score_mod, mask_mod=mask_mod,
     )  # fmt: skip

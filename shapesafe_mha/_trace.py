@@ -12,8 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+def _flex_module() -> Any:
+    from torch.nn.attention import flex_attention
+
+    return flex_attention
 
 
 def storage_id(tensor: torch.Tensor) -> int:
@@ -56,7 +64,17 @@ class AllocationRecorder(TorchDispatchMode):
         self.allocations: list[Allocation] = []
         self._alive: list[Any] = []  # keep storages alive so no identity is reused mid-record
 
+    # Higher-order operators (FlexAttention's) come here too: their eager kernel runs under the recorder, so
+    # what they allocate inside (torch's eager FlexAttention repeats K and V for GQA) is recorded like the rest.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if isinstance(func, HigherOrderOperator):
+            kernel = func.py_kernels.get(DispatchKey.CompositeExplicitAutograd)
+            if kernel is None:  # no eager kernel to look into: run it unrecorded
+                return func(*args, **(kwargs or {}))
+            with self:
+                return kernel(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         inputs = {storage_id(t) for t in tensors}
@@ -74,6 +92,19 @@ class AllocationRecorder(TorchDispatchMode):
                     )
                 )
         return out
+
+    def __enter__(self) -> "AllocationRecorder":
+        # Eager FlexAttention wraps its operator in torch.compile, which refuses to run under a recording
+        # mode; torch's debug switch runs the operator as it is, so its eager kernel is recorded.
+        self._flex_debug = getattr(_flex_module(), "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+        if self._flex_debug is not None:
+            _flex_module()._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if getattr(self, "_flex_debug", None) is not None:
+            _flex_module()._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = self._flex_debug
 
     def take(self) -> list[Allocation]:
         """The allocations recorded since the last `take`."""

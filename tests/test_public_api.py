@@ -25,6 +25,26 @@ def test_every_public_name_imports() -> None:
     assert callable(hf.check_hf_attention)
 
 
+STAGES = (
+    "project",
+    "split_heads",
+    "merge_heads",
+    "group_queries",
+    "scaled_dot_product_attention",
+    "attention_weights",
+    "flex_attention",
+)
+
+
+def test_the_public_stages_are_exported_as_checked_stages() -> None:
+    """Each public stage is in __all__ and is a checked Stage (its annotations are its contract)."""
+    from shapesafe_mha._contract import Stage
+
+    for name in STAGES:
+        assert name in ssm.__all__, name
+        assert isinstance(getattr(ssm, name), Stage), name
+
+
 def test_error_hierarchy() -> None:
     """ShapeError is a TypeError, ConfigError a ValueError, both ShapesafeError, shown as shapesafe_mha.X."""
     assert issubclass(ssm.ShapeError, TypeError) and issubclass(ssm.ShapeError, ssm.ShapesafeError)

@@ -57,6 +57,8 @@ PATHS = "tests/test_paths.py"
 VARIANTS = "tests/test_variants.py"
 VARIANTS_HF = "tests/test_variants_hf.py"
 LATENT = "tests/test_latent.py"
+MODS = "tests/test_mods.py"
+FLEX = "tests/test_flex.py"
 
 MUTANTS: list[Mutant] = [
     # --- kernels: the computation ---
@@ -192,6 +194,22 @@ MUTANTS: list[Mutant] = [
       "the reference's causal mask slices from a negative index", PINS),
     M("_reference.py", "first * cos - second * sin, second * cos + first * sin", "first * cos + second * sin, second * cos - first * sin",
       "the reference rotates the wrong way", ROPE),
+    M("_reference.py", "scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)",
+      "scores = _softcap(_score_mod(scaled, score_mod, kv_head), logit_softcap)",
+      "the reference gives score_mod the KV head, not the query head", MODS),
+    M("_reference.py", "blocked |= ~mask_mod(", "blocked |= mask_mod(", "the reference takes mask_mod's True as masked out", MODS),
+    # --- FlexAttention ---
+    M("_flex.py", "head, q_idx = h * group + i // seq, i % seq", "head, q_idx = h + i // seq, i % seq",
+      "the eager GQA fold gives the mods the wrong query head", FLEX),
+    M("_flex.py", "        if built != dims[name]:", "        if built < dims[name]:",
+      "a BlockMask built for more positions than used passes to torch's ValueError", FLEX),
+    M("_flex.py", "    if q.shape[1] == k.shape[1] or torch.compiler.is_compiling():", "    if True:",
+      "eager GQA left to torch, which repeats K and V to num_heads heads", FLEX),
+    M("_trace.py", "    supports_higher_order_operators = True", "    supports_higher_order_operators = False",
+      "the allocation recorder cannot look inside FlexAttention", FLEX),
+    M("_diagnose.py", "lambda t: replace(t, score_mod=_score_mod_heads(mod, lambda h: h // group)),",
+      "lambda t: replace(t, score_mod=_score_mod_heads(mod, lambda h: h % group)),",
+      "a temperature per KV head is not named as such", MODS),
     # --- the testing toolkit ---
     M("_toolkit.py", "    torch.float64: 1e-8,", "    torch.float64: 1e-3,", "float64 tolerance loosened to 1e-3", PINS),
     M("_toolkit.py", "    if excess.max().item() <= 0:", "    if not excess.max().item() > 0:", "a NaN output passes", PINS),

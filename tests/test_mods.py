@@ -1,0 +1,290 @@
+"""check_attention and check_module check users' variants through FlexAttention's score_mod and mask_mod.
+
+Each variant is a correct implementation that passes with the mod that describes it, and the same
+implementation with one classic mistake planted, whose report names the property and the mistake.
+"""
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import create_block_mask
+
+import shapesafe_mha as ssm
+from shapesafe_mha import AttentionWeights, ConfigError
+from shapesafe_mha.reference import per_head_attention
+from shapesafe_mha.testing import AttentionConfig, check_attention, check_module
+
+EXAMPLES = 15  # per check: each draw runs the reference head by head, so keep the budget small (CI has 2 cores)
+
+
+def heads_of(x: Tensor, w: AttentionWeights, num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    q = ssm.split_heads(ssm.project(x, w.w_q, w.b_q), num_heads)
+    k = ssm.split_heads(ssm.project(x, w.w_k, w.b_k), num_kv_heads)
+    v = ssm.split_heads(ssm.project(x, w.w_v, w.b_v), num_kv_heads)
+    return q, k, v
+
+
+def out_of(heads: Tensor, w: AttentionWeights) -> Tensor:
+    return ssm.project(ssm.merge_heads(heads), w.w_o, w.b_o)
+
+
+def report_of(check: Callable[[], None]) -> str:
+    with pytest.raises(AssertionError) as failure:
+        check()
+    return str(failure.value)
+
+
+# --- a per-head temperature ------------------------------------------------------------------------------
+
+
+def temperature(h: Tensor) -> Tensor:
+    """Query head h's temperature: every head its own."""
+    return 1.0 + 0.5 * h
+
+
+def temperature_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return score / temperature(h)
+
+
+def tempered(per_kv_head: bool = False) -> Callable[..., Tensor]:
+    """Attention whose query head h divides its scores by its temperature; the bug indexes it per KV head."""
+
+    def fn(
+        x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **mods: Any
+    ) -> Tensor:
+        q, k, v = heads_of(x, w, num_heads, num_kv_heads)
+        heads = torch.arange(num_heads)
+        if per_kv_head:
+            heads = heads // (num_heads // num_kv_heads)
+        scaled = q / temperature(heads).to(q.dtype)[:, None, None]
+        return out_of(ssm.scaled_dot_product_attention(scaled, k, v, is_causal=is_causal), w)
+
+    return fn
+
+
+def test_a_per_head_temperature_passes_with_its_score_mod() -> None:
+    """The variant is checked as it is (not only at temperature 1), GQA and MQA included, causal too."""
+    check_attention(tempered(), score_mod=temperature_mod, max_examples=EXAMPLES)
+    check_attention(tempered(), score_mod=temperature_mod, is_causal=True, max_examples=EXAMPLES)
+
+
+def test_a_temperature_indexed_per_kv_head_is_caught_and_named() -> None:
+    """Temperature[h // group] for temperature[h]: same under MHA, wrong under GQA; the report says which mistake."""
+    report = report_of(
+        lambda: check_attention(tempered(per_kv_head=True), score_mod=temperature_mod, max_examples=EXAMPLES)
+    )
+    assert "property: the reference applies score_mod=temperature_mod on each query head's scaled scores" in report
+    assert "bug class: score_mod: the output matches the reference with score_mod given the KV head index" in report
+    assert re.search(r"num_kv_heads=\d+, d_head", report) and "(mha," not in report
+
+
+# --- ALiBi, whose slopes depend on num_heads: a function of the config gives the mod --------------------
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's geometric slopes, 2^(-8 (h + 1) / num_heads) (Press et al.)."""
+    return torch.exp2(-8.0 * torch.arange(1, num_heads + 1, dtype=torch.float64) / num_heads)
+
+
+def alibi_mod(config: AttentionConfig) -> Callable[..., Tensor]:
+    slopes = alibi_slopes(config.num_heads)
+
+    def alibi(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return alibi
+
+
+def alibi_attention(bug: str | None = None) -> Callable[..., Tensor]:
+    """ALiBi as users write it: a float bias (num_heads, seq, kv_seq) added to the scores as attn_mask."""
+
+    def fn(
+        x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **mods: Any
+    ) -> Tensor:
+        q, k, v = heads_of(x, w, num_heads, num_kv_heads)
+        slopes = alibi_slopes(num_heads).to(q.dtype)
+        if bug == "head order":
+            slopes = slopes.flip(0)
+        positions = torch.arange(q.shape[2])
+        distance = positions[None, :] - positions[:, None]  # kv_idx - q_idx
+        if bug == "sign":
+            distance = -distance
+        bias = (slopes[:, None, None] * distance)[None]
+        return out_of(ssm.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=is_causal), w)
+
+    return fn
+
+
+def test_alibi_passes_with_its_score_mod_made_for_each_config() -> None:
+    """Slopes that depend on num_heads: score_mod is a function of the drawn config that returns the mod."""
+    check_attention(alibi_attention(), score_mod=alibi_mod, is_causal=True, max_examples=EXAMPLES)
+
+
+@pytest.mark.parametrize(
+    ("bug", "named"),
+    [
+        ("sign", "score_mod's change to the scores negated (a bias with the wrong sign"),
+        ("head order", "score_mod's heads in reverse order"),
+    ],
+)
+def test_alibi_with_its_slope_sign_or_head_order_wrong_is_caught_and_named(bug: str, named: str) -> None:
+    """Two classic ALiBi mistakes, each reported as the score_mod mistake it is."""
+    report = report_of(
+        lambda: check_attention(alibi_attention(bug), score_mod=alibi_mod, is_causal=True, max_examples=EXAMPLES)
+    )
+    assert "property: the reference applies score_mod=alibi_mod" in report
+    assert "bug class: score_mod" in report and named in report
+
+
+# --- an implementation on FlexAttention, with a mask_mod ----------------------------------------------------
+
+
+def recent_keys(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Causal sliding window of 3 keys (not symmetric in q_idx and kv_idx, so swapping them shows)."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 3)
+
+
+def on_flex(bug: str | None = None) -> Callable[..., Tensor]:
+    """Attention on ssm.flex_attention with the check's own mods; the bug builds its BlockMask with q and kv swapped."""
+
+    def fn(
+        x: Tensor,
+        w: AttentionWeights,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        is_causal: bool,
+        score_mod: Callable[..., Tensor] | None = None,
+        mask_mod: Callable[..., Tensor] | None = None,
+    ) -> Tensor:
+        q, k, v = heads_of(x, w, num_heads, num_kv_heads)
+        block_mask = None
+        if mask_mod is not None:
+            mod = mask_mod if bug is None else (lambda b, h, q_idx, kv_idx: mask_mod(b, h, kv_idx, q_idx))
+            block_mask = create_block_mask(mod, None, None, q.shape[2], k.shape[2], device=str(q.device))
+        return out_of(ssm.flex_attention(q, k, v, score_mod, block_mask), w)
+
+    return fn
+
+
+def test_an_implementation_on_flex_attention_passes_with_the_same_mods() -> None:
+    """The check hands its mods to the implementation, which gives them to FlexAttention: the values agree."""
+    check_attention(on_flex(), score_mod=temperature_mod, mask_mod=recent_keys, max_examples=EXAMPLES)
+
+
+def test_a_wrong_mask_mod_in_the_flex_implementation_is_caught_and_named() -> None:
+    """A BlockMask built from the mask_mod with q_idx and kv_idx swapped: reported as that mask_mod mistake."""
+    report = report_of(lambda: check_attention(on_flex("swapped"), mask_mod=recent_keys, max_examples=EXAMPLES))
+    assert "property: the reference applies mask_mod=recent_keys (True = may attend" in report
+    assert (
+        "bug class: mask_mod: the output matches the reference with mask_mod given q_idx and kv_idx swapped" in report
+    )
+
+
+# --- a document mask, checked on a hand-written implementation ---------------------------------------------
+
+
+def same_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Documents of 3 tokens packed end to end: a token attends only within its own."""
+    return q_idx // 3 == kv_idx // 3
+
+
+def packed(ignore_documents: bool = False) -> Callable[..., Tensor]:
+    def fn(
+        x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **mods: Any
+    ) -> Tensor:
+        q, k, v = heads_of(x, w, num_heads, num_kv_heads)
+        document = torch.arange(q.shape[2]) // 3
+        mask = None if ignore_documents else document[:, None] == document[None, :]
+        return out_of(ssm.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal), w)
+
+    return fn
+
+
+def test_a_document_mask_passes_combined_with_causal_and_fails_when_ignored() -> None:
+    """mask_mod combines with is_causal (a key must be allowed by both); ignoring it is named as such."""
+    check_attention(packed(), mask_mod=same_document, is_causal=True, max_examples=EXAMPLES)
+    report = report_of(
+        lambda: check_attention(packed(ignore_documents=True), mask_mod=same_document, max_examples=EXAMPLES)
+    )
+    assert "bug class: mask_mod: the output matches the reference with mask_mod not applied" in report
+
+
+# --- modules -----------------------------------------------------------------------------------------------
+
+
+class TemperedAttention(nn.Module):
+    """A module with a per-head temperature buffer (1 + h/2); `per_kv_head` plants the bug."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool, per_kv_head: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.q_proj = nn.Linear(d_model, num_heads * d_head, bias=bias)
+        self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias)
+        self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias)
+        self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias)
+        heads = torch.arange(num_heads)
+        self.register_buffer("temperature", temperature(heads // (num_heads // num_kv_heads) if per_kv_head else heads))
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = ssm.split_heads(self.q_proj(x), self.num_heads)
+        k = ssm.split_heads(self.k_proj(x), self.num_kv_heads)
+        v = ssm.split_heads(self.v_proj(x), self.num_kv_heads)
+        out = ssm.scaled_dot_product_attention(q / self.temperature[:, None, None], k, v)
+        return self.o_proj(ssm.merge_heads(out))
+
+
+def test_check_module_applies_the_mods_to_the_reference() -> None:
+    """The module computes its variant itself; the mod tells the reference what it computes."""
+    check_module(
+        lambda *sizes: TemperedAttention(*sizes, per_kv_head=False), score_mod=temperature_mod, max_examples=10
+    )
+    report = report_of(
+        lambda: check_module(
+            lambda *sizes: TemperedAttention(*sizes, per_kv_head=True), score_mod=temperature_mod, max_examples=10
+        )
+    )
+    assert "score_mod given the KV head index (h // group) instead of the query head h" in report
+
+
+# --- the reference itself, and what stays as it was -------------------------------------------------------
+
+
+@torch.no_grad()  # torch's FlexAttention has no backward on CPU, so it refuses inputs that require grad
+def test_the_reference_applies_mods_as_flex_attention_does() -> None:
+    """per_head_attention with mods equals ssm.flex_attention with the same mods on the same projections."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(24, num_heads=6, num_kv_heads=2, dtype=torch.float64)
+    w, x = module.weights(), torch.randn(2, 7, 24, dtype=torch.float64)
+    got = per_head_attention(x, x, x, w, num_heads=6, num_kv_heads=2, score_mod=temperature_mod, mask_mod=recent_keys)
+    q, k, v = heads_of(x, w, 6, 2)
+    mask = create_block_mask(recent_keys, None, None, 7, 7, device="cpu")
+    torch.testing.assert_close(got, out_of(ssm.flex_attention(q, k, v, temperature_mod, mask), w), rtol=0, atol=1e-12)
+
+
+def test_identity_mods_change_nothing_and_reports_without_mods_have_no_property_line() -> None:
+    """A score_mod returning the score and a mask_mod allowing everything are the reference itself; and a
+    report without mods reads as before (no property line)."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    plain = per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=2, is_causal=True)
+    modded = per_head_attention(
+        x, x, x, module.weights(), num_heads=4, num_kv_heads=2, is_causal=True,
+        score_mod=lambda score, b, h, q_idx, kv_idx: score, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= 0,
+    )  # fmt: skip
+    assert torch.equal(plain, modded)
+    report = report_of(lambda: check_attention(tempered(), max_examples=EXAMPLES))
+    assert "property:" not in report and "bug class" not in report.splitlines()[0]
+
+
+def test_a_mod_of_the_wrong_signature_is_a_config_error() -> None:
+    """A score_mod that takes neither FlexAttention's five arguments nor a config is refused by name, up front."""
+    with pytest.raises(ConfigError, match=r"score_mod must be FlexAttention's score_mod\(score, b, h, q_idx, kv_idx\)"):
+        check_attention(tempered(), score_mod=lambda score, h: score, max_examples=1)
+    with pytest.raises(ConfigError, match=r"mask_mod must be FlexAttention's mask_mod\(b, h, q_idx, kv_idx\)"):
+        check_attention(tempered(), mask_mod=lambda b, h, q_idx: True, max_examples=1)
