@@ -71,7 +71,7 @@ _WHERE = {
 }
 
 
-_SUBMODULES = ("dims", "parallel", "reference", "testing")  # public namespaces, imported when first named
+_SUBMODULES = ("dims", "hf", "parallel", "reference", "testing")  # public namespaces, imported when first named
 
 
 def __getattr__(name: str) -> Any:

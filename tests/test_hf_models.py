@@ -1,0 +1,156 @@
+"""Whole Hugging Face models checked as they run: `attn_implementation="shapesafe"` equals transformers' own.
+
+Tiny causal LMs built from their configs (random weights, no downloads): logits, left-padded batches,
+greedy and beam-search generation, training and torch.compile, each against "sdpa" (or "eager" where
+only eager computes the variant: Gemma 2's softcap, gpt-oss's sinks). A layer whose tensors disagree
+with its config is named with the field; a keyword argument we do not compute is refused by name.
+"""
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shapesafe_mha as ssm
+
+transformers = pytest.importorskip("transformers")
+import shapesafe_mha.hf  # noqa: E402
+
+SIZES = {
+    "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+    "num_hidden_layers": 2, "vocab_size": 101, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+}  # fmt: skip
+# architecture: (config class, extra config, reference implementation, dtype, tolerance)
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = {
+    "llama": ("LlamaConfig", {}, "sdpa", torch.float64, 1e-10),
+    "qwen2": ("Qwen2Config", {}, "sdpa", torch.float64, 1e-10),
+    "qwen3": ("Qwen3Config", {}, "sdpa", torch.float64, 1e-10),
+    "mistral (sliding window 3)": ("MistralConfig", {"sliding_window": 3}, "sdpa", torch.float64, 1e-10),
+    "phi3": ("Phi3Config", {}, "sdpa", torch.float64, 1e-10),
+    # eager takes the softmax in float32 inside: a float32-rounding tolerance
+    "gemma2 (softcap, window 3)": (
+        "Gemma2Config", {"sliding_window": 3, "attn_logit_softcapping": 5.0}, "eager", torch.float64, 1e-6
+    ),
+    # gpt-oss's experts run in float32 only (grouped matrix multiply)
+    "gpt_oss (sinks, window 3)": (
+        "GptOssConfig", {"sliding_window": 3, "num_local_experts": 4, "num_experts_per_tok": 2}, "eager",
+        torch.float32, 1e-5,
+    ),
+}  # fmt: skip
+
+
+def _pair(architecture: str) -> tuple[Any, Any]:
+    """The reference model and ours, with the same weights (each its own config: from_config sets the
+    attention implementation on the config it is given)."""
+    config_name, extra, reference, dtype, _ = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_name)(**SIZES, **extra)
+    shapesafe_mha.hf.register()
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference,
+                                                           dtype=dtype).eval()  # fmt: skip
+    if hasattr(theirs.model.layers[0].self_attn, "sinks"):
+        with torch.no_grad():
+            for layer in theirs.model.layers:
+                layer.self_attn.sinks.normal_(0, 1)  # sinks that matter
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="shapesafe",
+                                                         dtype=dtype).eval()  # fmt: skip
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.config._attn_implementation == "shapesafe" and theirs.config._attn_implementation == reference
+    return theirs, ours
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 101, (2, 9), generator=generator)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    return ids, mask
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_logits_padded_batches_and_generation_equal_transformers_own(architecture: str) -> None:
+    theirs, ours = _pair(architecture)
+    tolerance = ARCHITECTURES[architecture][4]
+    ids, mask = _batch()
+    with torch.no_grad():
+        assert float((ours(ids).logits - theirs(ids).logits).abs().max()) <= tolerance
+        if architecture.startswith("gemma2"):  # transformers' eager Gemma 2 gives NaN for padding in float64
+            theirs, ours = theirs.float(), ours.float()
+            tolerance = 1e-5
+        padded = (ours(ids, attention_mask=mask).logits - theirs(ids, attention_mask=mask).logits)[mask.bool()]
+        assert float(padded.abs().max()) <= tolerance
+        for options in ({}, {"num_beams": 2}):
+            expected = theirs.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **options)
+            got = ours.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **options)
+            assert torch.equal(got, expected), options
+
+
+def test_training_loss_and_gradients_equal_and_compile_equals_eager() -> None:
+    theirs, ours = _pair("llama")
+    ids, mask = _batch()
+    losses = []
+    for model in (theirs, ours):
+        model.train()
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-10, rtol=0)
+    for (name, mine), (_, other) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, other.grad, atol=1e-10, rtol=1e-8, msg=name)
+    ours.eval()
+    compiled = torch.compile(ours, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits)
+
+
+def test_set_attn_implementation_switches_a_built_model() -> None:
+    theirs, _ = _pair("llama")
+    ids, _mask = _batch()
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        theirs.set_attn_implementation(shapesafe_mha.hf.register())
+        assert theirs.config._attn_implementation == "shapesafe"
+        torch.testing.assert_close(theirs(ids).logits, expected, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "bug, heads",
+    [("layer 1 built with 3 KV heads", 3), ("layer 1's key projection truncated to one head", 1)],
+)
+def test_a_layer_that_disagrees_with_its_config_is_named_with_the_field(bug: str, heads: int) -> None:
+    """Tensors alone would be valid GQA/MQA; the config's num_key_value_heads=2 says otherwise."""
+    _, ours = _pair("llama")
+    attention = ours.model.layers[1].self_attn
+    attention.k_proj = nn.Linear(32, heads * 8, bias=False, dtype=torch.float64)
+    if heads == 3:
+        attention.v_proj = nn.Linear(32, heads * 8, bias=False, dtype=torch.float64)
+    ids, _mask = _batch()
+    with pytest.raises(ssm.ShapeError) as caught:
+        ours(ids)
+    assert str(caught.value).splitlines()[0] == (
+        f"LlamaAttention(layer_idx=1): k has num_kv_heads={heads} (axis 1), but the config "
+        "(num_key_value_heads=2) set num_kv_heads=2."
+    )
+
+
+def test_a_result_changing_keyword_we_do_not_compute_is_refused_by_name() -> None:
+    _, ours = _pair("llama")
+    attention = ours.model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 3, 8, dtype=torch.float64), torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    with pytest.raises(ssm.ConfigError, match=r"^LlamaAttention\(layer_idx=0\): transformers passed position_bias="):
+        shapesafe_mha.hf.attention(attention, q, k, k, None, position_bias=torch.zeros(1, 4, 3, 3))
+    out, weights = shapesafe_mha.hf.attention(attention, q, k, k, None, position_ids=torch.arange(3)[None])
+    assert out.shape == (1, 3, 4, 8) and weights is None  # (batch, seq, heads, d_head), as transformers' own
+
+
+def test_register_is_idempotent_and_importing_hf_does_not_import_transformers() -> None:
+    import subprocess
+    import sys
+
+    assert shapesafe_mha.hf.register() == shapesafe_mha.hf.register() == "shapesafe"
+    code = "import sys, shapesafe_mha.hf; print('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == (
+        "False"
+    )
