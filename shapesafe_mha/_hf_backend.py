@@ -5,8 +5,9 @@
 (`scaled_dot_product_attention`: GQA/MQA folded, K and V never repeated), checked in a session seeded
 with the sizes the layer's config fixes, so a layer whose tensors disagree with its config is caught
 even where the tensors alone would be a valid GQA call, and the message names the layer and the field.
-What transformers passes that changes the result (`scaling`, `dropout`, `sliding_window`, `softcap`,
-`s_aux` sinks) is computed; a keyword argument that would change it and that we do not compute is a
+What transformers passes that changes the result is computed: `scaling`, `dropout`, `softcap`, `s_aux`
+sinks, and sliding windows through the mask transformers builds for a sliding layer (as its sdpa does);
+a keyword argument that would change it and that we do not compute is a
 `ConfigError` naming it, never dropped.
 """
 
@@ -59,27 +60,33 @@ def _layer_name(module: nn.Module) -> str:
     return f"{type(module).__name__}(layer_idx={index})" if index is not None else type(module).__name__
 
 
-def _config_sizes(module: nn.Module) -> tuple[tuple[int, int, int], tuple[str, str, str]] | None:
-    """The sizes the layer's config fixes, and the field each comes from (None without a config)."""
-    config: Any = getattr(module, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(heads, int):
+_FIELDS = (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("d_head", "head_dim"))
+
+
+def _declared(config: Any, field: str) -> int | None:
+    """`config.field` where the config's class declares that field (a stray attribute, which a model that
+    does not use it ignores, is not read), or which its attribute map aliases; None otherwise."""
+    kind = type(config)
+    declared = field in getattr(kind, "__dataclass_fields__", {}) or field in getattr(kind, "attribute_map", {})
+    if not declared:
         return None
-    kv_heads = getattr(config, "num_key_value_heads", None)
-    kv_field = "num_key_value_heads"
-    if not isinstance(kv_heads, int):
-        kv_heads, kv_field = heads, "num_attention_heads"
-    d_head = getattr(config, "head_dim", None)
-    head_field = f"head_dim={d_head}"
-    if not isinstance(d_head, int):
-        d_head = config.hidden_size // heads
-        head_field = f"hidden_size // num_attention_heads = {d_head}"
-    sources = (
-        f"the config (num_attention_heads={heads})",
-        f"the config ({kv_field}={kv_heads})",
-        f"the config ({head_field})",
-    )
-    return (heads, kv_heads, d_head), sources
+    try:
+        value = getattr(config, field)
+    except Exception:  # a per-layer field read globally (Gemma 4): not one size for every layer
+        return None
+    return value if type(value) is int else None
+
+
+def _config_sizes(module: nn.Module) -> tuple[tuple[Any, ...], tuple[tuple[str, int, str], ...]]:
+    """The sizes the layer's config fixes, as (dimension, size, "the config (field=size)"): only fields its
+    config class declares, read as transformers standardises them, never a computed attribute."""
+    config: Any = getattr(module, "config", None)
+    found = []
+    for dim, field in _FIELDS:
+        value = None if config is None else _declared(config, field)
+        if value is not None:
+            found.append((dim, value, f"the config ({field}={value})"))
+    return tuple(size for _, size, _ in found), tuple(found)
 
 
 def attention(
@@ -87,7 +94,7 @@ def attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Tensor | None,
+    attention_mask: Tensor | None = None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
@@ -110,21 +117,25 @@ def attention(
             "model, or open an issue."
         )
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    seq, kv_seq = query.shape[2], key.shape[2]
+    if attention_mask is None and causal and 1 < seq != kv_seq:
+        # No mask, more keys than queries (Dory's loops): transformers' sdpa hands torch is_causal, which aligns
+        # top-left (ours aligns lower-right, as a KV cache needs); its mask, stated, so the result is sdpa's.
+        attention_mask = torch.ones(seq, kv_seq, dtype=torch.bool, device=query.device).tril()
+    # As transformers' sdpa: the mask it builds for a sliding layer holds the window (`sliding_window` is
+    # what the flash kernels need instead), and a given mask holds the causality.
     if s_aux is not None:
-        attention_mask, causal, key, value = _with_sinks(s_aux, query, key, value, attention_mask, causal,
-                                                         sliding_window)  # fmt: skip
-        sliding_window = None  # in the mask now
+        attention_mask, causal, key, value = _with_sinks(s_aux, query, key, value, attention_mask, causal)
     options: dict[str, Any] = {
         "attn_mask": attention_mask,
-        "is_causal": causal and attention_mask is None,  # as transformers: a given mask holds the causality
+        "is_causal": causal and attention_mask is None,
         "scale": scaling,
         "dropout_p": float(dropout),
-        "window": sliding_window,
         "softcap": softcap,
     }
     if checks_enabled():
         sizes = _config_sizes(module)
-        exact = (type(module), sizes and sizes[0], *signature_key((query, key, value), options))
+        exact = (type(module), sizes[0], *signature_key((query, key, value), options))
         if not _verdicts.known(exact):
             out = _checked(module, sizes, query, key, value, options)
             _verdicts.remember(exact)
@@ -141,16 +152,15 @@ def _checked(
 ) -> Tensor:
     """The stage, checked in a session seeded with the config's sizes, each named by its field."""
     with Session(_layer_name(module)) as session:
-        if sizes is not None:
-            (heads, kv_heads, d_head), sources = sizes
-            for name, size, source in zip(("num_heads", "num_kv_heads", "d_head"), (heads, kv_heads, d_head),
-                                          sources, strict=True):  # fmt: skip
-                session.seed(Shaped[Tensor, name], witness((size,)), source)
+        for name, size, source in sizes[1]:
+            if name == "num_kv_heads" and key.shape[1] == query.shape[1]:
+                continue  # K and V repeated to every query head before the call (JetMoE, older ports): MHA-shaped
+            session.seed(Shaped[Tensor, name], witness((size,)), source)
         return session.call(_sdpa, query, key, value, **options)
 
 
 def _with_sinks(
-    sinks: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, window: int | None
+    sinks: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool
 ) -> tuple[Tensor, bool, Tensor, Tensor]:
     """Attention sinks (gpt-oss `s_aux`: one learned logit per head in the softmax, dropped after it) as one more
     key: zeros in K and V at every KV head, its score set by an additive per-head mask, so the stage computes
@@ -160,10 +170,8 @@ def _with_sinks(
     rows = torch.arange(seq, device=query.device)[:, None] + (kv_seq - seq)
     columns = torch.arange(kv_seq, device=query.device)[None]
     allowed = torch.ones(seq, kv_seq, dtype=torch.bool, device=query.device)
-    if causal:
+    if causal and mask is None:
         allowed = allowed & (columns <= rows)
-    if window is not None:
-        allowed = allowed & (columns > rows - window)
     if mask is not None:
         allowed = allowed & mask if mask.dtype == torch.bool else allowed
     additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, -math.inf)

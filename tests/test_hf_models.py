@@ -154,3 +154,25 @@ def test_register_is_idempotent_and_importing_hf_does_not_import_transformers() 
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == (
         "False"
     )
+
+
+def test_every_architecture_equals_its_reference_or_is_named_and_the_page_is_current() -> None:
+    """The sweep over every causal LM of the installed transformers: none differs or fails; the docs page
+    shows this sweep's verdicts (checked against the transformers version it was made with)."""
+    import re
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from tools.hf_sweep import BAD, PAGE, sweep
+
+    rows = sweep()
+    bad = [row for row in rows if row.verdict in BAD]
+    assert not bad, bad
+    assert sum(row.verdict == "equal" for row in rows) >= 40
+    page = PAGE.read_text()
+    made_with = re.search(r"transformers (\S+), built tiny", page)
+    if made_with is not None and made_with.group(1) == transformers.__version__:
+        listed = dict(re.findall(r"^\| `([^`]+)` \| ([^|]+?) \|", page, re.MULTILINE))
+        assert listed == {row.model_type: row.verdict for row in rows}, "docs/hf-architectures.md is stale"
