@@ -79,6 +79,20 @@ def forward_hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or hooks.get("_global_forward_hooks"))
 
 
+def call_restoring(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cache_kind: type) -> Any:
+    """`module(*args, **kwargs)`, its `kv_cache` restored if a forward hook raises after `forward` returned
+    (a failed call changes nothing); without such a hook, the plain call."""
+    cache: Any = kwargs.get("kv_cache")
+    if not isinstance(cache, cache_kind) or not forward_hooked(module):
+        return nn.Module.__call__(module, *args, **kwargs)
+    state = cache.state()
+    try:
+        return nn.Module.__call__(module, *args, **kwargs)
+    except BaseException:
+        cache.restore(state)
+        raise
+
+
 def vmapped(tensor: Tensor) -> bool:
     """Whether `tensor` is one slice of a `torch.vmap` (torch documents no public test for it)."""
     return bool(torch._C._functorch.is_batchedtensor(tensor))  # pyright: ignore[reportAttributeAccessIssue]

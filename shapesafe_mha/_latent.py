@@ -49,7 +49,7 @@ from ._dims import (
     ValueHeads,
 )
 from ._errors import ConfigError, ShapeError
-from ._fastpath import forward_hooked, global_hooks, module_state, plain_linear, refuse_under_vmap
+from ._fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
 from ._messages import dtype_name, mismatch
 from ._rotary import RotaryEmbedding, check_rotary_width, default_positions
 from ._stages import (
@@ -527,16 +527,7 @@ class LatentAttention(nn.Module):
         return self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # A forward hook that raises after `forward` returned fails the call too: the cache is restored.
-        cache = kwargs.get("kv_cache")
-        if not isinstance(cache, LatentCache) or not forward_hooked(self):
-            return super().__call__(*args, **kwargs)
-        state = cache.state()
-        try:
-            return super().__call__(*args, **kwargs)
-        except BaseException:
-            cache.restore(state)
-            raise
+        return call_restoring(self, args, kwargs, LatentCache)  # a hook that raises after forward changes nothing
 
     def extra_repr(self) -> str:
         return (

@@ -13,7 +13,7 @@ from ._cache import KVCache
 from ._contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
 from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
 from ._errors import ConfigError
-from ._fastpath import FusedQKV, forward_hooked, fused_qkv, module_state, native_fits
+from ._fastpath import FusedQKV, call_restoring, fused_qkv, module_state, native_fits
 from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from ._rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
 from ._stages import (
@@ -266,16 +266,7 @@ class MultiHeadAttention(nn.Module):
         return state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # A forward hook that raises after `forward` returned fails the call too: the cache is restored.
-        cache = kwargs.get("kv_cache")
-        if not isinstance(cache, KVCache) or not forward_hooked(self):
-            return super().__call__(*args, **kwargs)
-        state = cache.state()
-        try:
-            return super().__call__(*args, **kwargs)
-        except BaseException:
-            cache.restore(state)
-            raise
+        return call_restoring(self, args, kwargs, KVCache)  # a hook that raises after forward changes nothing
 
     def extra_repr(self) -> str:
         return (
