@@ -61,6 +61,11 @@ _off: contextvars.ContextVar[bool] = contextvars.ContextVar("shapesafe_mha_unche
 MAX_VERDICTS = 4096
 
 
+def switched_off() -> bool:
+    """Whether `unchecked()` or `SHAPESAFE_MHA_UNCHECKED` turned the checks off (compiling aside)."""
+    return _OFF_BY_ENV or _off.get()
+
+
 def checks_enabled() -> bool:
     """Whether runtime checks run now (see `unchecked`).
 

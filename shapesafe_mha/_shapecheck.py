@@ -22,7 +22,7 @@ from jaxtyping import AnnotationError, Shaped
 from torch import nn
 
 from . import _trace
-from ._contract import Session, Verdicts, checks_enabled, scope, signature_key, witness
+from ._contract import Session, Verdicts, checks_enabled, scope, signature_key, switched_off, witness
 from ._errors import ConfigError
 from ._messages import ExplainedError, arrays_of, axes
 
@@ -261,7 +261,8 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
-        if torch.compiler.is_compiling() or not checks_enabled():  # the first folds to a constant under dynamo
+        # checks_enabled(), spelled out: this runs on every call (is_compiling folds to a constant under dynamo)
+        if torch.compiler.is_compiling() or switched_off():
             if _trace._active:  # prove() or a trace: the call reports its annotated values instead
                 return contract.report(args, kwargs)
             return fn(*args, **kwargs)
