@@ -305,3 +305,31 @@ def test_check_attention_on_meta_says_it_compares_values() -> None:
 
     with pytest.raises(ssm.ConfigError, match=r"device='meta': these checks compare values"):
         check_attention(lambda *a, **k: None, device="meta", max_examples=1)
+
+
+def test_a_call_the_checks_refuse_reaches_no_submodule_whatever_was_remembered() -> None:
+    """Refused before anything runs (the user's hooks on q_proj never see the call), after a remembered
+    verdict too: an input on another device, the module moved to another dtype, another d_model."""
+    module = ssm.MultiHeadAttention(64, 8, 2)
+    seen: list[int] = []
+    module.q_proj.register_forward_pre_hook(lambda m, i: seen.append(1))
+    x = torch.randn(2, 5, 64)
+    module(x)
+    assert seen == [1]
+    for wrong in (lambda: module(x.to("meta")), lambda: module(torch.randn(2, 5, 32))):
+        with pytest.raises(ssm.ShapeError):
+            wrong()
+        assert seen == [1]
+    module.to(torch.float64)
+    with pytest.raises(ssm.ShapeError, match="query has dtype float32, but the module's parameters are float64"):
+        module(x)
+    assert seen == [1]
+
+
+def test_a_broadcast_of_one_is_not_remembered_as_any_size() -> None:
+    """A mask of batch 1 broadcasts over a batch of 2; a mask of batch 3 for a query of batch 1 does not, and
+    a verdict for the first must not let the second through (torch would broadcast it to batch 3)."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    module(torch.randn(2, 5, 16), attn_mask=torch.ones(1, 4, 5, 5, dtype=torch.bool))
+    with pytest.raises(ssm.ShapeError, match=r"attn_mask has batch=3 \(axis 0\), but query set batch=1"):
+        module(torch.randn(1, 5, 16), attn_mask=torch.ones(3, 4, 5, 5, dtype=torch.bool))
