@@ -377,7 +377,10 @@ def test_pyright_accepts_a_user_module_that_uses_the_decorator_expect_and_aliase
     """The decorated functions keep their signatures for type checkers (standard mode, zero errors)."""
     example = ROOT / "examples" / "checked_attention.py"
     result = subprocess.run(
-        [sys.executable, "-m", "pyright", "--outputjson", str(example)], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "pyright", "--outputjson", "--pythonpath", sys.executable, str(example)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert '"errorCount": 0' in result.stdout, result.stdout[-2000:]
     runs = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=ROOT, check=True)
