@@ -56,19 +56,21 @@ def combine_masks(
     k: Tensor,
     explicit: bool,
     window: int | None = None,
+    gqa: bool = False,
 ) -> Tensor | None:
     """`attn_mask`, `key_padding_mask`, `is_causal` and a sliding `window` as one 4-D mask.
 
     Bool (True = may attend) or float (added to the scores).
 
     None when there is nothing to mask, or when the only restriction is causality that torch's
-    SDPA applies itself (`seq == kv_seq`, MHA; see `sdpa_causal`), unless `explicit`.
+    SDPA applies itself (`seq == kv_seq`, MHA, or GQA/MQA by torch's own kernel: `gqa`; see
+    `sdpa_causal`), unless `explicit`.
     """
     seq, kv_seq = q.shape[2], k.shape[2]
     causal = is_causal and seq > 1  # a single query, lower-right aligned, sees every key
     windowed = window_matters(window, kv_seq)
     if causal and attn_mask is None and key_padding_mask is None and not explicit and not windowed:
-        if sdpa_causal(q, k):
+        if sdpa_causal(q, k, gqa):
             return None
     allowed: Tensor | None = None
     if causal or windowed:
@@ -102,16 +104,39 @@ def window_matters(window: int | None, kv_seq: int) -> bool:
     return False
 
 
-def sdpa_causal(q: Tensor, k: Tensor) -> bool:
-    """Whether torch's own `is_causal` (top-left) is our lower-right causal mask: square, MHA."""
-    return q.shape[2] == k.shape[2] and q.shape[1] == k.shape[1]
+def sdpa_causal(q: Tensor, k: Tensor, gqa: bool = False) -> bool:
+    """Whether torch's own `is_causal` (top-left) is our lower-right causal mask: square, and MHA (or GQA/MQA
+    that torch's kernel computes itself, `gqa`; see `native_gqa`)."""
+    return q.shape[2] == k.shape[2] and (gqa or q.shape[1] == k.shape[1])
 
 
-def native_causal(is_causal: bool, q: Tensor, k: Tensor) -> bool:
+def native_causal(is_causal: bool, q: Tensor, k: Tensor, gqa: bool = False) -> bool:
     """Whether SDPA's own `is_causal` applies our causal mask (see `sdpa_causal`); one query sees every key."""
-    if is_causal and q.shape[2] > 1 and sdpa_causal(q, k):  # an `if`: a Python bool under compile and export
+    if is_causal and q.shape[2] > 1 and sdpa_causal(q, k, gqa):  # an `if`: a Python bool under compile and export
         return True
     return False
+
+
+# Where torch's `scaled_dot_product_attention(..., enable_gqa=True)` computes GQA/MQA without expanding K/V:
+# the device, and the first torch version on which recorded allocations showed it (the flash kernel for CPU
+# allocates only the output and the log-sum-exp: prefill, a mask, autograd, one decoding query). Dropout
+# takes torch's math kernel, which repeats K and V: folded instead. Unmeasured devices (CUDA, MPS), `meta`,
+# older torch and compiled graphs fold the query groups. `tests/test_native_gqa.py` pins this table against
+# the allocations of this torch.
+NATIVE_GQA_SINCE: dict[str, tuple[int, int]] = {"cpu": (2, 13)}
+NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if torch.__version__ >= since)
+
+
+def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
+    """Whether torch's own GQA computes this attention without copying K/V (see `NATIVE_GQA_SINCE`).
+
+    MHA: always (there is nothing to expand).
+    """
+    if q.shape[1] == k.shape[1]:
+        return True
+    if dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES or torch.compiler.is_compiling():
+        return False
+    return True
 
 
 def may_empty_rows(
@@ -150,6 +175,39 @@ def sdpa(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
 ) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
+
+
+def sdpa_gqa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
+) -> Tensor:
+    """Torch's own GQA: query head `h` reads KV head `h // group`, as `group_queries` lays them out."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=True
+    )
+
+
+def open_rows(mask: Tensor | None, may_empty: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The mask with rows that have no key opened (a finite softmax), and those rows (to zero after), if any."""
+    if mask is None or not may_empty:
+        return mask, None
+    rows = rows_with_a_key(mask)
+    return open_empty_rows(mask, rows), rows
+
+
+def attend_native(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    may_empty: bool,
+    scale: float | None,
+    dropout_p: float,
+) -> Tensor:
+    """Attention by torch's own kernel, GQA/MQA included (`native_gqa`); empty rows are zeros."""
+    mask, rows = open_rows(mask, may_empty)
+    attention = sdpa if q.shape[1] == k.shape[1] else sdpa_gqa
+    return zero_rows(attention(q, k, v, mask, causal, scale, dropout_p), rows)
 
 
 def probabilities(

@@ -79,7 +79,7 @@ MUTANTS: list[Mutant] = [
       "a float attn_mask drops the causal and padding restrictions", PINS),
     M("_kernels.py", "return mask4 if allowed is None else allowed & mask4", "return mask4",
       "a bool attn_mask drops the causal and padding restrictions", EQ),
-    M("_kernels.py", "return q.shape[2] == k.shape[2] and q.shape[1] == k.shape[1]", "return q.shape[1] == k.shape[1]",
+    M("_kernels.py", "return q.shape[2] == k.shape[2] and (gqa or q.shape[1] == k.shape[1])", "return gqa or q.shape[1] == k.shape[1]",
       "torch's top-left is_causal used when seq != kv_seq", EQ, CACHE),
     M("_kernels.py", "return mask | ~rows if mask.dtype == torch.bool else", "return mask if mask.dtype == torch.bool else",
       "rows with nothing to attend to are not opened before softmax (NaN)", EQ, PINS),
