@@ -4,6 +4,7 @@ Stages (`_stages.py`) give these their contracts; the module composes the stages
 """
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +125,8 @@ def native_causal(is_causal: bool, q: Tensor, k: Tensor, gqa: bool = False) -> b
 # older torch and compiled graphs fold the query groups. `tests/test_native_gqa.py` pins this table against
 # the allocations of this torch.
 NATIVE_GQA_SINCE: dict[str, tuple[int, int]] = {"cpu": (2, 13)}
-NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if torch.__version__ >= since)
+TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])  # "2.13.0+cpu": (2, 13)
+NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if TORCH_RELEASE >= since)
 
 
 def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
