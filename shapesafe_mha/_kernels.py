@@ -120,23 +120,24 @@ def native_causal(is_causal: bool, q: Tensor, k: Tensor, gqa: bool = False) -> b
 
 # Where torch's `scaled_dot_product_attention(..., enable_gqa=True)` computes GQA/MQA without expanding K/V:
 # the device, and the first torch version on which recorded allocations showed it (the flash kernel for CPU
-# allocates only the output and the log-sum-exp: prefill, a mask, autograd, one decoding query). Dropout
-# takes torch's math kernel, which repeats K and V: folded instead. Unmeasured devices (CUDA, MPS), `meta`,
-# older torch and compiled graphs fold the query groups. `tests/test_native_gqa.py` pins this table against
-# the allocations of this torch.
+# allocates only the output and the log-sum-exp: prefill, a mask, autograd, one decoding query). Folded
+# instead: dropout (torch's math kernel runs, and repeats K and V); one decoding query (no copy either way, but
+# its group folded is a view, one query row per head of the group, and measured 1.04-1.8x faster: see
+# docs/performance.md); unmeasured devices (CUDA, MPS), `meta` (the math kernel), older torch, compiled graphs.
+# `tests/test_native_gqa.py` pins this table against the allocations of this torch.
 NATIVE_GQA_SINCE: dict[str, tuple[int, int]] = {"cpu": (2, 13)}
 TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])  # "2.13.0+cpu": (2, 13)
 NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if TORCH_RELEASE >= since)
 
 
 def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
-    """Whether torch's own GQA computes this attention without copying K/V (see `NATIVE_GQA_SINCE`).
-
-    MHA: always (there is nothing to expand).
-    """
+    """Whether torch's own GQA computes this attention without copying K/V, and faster than the fold (see
+    `NATIVE_GQA_SINCE`). MHA: always (there is nothing to expand)."""
     if q.shape[1] == k.shape[1]:
         return True
-    if dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES:
+        return False
+    if q.shape[2] == 1:  # decoding: the folded group is a view, and faster
         return False
     return True
 
