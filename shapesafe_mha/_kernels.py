@@ -130,6 +130,14 @@ TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__
 NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if TORCH_RELEASE >= since)
 
 
+def zeroes_empty_rows(q: Tensor, dropout_p: float) -> bool:
+    """Whether torch's kernel itself gives a query with no key to attend to zeros, in outputs and gradients:
+    the CPU flash kernel (the devices of `NATIVE_GQA_SINCE`, no dropout), so no row need be opened and zeroed."""
+    if torch.compiler.is_compiling() or dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES:
+        return False
+    return True
+
+
 def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
     """Whether torch's own GQA computes this attention without copying K/V, and faster than the fold (see
     `NATIVE_GQA_SINCE`). MHA: always (there is nothing to expand)."""
@@ -208,7 +216,7 @@ def attend_native(
     dropout_p: float,
 ) -> Tensor:
     """Attention by torch's own kernel, GQA/MQA included (`native_gqa`); empty rows are zeros."""
-    mask, rows = open_rows(mask, may_empty)
+    mask, rows = open_rows(mask, may_empty and not zeroes_empty_rows(q, dropout_p))
     attention = sdpa if q.shape[1] == k.shape[1] else sdpa_gqa
     return zero_rows(attention(q, k, v, mask, causal, scale, dropout_p), rows)
 

@@ -183,3 +183,24 @@ def test_the_public_stage_on_torchs_kernel_equals_a_per_head_loop(data: st.DataO
         ours = ssm.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
     assert bool(taken) is (s > 1), "torch's own kernel for every seq but one decoding query (folded)"
     torch.testing.assert_close(ours, _per_head(q, k, v, mask, is_causal), atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.skipif(_kernels.TORCH_RELEASE < MEASURED, reason="measured from torch 2.13")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torchs_cpu_kernel_zeroes_rows_with_no_key_itself(dtype: torch.dtype) -> None:
+    """Why the native path opens no empty row: torch's CPU kernel gives such a row zeros, value and gradients."""
+    q = torch.randn(1, 4, 3, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 2, 5, 8, dtype=dtype, requires_grad=True)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool).index_fill(2, torch.tensor([1]), False)
+    assert _kernels.zeroes_empty_rows(q, 0.0) and not _kernels.zeroes_empty_rows(q, 0.1)
+    out = F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+    out.sum().backward()
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert q.grad is not None and k.grad is not None
+    assert torch.equal(q.grad[:, :, 1], torch.zeros_like(q.grad[:, :, 1])) and not k.grad.isnan().any()
+    module = ssm.MultiHeadAttention(32, 4, 2, bias=False, dtype=dtype)  # no o_proj bias: zero rows stay zero
+    x = torch.randn(2, 3, 32, dtype=dtype, requires_grad=True)
+    padding = torch.tensor([[True] * 3, [False] * 3])  # the first sequence is padding only
+    out = module(x, key_padding_mask=padding)
+    out.sum().backward()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and x.grad is not None and not x.grad.isnan().any()
