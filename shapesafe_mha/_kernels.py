@@ -197,6 +197,14 @@ def sdpa_gqa(
     )
 
 
+def sdpa_heads(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
+) -> Tensor:
+    """`sdpa` for MHA, `sdpa_gqa` for fewer KV heads."""
+    attention = sdpa if q.shape[1] == k.shape[1] else sdpa_gqa
+    return attention(q, k, v, mask, causal, scale, dropout_p)
+
+
 def open_rows(mask: Tensor | None, may_empty: bool) -> tuple[Tensor | None, Tensor | None]:
     """The mask with rows that have no key opened (a finite softmax), and those rows (to zero after), if any."""
     if mask is None or not may_empty:
@@ -217,8 +225,7 @@ def attend_native(
 ) -> Tensor:
     """Attention by torch's own kernel, GQA/MQA included (`native_gqa`); empty rows are zeros."""
     mask, rows = open_rows(mask, may_empty and not zeroes_empty_rows(q, dropout_p))
-    attention = sdpa if q.shape[1] == k.shape[1] else sdpa_gqa
-    return zero_rows(attention(q, k, v, mask, causal, scale, dropout_p), rows)
+    return zero_rows(sdpa_heads(q, k, v, mask, causal, scale, dropout_p), rows)
 
 
 def probabilities(

@@ -344,6 +344,8 @@ def scaled_dot_product_attention(
         ConfigError: `window` is not a positive int, or `softcap` not a positive number.
     """
     native = softcap is None and K.native_gqa(q, k, dropout_p)
+    if native and attn_mask is None and window is None and (not is_causal or q.shape[2] == k.shape[2]):
+        return K.sdpa_heads(q, k, v, None, is_causal, scale, dropout_p)  # torch's own call, nothing around it
     mask = K.combine_masks(attn_mask, None, is_causal, q, k, softcap is not None, window, gqa=native)
     may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
     if native:  # torch's own kernel copies nothing here: no fold, no mask per folded row
