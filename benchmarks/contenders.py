@@ -373,6 +373,59 @@ def overhead_rows(rounds: int, devices: tuple[str, ...], sync: Callable[[], None
     return rows
 
 
+def decision_rows(rounds: int, device: str, sync: Callable[[], None], quick: bool) -> list[Row]:
+    """Why the decision table folds where it does: our module forced onto torch's GQA kernel / forced to fold
+    (the 'ours' column here is the forced native call; the module itself takes the faster of the two)."""
+    from shapesafe_mha import _kernels
+
+    decided = _kernels.native_gqa
+
+    def forced(f: Fn, native: bool) -> Fn:
+        """`f` with the decision replaced: torch's kernel for every GQA call (no dropout here), or none."""
+
+        def run() -> object:
+            _kernels.native_gqa = lambda q, k, dropout_p: native or q.shape[1] == k.shape[1]
+            try:
+                return f()
+            finally:
+                _kernels.native_gqa = decided
+
+        return run
+
+    d_model, heads, kv_heads = (64, 4, 2) if quick else (512, 8, 2)
+    module = ssm.MultiHeadAttention(d_model, heads, kv_heads, bias=False, device=device).eval()
+    rows = []
+    cases = [(2, 16 if quick else 128, 0), (1, 1, 16 if quick else 4096), (4, 1, 16 if quick else 4096)]
+    for batch, seq, cached in cases:
+        for padded in (False, True):
+            x = torch.randn(batch, seq, d_model, device=device)
+            padding = right_padding(batch, cached + seq, device) if padded else None
+            if padding is not None:
+                padding[:, -1] = False
+            cache = None
+            if cached:
+                cache = module.new_cache(batch, cached + seq)
+                past = torch.randn(batch, kv_heads, cached, d_model // heads, device=device)
+                cache.append(past, past)
+
+            def call(x=x, padding=padding, cache=cache, cached=cached) -> object:
+                if cache is not None:
+                    cache._length = cached
+                return module(x, is_causal=True, kv_cache=cache, key_padding_mask=padding)
+
+            with torch.no_grad():
+                times, ratios = measure(
+                    {"ours": forced(call, True), "folded": forced(call, False)}, rounds, 10 if cached else 2, sync
+                )
+            name = ("decode" if cached else "causal prefill") + (", padding mask" if padded else "")
+            sizes = (
+                f"batch {batch}, seq {seq}" + (f", {cached} cached" if cached else "") + f", {heads}/{kv_heads} heads"
+            )
+            row = Row("decision", f"torch's GQA kernel / folded: {name}", sizes, times, ratios, where=device)
+            rows.append(row)
+    return rows
+
+
 # --- output -------------------------------------------------------------------------------------------------
 
 
@@ -381,7 +434,8 @@ def us(seconds: float) -> str:
 
 
 def print_table(rows: list[Row], title: str, markdown: bool) -> None:
-    contenders = ["plain torch", "HF LlamaAttention", "nn.MultiheadAttention"]
+    contenders = ["plain torch", "HF LlamaAttention", "nn.MultiheadAttention", "folded"]
+    contenders = [c for c in contenders if any(c in row.times for row in rows)]
     header = ["row", "sizes", "ours", *contenders, "best", "ours / best", "spread", "goal", "verdict"]
     lines = []
     for row in rows:
@@ -434,6 +488,7 @@ def main() -> None:
         "training": lambda: training_rows(*train, rounds, device, sync),
         "stages": lambda: stage_rows(rounds, device, sync),
         "overhead": lambda: overhead_rows(rounds, ("meta", device), sync),
+        "decision": lambda: decision_rows(rounds, device, sync, args.quick),
     }
     where = f"torch {torch.__version__}, {device}" + (f", {args.threads} thread(s)" if device == "cpu" else "")
     for group, run in groups.items():

@@ -269,6 +269,7 @@ def attend(
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if mask is None and num_heads == num_kv_heads and softcap is None:
         return sdpa(q, k, v, None, native_causal, scale, dropout_p)
+    may_empty = may_empty and (softcap is not None or not zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
     folded_mask, rows = (None, None) if mask is None else fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
     folded = fold_queries(group_queries(q, num_kv_heads))
     if softcap is None:

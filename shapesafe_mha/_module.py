@@ -678,6 +678,7 @@ class MultiHeadAttention(nn.Module):
             folded_mask, rows = None, None
             if mask is not None:
                 may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
+                may_empty = may_empty and (explicit or not K.zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
                 folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
             if explicit:
                 folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap)
