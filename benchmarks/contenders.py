@@ -443,6 +443,9 @@ def print_table(rows: list[Row], title: str, markdown: bool) -> None:
         cells = [row.name, row.sizes, us(row.times["ours"])]
         cells += [us(row.times[c]) if c in row.times else "-" for c in contenders]
         cells += [row.best, f"{median:.3f}", f"{low:.3f}-{high:.3f}", f"<= {row.goal:.2f}", row.verdict]
+        if row.group == "decision":  # which of the two the table should pick, not a goal
+            verdict = {"met": "native faster", "tie": "tie", "NO": "fold faster"}[row.verdict]
+            cells[-2], cells[-1] = "-", verdict
         if row.group == "overhead":
             gap = row.times["ours"] - row.times["plain torch"]
             cells[-2], cells[-1] = "ours - plain <= 3 us", f"{gap * 1e6:+.1f} us: {'met' if gap <= 3e-6 else 'NO'}"
