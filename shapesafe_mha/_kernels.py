@@ -133,9 +133,7 @@ NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if TOR
 def zeroes_empty_rows(q: Tensor, dropout_p: float) -> bool:
     """Whether torch's kernel itself gives a query with no key to attend to zeros, in outputs and gradients:
     the CPU flash kernel (the devices of `NATIVE_GQA_SINCE`, no dropout), so no row need be opened and zeroed."""
-    if torch.compiler.is_compiling() or dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES:
-        return False
-    return True
+    return dropout_p == 0.0 and q.device.type in NATIVE_GQA_DEVICES and not torch.compiler.is_compiling()
 
 
 def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
