@@ -391,7 +391,7 @@ torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=causal_mask(
 }
 CHECKS = {
     "shapesafe_mha": "@ssm.shapecheck",
-    "plain jaxtyping + beartype": "from beartype import beartype\nfrom jaxtyping import jaxtyped\n@jaxtyped(typechecker=beartype)",  # noqa: E501  (one decorator stack, as a user writes it)
+    "plain jaxtyping + beartype": "from beartype import beartype\nfrom jaxtyping import jaxtyped\n@jaxtyped(typechecker=beartype)",
     "raw torch": "",
 }
 
