@@ -4,6 +4,7 @@ Stages (`_stages.py`) give these their contracts; the module composes the stages
 """
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -56,19 +57,21 @@ def combine_masks(
     k: Tensor,
     explicit: bool,
     window: int | None = None,
+    gqa: bool = False,
 ) -> Tensor | None:
     """`attn_mask`, `key_padding_mask`, `is_causal` and a sliding `window` as one 4-D mask.
 
     Bool (True = may attend) or float (added to the scores).
 
     None when there is nothing to mask, or when the only restriction is causality that torch's
-    SDPA applies itself (`seq == kv_seq`, MHA; see `sdpa_causal`), unless `explicit`.
+    SDPA applies itself (`seq == kv_seq`, MHA, or GQA/MQA by torch's own kernel: `gqa`; see
+    `sdpa_causal`), unless `explicit`.
     """
     seq, kv_seq = q.shape[2], k.shape[2]
     causal = is_causal and seq > 1  # a single query, lower-right aligned, sees every key
     windowed = window_matters(window, kv_seq)
     if causal and attn_mask is None and key_padding_mask is None and not explicit and not windowed:
-        if sdpa_causal(q, k):
+        if sdpa_causal(q, k, gqa):
             return None
     allowed: Tensor | None = None
     if causal or windowed:
@@ -102,16 +105,47 @@ def window_matters(window: int | None, kv_seq: int) -> bool:
     return False
 
 
-def sdpa_causal(q: Tensor, k: Tensor) -> bool:
-    """Whether torch's own `is_causal` (top-left) is our lower-right causal mask: square, MHA."""
-    return q.shape[2] == k.shape[2] and q.shape[1] == k.shape[1]
+def sdpa_causal(q: Tensor, k: Tensor, gqa: bool = False) -> bool:
+    """Whether torch's own `is_causal` (top-left) is our lower-right causal mask: square, and MHA (or GQA/MQA
+    that torch's kernel computes itself, `gqa`; see `native_gqa`)."""
+    return q.shape[2] == k.shape[2] and (gqa or q.shape[1] == k.shape[1])
 
 
-def native_causal(is_causal: bool, q: Tensor, k: Tensor) -> bool:
+def native_causal(is_causal: bool, q: Tensor, k: Tensor, gqa: bool = False) -> bool:
     """Whether SDPA's own `is_causal` applies our causal mask (see `sdpa_causal`); one query sees every key."""
-    if is_causal and q.shape[2] > 1 and sdpa_causal(q, k):  # an `if`: a Python bool under compile and export
+    if is_causal and q.shape[2] > 1 and sdpa_causal(q, k, gqa):  # an `if`: a Python bool under compile and export
         return True
     return False
+
+
+# Where torch's `scaled_dot_product_attention(..., enable_gqa=True)` computes GQA/MQA without expanding K/V:
+# the device, and the first torch version on which recorded allocations showed it (the flash kernel for CPU
+# allocates only the output and the log-sum-exp: prefill, a mask, autograd, one decoding query). Folded
+# instead: dropout (torch's math kernel runs, and repeats K and V); one decoding query (no copy either way, but
+# its group folded is a view, one query row per head of the group, and measured 1.04-1.8x faster: see
+# docs/performance.md); unmeasured devices (CUDA, MPS), `meta` (the math kernel), older torch, compiled graphs.
+# `tests/test_native_gqa.py` pins this table against the allocations of this torch.
+NATIVE_GQA_SINCE: dict[str, tuple[int, int]] = {"cpu": (2, 13)}
+TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])  # "2.13.0+cpu": (2, 13)
+NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if TORCH_RELEASE >= since)
+
+
+def zeroes_empty_rows(q: Tensor, dropout_p: float) -> bool:
+    """Whether torch's kernel itself gives a query with no key to attend to zeros, in outputs and gradients:
+    the CPU flash kernel (the devices of `NATIVE_GQA_SINCE`, no dropout), so no row need be opened and zeroed."""
+    return dropout_p == 0.0 and q.device.type in NATIVE_GQA_DEVICES and not torch.compiler.is_compiling()
+
+
+def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
+    """Whether torch's own GQA computes this attention without copying K/V, and faster than the fold (see
+    `NATIVE_GQA_SINCE`). MHA: always (there is nothing to expand)."""
+    if q.shape[1] == k.shape[1]:
+        return True
+    if torch.compiler.is_compiling() or dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES:
+        return False
+    if q.shape[2] == 1:  # decoding: the folded group is a view, and faster
+        return False
+    return True
 
 
 def may_empty_rows(
@@ -150,6 +184,46 @@ def sdpa(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
 ) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
+
+
+def sdpa_gqa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
+) -> Tensor:
+    """Torch's own GQA: query head `h` reads KV head `h // group`, as `group_queries` lays them out."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=True
+    )
+
+
+def sdpa_heads(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
+) -> Tensor:
+    """`sdpa` for MHA, `sdpa_gqa` for fewer KV heads."""
+    attention = sdpa if q.shape[1] == k.shape[1] else sdpa_gqa
+    return attention(q, k, v, mask, causal, scale, dropout_p)
+
+
+def open_rows(mask: Tensor | None, may_empty: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The mask with rows that have no key opened (a finite softmax), and those rows (to zero after), if any."""
+    if mask is None or not may_empty:
+        return mask, None
+    rows = rows_with_a_key(mask)
+    return open_empty_rows(mask, rows), rows
+
+
+def attend_native(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    may_empty: bool,
+    scale: float | None,
+    dropout_p: float,
+) -> Tensor:
+    """Attention by torch's own kernel, GQA/MQA included (`native_gqa`); empty rows are zeros."""
+    mask, rows = open_rows(mask, may_empty and not zeroes_empty_rows(q, dropout_p))
+    return zero_rows(sdpa_heads(q, k, v, mask, causal, scale, dropout_p), rows)
 
 
 def probabilities(
@@ -193,6 +267,7 @@ def attend(
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if mask is None and num_heads == num_kv_heads and softcap is None:
         return sdpa(q, k, v, None, native_causal, scale, dropout_p)
+    may_empty = may_empty and (softcap is not None or not zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
     folded_mask, rows = (None, None) if mask is None else fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
     folded = fold_queries(group_queries(q, num_kv_heads))
     if softcap is None:

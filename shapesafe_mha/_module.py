@@ -652,16 +652,24 @@ class MultiHeadAttention(nn.Module):
                 attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
         scale, softcap = self.scale, self.logit_softcap
         explicit = need_weights or softcap is not None  # the scores computed here, not by SDPA
-        mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window)
         dropout_p = self.dropout if self.training else 0.0
+        native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
+        mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window, native)
         weights = None
         if mask is None and num_heads == num_kv_heads and not explicit:
             out = s.attend_heads(q, k, v, K.native_causal(is_causal, q, k), dropout_p, scale)
+        elif native:
+            causal = mask is None and K.native_causal(is_causal, q, k, gqa=True)
+            may_empty = mask is not None and K.may_empty_rows(
+                attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2]
+            )
+            out = s.attend_native(q, k, v, mask, causal, may_empty, dropout_p, scale)
         else:
             folded = s.fold_queries(s.group_queries(q, num_kv_heads))
             folded_mask, rows = None, None
             if mask is not None:
                 may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
+                may_empty = may_empty and (explicit or not K.zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
                 folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
             if explicit:
                 folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap)

@@ -304,8 +304,9 @@ def scaled_dot_product_attention(
 
     The number of KV heads is read from `k`: equal to `q`'s heads is MHA, one is MQA, anything
     dividing it is GQA, where query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
-    K and V are never expanded to `num_heads` heads: the query heads of a group are folded
-    into the query axis instead. Equals `torch.nn.functional.scaled_dot_product_attention(...,
+    K and V are never expanded to `num_heads` heads: torch's own GQA kernel runs where it copies
+    nothing (`enable_gqa=True`, on CPU), and elsewhere the query heads of a group are folded into
+    the query axis. Equals `torch.nn.functional.scaled_dot_product_attention(...,
     enable_gqa=True)` wherever that is defined, with two deliberate differences:
 
     - `is_causal` is **lower-right aligned**: when `seq < kv_seq`, query `i` sits at absolute
@@ -342,10 +343,15 @@ def scaled_dot_product_attention(
         ShapeError: shapes, dtypes or devices disagree, or `num_kv_heads` does not divide `num_heads`.
         ConfigError: `window` is not a positive int, or `softcap` not a positive number.
     """
-    mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=softcap is not None, window=window)
-    native_causal = mask is None and K.native_causal(is_causal, q, k)
+    native = softcap is None and K.native_gqa(q, k, dropout_p)
+    if native and attn_mask is None and window is None and (not is_causal or q.shape[2] == k.shape[2]):
+        return K.sdpa_heads(q, k, v, None, is_causal, scale, dropout_p)  # torch's own call, nothing around it
+    mask = K.combine_masks(attn_mask, None, is_causal, q, k, softcap is not None, window, gqa=native)
     may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
-    return K.attend(q, k, v, mask, native_causal, may_empty, scale, dropout_p, softcap)
+    if native:  # torch's own kernel copies nothing here: no fold, no mask per folded row
+        causal = mask is None and K.native_causal(is_causal, q, k, gqa=True)
+        return K.attend_native(q, k, v, mask, causal, may_empty, scale, dropout_p)
+    return K.attend(q, k, v, mask, False, may_empty, scale, dropout_p, softcap)
 
 
 @stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
@@ -546,14 +552,31 @@ def combine_masks(
     is_causal: bool,
     explicit: bool,
     window: int | None,
+    native: bool,
 ) -> FullMask | None:
-    return K.combine_masks(attn_mask, key_padding_mask, is_causal, q, k, explicit, window)
+    return K.combine_masks(attn_mask, key_padding_mask, is_causal, q, k, explicit, window, gqa=native)
 
 
 @stage(name="attention")
 def attend_heads(q: Heads, k: KVHeads, v: KVHeads, causal: bool, dropout_p: float, scale: float | None) -> Heads:
     """MHA with nothing to mask but torch's own causality: SDPA as it is."""
     return K.sdpa(q, k, v, None, causal, scale, dropout_p)
+
+
+@stage(name="attention")
+def attend_native(
+    q: Heads,
+    k: KVHeads,
+    v: KVHeads,
+    mask: FullMask | None,
+    causal: bool,
+    may_empty: bool,
+    dropout_p: float,
+    scale: float | None,
+) -> Heads:
+    """GQA/MQA (or masked MHA) by torch's own kernel where it copies nothing (`K.native_gqa`); K/V at
+    `num_kv_heads` heads, the mask at its own heads; rows with nothing to attend to are zeros."""
+    return K.attend_native(q, k, v, mask, causal, may_empty, scale, dropout_p)
 
 
 @stage(name="fold_queries")
@@ -634,6 +657,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "visible_masks": visible_masks,
     "combine_masks": combine_masks,
     "attend_heads": attend_heads,
+    "attend_native": attend_native,
     "group_queries": group_queries,
     "fold_queries": fold_queries,
     "fold_mask": fold_mask,

@@ -98,3 +98,18 @@ def test_an_expansion_is_told_by_what_it_was_made_from(how: str) -> None:
 
     with pytest.raises(AssertionError, match="each replicating what it read"):
         assert_no_kv_expansion(run, batch=1, num_heads=8, kv_seq=32, d_head=16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_training_step_never_expands_kv(num_kv_heads: int, masked: bool) -> None:
+    """GQA and MQA forward and backward (torch's own kernel on CPU, its backward too): no K/V at num_heads heads."""
+    module = ssm.MultiHeadAttention(64, 8, num_kv_heads)
+    x, memory = torch.randn(2, 3, 64), torch.randn(2, 32, 64)
+    padding = torch.zeros(2, 32, dtype=torch.bool) if masked else None
+    padding = None if padding is None else padding.index_fill(1, torch.tensor([0, 5]), True)
+
+    def step() -> None:
+        module(x, memory, key_padding_mask=padding, is_causal=True).square().mean().backward()
+
+    assert_no_kv_expansion(step, batch=2, num_heads=8, kv_seq=32, d_head=8, dtype=torch.float32)

@@ -41,3 +41,23 @@ def test_toolkit_reports_benchmark_prints_classes_and_bugs() -> None:
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert "LlamaAttention" in out and "pass" in out
     assert "repeat_kv tiles" in out and "yes" in out and "[heads]" in out
+
+
+def test_contenders_benchmark_prints_every_row() -> None:
+    """`python -m benchmarks.contenders --quick` prints each row against its contenders, ratio, spread and verdict
+    (no timing asserted)."""
+    command = [sys.executable, "-m", "benchmarks.contenders", "--quick", "--markdown"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    rows = {line.split("|")[1].strip(): line for line in lines}
+    for kind in ("MHA", "GQA", "MQA"):
+        for masking in ("causal", "non-causal", "key-padded"):
+            assert f"{kind} {masking} prefill" in rows
+    assert {"GQA decode, 16 cached, batch 2", "GQA decode, 16 cached, batch 2, padding mask"} <= set(rows)
+    assert {"MHA training step (forward + backward)", "GQA training step (forward + backward)"} <= set(rows)
+    assert {"public stages composed", "MHA per-call cost (meta)", "GQA per-call cost (cpu)"} <= set(rows)
+    assert {"torch's GQA kernel / folded: causal prefill", "torch's GQA kernel / folded: decode"} <= set(rows)
+    cells = {name: [c.strip() for c in line.split("|")[1:-1]] for name, line in rows.items() if name != "row"}
+    assert cells["MHA causal prefill"][5] != "-" and cells["GQA causal prefill"][5] == "-", "nn.MHA on MHA rows only"
+    for row in cells.values():
+        assert row[-1].split()[-1] in ("met", "tie", "NO", "faster"), row

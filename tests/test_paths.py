@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
-from shapesafe_mha import _fastpath, _module
+from shapesafe_mha import _fastpath, _kernels, _module
 from shapesafe_mha.reference import per_head_attention
 from shapesafe_mha.testing import (
     attention_configs,
@@ -29,6 +29,8 @@ PATHS = {
     "SDPA above the native cut-off",
     "cached decoding",
     "need_weights",
+    "GQA/MQA by torch's own kernel",
+    "GQA/MQA folded",
 }
 
 
@@ -49,7 +51,8 @@ def _paths_of(path: str, query: torch.Tensor, kv_cache: Any, need_weights: bool)
 
 
 def test_the_module_properties_take_every_execution_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Module == reference over drawn configs, grad modes, masks, caches and need_weights; every path ran."""
+    """Module == reference over drawn configs, grad modes, masks, caches and need_weights; every path ran, GQA
+    and MQA both on torch's own kernel and folded (need_weights), so the reference checks each."""
     taken: set[str] = set()
     original = ssm.MultiHeadAttention._run
 
@@ -59,6 +62,19 @@ def test_the_module_properties_take_every_execution_path(monkeypatch: pytest.Mon
         return original(self, s, path, fused, query, *rest)
 
     monkeypatch.setattr(ssm.MultiHeadAttention, "_run", recording)
+    native, fold = _kernels.sdpa_gqa, _kernels.fold_queries
+
+    def recording_native(*args: Any) -> torch.Tensor:
+        taken.add("GQA/MQA by torch's own kernel")
+        return native(*args)
+
+    def recording_fold(grouped: torch.Tensor) -> torch.Tensor:
+        if grouped.shape[2] > 1:
+            taken.add("GQA/MQA folded")
+        return fold(grouped)
+
+    monkeypatch.setattr(_kernels, "sdpa_gqa", recording_native)
+    monkeypatch.setattr(_kernels, "fold_queries", recording_fold)
 
     @settings(max_examples=80, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(data=st.data())

@@ -1,0 +1,206 @@
+"""GQA/MQA by torch's own kernel where it copies nothing, folded where it would: the decision table for this
+torch pinned against recorded allocations, both paths taken, and the native one equal to a per-head loop."""
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shapesafe_mha as ssm
+from shapesafe_mha import _kernels
+from shapesafe_mha.testing import assert_no_kv_expansion, attention_configs, attention_masks
+
+B, H, HKV, S, KV, D = 2, 8, 2, 3, 40, 8  # K at num_heads heads is larger than every legitimate tensor
+
+# (device, masked, causal, grad, decode, dropout) -> torch's own kernel, or the fold and why. For this torch
+# (2.13): on CPU its flash kernel computes GQA without expanding K/V in every case but dropout (the math kernel
+# then repeats K and V); one decoding query copies nothing either, but folded (a view) it runs faster
+# (benchmarks); on `meta` SDPA runs the math kernel, which repeats K and V.
+NATIVE, COPIES, SLOWER = "native", "fold: torch's kernel copies K/V", "fold: measured faster"
+DECISIONS = [
+    (("cpu", False, False, False, False, False), NATIVE),
+    (("cpu", False, True, False, False, False), NATIVE),
+    (("cpu", True, False, False, False, False), NATIVE),
+    (("cpu", True, True, False, False, False), NATIVE),
+    (("cpu", False, True, True, False, False), NATIVE),
+    (("cpu", True, True, True, False, False), NATIVE),
+    (("cpu", False, True, False, True, False), SLOWER),
+    (("cpu", True, True, False, True, False), SLOWER),
+    (("cpu", False, True, True, True, False), SLOWER),
+    (("cpu", False, True, True, False, True), COPIES),
+    (("meta", False, True, False, False, False), COPIES),
+    (("meta", False, False, False, True, False), COPIES),
+]
+MEASURED = (2, 13)  # the torch on which the table above was read
+
+
+def _name(case: tuple[Any, ...], decision: str) -> str:
+    flags = [name for name, on in zip(("masked", "causal", "grad", "decode", "dropout"), case[1:], strict=True) if on]
+    return "-".join([case[0], *flags, decision.split(":")[0]])
+
+
+def _inputs(device: str, masked: bool, decode: bool, grad: bool) -> tuple[torch.Tensor, ...]:
+    seq = 1 if decode else S
+    q = torch.randn(B, H, seq, D, device=device, requires_grad=grad)
+    k = torch.randn(B, HKV, KV, D, device=device, requires_grad=grad)
+    v = torch.randn(B, HKV, KV, D, device=device, requires_grad=grad)
+    mask = torch.ones(B, 1, seq, KV, dtype=torch.bool, device=device).tril(KV - seq) if masked else None
+    return q, k, v, mask
+
+
+@pytest.mark.skipif(_kernels.TORCH_RELEASE < MEASURED, reason="measured from torch 2.13; older torch folds everywhere")
+@pytest.mark.parametrize(("case", "decision"), [pytest.param(c, d, id=_name(c, d)) for c, d in DECISIONS])
+def test_the_decision_table_is_what_torchs_allocations_show(case: tuple[Any, ...], decision: str) -> None:
+    """A case folds where torch's kernel, run on it, allocates K/V at num_heads heads, or where the fold was
+    measured faster (decoding); every other case goes to torch's kernel."""
+    device, masked, causal, grad, decode, dropout = case
+    q, k, v, mask = _inputs(device, masked, decode, grad)
+    dropout_p = 0.1 if dropout else 0.0
+    assert _kernels.native_gqa(q, k, dropout_p) is (decision == NATIVE)
+
+    def theirs() -> None:
+        causal_here = causal and not masked and not decode  # square: torch's top-left is_causal is ours
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal_here, dropout_p=dropout_p, enable_gqa=True
+        )
+        if grad:
+            out.sum().backward()
+
+    sizes = {"batch": B, "num_heads": H, "kv_seq": KV, "d_head": D, "dtype": torch.float32}
+    if decision != COPIES:
+        assert_no_kv_expansion(theirs, **sizes)
+    else:
+        with pytest.raises(AssertionError, match="expanded to num_heads=8"):
+            assert_no_kv_expansion(theirs, **sizes)
+
+
+def test_unmeasured_devices_and_older_torch_fold() -> None:
+    """Only devices in the table go native, and only from the torch version they were measured on."""
+    assert _kernels.NATIVE_GQA_SINCE == {"cpu": (2, 13)}
+    assert _kernels.NATIVE_GQA_DEVICES <= {"cpu"}
+    assert ("cpu" in _kernels.NATIVE_GQA_DEVICES) is (_kernels.TORCH_RELEASE >= (2, 13))
+    assert _kernels.TORCH_RELEASE == tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.fixture
+def kernels_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Which kernel each attention ran on: 'native' (torch's GQA), 'folded' (the query groups folded)."""
+    taken: list[str] = []
+    native, fold = _kernels.sdpa_gqa, _kernels.fold_queries
+
+    def recording_native(*args: Any) -> torch.Tensor:
+        taken.append("native")
+        return native(*args)
+
+    def recording_fold(grouped: torch.Tensor) -> torch.Tensor:
+        taken.append("folded")
+        return fold(grouped)
+
+    monkeypatch.setattr(_kernels, "sdpa_gqa", recording_native)
+    monkeypatch.setattr(_kernels, "fold_queries", recording_fold)
+    return taken
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("causal prefill", "native"),
+        ("key-padded prefill", "native"),
+        ("training step", "native"),
+        ("decode", "folded"),
+        ("need_weights", "folded"),
+        ("dropout in training", "folded"),
+    ],
+)
+def test_the_module_runs_gqa_on_the_kernel_the_table_names(how: str, expected: str, kernels_taken: list[str]) -> None:
+    """GQA prefill, padding and autograd go to torch's kernel; decoding, weights and dropout fold."""
+    module = ssm.MultiHeadAttention(64, 8, 2, dropout=0.1 if how == "dropout in training" else 0.0)
+    module.train(how in ("training step", "dropout in training"))
+    x = torch.randn(2, 5, 64)
+    with torch.set_grad_enabled(module.training):
+        for _ in range(2):  # the first call checked, the second remembered: the same kernel
+            if how == "decode":
+                cache = module.new_cache(2, 8)
+                module(x, is_causal=True, kv_cache=cache)
+                kernels_taken.clear()  # the prefill is a causal prefill
+                module(x[:, :1], is_causal=True, kv_cache=cache)
+            elif how == "key-padded prefill":
+                module(x, is_causal=True, key_padding_mask=torch.tensor([[False] * 5, [True] * 2 + [False] * 3]))
+            elif how == "need_weights":
+                module(x, is_causal=True, need_weights=True)
+            else:
+                module(x, is_causal=True).sum().backward() if module.training else module(x, is_causal=True)
+    assert set(kernels_taken) == {expected}
+
+
+def _per_head(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Head by head, query by query's row: softmax over allowed keys, lower-right causal, zeros where none is."""
+    batch, heads, seq, d_head = q.shape
+    group, kv_seq = heads // k.shape[1], k.shape[2]
+    out = torch.zeros_like(q)
+    allowed = torch.ones(batch, heads, seq, kv_seq, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(seq, kv_seq, dtype=torch.bool).tril(kv_seq - seq)
+    if mask is not None:
+        allowed &= mask
+    for b in range(batch):
+        for h in range(heads):
+            scores = q[b, h] @ k[b, h // group].T / math.sqrt(d_head)
+            scores = scores.masked_fill(~allowed[b, h], -math.inf)
+            weights = torch.softmax(scores, -1).nan_to_num(0.0)
+            out[b, h] = weights @ v[b, h // group]
+    return out
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_public_stage_on_torchs_kernel_equals_a_per_head_loop(data: st.DataObject) -> None:
+    """ssm.scaled_dot_product_attention, GQA/MQA with masks (rows with no key included) and lower-right causal,
+    takes torch's own kernel (folds one query) and equals attention computed head by head."""
+    config = data.draw(attention_configs(kinds=("gqa", "mqa"), max_seq=12), label="config")
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    b, h, hkv, s, kv, d = config.batch, config.num_heads, config.num_kv_heads, config.seq, config.kv_seq, config.d_head
+    q, k, v = (
+        torch.randn(b, n, m, d, generator=generator, dtype=torch.float64) for n, m in ((h, s), (hkv, kv), (hkv, kv))
+    )
+    mask = data.draw(attention_masks(config), label="attn_mask")
+    is_causal = data.draw(st.booleans(), label="is_causal")
+    taken: list[bool] = []
+    native = _kernels.sdpa_gqa
+
+    def recording(*args: Any) -> torch.Tensor:
+        taken.append(True)
+        return native(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_kernels, "sdpa_gqa", recording)
+        ours = ssm.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    assert bool(taken) is (s > 1), "torch's own kernel for every seq but one decoding query (folded)"
+    torch.testing.assert_close(ours, _per_head(q, k, v, mask, is_causal), atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.skipif(_kernels.TORCH_RELEASE < MEASURED, reason="measured from torch 2.13")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torchs_cpu_kernel_zeroes_rows_with_no_key_itself(dtype: torch.dtype) -> None:
+    """Why the native path opens no empty row: torch's CPU kernel gives such a row zeros, value and gradients."""
+    q = torch.randn(1, 4, 3, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 2, 5, 8, dtype=dtype, requires_grad=True)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool).index_fill(2, torch.tensor([1]), False)
+    assert _kernels.zeroes_empty_rows(q, 0.0) and not _kernels.zeroes_empty_rows(q, 0.1)
+    out = F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+    out.sum().backward()
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert q.grad is not None and k.grad is not None
+    assert torch.equal(q.grad[:, :, 1], torch.zeros_like(q.grad[:, :, 1])) and not k.grad.isnan().any()
+    module = ssm.MultiHeadAttention(32, 4, 2, bias=False, dtype=dtype)  # no o_proj bias: zero rows stay zero
+    x = torch.randn(2, 3, 32, dtype=dtype, requires_grad=True)
+    padding = torch.tensor([[True] * 3, [False] * 3])  # the first sequence is padding only
+    out = module(x, key_padding_mask=padding)
+    out.sum().backward()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and x.grad is not None and not x.grad.isnan().any()
