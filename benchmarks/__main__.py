@@ -47,6 +47,12 @@ def measure(ours: Run, baseline: Run, rounds: int, inner: int) -> tuple[float, f
     A contender may be `(function, context)`: the context (say `ssm.unchecked`) is entered once
     around each round's calls, as a user would, not once per call.
     """
+    ratios, a, b = rounds_of(ours, baseline, rounds, inner)
+    return statistics.median(ratios), statistics.median(a), statistics.median(b)
+
+
+def rounds_of(ours: Run, baseline: Run, rounds: int, inner: int) -> tuple[list[float], list[float], list[float]]:
+    """Each round's ratio ours/baseline and each one's seconds per call (`measure` takes their medians)."""
     contenders = [c if isinstance(c, tuple) else (c, contextlib.nullcontext) for c in (ours, baseline)]
     for f, context in contenders:
         with context():
@@ -66,7 +72,7 @@ def measure(ours: Run, baseline: Run, rounds: int, inner: int) -> tuple[float, f
         ratios.append(times[ours_f] / times[base_f])
         a.append(times[ours_f])
         b.append(times[base_f])
-    return statistics.median(ratios), statistics.median(a), statistics.median(b)
+    return ratios, a, b
 
 
 def unchecked(f: Callable[[], object]) -> Run:

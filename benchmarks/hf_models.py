@@ -9,11 +9,12 @@ generation of 32 tokens from an 8-token prompt, alternating rounds; the median r
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks.__main__ import rounds_of
 
 
 def main() -> None:
@@ -35,20 +36,14 @@ def main() -> None:
               for name in ("sdpa", "shapesafe")}  # fmt: skip
     models["shapesafe"].load_state_dict(models["sdpa"].state_dict())
     ids = torch.randint(1, 1000, (1, 8))
-    times: dict[str, list[float]] = {name: [] for name in models}
-    ratios = []
     with torch.no_grad():
         outputs = {n: m.generate(ids, max_new_tokens=args.tokens, do_sample=False) for n, m in models.items()}
         if not torch.equal(outputs["sdpa"], outputs["shapesafe"]):
             raise SystemExit("the two implementations generated different tokens")
-        for round_ in range(args.rounds):
-            took = {}
-            for name in list(models) if round_ % 2 == 0 else list(reversed(models)):
-                start = time.perf_counter()
-                models[name].generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
-                took[name] = time.perf_counter() - start
-                times[name].append(took[name])
-            ratios.append(took["shapesafe"] / took["sdpa"])
+        runs = [lambda m=m: m.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+                for m in (models["shapesafe"], models["sdpa"])]  # fmt: skip
+        ratios, ours, theirs = rounds_of(runs[0], runs[1], args.rounds, 1)
+    times = {"sdpa": theirs, "shapesafe": ours}
     table = Table(title=f"generate {args.tokens} tokens, tiny Llama, {args.threads} thread(s), {args.rounds} rounds")
     table.add_column("attn_implementation")
     table.add_column("median ms", justify="right")

@@ -9,7 +9,6 @@ after round; the median of the per-round ratios and their spread.
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -19,6 +18,7 @@ from rich.table import Table
 from torch import Tensor
 
 import shapesafe_mha as ssm
+from benchmarks.__main__ import rounds_of
 from shapesafe_mha.dims import Heads, Inner, KVHeads, Tokens, Weight
 
 
@@ -66,21 +66,11 @@ def main() -> None:
     weights = {"q": torch.randn(256, 256), "k": torch.randn(64, 256), "v": torch.randn(64, 256),
                "o": torch.randn(256, 256), "t": torch.zeros(8)}  # fmt: skip
     x = torch.randn(1, 16, 256)
-    contenders = {"decorated": layer(True, weights, x), "undecorated": layer(False, weights, x)}
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    ratios = []
+    decorated, undecorated = layer(True, weights, x), layer(False, weights, x)
     with torch.no_grad():
-        torch.testing.assert_close(contenders["decorated"](), contenders["undecorated"]())  # and the first call
-        for round_ in range(args.rounds):
-            order = list(contenders) if round_ % 2 == 0 else list(reversed(contenders))
-            took = {}
-            for name in order:
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    contenders[name]()
-                took[name] = (time.perf_counter() - start) / args.calls
-                times[name].append(took[name])
-            ratios.append(took["decorated"] / took["undecorated"])
+        torch.testing.assert_close(decorated(), undecorated())  # and the first call
+        ratios, ours, plain = rounds_of(decorated, undecorated, args.rounds, args.calls)
+    times = {"decorated": ours, "undecorated": plain}
     table = Table(title=f"a user's GQA layer, (1, 16, 256), 8/2 heads, {args.threads} thread(s), {args.rounds} rounds")
     table.add_column("contender")
     table.add_column("median us", justify="right")
