@@ -11,6 +11,7 @@ a keyword argument that would change it and that we do not compute is a
 `ConfigError` naming it, never dropped.
 """
 
+import inspect
 import math
 from typing import Any
 
@@ -19,7 +20,7 @@ from jaxtyping import Shaped
 from torch import Tensor, nn
 
 from ._contract import Session, Verdicts, checks_enabled, signature_key, witness
-from ._errors import ConfigError
+from ._errors import ConfigError, ShapesafeError
 from ._stages import scaled_dot_product_attention as _sdpa
 
 NAME = "shapesafe"
@@ -55,9 +56,50 @@ def register() -> str:
     return NAME
 
 
-def _layer_name(module: nn.Module) -> str:
+def _short_name(module: nn.Module) -> str:
     index = getattr(module, "layer_idx", None)
     return f"{type(module).__name__}(layer_idx={index})" if index is not None else type(module).__name__
+
+
+def layer_name(module: nn.Module) -> str:
+    """The layer as a failure names it: its path in the model, its class and index
+    (`model.layers.1.self_attn (LlamaAttention, layer_idx=1)`); the class and index alone where no path is known.
+
+    transformers hands an attention function the module, not the model: the path is found, when a failure
+    is reported, from the modules whose forward is on the call stack (the outermost that holds the layer).
+    A replaced layer (`replace_attention`) knows its own.
+    """
+    path = getattr(module, "hf_path", None) or _path_from_callers(module)
+    if path is None:
+        return _short_name(module)
+    index = getattr(module, "layer_idx", None)
+    return f"{path} ({type(module).__name__}" + (f", layer_idx={index})" if index is not None else ")")
+
+
+def _path_from_callers(module: nn.Module) -> str | None:
+    path, seen = None, set()
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and owner is not module and id(owner) not in seen:
+            seen.add(id(owner))
+            found = next((name for name, sub in owner.named_modules() if sub is module), None)
+            path = found if found else path  # the outermost holder wins
+        frame = frame.f_back
+    return path
+
+
+def refuse_unknown(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """A `ConfigError` naming the first keyword argument that would change the result and that is not computed."""
+    unknown = {k: v for k, v in kwargs.items() if k not in _INERT and v is not None and v is not False}
+    if unknown:
+        name, given = next(iter(unknown.items()))
+        shown = f"a tensor {tuple(given.shape)}" if isinstance(given, Tensor) else repr(given)
+        raise ConfigError(
+            f"{layer_name(module)}: transformers passed {name}={shown} to attention, which would change what it "
+            f"computes, and attn_implementation='shapesafe' does not compute {name}; use 'eager' or 'sdpa' for this "
+            "model, or open an issue."
+        )
 
 
 _FIELDS = (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("d_head", "head_dim"))
@@ -107,15 +149,8 @@ def attention(
 
     Returns `(output (batch, seq, num_heads, d_head), None)`, as transformers' own sdpa function does.
     """
-    unknown = {k: v for k, v in kwargs.items() if k not in _INERT and v is not None and v is not False}
-    if unknown:
-        name, given = next(iter(unknown.items()))
-        shown = f"a tensor {tuple(given.shape)}" if isinstance(given, Tensor) else repr(given)
-        raise ConfigError(
-            f"{_layer_name(module)}: transformers passed {name}={shown} to attention, which would change what it "
-            f"computes, and attn_implementation='shapesafe' does not compute {name}; use 'eager' or 'sdpa' for this "
-            "model, or open an issue."
-        )
+    if kwargs:
+        refuse_unknown(module, kwargs)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     seq, kv_seq = query.shape[2], key.shape[2]
     if attention_mask is None and causal and 1 < seq != kv_seq:
@@ -151,12 +186,19 @@ def _checked(
     module: nn.Module, sizes: Any, query: Tensor, key: Tensor, value: Tensor, options: dict[str, Any]
 ) -> Tensor:
     """The stage, checked in a session seeded with the config's sizes, each named by its field."""
-    with Session(_layer_name(module)) as session:
-        for name, size, source in sizes[1]:
-            if name == "num_kv_heads" and key.shape[1] == query.shape[1]:
-                continue  # K and V repeated to every query head before the call (JetMoE, older ports): MHA-shaped
-            session.seed(Shaped[Tensor, name], witness((size,)), source)
-        return session.call(_sdpa, query, key, value, **options)
+    short = _short_name(module)
+    try:
+        with Session(short) as session:
+            for name, size, source in sizes[1]:
+                if name == "num_kv_heads" and key.shape[1] == query.shape[1]:
+                    continue  # K and V repeated to every query head before the call (JetMoE, older ports): MHA-shaped
+                session.seed(Shaped[Tensor, name], witness((size,)), source)
+            return session.call(_sdpa, query, key, value, **options)
+    except ShapesafeError as error:  # named now, with the model's frames still on the stack
+        message = str(error)
+        raise type(error)(
+            layer_name(module) + message[len(short) :] if message.startswith(short) else message
+        ) from None
 
 
 def _with_sinks(

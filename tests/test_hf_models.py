@@ -120,7 +120,8 @@ def test_set_attn_implementation_switches_a_built_model() -> None:
     [("layer 1 built with 3 KV heads", 3), ("layer 1's key projection truncated to one head", 1)],
 )
 def test_a_layer_that_disagrees_with_its_config_is_named_with_the_field(bug: str, heads: int) -> None:
-    """Tensors alone would be valid GQA/MQA; the config's num_key_value_heads=2 says otherwise."""
+    """Tensors alone would be valid GQA/MQA; the config's num_key_value_heads=2 says otherwise. The layer is
+    named by its path in the model (found from the model's frames on the stack) and its index."""
     _, ours = _pair("llama")
     attention = ours.model.layers[1].self_attn
     attention.k_proj = nn.Linear(32, heads * 8, bias=False, dtype=torch.float64)
@@ -130,7 +131,7 @@ def test_a_layer_that_disagrees_with_its_config_is_named_with_the_field(bug: str
     with pytest.raises(ssm.ShapeError) as caught:
         ours(ids)
     assert str(caught.value).splitlines()[0] == (
-        f"LlamaAttention(layer_idx=1): k has num_kv_heads={heads} (axis 1), but the config "
+        f"model.layers.1.self_attn (LlamaAttention, layer_idx=1): k has num_kv_heads={heads} (axis 1), but the config "
         "(num_key_value_heads=2) set num_kv_heads=2."
     )
 
