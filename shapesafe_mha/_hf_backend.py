@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor, nn
 
-from ._contract import Session, Verdicts, checks_enabled, signature_key, witness
+from ._contract import Session, Verdicts, checks_enabled, relational, signature_key, witness
 from ._errors import ConfigError, ShapesafeError
 from ._stages import scaled_dot_product_attention as _sdpa
 
@@ -119,16 +119,65 @@ def _declared(config: Any, field: str) -> int | None:
     return value if type(value) is int else None
 
 
-def _config_sizes(module: nn.Module) -> tuple[tuple[Any, ...], tuple[tuple[str, int, str], ...]]:
-    """The sizes the layer's config fixes, as (dimension, size, "the config (field=size)"): only fields its
-    config class declares, read as transformers standardises them, never a computed attribute."""
+# Per config class: (dimension, field, where the config's __dict__ holds it): the fields its class declares.
+_PLANS: dict[type, tuple[tuple[str, str, str], ...]] = {}
+Sizes = tuple[tuple[str, int, str], ...]  # (dimension, size, config field)
+
+
+def _plan(kind: type) -> tuple[tuple[str, str, str], ...]:
+    plan = _PLANS.get(kind)
+    if plan is None:
+        fields, aliases = getattr(kind, "__dataclass_fields__", {}), getattr(kind, "attribute_map", {})
+        plan = tuple((dim, f, aliases.get(f, f)) for dim, f in _FIELDS if f in fields or f in aliases)
+        _PLANS[kind] = plan
+    return plan
+
+
+def _config_sizes(module: nn.Module) -> Sizes:
+    """The sizes the layer's config fixes, as (dimension, size, field): only fields its config class declares,
+    read as transformers standardises them (its attribute map), never a computed attribute. Read on every
+    call (a config may change), from the config's own dict where it holds them plainly."""
     config: Any = getattr(module, "config", None)
+    if config is None:
+        return ()
+    stored = getattr(config, "__dict__", {})
+    heterogeneous = "_heterogeneity_spec" in stored  # per-layer fields: read through the config, which refuses
     found = []
-    for dim, field in _FIELDS:
-        value = None if config is None else _declared(config, field)
-        if value is not None:
-            found.append((dim, value, f"the config ({field}={value})"))
-    return tuple(size for _, size, _ in found), tuple(found)
+    for dim, field, name in _plan(type(config)):
+        value = stored.get(name) if not heterogeneous and name in stored else _declared(config, field)
+        if type(value) is int:
+            found.append((dim, value, field))
+    return tuple(found)
+
+
+def _call_key(module: nn.Module, sizes: Sizes, query: Tensor, key: Tensor, value: Tensor, options: Any) -> Any:
+    """What a verdict on this call depends on, exactly (a tuple built by hand: this runs on every call)."""
+    mask, scale, softcap = options["attn_mask"], options["scale"], options["softcap"]
+    try:
+        return (
+            type(module), sizes, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+            query.device, key.device, value.device, None if mask is None else (mask.shape, mask.dtype, mask.device),
+            options["is_causal"], options["dropout_p"], type(scale), scale, type(softcap), softcap,
+        )  # fmt: skip
+    except AttributeError:  # not tensors: keyed as any call is (or not at all), checked in full
+        return (type(module), sizes, *signature_key((query, key, value), options))
+
+
+def _relations(exact: Any) -> Any:
+    """The same key with batch and sequence sizes replaced by how they relate (`relational`), so decoding step
+    after step is one verdict. Heads and `d_head` stay exact: the stage also checks that KV heads divide
+    the query heads, which no equality shows. None where the call is not 4-D tensors."""
+    if len(exact) != 18:
+        return None
+    q, k, v, mask = exact[2], exact[3], exact[4], exact[11]
+    shapes = (q, k, v) if mask is None else (q, k, v, mask[0])
+    if any(len(shape) != 4 for shape in (q, k, v)):
+        return None
+    kept = (q[1], q[3], k[1], k[3], v[1], v[3])
+    constants = frozenset(kept) | {size for _, size, _ in exact[1]}
+    sizes = relational(tuple(size for shape in shapes for size in shape), constants)
+    ranks = tuple(len(shape) for shape in shapes)
+    return (*exact[:2], kept, ranks, sizes, q[2] > k[2], *exact[5:11], None if mask is None else mask[1:], *exact[12:])
 
 
 def attention(
@@ -170,10 +219,10 @@ def attention(
     }
     if checks_enabled():
         sizes = _config_sizes(module)
-        exact = (type(module), sizes[0], *signature_key((query, key, value), options))
-        if not _verdicts.known(exact):
+        exact = _call_key(module, sizes, query, key, value, options)
+        if not _verdicts.known(exact, lambda: _relations(exact)):
             out = _checked(module, sizes, query, key, value, options)
-            _verdicts.remember(exact)
+            _verdicts.remember(exact, _relations(exact))
             return _transposed(out)
     return _transposed(_sdpa.fn(query, key, value, **options))
 
@@ -183,16 +232,16 @@ def _transposed(out: Tensor) -> tuple[Tensor, None]:
 
 
 def _checked(
-    module: nn.Module, sizes: Any, query: Tensor, key: Tensor, value: Tensor, options: dict[str, Any]
+    module: nn.Module, sizes: Sizes, query: Tensor, key: Tensor, value: Tensor, options: dict[str, Any]
 ) -> Tensor:
     """The stage, checked in a session seeded with the config's sizes, each named by its field."""
     short = _short_name(module)
     try:
         with Session(short) as session:
-            for name, size, source in sizes[1]:
+            for name, size, field in sizes:
                 if name == "num_kv_heads" and key.shape[1] == query.shape[1]:
                     continue  # K and V repeated to every query head before the call (JetMoE, older ports): MHA-shaped
-                session.seed(Shaped[Tensor, name], witness((size,)), source)
+                session.seed(Shaped[Tensor, name], witness((size,)), f"the config ({field}={size})")
             return session.call(_sdpa, query, key, value, **options)
     except ShapesafeError as error:  # named now, with the model's frames still on the stack
         message = str(error)

@@ -136,6 +136,28 @@ def test_a_layer_that_disagrees_with_its_config_is_named_with_the_field(bug: str
     )
 
 
+def test_decoding_is_checked_once_and_a_later_call_that_disagrees_is_still_caught(monkeypatch: Any) -> None:
+    """Verdicts are remembered by how sizes relate, so a growing KV cache is one verdict (not one per step);
+    heads and d_head stay exact, so a later call with other KV heads is checked, and fails."""
+    from shapesafe_mha import _hf_backend
+
+    _, ours = _pair("llama")
+    _hf_backend._verdicts.forget()
+    checked: list[Any] = []
+    original = _hf_backend._checked
+    monkeypatch.setattr(_hf_backend, "_checked", lambda *args: checked.append(args[0]) or original(*args))
+    ids, _mask = _batch()
+    with torch.no_grad():
+        ours.generate(ids, max_new_tokens=12, do_sample=False)
+    assert len(checked) == 2  # the prefill and the first decoding step, for both layers and every later step
+    attention = ours.model.layers[0].self_attn
+    q, scaling = torch.randn(2, 4, 1, 8, dtype=torch.float64), attention.scaling
+    shapesafe_mha.hf.attention(attention, q, *[torch.randn(2, 2, 30, 8, dtype=torch.float64)] * 2, scaling=scaling)
+    assert len(checked) == 2
+    with pytest.raises(ssm.ShapeError, match=r"k has num_kv_heads=1 \(axis 1\), but the config"):
+        shapesafe_mha.hf.attention(attention, q, *[torch.randn(2, 1, 30, 8, dtype=torch.float64)] * 2, scaling=scaling)
+
+
 def test_a_result_changing_keyword_we_do_not_compute_is_refused_by_name() -> None:
     _, ours = _pair("llama")
     attention = ours.model.layers[0].self_attn
