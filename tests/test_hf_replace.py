@@ -22,19 +22,30 @@ SIZES = {
     "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
     "num_hidden_layers": 2, "vocab_size": 101, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
 }  # fmt: skip
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", {}),
-    "qwen2": ("Qwen2Config", {}),
-    "mistral (sliding window 3)": ("MistralConfig", {"sliding_window": 3}),
-}
+# architecture: (config class, extra config, the model's attn_implementation, dtype, logits tolerance)
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = {
+    "llama": ("LlamaConfig", {}, "sdpa", torch.float64, 1e-10),
+    "qwen2": ("Qwen2Config", {}, "sdpa", torch.float64, 1e-10),
+    "qwen2 (layer 1 sliding, window 3)": (
+        "Qwen2Config", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}, "sdpa",
+        torch.float64, 1e-10,
+    ),
+    "mistral (sliding window 3)": ("MistralConfig", {"sliding_window": 3}, "sdpa", torch.float64, 1e-10),
+    # transformers' RMSNorm (QK-norm here) computes in float32 inside
+    "qwen3 (QK-norm)": ("Qwen3Config", {}, "sdpa", torch.float64, 1e-6),
+    # eager's additive masks: its float64 padding rows are NaN in transformers itself, so float32
+    "gemma2 (eager: softcap, window 3)": (
+        "Gemma2Config", {"sliding_window": 3, "attn_logit_softcapping": 5.0}, "eager", torch.float32, 1e-5,
+    ),
+}  # fmt: skip
 
 
-def _pair(architecture: str, **extra: Any) -> tuple[Any, Any, shapesafe_mha.hf.Replacements]:
+def _pair(architecture: str) -> tuple[Any, Any, shapesafe_mha.hf.Replacements]:
     """The model as built, and a copy of it with its attention replaced."""
-    config_name, options = ARCHITECTURES[architecture]
-    config = getattr(transformers, config_name)(**SIZES, **options, **extra)
+    config_name, options, implementation, dtype, _ = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_name)(**SIZES, **options)
     torch.manual_seed(0)
-    theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
     ours = copy.deepcopy(theirs.eval())
     return theirs, ours, shapesafe_mha.hf.replace_attention(ours)
 
@@ -53,10 +64,11 @@ def test_replaced_layers_generate_the_models_own_tokens_greedy_and_beam(architec
     assert list(done.replaced) == ["model.layers.0.self_attn", "model.layers.1.self_attn"] and not done.left
     assert all(isinstance(layer.self_attn, shapesafe_mha.hf.HFAttention) for layer in ours.model.layers)
     ids, mask = _batch()
+    tolerance = ARCHITECTURES[architecture][4]
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-10, rtol=0)
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=tolerance, rtol=0)
         padded = (ours(ids, attention_mask=mask).logits - theirs(ids, attention_mask=mask).logits)[mask.bool()]
-        assert float(padded.abs().max()) <= 1e-10
+        assert float(padded.abs().max()) <= tolerance
         for options in ({}, {"num_beams": 2}):
             expected = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
             got = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
