@@ -23,6 +23,7 @@ from ._errors import ConfigError, ShapesafeError
 from ._fastpath import refuse_under_vmap
 from ._hf_backend import layer_name, refuse_unknown
 from ._module import MultiHeadAttention
+from ._rotary import RotaryEmbedding
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
 # checked by `refuse_unknown` as transformers' attention functions are).
@@ -79,6 +80,7 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
     """
     replaced: dict[str, str] = {}
     left: dict[str, str] = {}
+    shared: dict[Any, RotaryEmbedding] = {}  # one SharedRotary for each kind of rotation
     for path, module in _attention_modules(model):
         why = _why_left(module)
         if why is None:
@@ -88,7 +90,7 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
                 why = str(error)
             else:
                 parent, _, name = path.rpartition(".")
-                setattr(model.get_submodule(parent), name, _adopt(ours, module, path))
+                setattr(model.get_submodule(parent), name, _adopt(ours, module, path, shared))
                 replaced[path] = type(module).__name__
                 continue
         left[path] = why
@@ -128,13 +130,23 @@ def _why_left(module: nn.Module) -> str | None:
     return None
 
 
-def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str) -> "HFAttention":
-    """`ours` holding the model's own parameters (the projection modules, the norms' weights), as an HFAttention."""
+def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[Any, RotaryEmbedding]) -> "HFAttention":
+    """`ours` holding the model's own parameters (the projection modules, the norms' weights), as an HFAttention;
+    its rotary embedding the one `shared` holds for its frequencies (made from its own, the first time)."""
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         setattr(ours, name, getattr(theirs, name))
     if ours.qk_norm:
         for name in ("q_norm", "k_norm"):
             ours._modules[name].weight = getattr(theirs, name).weight  # pyright: ignore[reportOptionalMemberAccess]
+    rotary = ours.rotary
+    if rotary is not None:
+        inv_freq: Any = rotary.inv_freq
+        kind = (rotary.d_head, rotary.theta, repr(rotary.scaling), inv_freq.dtype, inv_freq.device)
+        kind = (*kind, () if inv_freq.device.type == "meta" else tuple(inv_freq.tolist()))  # meta holds no values
+        if kind not in shared:
+            rotary.__class__ = SharedRotary
+            shared[kind] = rotary
+        ours.rotary = shared[kind]
     ours.__class__ = HFAttention  # as torch's parametrize does: the same module, another forward
     layer: Any = ours
     layer.hf_path, layer.replaced = path, type(theirs).__name__
@@ -257,6 +269,25 @@ class LayerCache(KVCache):
         layer, layer.keys, layer.values, layer.is_initialized, cumulative = state
         if cumulative is not None:
             layer.cumulative_length = cumulative
+
+
+class SharedRotary(RotaryEmbedding):
+    """One `RotaryEmbedding` for the replaced layers of a model that rotate alike: the layers of one forward
+    rotate by the same positions, so their tables are computed once (as the model's own rotary class does,
+    once a forward), and again whenever the positions (another tensor, or changed in place), the dtype or
+    the frequencies differ. It holds the last tables until the next call."""
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if torch.compiler.is_compiling():
+            return super().forward(positions, dtype)
+        inv_freq: Any = self.inv_freq
+        versions = (positions._version, inv_freq._version, dtype, torch.is_inference_mode_enabled())
+        last = self.__dict__.get("_last")
+        if last is not None and last[0] is positions and last[1] is inv_freq and last[2] == versions:
+            return last[3]
+        tables = super().forward(positions, dtype)
+        self.__dict__["_last"] = (positions, inv_freq, versions, tables)
+        return tables
 
 
 _DYNAMIC: tuple[type, ...] = ()

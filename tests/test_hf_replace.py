@@ -151,3 +151,20 @@ def test_caches_and_masks_it_does_not_read_are_refused_by_name() -> None:
         layer(hidden, cache=static, position_ids=torch.arange(4)[None])
     with pytest.raises(ssm.ConfigError, match=r"transformers passed position_bias=a tensor \(1, 4, 4, 4\)"):
         layer(hidden, position_bias=torch.zeros(1, 4, 4, 4))
+
+
+def test_the_replaced_layers_share_one_rotary_embedding_whose_tables_follow_the_positions() -> None:
+    """The layers of one forward rotate by the same positions: one table for all of them, recomputed for
+    another positions tensor, for one changed in place, and for another dtype."""
+    _, ours, _ = _pair("llama")
+    rotary = ours.model.layers[0].self_attn.rotary
+    assert type(rotary).__name__ == "SharedRotary" and rotary is ours.model.layers[1].self_attn.rotary
+    positions = torch.arange(5)[None]
+    first = rotary(positions, torch.float64)
+    assert rotary(positions, torch.float64) is first
+    positions.add_(3)  # in place: another version
+    moved = rotary(positions, torch.float64)
+    expected = ssm.RotaryEmbedding(8, 10000.0)(torch.arange(3, 8)[None], torch.float64)
+    torch.testing.assert_close(moved, expected, atol=0, rtol=0)
+    assert rotary(positions, torch.float32)[0].dtype == torch.float32
+    assert rotary(positions.clone(), torch.float64) is not moved
