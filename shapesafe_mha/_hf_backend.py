@@ -140,7 +140,10 @@ def _config_sizes(module: nn.Module) -> Sizes:
     config: Any = getattr(module, "config", None)
     if config is None:
         return ()
-    stored = getattr(config, "__dict__", {})
+    try:
+        stored = object.__getattribute__(config, "__dict__")  # not through PreTrainedConfig.__getattribute__ (slow)
+    except AttributeError:  # a config without a dict of its own: read through it
+        stored = {}
     heterogeneous = "_heterogeneity_spec" in stored  # per-layer fields: read through the config, which refuses
     found = []
     for dim, field, name in _plan(type(config)):
