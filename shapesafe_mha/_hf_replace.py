@@ -117,7 +117,8 @@ def _why_left(module: nn.Module) -> str | None:
         if getattr(module, f"_{kind}")
     }
     if hooks or hasattr(module, "_hf_hook"):  # accelerate's device hooks replace forward instead
-        listed = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in hooks.items()) or "an accelerate hook"
+        named = [f"{n} {kind.replace('_', ' ')[:-1]}" + ("s" if n > 1 else "") for kind, n in hooks.items()]
+        listed = ", ".join(named) or "an accelerate hook"
         return f"it has hooks ({listed}), which the replacement would not run; remove them first, or keep the layer"
     parameters = inspect.signature(type(module).forward).parameters
     other = [

@@ -102,7 +102,7 @@ def test_a_hooked_and_an_unsupported_layer_are_left_and_named_with_why() -> None
     done = shapesafe_mha.hf.replace_attention(ours)
     assert list(done.replaced) == ["model.layers.1.self_attn"]
     assert list(done.left) == ["model.layers.0.self_attn", "model.layers.2.self_attn"]
-    assert done.left["model.layers.0.self_attn"].startswith("it has hooks (1 forward hooks), which the replacement")
+    assert done.left["model.layers.0.self_attn"].startswith("it has hooks (1 forward hook), which the replacement")
     assert done.left["model.layers.2.self_attn"].startswith("MultiHeadAttention.from_hf(): scaling=0.25: only 1/sqrt")
     assert "left model.layers.2.self_attn: MultiHeadAttention.from_hf(): scaling=0.25" in str(done)
     ids, mask = _batch()
