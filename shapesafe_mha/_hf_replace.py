@@ -74,6 +74,10 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
         >>> model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape
         torch.Size([1, 6])
 
+    Arguments:
+        model: a transformers model (a `PreTrainedModel`, or any module holding its attention modules).
+        verify: run each conversion's probe against the module it replaces (`from_hf`'s `verify`).
+
     Returns:
         `Replacements`: `replaced` maps each module path to the class it was; `left` maps each module path
         left as it was to why.

@@ -92,6 +92,14 @@ def test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients() -> No
         torch.testing.assert_close(mine.grad, other.grad, atol=1e-10, rtol=1e-8, msg=name)
 
 
+def test_torch_compile_of_the_replaced_model_equals_it_eager() -> None:
+    _, ours, _ = _pair("llama")
+    ids, mask = _batch()
+    with torch.no_grad():
+        compiled = torch.compile(ours, backend="eager")
+        torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits)
+
+
 def test_a_hooked_and_an_unsupported_layer_are_left_and_named_with_why() -> None:
     config = transformers.LlamaConfig(**{**SIZES, "num_hidden_layers": 3})
     torch.manual_seed(0)
