@@ -5,11 +5,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name loads on first use
     from ._cache import KVCache as KVCache
-    from ._contract import checks_enabled as checks_enabled
-    from ._contract import unchecked as unchecked
-    from ._errors import ConfigError as ConfigError
-    from ._errors import ShapeError as ShapeError
-    from ._errors import ShapesafeError as ShapesafeError
+    from ._core.contract import checks_enabled as checks_enabled
+    from ._core.contract import unchecked as unchecked
+    from ._core.errors import ConfigError as ConfigError
+    from ._core.errors import ShapeError as ShapeError
+    from ._core.errors import ShapesafeError as ShapesafeError
+    from ._core.shapecheck import expect as expect
+    from ._core.shapecheck import shape_scope as shape_scope
+    from ._core.shapecheck import shapecheck as shapecheck
+    from ._core.weights import AttentionWeights as AttentionWeights
     from ._flex import flex_attention as flex_attention
     from ._latent import LatentAttention as LatentAttention
     from ._latent import LatentCache as LatentCache
@@ -24,26 +28,22 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._rotary import RotaryEmbedding as RotaryEmbedding
     from ._rotary import apply_rotary as apply_rotary
     from ._rotary import inverse_frequencies as inverse_frequencies
-    from ._shapecheck import expect as expect
-    from ._shapecheck import shape_scope as shape_scope
-    from ._shapecheck import shapecheck as shapecheck
     from ._stages import attention_weights as attention_weights
     from ._stages import group_queries as group_queries
     from ._stages import merge_heads as merge_heads
     from ._stages import project as project
     from ._stages import scaled_dot_product_attention as scaled_dot_product_attention
     from ._stages import split_heads as split_heads
-    from ._weights import AttentionWeights as AttentionWeights
 
 # Each public name, from the private module that defines it. They load on first use, not on import:
 # `shapesafe-mha --help` lives in this package and must answer before torch is imported (a second).
 _WHERE = {
     "KVCache": "_cache",
-    "checks_enabled": "_contract",
-    "unchecked": "_contract",
-    "ConfigError": "_errors",
-    "ShapeError": "_errors",
-    "ShapesafeError": "_errors",
+    "checks_enabled": "_core.contract",
+    "unchecked": "_core.contract",
+    "ConfigError": "_core.errors",
+    "ShapeError": "_core.errors",
+    "ShapesafeError": "_core.errors",
     "flex_attention": "_flex",
     "LatentAttention": "_latent",
     "LatentCache": "_latent",
@@ -58,16 +58,16 @@ _WHERE = {
     "RotaryEmbedding": "_rotary",
     "apply_rotary": "_rotary",
     "inverse_frequencies": "_rotary",
-    "expect": "_shapecheck",
-    "shape_scope": "_shapecheck",
-    "shapecheck": "_shapecheck",
+    "expect": "_core.shapecheck",
+    "shape_scope": "_core.shapecheck",
+    "shapecheck": "_core.shapecheck",
     "attention_weights": "_stages",
     "group_queries": "_stages",
     "merge_heads": "_stages",
     "project": "_stages",
     "scaled_dot_product_attention": "_stages",
     "split_heads": "_stages",
-    "AttentionWeights": "_weights",
+    "AttentionWeights": "_core.weights",
 }
 
 

@@ -243,7 +243,7 @@ def trace(
     ] = None,
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
-    from ._errors import ShapesafeError
+    from ._core.errors import ShapesafeError
     from ._report import LatentTraceConfig, TraceConfig, trace_forward, trace_latent
 
     _usable(device, "trace")
@@ -402,7 +402,7 @@ def prove(
 
     import torch
 
-    from ._errors import ShapesafeError
+    from ._core.errors import ShapesafeError
     from ._module import MultiHeadAttention
     from ._prove import prove as prove_shapes
 

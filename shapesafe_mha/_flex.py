@@ -17,9 +17,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 
-from ._contract import stage
-from ._dims import Heads, KVHeads
-from ._messages import mismatch
+from ._core.contract import stage
+from ._core.dims import Heads, KVHeads
+from ._core.messages import mismatch
 from ._reference import ScoreMod
 from ._stages import _explain_attention, _validate_attention, same_device_and_dtype
 

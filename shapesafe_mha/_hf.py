@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _probe as probe
 from ._cache import KVCache
-from ._errors import ConfigError
+from ._core import probe
+from ._core.errors import ConfigError
 from ._rotary import SUPPORTED_SCALING
 
 _OWNER = "MultiHeadAttention.from_hf()"

@@ -18,8 +18,8 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor, nn
 
-from ._contract import Session, Verdicts, checks_enabled, signature_key, witness
-from ._errors import ConfigError
+from ._core.contract import Session, Verdicts, checks_enabled, signature_key, witness
+from ._core.errors import ConfigError
 from ._stages import scaled_dot_product_attention as _sdpa
 
 NAME = "shapesafe"

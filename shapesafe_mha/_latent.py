@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from . import _kernels as K
-from ._contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, stage, witness
-from ._dims import (
+from ._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, stage, witness
+from ._core.dims import (
     AbsorbedOut,
     AbsorbedQueries,
     AttnMask,
@@ -48,9 +48,10 @@ from ._dims import (
     Tokens,
     ValueHeads,
 )
-from ._errors import ConfigError, ShapeError
+from ._core.errors import ConfigError, ShapeError
+from ._core.messages import dtype_name, mismatch
+from ._core.trace import current_observer
 from ._fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
-from ._messages import dtype_name, mismatch
 from ._rotary import RotaryEmbedding, check_rotary_width, default_positions
 from ._stages import (
     autocast_dtype,
@@ -61,7 +62,6 @@ from ._stages import (
     positive_count,
     precheck_masks,
 )
-from ._trace import current_observer
 
 _OWNER = "LatentAttention.forward()"
 

@@ -10,11 +10,13 @@ from torch import Tensor, nn
 
 from . import _kernels as K
 from ._cache import KVCache
-from ._contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
-from ._dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
-from ._errors import ConfigError
+from ._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
+from ._core.dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
+from ._core.errors import ConfigError
+from ._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from ._core.trace import current_observer
+from ._core.weights import AttentionWeights
 from ._fastpath import FusedQKV, call_restoring, fused_qkv, module_state, native_fits
-from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from ._rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
 from ._stages import (
     FORWARD_STAGES,
@@ -26,8 +28,6 @@ from ._stages import (
     explain_mask,
     positive_count,
 )
-from ._trace import current_observer
-from ._weights import AttentionWeights
 
 SEPARATE, FUSED, NATIVE = "separate", "fused", "native"
 _STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": apply_rotary}

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import _probe as probe
 from ._cache import KVCache
-from ._contract import checks_enabled
-from ._errors import ConfigError, ShapeError
+from ._core import probe
+from ._core.contract import checks_enabled
+from ._core.errors import ConfigError, ShapeError
 from ._module import MultiHeadAttention
 
 

@@ -23,9 +23,9 @@ from rich.table import Table
 from torch import nn
 from torch.export import Dim, export
 
-from . import _trace
-from ._contract import Verdicts
-from ._errors import ConfigError
+from ._core import trace as _trace
+from ._core.contract import Verdicts
+from ._core.errors import ConfigError
 
 
 @dataclass

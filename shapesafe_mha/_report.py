@@ -5,9 +5,9 @@ from typing import Any
 
 import torch
 
+from ._core.trace import Stage, tracing
 from ._module import MultiHeadAttention
 from ._parallel import plan_heads
-from ._trace import Stage, tracing
 
 DTYPES = {
     "float32": torch.float32,

@@ -14,10 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from . import _kernels as K
-from ._contract import stage
-from ._dims import Heads, Positions, RotaryTable, SameSeqKVHeads
-from ._errors import ConfigError
-from ._messages import mismatch
+from ._core.contract import stage
+from ._core.dims import Heads, Positions, RotaryTable, SameSeqKVHeads
+from ._core.errors import ConfigError
+from ._core.messages import mismatch
 
 SUPPORTED_SCALING = ("default", "llama3")
 

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from . import _kernels as K
 from ._cache import KVCache
-from ._contract import stage
-from ._dims import (
+from ._core.contract import stage
+from ._core.dims import (
     AttnMask,
     Bias,
     CacheBuffer,
@@ -44,8 +44,8 @@ from ._dims import (
     Tokens,
     Weight,
 )
-from ._errors import ConfigError
-from ._messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from ._core.errors import ConfigError
+from ._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
 
 # --- what annotations cannot say --------------------------------------------------------------------
 

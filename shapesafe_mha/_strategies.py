@@ -12,7 +12,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from ._weights import AttentionWeights
+from ._core.weights import AttentionWeights
 
 Kind = Literal["mha", "gqa", "mqa"]
 ALL_KINDS: tuple[Kind, ...] = ("mha", "gqa", "mqa")

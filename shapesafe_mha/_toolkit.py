@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 from torch import Tensor, nn
 
+from ._core.errors import ConfigError
+from ._core.weights import AttentionWeights
 from ._diagnose import FLOAT32_INSIDE, Scenario, Tolerance, describe_matches, locate_heads, name_bug
-from ._errors import ConfigError
 from ._reference import KVHeads, MaskMod, RopeStyle, ScoreMod
 from ._strategies import (
     ALL_KINDS,
@@ -23,7 +24,6 @@ from ._strategies import (
     key_padding_masks,
     projection_weights,
 )
-from ._weights import AttentionWeights
 
 AttentionFn = Callable[..., Tensor]
 # A FlexAttention mod, or a function of the drawn config that returns one (ALiBi's slopes depend on num_heads).

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from ._trace import Allocation, AllocationRecorder, storage_id
+from ._core.trace import Allocation, AllocationRecorder, storage_id
 
 # Operators that move or replicate data without computing: what a K/V expansion is made by.
 COPYING = {

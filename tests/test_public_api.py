@@ -38,7 +38,7 @@ STAGES = (
 
 def test_the_public_stages_are_exported_as_checked_stages() -> None:
     """Each public stage is in __all__ and is a checked Stage (its annotations are its contract)."""
-    from shapesafe_mha._contract import Stage
+    from shapesafe_mha._core.contract import Stage
 
     for name in STAGES:
         assert name in ssm.__all__, name

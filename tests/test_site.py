@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from shapesafe_mha import TraceConfig, _dims, trace_forward
+from shapesafe_mha import TraceConfig, trace_forward
 from shapesafe_mha._cli import render
+from shapesafe_mha._core import dims as _dims
 from tools.pictures import PICTURES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +93,7 @@ def test_every_public_name_is_in_the_reference_with_its_signature(site: Path, na
 
 
 def test_dimensions_table_lists_every_declared_dimension(site: Path) -> None:
-    """The API page's Dimensions table names every dimension in shapesafe_mha._dims.DIMS."""
+    """The API page's Dimensions table names every dimension in shapesafe_mha._core.dims.DIMS."""
     html = _page(site, "api")
     table = html[html.index('id="dimensions"') :]
     table = table[table.index("<table>") : table.index("</table>")]

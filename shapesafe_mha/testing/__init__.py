@@ -6,6 +6,9 @@ submodule needs transformers; this one does not import it).
 """
 
 from .._adapters import load_weights as load_weights
+from .._core.trace import Allocation as Allocation
+from .._core.trace import AllocationRecorder as AllocationRecorder
+from .._core.trace import storage_id as storage_id
 from .._strategies import ALL_KINDS as ALL_KINDS
 from .._strategies import AttentionConfig as AttentionConfig
 from .._strategies import AttentionInputs as AttentionInputs
@@ -19,9 +22,6 @@ from .._strategies import sequence_lengths as sequence_lengths
 from .._toolkit import check_attention as check_attention
 from .._toolkit import check_module as check_module
 from .._toolkit import tolerance as tolerance
-from .._trace import Allocation as Allocation
-from .._trace import AllocationRecorder as AllocationRecorder
-from .._trace import storage_id as storage_id
 from .._verify import assert_no_kv_expansion as assert_no_kv_expansion
 from .._verify import assert_shares_storage as assert_shares_storage
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from jaxtyping import AbstractArray
 
-from ._errors import ShapeError
+from .errors import ShapeError
 
 
 def dtype_name(dtype: torch.dtype) -> str:

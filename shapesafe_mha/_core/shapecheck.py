@@ -21,10 +21,10 @@ import torch
 from jaxtyping import AnnotationError, Shaped
 from torch import nn
 
-from . import _trace
-from ._contract import Session, Verdicts, checks_enabled, scope, signature_key, switched_off, witness
-from ._errors import ConfigError
-from ._messages import ExplainedError, arrays_of, axes
+from . import trace as _trace
+from .contract import Session, Verdicts, checks_enabled, scope, signature_key, switched_off, witness
+from .errors import ConfigError
+from .messages import ExplainedError, arrays_of, axes
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -25,8 +25,8 @@ import torch
 from beartype.door import is_bearable
 from jaxtyping import jaxtyped
 
-from ._errors import ConfigError
-from ._messages import ExplainedError, Memo, arrays_of, bind, explain, shape_error
+from .errors import ConfigError
+from .messages import ExplainedError, Memo, arrays_of, bind, explain, shape_error
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -361,7 +361,7 @@ def recheck(checked: Callable[[], Any], failure: BaseException) -> None:
     """A call whose verdict was remembered failed unchecked: run it `checked()` to explain it, as a fresh
     module would (something it depends on changed that its key did not hold, such as a parameter
     replaced by one of another shape or dtype). Raises the checked failure, else `failure` itself."""
-    from ._errors import ShapesafeError
+    from .errors import ShapesafeError
 
     try:
         checked()

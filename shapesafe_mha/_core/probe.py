@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._errors import ConfigError
+from .errors import ConfigError
 
 BATCH, PROMPT = 2, 5
 # Of the source's largest output. float64: transformers computes softmax and norms in float32 inside (~1e-7);

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ._dims import Bias, Weight
-from ._errors import ConfigError, ShapeError
+from .dims import Bias, Weight
+from .errors import ConfigError, ShapeError
 
 
 @dataclass(frozen=True)
