@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._compute.reference import KVHeads, MaskMod, RopeStyle, ScoreMod, per_head_attention
 from ._core.weights import AttentionWeights
-from ._reference import KVHeads, MaskMod, RopeStyle, ScoreMod, per_head_attention
 
 # Below this a float64 deviation is float32 rounding, not a wrong formula (float32's epsilon is 1.2e-7).
 FLOAT32_INSIDE = 1e-5

@@ -16,7 +16,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _kernels as K
+from ._compute import kernels as K
+from ._compute.fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
+from ._compute.rotary import RotaryEmbedding, check_rotary_width, default_positions
+from ._compute.stages import (
+    autocast_dtype,
+    autocast_on,
+    check_cache,
+    check_variants,
+    explain_mask,
+    positive_count,
+    precheck_masks,
+)
 from ._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, stage, witness
 from ._core.dims import (
     AbsorbedOut,
@@ -51,17 +62,6 @@ from ._core.dims import (
 from ._core.errors import ConfigError, ShapeError
 from ._core.messages import dtype_name, mismatch
 from ._core.trace import current_observer
-from ._fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
-from ._rotary import RotaryEmbedding, check_rotary_width, default_positions
-from ._stages import (
-    autocast_dtype,
-    autocast_on,
-    check_cache,
-    check_variants,
-    explain_mask,
-    positive_count,
-    precheck_masks,
-)
 
 _OWNER = "LatentAttention.forward()"
 

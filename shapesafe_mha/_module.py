@@ -8,17 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _kernels as K
-from ._cache import KVCache
-from ._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
-from ._core.dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
-from ._core.errors import ConfigError
-from ._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
-from ._core.trace import current_observer
-from ._core.weights import AttentionWeights
-from ._fastpath import FusedQKV, call_restoring, fused_qkv, module_state, native_fits
-from ._rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
-from ._stages import (
+from ._compute import kernels as K
+from ._compute.cache import KVCache
+from ._compute.fastpath import FusedQKV, call_restoring, fused_qkv, module_state, native_fits
+from ._compute.rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
+from ._compute.stages import (
     FORWARD_STAGES,
     autocast_dtype,
     autocast_on,
@@ -28,6 +22,12 @@ from ._stages import (
     explain_mask,
     positive_count,
 )
+from ._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
+from ._core.dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
+from ._core.errors import ConfigError
+from ._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from ._core.trace import current_observer
+from ._core.weights import AttentionWeights
 
 SEPARATE, FUSED, NATIVE = "separate", "fused", "native"
 _STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": apply_rotary}

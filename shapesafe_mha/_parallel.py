@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ._cache import KVCache
+from ._compute.cache import KVCache
 from ._core import probe
 from ._core.contract import checks_enabled
 from ._core.errors import ConfigError, ShapeError

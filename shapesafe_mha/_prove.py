@@ -258,7 +258,7 @@ class _Decode(nn.Module):
         self.inner, self.kwargs = module, kwargs
 
     def forward(self, query: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor) -> torch.Tensor:
-        from ._cache import KVCache
+        from ._compute.cache import KVCache
 
         room = past_keys.new_zeros(past_keys.shape[0], past_keys.shape[1], query.shape[1], past_keys.shape[3])
         cache = KVCache.__new__(KVCache)

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
+from ._compute.reference import KVHeads, per_head_attention
+from ._compute.stages import merge_heads, scaled_dot_product_attention, split_heads
 from ._core.trace import storage_id
 from ._core.weights import AttentionWeights
 from ._module import MultiHeadAttention
-from ._reference import KVHeads, per_head_attention
-from ._stages import merge_heads, scaled_dot_product_attention, split_heads
 from ._strategies import AttentionConfig, Kind, attention_inputs, attention_masks, key_padding_masks, projection_weights
 from ._toolkit import AttentionFn, FailedCheckError, _compare, _to, module_adapter, resolve, run_property, tolerance
 

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 from torch import Tensor, nn
 
+from ._compute.reference import KVHeads, MaskMod, RopeStyle, ScoreMod
 from ._core.errors import ConfigError
 from ._core.weights import AttentionWeights
 from ._diagnose import FLOAT32_INSIDE, Scenario, Tolerance, describe_matches, locate_heads, name_bug
-from ._reference import KVHeads, MaskMod, RopeStyle, ScoreMod
 from ._strategies import (
     ALL_KINDS,
     AttentionConfig,

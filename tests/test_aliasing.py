@@ -94,7 +94,7 @@ def test_which_stages_copy_is_what_the_trace_observes(num_kv_heads: int) -> None
 
 def test_the_trace_observes_a_copying_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trace's view/copy column is observed, not assumed: a split that copies shows as a new allocation."""
-    import shapesafe_mha._kernels as kernels
+    import shapesafe_mha._compute.kernels as kernels
 
     honest = kernels.split_heads
     monkeypatch.setattr(kernels, "split_heads", lambda x, n: honest(x, n).contiguous())

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _kernels as K
-from ._core.contract import stage
-from ._core.dims import Heads, Positions, RotaryTable, SameSeqKVHeads
-from ._core.errors import ConfigError
-from ._core.messages import mismatch
+from .._core.contract import stage
+from .._core.dims import Heads, Positions, RotaryTable, SameSeqKVHeads
+from .._core.errors import ConfigError
+from .._core.messages import mismatch
+from . import kernels as K
 
 SUPPORTED_SCALING = ("default", "llama3")
 

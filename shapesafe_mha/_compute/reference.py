@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ._core.weights import AttentionWeights
+from .._core.weights import AttentionWeights
 
 
 def _rows(weight: Tensor, bias: Tensor | None, head: int, d_head: int) -> tuple[Tensor, Tensor | None]:

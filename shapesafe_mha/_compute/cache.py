@@ -5,11 +5,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._core.contract import Session, Stage, Verdicts, checks_enabled, signature_key
-from ._core.dims import CacheBuffer, KVHeads, NewKVHeads
-from ._core.errors import ConfigError, ShapeError
-from ._core.messages import dtype_name, mismatch
-from ._fastpath import refuse_under_vmap
+from .._core.contract import Session, Stage, Verdicts, checks_enabled, signature_key
+from .._core.dims import CacheBuffer, KVHeads, NewKVHeads
+from .._core.errors import ConfigError, ShapeError
+from .._core.messages import dtype_name, mismatch
+from .fastpath import refuse_under_vmap
 
 CacheState = tuple[Tensor, Tensor, int, int]
 

@@ -17,11 +17,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 
-from ._core.contract import stage
-from ._core.dims import Heads, KVHeads
-from ._core.messages import mismatch
-from ._reference import ScoreMod
-from ._stages import _explain_attention, _validate_attention, same_device_and_dtype
+from .._core.contract import stage
+from .._core.dims import Heads, KVHeads
+from .._core.messages import mismatch
+from .reference import ScoreMod
+from .stages import _explain_attention, _validate_attention, same_device_and_dtype
 
 # torch's function, called with one result (no lse); its overloads and option types vary from torch 2.5 on.
 _torch_flex: Callable[..., Tensor] = _flex_attention

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module_hooks
 
-from ._core.errors import ShapeError
+from .._core.errors import ShapeError
 
 # Up to this many positions torch's fused MHA kernel is as fast as our fused-QKV + SDPA path or
 # faster; beyond it SDPA's flash kernel wins (measured on CPU: 0.82x of the kernel's time at 256).

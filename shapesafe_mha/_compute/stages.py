@@ -14,10 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _kernels as K
-from ._cache import KVCache
-from ._core.contract import stage
-from ._core.dims import (
+from .._core.contract import stage
+from .._core.dims import (
     AttnMask,
     Bias,
     CacheBuffer,
@@ -44,8 +42,10 @@ from ._core.dims import (
     Tokens,
     Weight,
 )
-from ._core.errors import ConfigError
-from ._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from .._core.errors import ConfigError
+from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from . import kernels as K
+from .cache import KVCache
 
 # --- what annotations cannot say --------------------------------------------------------------------
 
@@ -636,7 +636,7 @@ def native_attention(
     query: Tokens, in_weight: Tensor, in_bias: Tensor, out_weight: Tensor, out_bias: Tensor, num_heads: int
 ) -> Tokens:
     """Exactly what nn.MultiheadAttention's inference fast path runs: torch's fused MHA kernel."""
-    from ._fastpath import native_kernel
+    from .fastpath import native_kernel
 
     return native_kernel(query, in_weight, in_bias, out_weight, out_bias, num_heads)
 
