@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 import shapesafe_mha as ssm
-from shapesafe_mha import _module
+from shapesafe_mha._modules import multihead as _module
 
 
 @dataclass

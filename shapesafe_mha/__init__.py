@@ -24,9 +24,9 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._core.shapecheck import shape_scope as shape_scope
     from ._core.shapecheck import shapecheck as shapecheck
     from ._core.weights import AttentionWeights as AttentionWeights
-    from ._latent import LatentAttention as LatentAttention
-    from ._latent import LatentCache as LatentCache
-    from ._module import MultiHeadAttention as MultiHeadAttention
+    from ._modules.latent import LatentAttention as LatentAttention
+    from ._modules.latent import LatentCache as LatentCache
+    from ._modules.multihead import MultiHeadAttention as MultiHeadAttention
     from ._prove import ShapeProof as ShapeProof
     from ._prove import prove as prove
     from ._report import LatentTraceConfig as LatentTraceConfig
@@ -45,9 +45,9 @@ _WHERE = {
     "ShapeError": "_core.errors",
     "ShapesafeError": "_core.errors",
     "flex_attention": "_compute.flex",
-    "LatentAttention": "_latent",
-    "LatentCache": "_latent",
-    "MultiHeadAttention": "_module",
+    "LatentAttention": "_modules.latent",
+    "LatentCache": "_modules.latent",
+    "MultiHeadAttention": "_modules.multihead",
     "ShapeProof": "_prove",
     "prove": "_prove",
     "LatentTraceConfig": "_report",

@@ -403,7 +403,7 @@ def prove(
     import torch
 
     from ._core.errors import ShapesafeError
-    from ._module import MultiHeadAttention
+    from ._modules.multihead import MultiHeadAttention
     from ._prove import prove as prove_shapes
 
     try:

@@ -277,7 +277,7 @@ class _LatentDecode(nn.Module):
         self.inner, self.kwargs = module, kwargs
 
     def forward(self, query: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
-        from ._latent import LatentCache
+        from ._modules.latent import LatentCache
 
         cache = LatentCache.__new__(LatentCache)
         inner: Any = self.inner

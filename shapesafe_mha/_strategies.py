@@ -53,7 +53,7 @@ class AttentionConfig:
 
     def module(self, *, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> Any:
         """A `MultiHeadAttention` of this config (random weights)."""
-        from ._module import MultiHeadAttention
+        from ._modules.multihead import MultiHeadAttention
 
         return MultiHeadAttention(
             self.d_model,

@@ -12,7 +12,7 @@ from ._compute.reference import KVHeads, per_head_attention
 from ._compute.stages import merge_heads, scaled_dot_product_attention, split_heads
 from ._core.trace import storage_id
 from ._core.weights import AttentionWeights
-from ._module import MultiHeadAttention
+from ._modules.multihead import MultiHeadAttention
 from ._strategies import AttentionConfig, Kind, attention_inputs, attention_masks, key_padding_masks, projection_weights
 from ._toolkit import AttentionFn, FailedCheckError, _compare, _to, module_adapter, resolve, run_property, tolerance
 

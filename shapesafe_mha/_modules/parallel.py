@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ._compute.cache import KVCache
-from ._core import probe
-from ._core.contract import checks_enabled
-from ._core.errors import ConfigError, ShapeError
-from ._module import MultiHeadAttention
+from .._compute.cache import KVCache
+from .._core import probe
+from .._core.contract import checks_enabled
+from .._core.errors import ConfigError, ShapeError
+from .multihead import MultiHeadAttention
 
 
 @dataclass(frozen=True)

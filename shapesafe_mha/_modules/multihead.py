@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._compute import kernels as K
-from ._compute.cache import KVCache
-from ._compute.fastpath import FusedQKV, call_restoring, fused_qkv, module_state, native_fits
-from ._compute.rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
-from ._compute.stages import (
+from .._compute import kernels as K
+from .._compute.cache import KVCache
+from .._compute.fastpath import FusedQKV, call_restoring, fused_qkv, module_state, native_fits
+from .._compute.rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
+from .._compute.stages import (
     FORWARD_STAGES,
     autocast_dtype,
     autocast_on,
@@ -22,12 +22,12 @@ from ._compute.stages import (
     explain_mask,
     positive_count,
 )
-from ._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
-from ._core.dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
-from ._core.errors import ConfigError
-from ._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
-from ._core.trace import current_observer
-from ._core.weights import AttentionWeights
+from .._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
+from .._core.dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
+from .._core.errors import ConfigError
+from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from .._core.trace import current_observer
+from .._core.weights import AttentionWeights
 
 SEPARATE, FUSED, NATIVE = "separate", "fused", "native"
 _STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": apply_rotary}
@@ -324,7 +324,7 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ConfigError, ShapeError: the weights do not fit the head counts, or are not floating point.
         """
-        from ._torch_interop import verify_weights
+        from .._torch_interop import verify_weights
 
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         d_head = weights.check(num_heads, num_kv_heads)
@@ -764,7 +764,7 @@ class MultiHeadAttention(nn.Module):
                 a QK-norm other than RMSNorm, latent attention), named by its config field or the
                 submodule; or the converted layer differs from `attention` on the probe.
         """
-        from ._hf import from_hf
+        from .._hf import from_hf
 
         return from_hf(cls, attention, verify=verify)
 
@@ -779,7 +779,7 @@ class MultiHeadAttention(nn.Module):
                 variants than this module, or its model type has no such attention class, or the
                 layer differs from this module on the probe.
         """
-        from ._hf import to_hf
+        from .._hf import to_hf
 
         return to_hf(self, config, verify=verify)
 
@@ -794,7 +794,7 @@ class MultiHeadAttention(nn.Module):
                 `num_heads * d_head != d_model`, or a variant: RoPE, QK-norm, a window, softcapping,
                 `query_pre_attn_scalar`), named.
         """
-        from ._torch_interop import to_torch
+        from .._torch_interop import to_torch
 
         return to_torch(self, verify=verify)
 

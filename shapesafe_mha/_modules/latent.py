@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._compute import kernels as K
-from ._compute.fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
-from ._compute.rotary import RotaryEmbedding, check_rotary_width, default_positions
-from ._compute.stages import (
+from .._compute import kernels as K
+from .._compute.fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
+from .._compute.rotary import RotaryEmbedding, check_rotary_width, default_positions
+from .._compute.stages import (
     autocast_dtype,
     autocast_on,
     check_cache,
@@ -28,8 +28,8 @@ from ._compute.stages import (
     positive_count,
     precheck_masks,
 )
-from ._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, stage, witness
-from ._core.dims import (
+from .._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, stage, witness
+from .._core.dims import (
     AbsorbedOut,
     AbsorbedQueries,
     AttnMask,
@@ -59,9 +59,9 @@ from ._core.dims import (
     Tokens,
     ValueHeads,
 )
-from ._core.errors import ConfigError, ShapeError
-from ._core.messages import dtype_name, mismatch
-from ._core.trace import current_observer
+from .._core.errors import ConfigError, ShapeError
+from .._core.messages import dtype_name, mismatch
+from .._core.trace import current_observer
 
 _OWNER = "LatentAttention.forward()"
 
@@ -556,7 +556,7 @@ class LatentAttention(nn.Module):
                 computed differently here, named by its config field; or the converted layer differs
                 from `attention` on the probe.
         """
-        from ._hf import latent_from_hf
+        from .._hf import latent_from_hf
 
         return latent_from_hf(cls, attention, verify=verify)
 
