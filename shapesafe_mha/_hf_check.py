@@ -23,11 +23,11 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from ._adapters import load_weights
 from ._core.errors import ConfigError
 from ._core.weights import AttentionWeights
 from ._diagnose import Scenario
-from ._hf import rope_of
+from ._interop.adapters import load_weights
+from ._interop.hf import rope_of
 from ._strategies import ALL_KINDS, AttentionConfig, attention_configs, attention_inputs, projection_weights
 from ._toolkit import _to, judge, resolve, run_property
 

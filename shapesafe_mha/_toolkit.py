@@ -519,7 +519,7 @@ def module_adapter(
     load: Callable[[nn.Module, AttentionWeights], AttentionWeights | None] | None = None,
 ) -> tuple[AttentionFn, Callable[[AttentionConfig, AttentionWeights], AttentionWeights]]:
     """`(fn, prepare)`: a module factory as a `check_attention` function, and the weights it holds once loaded."""
-    from ._adapters import load_weights
+    from ._interop.adapters import load_weights
 
     loader = load_weights if load is None else load
 

@@ -253,8 +253,8 @@ MUTANTS: list[Mutant] = [
     M("_compute/rotary.py", "    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)", "    scaled = inv_freq",
       "llama3 RoPE scaling ignored", ROPE),
     M("_compute/rotary.py", '    if dims["d_head"] % 2:', "    if False:", "apply_rotary accepts an odd head width", PINS),
-    M("_hf.py", "    if window is not None:\n", "    if False:\n", "from_hf loads a sliding-window layer as full attention", VARIANTS_HF),
-    M("_hf.py", "            if theirs.bias is None:\n                ours.register_parameter", "            if False:\n                ours.register_parameter",
+    M("_interop/hf.py", "    if window is not None:\n", "    if False:\n", "from_hf loads a sliding-window layer as full attention", VARIANTS_HF),
+    M("_interop/hf.py", "            if theirs.bias is None:\n                ours.register_parameter", "            if False:\n                ours.register_parameter",
       "from_hf gives Qwen2 an output bias it does not have", ROPE),
     # --- attention variants ---
     M("_compute/kernels.py", "allowed & ~ones.tril(kv_seq - seq - window)", "allowed & ~ones.tril(kv_seq - seq - window + 1)",

@@ -556,7 +556,7 @@ class LatentAttention(nn.Module):
                 computed differently here, named by its config field; or the converted layer differs
                 from `attention` on the probe.
         """
-        from .._hf import latent_from_hf
+        from .._interop.hf import latent_from_hf
 
         return latent_from_hf(cls, attention, verify=verify)
 

@@ -324,7 +324,7 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ConfigError, ShapeError: the weights do not fit the head counts, or are not floating point.
         """
-        from .._torch_interop import verify_weights
+        from .._interop.torch_nn import verify_weights
 
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         d_head = weights.check(num_heads, num_kv_heads)
@@ -764,7 +764,7 @@ class MultiHeadAttention(nn.Module):
                 a QK-norm other than RMSNorm, latent attention), named by its config field or the
                 submodule; or the converted layer differs from `attention` on the probe.
         """
-        from .._hf import from_hf
+        from .._interop.hf import from_hf
 
         return from_hf(cls, attention, verify=verify)
 
@@ -779,7 +779,7 @@ class MultiHeadAttention(nn.Module):
                 variants than this module, or its model type has no such attention class, or the
                 layer differs from this module on the probe.
         """
-        from .._hf import to_hf
+        from .._interop.hf import to_hf
 
         return to_hf(self, config, verify=verify)
 
@@ -794,7 +794,7 @@ class MultiHeadAttention(nn.Module):
                 `num_heads * d_head != d_model`, or a variant: RoPE, QK-norm, a window, softcapping,
                 `query_pre_attn_scalar`), named.
         """
-        from .._torch_interop import to_torch
+        from .._interop.torch_nn import to_torch
 
         return to_torch(self, verify=verify)
 

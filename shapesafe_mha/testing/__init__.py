@@ -5,10 +5,10 @@ attention classes are checked as written by `shapesafe_mha.testing.hf.check_hf_a
 submodule needs transformers; this one does not import it).
 """
 
-from .._adapters import load_weights as load_weights
 from .._core.trace import Allocation as Allocation
 from .._core.trace import AllocationRecorder as AllocationRecorder
 from .._core.trace import storage_id as storage_id
+from .._interop.adapters import load_weights as load_weights
 from .._strategies import ALL_KINDS as ALL_KINDS
 from .._strategies import AttentionConfig as AttentionConfig
 from .._strategies import AttentionInputs as AttentionInputs

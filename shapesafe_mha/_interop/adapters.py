@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from ._core.weights import AttentionWeights
+from .._core.weights import AttentionWeights
 
 NAMES: dict[str, tuple[str, ...]] = {
     "q": ("q_proj", "query", "to_q", "wq", "q_lin", "q"),

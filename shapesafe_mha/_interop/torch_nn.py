@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._compute.reference import per_head_attention
-from ._core import probe
-from ._core.errors import ConfigError
-from ._core.weights import AttentionWeights
+from .._compute.reference import per_head_attention
+from .._core import probe
+from .._core.errors import ConfigError
+from .._core.weights import AttentionWeights
 
 
 def _variants(module: Any) -> list[str]:

@@ -18,9 +18,9 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor, nn
 
-from ._compute.stages import scaled_dot_product_attention as _sdpa
-from ._core.contract import Session, Verdicts, checks_enabled, signature_key, witness
-from ._core.errors import ConfigError
+from .._compute.stages import scaled_dot_product_attention as _sdpa
+from .._core.contract import Session, Verdicts, checks_enabled, signature_key, witness
+from .._core.errors import ConfigError
 
 NAME = "shapesafe"
 # What transformers passes an attention function besides the tensors, that does not change the result

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._compute.cache import KVCache
-from ._compute.rotary import SUPPORTED_SCALING
-from ._core import probe
-from ._core.errors import ConfigError
+from .._compute.cache import KVCache
+from .._compute.rotary import SUPPORTED_SCALING
+from .._core import probe
+from .._core.errors import ConfigError
 
 _OWNER = "MultiHeadAttention.from_hf()"
 
