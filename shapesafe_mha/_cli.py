@@ -332,7 +332,7 @@ def check(
     from rich.table import Table
 
     from ._report import DTYPES
-    from ._suite import PROPERTIES, module_properties, run_suite, user_properties
+    from .testing._suite import PROPERTIES, module_properties, run_suite, user_properties
 
     properties = PROPERTIES
     convention: Any = kv_heads.value  # check_attention's kv_heads: "grouped" or "interleaved"

@@ -108,7 +108,7 @@ def test_check_runs_the_property_suite_and_prints_a_table() -> None:
 
 def test_check_exits_nonzero_when_a_property_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failing property is reported with its first line, and the exit code is 1."""
-    import shapesafe_mha._suite as suite
+    import shapesafe_mha.testing._suite as suite
 
     def broken(config: object, data: object, device: str, dtype: object) -> float:
         raise AssertionError("planted: differs by 1 (tolerance 1e-08)")
