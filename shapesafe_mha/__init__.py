@@ -27,13 +27,13 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._modules.latent import LatentAttention as LatentAttention
     from ._modules.latent import LatentCache as LatentCache
     from ._modules.multihead import MultiHeadAttention as MultiHeadAttention
-    from ._prove import ShapeProof as ShapeProof
-    from ._prove import prove as prove
-    from ._report import LatentTraceConfig as LatentTraceConfig
-    from ._report import TraceConfig as TraceConfig
-    from ._report import TraceReport as TraceReport
-    from ._report import trace_forward as trace_forward
-    from ._report import trace_latent as trace_latent
+    from ._tools.prove import ShapeProof as ShapeProof
+    from ._tools.prove import prove as prove
+    from ._tools.report import LatentTraceConfig as LatentTraceConfig
+    from ._tools.report import TraceConfig as TraceConfig
+    from ._tools.report import TraceReport as TraceReport
+    from ._tools.report import trace_forward as trace_forward
+    from ._tools.report import trace_latent as trace_latent
 
 # Each public name, from the private module that defines it. They load on first use, not on import:
 # `shapesafe-mha --help` lives in this package and must answer before torch is imported (a second).
@@ -48,13 +48,13 @@ _WHERE = {
     "LatentAttention": "_modules.latent",
     "LatentCache": "_modules.latent",
     "MultiHeadAttention": "_modules.multihead",
-    "ShapeProof": "_prove",
-    "prove": "_prove",
-    "LatentTraceConfig": "_report",
-    "TraceConfig": "_report",
-    "TraceReport": "_report",
-    "trace_forward": "_report",
-    "trace_latent": "_report",
+    "ShapeProof": "_tools.prove",
+    "prove": "_tools.prove",
+    "LatentTraceConfig": "_tools.report",
+    "TraceConfig": "_tools.report",
+    "TraceReport": "_tools.report",
+    "trace_forward": "_tools.report",
+    "trace_latent": "_tools.report",
     "RotaryEmbedding": "_compute.rotary",
     "apply_rotary": "_compute.rotary",
     "inverse_frequencies": "_compute.rotary",

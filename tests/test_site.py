@@ -19,8 +19,8 @@ import pytest
 from rich.console import Console
 
 from shapesafe_mha import TraceConfig, trace_forward
-from shapesafe_mha._cli import render
 from shapesafe_mha._core import dims as _dims
+from shapesafe_mha._tools.cli import render
 from tools.pictures import PICTURES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,7 +200,7 @@ for (const width of WIDTHS) for (const page of PAGES) {
 }
 """
 PHONE, LAPTOP = 400, 1280
-SVG_TEXT_PX = 12  # the smallest text our pictures draw (tools/pictures.py, shapesafe_mha/_svg.py)
+SVG_TEXT_PX = 12  # the smallest text our pictures draw (tools/pictures.py, shapesafe_mha/_tools/svg.py)
 
 
 def _chromium() -> str | None:

@@ -23,9 +23,9 @@ from rich.table import Table
 from torch import nn
 from torch.export import Dim, export
 
-from ._core import trace as _trace
-from ._core.contract import Verdicts
-from ._core.errors import ConfigError
+from .._core import trace as _trace
+from .._core.contract import Verdicts
+from .._core.errors import ConfigError
 
 
 @dataclass
@@ -258,7 +258,7 @@ class _Decode(nn.Module):
         self.inner, self.kwargs = module, kwargs
 
     def forward(self, query: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor) -> torch.Tensor:
-        from ._compute.cache import KVCache
+        from .._compute.cache import KVCache
 
         room = past_keys.new_zeros(past_keys.shape[0], past_keys.shape[1], query.shape[1], past_keys.shape[3])
         cache = KVCache.__new__(KVCache)
@@ -277,7 +277,7 @@ class _LatentDecode(nn.Module):
         self.inner, self.kwargs = module, kwargs
 
     def forward(self, query: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
-        from ._modules.latent import LatentCache
+        from .._modules.latent import LatentCache
 
         cache = LatentCache.__new__(LatentCache)
         inner: Any = self.inner

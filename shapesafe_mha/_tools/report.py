@@ -5,9 +5,9 @@ from typing import Any
 
 import torch
 
-from ._core.trace import Stage, tracing
-from ._modules.multihead import MultiHeadAttention
-from ._modules.parallel import plan_heads
+from .._core.trace import Stage, tracing
+from .._modules.multihead import MultiHeadAttention
+from .._modules.parallel import plan_heads
 
 DTYPES = {
     "float32": torch.float32,
@@ -199,7 +199,7 @@ def trace_latent(config: LatentTraceConfig = LatentTraceConfig()) -> TraceReport
     Raises:
         ConfigError: the config is impossible (the module's own checks).
     """
-    from ._modules.latent import LatentAttention
+    from .._modules.latent import LatentAttention
 
     dtype = DTYPES[config.dtype]
     device = torch.device(config.device)

@@ -14,9 +14,9 @@ from xml.sax.saxutils import escape
 
 import torch
 
-from ._compute.stages import group_queries, split_heads
-from ._core.trace import Stage
-from ._report import TraceReport
+from .._compute.stages import group_queries, split_heads
+from .._core.trace import Stage
+from .report import TraceReport
 
 FONT = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'DejaVu Sans Mono', 'Liberation Mono', monospace"
 SIZE = 13  # px

@@ -18,7 +18,7 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ._report import TraceReport
+    from .report import TraceReport
 
 # Plain click help: flags read `--qk-norm / --no-qk-norm`, never `<bool>`, and no markup in help text.
 app = typer.Typer(
@@ -243,8 +243,8 @@ def trace(
     ] = None,
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
-    from ._core.errors import ShapesafeError
-    from ._report import LatentTraceConfig, TraceConfig, trace_forward, trace_latent
+    from .._core.errors import ShapesafeError
+    from .report import LatentTraceConfig, TraceConfig, trace_forward, trace_latent
 
     _usable(device, "trace")
     try:
@@ -274,7 +274,7 @@ def trace(
     if format is Format.json:
         text = json.dumps(report.as_dict(), indent=2) + "\n"
     elif format is Format.svg:
-        from ._svg import pipeline
+        from .svg import pipeline
 
         text = pipeline(report)
     else:
@@ -331,8 +331,8 @@ def check(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    from ._report import DTYPES
-    from .testing._suite import PROPERTIES, module_properties, run_suite, user_properties
+    from ..testing._suite import PROPERTIES, module_properties, run_suite, user_properties
+    from .report import DTYPES
 
     properties = PROPERTIES
     convention: Any = kv_heads.value  # check_attention's kv_heads: "grouped" or "interleaved"
@@ -402,9 +402,9 @@ def prove(
 
     import torch
 
-    from ._core.errors import ShapesafeError
-    from ._modules.multihead import MultiHeadAttention
-    from ._prove import prove as prove_shapes
+    from .._core.errors import ShapesafeError
+    from .._modules.multihead import MultiHeadAttention
+    from .prove import prove as prove_shapes
 
     try:
         if target is not None:
