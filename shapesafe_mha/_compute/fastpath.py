@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module_hooks
 
 from .._core.errors import ShapeError
+from .._core.trace import current_observer
 
 # Up to this many positions torch's fused MHA kernel is as fast as our fused-QKV + SDPA path or
 # faster; beyond it SDPA's flash kernel wins (measured on CPU: 0.82x of the kernel's time at 256).
@@ -174,6 +175,40 @@ def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> b
         and query.device.type in _NATIVE_DEVICES
         and not tracing
     )
+
+
+SEPARATE, FUSED, NATIVE = "separate", "fused", "native"  # the execution paths of MultiHeadAttention.forward
+
+
+def choose_path(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    key_padding_mask: Any,
+    is_causal: Any,
+    need_weights: Any,
+    kv_cache: Any,
+    positions: Any,
+) -> tuple[str, FusedQKV | None]:
+    """Which computation a `MultiHeadAttention` call runs: separate projections (always correct), or a fast
+    path where provably the same; the fused Q/K/V weight it builds is kept on the module for the next call."""
+    if key is not query or value is not query or torch.is_grad_enabled():
+        return SEPARATE, None
+    jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
+    if torch.compiler.is_compiling() or jit_tracing or not isinstance(query, Tensor):
+        return SEPARATE, None
+    modules = module._modules
+    fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], module._fused)
+    module.__dict__["_fused"] = fused  # not nn.Module.__setattr__: this runs on every inference call
+    if fused is None:
+        return SEPARATE, None
+    plain = attn_mask is None and key_padding_mask is None and kv_cache is None
+    if plain and is_causal is False and need_weights is False:
+        if native_fits(module, query, fused, tracing=current_observer() is not None):
+            return NATIVE, fused
+    return FUSED, fused
 
 
 _NATIVE_DTYPES = (torch.float32, torch.float64)

@@ -1,6 +1,6 @@
 """Kernels: the computations of attention, nothing else (no checks, no tracing).
 
-Stages (`_stages.py`) give these their contracts; the module composes the stages.
+Stages (`stages.py`) give these their contracts; the module composes the stages.
 """
 
 import math

@@ -412,7 +412,7 @@ project_value = stage(name="v_proj")(_project_kv)
 
 @stage(name="qkv_proj", public=("query",))
 def project_qkv(query: Tokens, weight: Tensor, bias: Tensor | None) -> FusedInner:
-    """Q, K and V of self-attention in one matrix multiply (the weights concatenated, see `_fastpath`)."""
+    """Q, K and V of self-attention in one matrix multiply (the weights concatenated, see `fastpath`)."""
     return F.linear(query, weight, bias)
 
 

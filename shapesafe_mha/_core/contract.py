@@ -4,7 +4,7 @@ A *stage* is a function whose signature carries its jaxtyping annotations, resul
 *session* runs stages against one jaxtyping memo (`jaxtyped("context")`), so a dimension bound by
 one stage must hold at every later one: `num_heads` bound at the query split holds at the mask and
 at attention. Each stage reports its result once, to the session, which checks it and passes it
-on to an observer (the trace). jaxtyping+beartype decide every check; `_messages` only explains.
+on to an observer (the trace). jaxtyping+beartype decide every check; `messages` only explains.
 
 Checking costs microseconds, so verdicts are remembered: a public stage remembers the exact
 signatures it accepted; `MultiHeadAttention` remembers whole forwards by the relations between
@@ -419,3 +419,67 @@ def relational(sizes: tuple[int, ...], constants: frozenset[int]) -> tuple[int, 
     """
     first: dict[int, int] = {}
     return tuple(s if s < 2 or s in constants else -1 - first.setdefault(s, len(first)) for s in sizes)
+
+
+class CallKey(typing.NamedTuple):
+    """What a module's verdict for one call depends on: its structure (kinds, dtypes, devices, flags,
+    submodules), the shapes of its tensors, and `kv_seq` where a mask is checked against it."""
+
+    structure: tuple[Any, ...]
+    shapes: tuple[Any, ...]
+    kv_seq: int | None
+
+    def relations(self, constants: frozenset[int]) -> Any:
+        """The key with sizes replaced by their relations (`relational`): covers decoding step after step."""
+        sizes = [size for shape in self.shapes if shape is not None for size in shape]
+        if self.kv_seq is not None:
+            sizes.append(self.kv_seq)
+        ranks = tuple(None if shape is None else len(shape) for shape in self.shapes)
+        return self.structure, ranks, self.kv_seq is None, relational(tuple(sizes), constants)
+
+
+def remembered_forward(
+    verdicts: Verdicts,
+    constants: frozenset[int],
+    key: Callable[[], CallKey | None],
+    cache: Any,
+    run: Callable[[], R],
+    checked: Callable[[bool, Any], R],
+    observer: Any,
+) -> R:
+    """A module's forward under its remembered verdicts (`MultiHeadAttention` and `LatentAttention` both).
+
+    `cache` is the call's cache (with `state()` and `restore(state)`) or None.
+
+    A call whose key (exact, or by relations) is known runs `run()` unchecked; any other runs `checked(check,
+    observer)`, every stage checked, and is remembered if it passes. An unchecked call that fails is run again
+    checked to explain it (`recheck`); a call that fails leaves `cache` as it was.
+    """
+    check = checks_enabled()
+    keys = None
+    if check and observer is None:
+        try:
+            keys = key()
+        except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
+            keys = None
+        if keys is not None and verdicts.known(keys, lambda: keys.relations(constants)):
+            check = False
+    state = None if cache is None else cache.state()
+    try:
+        if not check and observer is None:
+            try:
+                return run()
+            except Exception as failure:
+                if keys is None:  # checks off: torch's error as it is
+                    raise
+                if state is not None and cache is not None:
+                    cache.restore(state)
+                recheck(lambda: checked(True, None), failure)
+        result = checked(check, observer)
+    except BaseException:
+        if state is not None and cache is not None:
+            cache.restore(state)  # a failed call changes nothing
+        raise
+    if check and keys is not None:
+        verdicts.remember(keys, keys.relations(constants))
+    return result

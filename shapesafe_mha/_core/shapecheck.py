@@ -1,7 +1,7 @@
 """Checks for the code users write: `shapecheck`, `expect` and `shape_scope`.
 
 A user annotates their own function with jaxtyping dimension names (ours, from `shapesafe_mha.dims`, or
-their own) and gets what our stages get: jaxtyping+beartype decide, the one formatter (`_messages`)
+their own) and gets what our stages get: jaxtyping+beartype decide, the one formatter (`messages`)
 explains, verdicts are remembered (`Verdicts`, the memo our stages and modules use). Sizes known before
 any tensor bind first: `shape_scope`'s, then int arguments named like a dimension (`num_heads: int`),
 then, in a method, int attributes of `self` so named (a module's sizes). So an alias with arithmetic

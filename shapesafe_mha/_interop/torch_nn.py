@@ -1,9 +1,10 @@
 """torch interop, verified: `to_torch` (an `nn.MultiheadAttention`) and the probe of `from_weights`.
 
-Each result is compared with its source on the conversions' probe (`_probe`): `to_torch`'s module
+Each result is compared with its source on the conversions' probe (`_core/probe.py`): `to_torch`'s module
 against ours, `from_weights`' module against the per-head reference holding the same weights.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -98,3 +99,77 @@ def verify_weights(module: Any, weights: AttentionWeights) -> None:
             theirs[probe.DECODING] = whole[:, probe.PROMPT :]
         ours = probe.our_outputs(ours_probed, x, decode=not scaled, unrotated=scaled)
         probe.verify(owner, ours, theirs, source="the per-head reference of these weights")
+
+
+def from_weights(
+    cls: Any,
+    weights: AttentionWeights,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None,
+    dropout: float,
+    rope_theta: float | None,
+    rope_scaling: Mapping[str, Any] | None,
+    verify: bool,
+) -> Any:
+    """A `cls` (`MultiHeadAttention`) holding copies of `weights`, verified (`MultiHeadAttention.from_weights`)."""
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    d_head = weights.check(num_heads, num_kv_heads)
+    biases = {name: getattr(weights, f"b_{name}") for name in "qkvo"}
+    module = cls(
+        weights.d_model,
+        num_heads,
+        num_kv_heads,
+        d_head=d_head,
+        bias=any(b is not None for b in biases.values()),
+        dropout=dropout,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        device=weights.w_q.device,
+        dtype=weights.w_q.dtype,
+    )
+    with torch.no_grad():
+        for name, proj in (("q", module.q_proj), ("k", module.k_proj), ("v", module.v_proj), ("o", module.o_proj)):
+            proj.weight.copy_(getattr(weights, f"w_{name}"))
+            bias = biases[name]
+            if bias is None:
+                proj.register_parameter("bias", None)  # some models bias q/k/v but not o (Qwen2)
+            elif proj.bias is not None:
+                proj.bias.copy_(bias)
+    if verify:
+        verify_weights(module, weights)
+    return module
+
+
+def from_torch(cls: Any, module: nn.MultiheadAttention) -> Any:
+    """A `cls` (`MultiHeadAttention`) computing what a batch-first `module` computes (see its `from_torch`)."""
+    if not module.batch_first:
+        raise ConfigError(
+            "MultiHeadAttention.from_torch(): this nn.MultiheadAttention has batch_first=False, so it takes "
+            "(seq, batch, embed_dim), but MultiHeadAttention is batch-first. Set module.batch_first = True "
+            "(the weights are the same) and pass x.transpose(0, 1) where you passed x."
+        )
+    if not module._qkv_same_embed_dim:
+        raise ConfigError(
+            "MultiHeadAttention.from_torch(): modules with kdim or vdim != embed_dim are not supported."
+        )
+    if module.bias_k is not None or module.add_zero_attn:
+        raise ConfigError("MultiHeadAttention.from_torch(): add_bias_kv and add_zero_attn are not supported.")
+    weight = module.in_proj_weight
+    ours = cls(
+        module.embed_dim,
+        module.num_heads,
+        bias=module.in_proj_bias is not None,
+        dropout=module.dropout,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    with torch.no_grad():
+        for proj, w in zip((ours.q_proj, ours.k_proj, ours.v_proj), weight.chunk(3), strict=True):
+            proj.weight.copy_(w)
+        ours.o_proj.weight.copy_(module.out_proj.weight)
+        if module.in_proj_bias is not None:
+            for proj, b in zip((ours.q_proj, ours.k_proj, ours.v_proj), module.in_proj_bias.chunk(3), strict=True):
+                proj.bias.copy_(b)  # pyright: ignore[reportOptionalMemberAccess]  (built with bias above)
+            ours.o_proj.bias.copy_(module.out_proj.bias)  # pyright: ignore[reportOptionalMemberAccess]
+    return ours

@@ -28,7 +28,7 @@ from .._compute.stages import (
     positive_count,
     precheck_masks,
 )
-from .._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, stage, witness
+from .._core.contract import CallKey, Session, Stage, Verdicts, raw, remembered_forward, stage, witness
 from .._core.dims import (
     AbsorbedOut,
     AbsorbedQueries,
@@ -597,34 +597,16 @@ class LatentAttention(nn.Module):
         """
         call = (query, attn_mask, key_padding_mask, is_causal, kv_cache, positions)
         absorb = isinstance(query, Tensor) and isinstance(kv_cache, LatentCache) and self._absorbs(query)
-        observer = current_observer()
-        check = checks_enabled()
-        keys = None
-        if check and observer is None and isinstance(query, Tensor) and isinstance(kv_cache, LatentCache | None):
-            try:
-                keys = self._keys(absorb, *call)
-            except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
-                keys = None
-            check = keys is None or not self._known(keys)
-        state = kv_cache.state() if isinstance(kv_cache, LatentCache) else None
-        try:
-            if not check and observer is None:
-                try:
-                    return self._run(_RAW, absorb, *call)
-                except Exception as failure:
-                    if keys is None:  # checks off: torch's error as it is
-                        raise
-                    if state is not None and kv_cache is not None:
-                        kv_cache.restore(state)
-                    recheck(lambda: self._checked(True, None, absorb, *call), failure)
-            result = self._checked(check, observer, absorb, *call)
-        except BaseException:
-            if state is not None and kv_cache is not None:
-                kv_cache.restore(state)
-            raise
-        if keys is not None and check:
-            self._verdicts.remember(*keys)
-        return result
+        keyed = isinstance(query, Tensor) and isinstance(kv_cache, LatentCache | None)
+        return remembered_forward(
+            self._verdicts,
+            self._constants,
+            lambda: self._key(absorb, *call) if keyed else None,
+            kv_cache if isinstance(kv_cache, LatentCache) else None,
+            lambda: self._run(_RAW, absorb, *call),
+            lambda check, observer: self._checked(check, observer, absorb, *call),
+            current_observer(),
+        )
 
     def _checked(self, check: bool, observer: Any, absorb: bool, *call: Any) -> Any:
         """The forward with every stage checked against one memo, and reported to the trace."""
@@ -645,10 +627,6 @@ class LatentAttention(nn.Module):
             session.report(_FORWARD, result)
         return result
 
-    def _known(self, keys: tuple[Any, Any]) -> bool:
-        exact, relations = keys
-        return self._verdicts.known(exact, lambda: relations)
-
     def _absorbs(self, query: Tensor) -> bool:
         """Decode one token by absorption (`kv_b_proj`'s weight taken into the query and the output) instead of
         rebuilding every cached position's keys and values: only where that is provably the same computation,
@@ -660,9 +638,8 @@ class LatentAttention(nn.Module):
         kv_b = self._modules["kv_b_proj"]
         return plain_linear(kv_b) and getattr(kv_b, "bias", None) is None and not global_hooks()
 
-    def _keys(self, absorb: bool, *call: Any) -> tuple[Any, Any]:
-        """What a verdict depends on: the call's structure and sizes exactly (one hash), and with its sizes as
-        relations (`relational`), which covers decoding step after step."""
+    def _key(self, absorb: bool, *call: Any) -> CallKey:
+        """What a verdict depends on: the call's structure and its sizes (see `CallKey`)."""
         query, attn_mask, key_padding_mask, is_causal, kv_cache, positions = call
         tensors = (query, attn_mask, key_padding_mask, positions, None if kv_cache is None else kv_cache.buffer)
         masked = attn_mask is not None or key_padding_mask is not None
@@ -679,12 +656,7 @@ class LatentAttention(nn.Module):
             *self._modules.values(),
             module_state(self._modules.values()),  # hooks added, parameters replaced or re-typed
         )
-        shapes = tuple(None if t is None else t.shape for t in tensors)
-        sizes = [size for shape in shapes if shape is not None for size in shape]
-        ranks = tuple(None if shape is None else len(shape) for shape in shapes)
-        if kv_seq is not None:
-            sizes.append(kv_seq)
-        return (structure, shapes, kv_seq), (structure, ranks, relational(tuple(sizes), self._constants))
+        return CallKey(structure, tuple(None if t is None else t.shape for t in tensors), kv_seq)
 
     def _run(
         self,

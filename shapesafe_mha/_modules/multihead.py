@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .._compute import kernels as K
 from .._compute.cache import KVCache
-from .._compute.fastpath import FusedQKV, call_restoring, fused_qkv, module_state, native_fits
+from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state
 from .._compute.rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
 from .._compute.stages import (
     FORWARD_STAGES,
@@ -22,14 +22,13 @@ from .._compute.stages import (
     explain_mask,
     positive_count,
 )
-from .._core.contract import Session, Stage, Verdicts, checks_enabled, raw, recheck, relational, witness
+from .._core.contract import CallKey, Session, Stage, Verdicts, raw, remembered_forward, witness
 from .._core.dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
 from .._core.errors import ConfigError
 from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
 
-SEPARATE, FUSED, NATIVE = "separate", "fused", "native"
 _STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": apply_rotary}
 _RAW = raw(**_STAGES)
 
@@ -119,6 +118,65 @@ def _explain_forward(arguments: dict[str, Any], failure: ExplainedError) -> str 
     if failure.arg in ("key", "value") and failure.dim == "batch":
         return f"{failure.arg} needs one sequence per query sequence."
     return explain_mask(arguments, failure)
+
+
+def forward_key(
+    module: Any,
+    path: str,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: Any,
+    need_weights: Any,
+    kv_cache: KVCache | None,
+    positions: Tensor | None,
+) -> CallKey:
+    """What the verdict of a `MultiHeadAttention` call depends on: its structure (kinds, ranks, dtypes, devices,
+    flags, path, submodules) and its sizes; these exactly, for a lookup that costs one hash."""
+    kv_len = key.shape[1]
+    cache_kind = buffer_shape = kept = None
+    if kv_cache is not None:
+        kv_len += len(kv_cache)
+        buffer = kv_cache.keys_buffer
+        cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache.window), buffer.shape
+        if kv_cache.window is not None:
+            kept = (kv_cache.kept, kv_cache.kept + key.shape[1])
+    masked = attn_mask is not None or key_padding_mask is not None
+    structure = (
+        path,
+        type(query),
+        query.dtype,
+        query.device,
+        None if key is query else (type(key), key.dtype, key.device),
+        None if value is key else (type(value), value.dtype, value.device),
+        None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device),
+        None if key_padding_mask is None else _kind(key_padding_mask),
+        None if positions is None else (type(positions), positions.dtype, positions.device),
+        cache_kind,
+        type(is_causal),
+        is_causal,
+        type(need_weights),
+        need_weights,
+        query.shape[1] > kv_len,  # some rows have nothing to attend to
+        module.training,
+        autocast_on() and autocast_dtype(query.device),
+        *module._modules.values(),  # a projection replaced is another module (compared by identity)
+        module_state(module._modules.values()),  # hooks added, parameters replaced or re-typed
+    )
+    shapes = (
+        query.shape,
+        None if key is query else key.shape,
+        None if value is key else value.shape,
+        None if attn_mask is None else attn_mask.shape,
+        None if key_padding_mask is None else key_padding_mask.shape,
+        buffer_shape,
+        kept,
+        None if positions is None else positions.shape,
+    )
+    # kv_seq counts the cached positions too; it is checked only against masks.
+    return CallKey(structure, shapes, kv_len if masked else None)
 
 
 class MultiHeadAttention(nn.Module):
@@ -232,7 +290,7 @@ class MultiHeadAttention(nn.Module):
         self.query_pre_attn_scalar = query_pre_attn_scalar
         self.scale = None if query_pre_attn_scalar is None else float(query_pre_attn_scalar) ** -0.5
         variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
-        # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see _fastpath.native_fits).
+        # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
         )
@@ -324,34 +382,18 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ConfigError, ShapeError: the weights do not fit the head counts, or are not floating point.
         """
-        from .._interop.torch_nn import verify_weights
+        from .._interop.torch_nn import from_weights
 
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        d_head = weights.check(num_heads, num_kv_heads)
-        biases = {name: getattr(weights, f"b_{name}") for name in "qkvo"}
-        module = cls(
-            weights.d_model,
-            num_heads,
-            num_kv_heads,
-            d_head=d_head,
-            bias=any(b is not None for b in biases.values()),
+        return from_weights(
+            cls,
+            weights,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
             dropout=dropout,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            device=weights.w_q.device,
-            dtype=weights.w_q.dtype,
+            verify=verify,
         )
-        with torch.no_grad():
-            for name, proj in (("q", module.q_proj), ("k", module.k_proj), ("v", module.v_proj), ("o", module.o_proj)):
-                proj.weight.copy_(getattr(weights, f"w_{name}"))
-                bias = biases[name]
-                if bias is None:
-                    proj.register_parameter("bias", None)  # some models bias q/k/v but not o (Qwen2)
-                elif proj.bias is not None:
-                    proj.bias.copy_(bias)
-        if verify:
-            verify_weights(module, weights)
-        return module
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """A `KVCache` that fits this module: its KV heads, `d_head`, dtype, device and sliding window.
@@ -426,140 +468,22 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
-        path, fused = self._path(*call)
-        observer = current_observer()
-        check = checks_enabled()
-        keys: tuple[Any, Any, Any] | None = None
+        path, fused = choose_path(self, *call)
         jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
-        if check and observer is None and not jit_tracing:
-            try:
-                keys = self._keys(path, *call)
-            except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
-                keys = None
-            if keys is not None and self._known(keys):
-                check = False
-        state = kv_cache.state() if isinstance(kv_cache, KVCache) else None
-        try:
-            if not check and observer is None:
-                try:
-                    return self._run(_RAW, path, fused, *call)
-                except Exception as failure:
-                    if keys is None:  # checks off: torch's error as it is
-                        raise
-                    if state is not None and kv_cache is not None:
-                        kv_cache.restore(state)
-                    recheck(lambda: self._checked(True, None, path, fused, *call), failure)
+
+        def checked(check: bool, observer: Any) -> Any:
             with _quiet_jit_tracer() if jit_tracing else contextlib.nullcontext():
-                result = self._checked(check, observer, path, fused, *call)
-        except BaseException:
-            if state is not None and kv_cache is not None:
-                kv_cache.restore(state)  # a failed call changes nothing
-            raise
-        if check and keys is not None:
-            self._remember(keys)
-        return result
+                return self._checked(check, observer, path, fused, *call)
 
-    def _path(
-        self,
-        query: Any,
-        key: Any,
-        value: Any,
-        attn_mask: Any,
-        key_padding_mask: Any,
-        is_causal: Any,
-        need_weights: Any,
-        kv_cache: Any,
-        positions: Any,
-    ) -> tuple[str, FusedQKV | None]:
-        """Which computation runs: separate projections (always correct), or a fast path where provably the same."""
-        if key is not query or value is not query or torch.is_grad_enabled():
-            return SEPARATE, None
-        jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
-        if torch.compiler.is_compiling() or jit_tracing or not isinstance(query, Tensor):
-            return SEPARATE, None
-        modules = self._modules
-        fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], self._fused)
-        self.__dict__["_fused"] = fused  # not nn.Module.__setattr__: this runs on every inference call
-        if fused is None:
-            return SEPARATE, None
-        plain = attn_mask is None and key_padding_mask is None and kv_cache is None
-        if plain and is_causal is False and need_weights is False:
-            if native_fits(self, query, fused, tracing=current_observer() is not None):
-                return NATIVE, fused
-        return FUSED, fused
-
-    def _keys(
-        self,
-        path: str,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attn_mask: Tensor | None,
-        key_padding_mask: Tensor | None,
-        is_causal: Any,
-        need_weights: Any,
-        kv_cache: KVCache | None,
-        positions: Tensor | None,
-    ) -> tuple[Any, Any, Any]:
-        """What a verdict depends on: the call's structure (kinds, ranks, dtypes, devices, flags, path)
-        and its sizes; these exactly, for a lookup that costs one hash."""
-        kv_len = key.shape[1]
-        cache_kind = buffer_shape = kept = None
-        if kv_cache is not None:
-            kv_len += len(kv_cache)
-            buffer = kv_cache.keys_buffer
-            cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache.window), buffer.shape
-            if kv_cache.window is not None:
-                kept = (kv_cache.kept, kv_cache.kept + key.shape[1])
-        masked = attn_mask is not None or key_padding_mask is not None
-        structure = (
-            path,
-            type(query),
-            query.dtype,
-            query.device,
-            None if key is query else (type(key), key.dtype, key.device),
-            None if value is key else (type(value), value.dtype, value.device),
-            None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device),
-            None if key_padding_mask is None else _kind(key_padding_mask),
-            None if positions is None else (type(positions), positions.dtype, positions.device),
-            cache_kind,
-            type(is_causal),
-            is_causal,
-            type(need_weights),
-            need_weights,
-            query.shape[1] > kv_len,  # some rows have nothing to attend to
-            self.training,
-            autocast_on() and autocast_dtype(query.device),
-            *self._modules.values(),  # a projection replaced is another module (compared by identity)
-            module_state(self._modules.values()),  # hooks added, parameters replaced or re-typed
+        return remembered_forward(
+            self._verdicts,
+            self._constants,
+            lambda: None if jit_tracing else forward_key(self, path, *call),
+            kv_cache if isinstance(kv_cache, KVCache) else None,
+            lambda: self._run(_RAW, path, fused, *call),
+            checked,
+            current_observer(),
         )
-        shapes = (
-            query.shape,
-            None if key is query else key.shape,
-            None if value is key else value.shape,
-            None if attn_mask is None else attn_mask.shape,
-            None if key_padding_mask is None else key_padding_mask.shape,
-            buffer_shape,
-            kept,
-            None if positions is None else positions.shape,
-        )
-        # kv_seq counts the cached positions too; it is checked only against masks.
-        return structure, shapes, kv_len if masked else None
-
-    def _relations(self, keys: tuple[Any, Any, Any]) -> Any:
-        """The same key with sizes replaced by their relations (`relational`): covers decoding step after step."""
-        structure, shapes, kv_len = keys
-        sizes = [size for shape in shapes if shape is not None for size in shape]
-        if kv_len is not None:
-            sizes.append(kv_len)
-        ranks = tuple(None if shape is None else len(shape) for shape in shapes)
-        return structure, ranks, kv_len is None, relational(tuple(sizes), self._constants)
-
-    def _known(self, keys: tuple[Any, Any, Any]) -> bool:
-        return self._verdicts.known(keys, lambda: self._relations(keys))
-
-    def _remember(self, keys: tuple[Any, Any, Any]) -> None:
-        self._verdicts.remember(keys, self._relations(keys))
 
     def _checked(
         self,
@@ -701,36 +625,9 @@ class MultiHeadAttention(nn.Module):
             ConfigError: `module` is not batch-first (the message says how to convert), or uses
                 features without an equivalent here (`kdim`/`vdim`, `add_bias_kv`, `add_zero_attn`).
         """
-        if not module.batch_first:
-            raise ConfigError(
-                "MultiHeadAttention.from_torch(): this nn.MultiheadAttention has batch_first=False, so it takes "
-                "(seq, batch, embed_dim), but MultiHeadAttention is batch-first. Set module.batch_first = True "
-                "(the weights are the same) and pass x.transpose(0, 1) where you passed x."
-            )
-        if not module._qkv_same_embed_dim:
-            raise ConfigError(
-                "MultiHeadAttention.from_torch(): modules with kdim or vdim != embed_dim are not supported."
-            )
-        if module.bias_k is not None or module.add_zero_attn:
-            raise ConfigError("MultiHeadAttention.from_torch(): add_bias_kv and add_zero_attn are not supported.")
-        weight = module.in_proj_weight
-        ours = cls(
-            module.embed_dim,
-            module.num_heads,
-            bias=module.in_proj_bias is not None,
-            dropout=module.dropout,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        with torch.no_grad():
-            for proj, w in zip((ours.q_proj, ours.k_proj, ours.v_proj), weight.chunk(3), strict=True):
-                proj.weight.copy_(w)
-            ours.o_proj.weight.copy_(module.out_proj.weight)
-            if module.in_proj_bias is not None:
-                for proj, b in zip((ours.q_proj, ours.k_proj, ours.v_proj), module.in_proj_bias.chunk(3), strict=True):
-                    proj.bias.copy_(b)  # pyright: ignore[reportOptionalMemberAccess]  (built with bias above)
-                ours.o_proj.bias.copy_(module.out_proj.bias)  # pyright: ignore[reportOptionalMemberAccess]
-        return ours
+        from .._interop.torch_nn import from_torch
+
+        return from_torch(cls, module)
 
     @classmethod
     def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "MultiHeadAttention":

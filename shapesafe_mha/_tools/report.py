@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from .._compute.fastpath import choose_path
 from .._core.trace import Stage, tracing
 from .._modules.multihead import MultiHeadAttention
 from .._modules.parallel import plan_heads
@@ -111,7 +112,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     with torch.no_grad():
         # The fused Q/K/V weight is built once and kept (a fast path's cache): build it before tracing,
         # so the trace shows what every call allocates, and count it apart.
-        module._path(x, x, x, None, None, True, False, cache, None)
+        choose_path(module, x, x, x, None, None, True, False, cache, None)
     fused = module._fused
     with torch.no_grad(), tracing() as tracer:
         if cache is not None:
