@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 import shapesafe_mha as ssm
 from shapesafe_mha._compute import fastpath as _fastpath
 from shapesafe_mha._compute import kernels as _kernels
-from shapesafe_mha._modules import multihead as _module
 from shapesafe_mha.reference import per_head_attention
 from shapesafe_mha.testing import (
     attention_configs,
