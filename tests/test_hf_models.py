@@ -139,7 +139,7 @@ def test_a_layer_that_disagrees_with_its_config_is_named_with_the_field(bug: str
 def test_decoding_is_checked_once_and_a_later_call_that_disagrees_is_still_caught(monkeypatch: Any) -> None:
     """Verdicts are remembered by how sizes relate, so a growing KV cache is one verdict (not one per step);
     heads and d_head stay exact, so a later call with other KV heads is checked, and fails."""
-    from shapesafe_mha import _hf_backend
+    from shapesafe_mha._interop import hf_backend as _hf_backend
 
     _, ours = _pair("llama")
     _hf_backend._verdicts.forget()
