@@ -9,6 +9,7 @@ not be reordered with it (the beams would diverge silently). The model's paramet
 the projections are the modules the model held, the QK-norm weights its tensors.
 """
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from .._compute.rotary import RotaryEmbedding
 from .._core.contract import Verdicts
 from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
+from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
 from .hf_backend import layer_name, refuse_unknown
 
@@ -85,13 +87,16 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
     replaced: dict[str, str] = {}
     left: dict[str, str] = {}
     shared: dict[Any, RotaryEmbedding] = {}  # one SharedRotary for each kind of rotation
+    cache_layers = _cache_layers(model)
     for path, module in _attention_modules(model):
-        why = _why_left(module)
+        why = _why_left(module) or _why_not_cached(module, cache_layers)
         if why is None:
             try:
-                ours = MultiHeadAttention.from_hf(module, verify=verify)
+                ours = _converted(module, verify)
             except ShapesafeError as error:
                 why = str(error)
+            except Exception as error:  # deciding never crashes: the layer is left, and why is said
+                why = f"from_hf could not convert it ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
             else:
                 parent, _, name = path.rpartition(".")
                 setattr(model.get_submodule(parent), name, _adopt(ours, module, path, shared))
@@ -133,6 +138,42 @@ def _why_left(module: nn.Module) -> str | None:
     if other:
         return f"its forward takes {', '.join(other)}, which the replacement would not pass on"
     return None
+
+
+def _converted(module: nn.Module, verify: bool) -> MultiHeadAttention:
+    """`from_hf(module)`, verified in float64: on a float64 copy where the model is in another dtype (the
+    probe's float32 tolerance, 1e-3 of the output, would pass a layer that differs by 1e-4: Cohere's
+    interleaved RoPE). The copy's parameters are not kept: `_adopt` gives the layer the model's own."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float64)
+    if verify and dtype != torch.float64 and probeable(module):
+        return MultiHeadAttention.from_hf(copy.deepcopy(module).to(torch.float64), verify=True)
+    return MultiHeadAttention.from_hf(module, verify=verify)
+
+
+def _cache_layers(model: nn.Module) -> list[Any] | None:
+    """The layers of the cache `generate()` makes for `model` (a `DynamicCache` of its config), or None."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    try:
+        from transformers import DynamicCache
+
+        return list(DynamicCache(config=config).layers)
+    except Exception:  # a config DynamicCache cannot read: the layers are checked when called
+        return None
+
+
+def _why_not_cached(module: nn.Module, cache_layers: list[Any] | None) -> str | None:
+    index = getattr(module, "layer_idx", None)
+    if cache_layers is None or not isinstance(index, int) or not 0 <= index < len(cache_layers):
+        return None
+    kind = type(cache_layers[index])
+    if kind in _dynamic_layers():
+        return None
+    return (
+        f"its model's DynamicCache keeps layer {index} as a {kind.__name__}, which a replaced layer does not "
+        "read or write (it reads and writes keys and values of DynamicLayer and DynamicSlidingWindowLayer)"
+    )
 
 
 def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[Any, RotaryEmbedding]) -> "HFAttention":
@@ -246,7 +287,8 @@ class LayerCache(KVCache):
             raise ConfigError(
                 f"{layer_name(module)}: the cache's layer {layer_idx} is a "
                 f"{getattr(kind, '__name__', kind)}; a replaced layer reads and writes DynamicCache layers "
-                "(DynamicLayer, DynamicSlidingWindowLayer): generate with cache_implementation='dynamic'."
+                "(DynamicLayer, DynamicSlidingWindowLayer, and the attention part of hybrid ones): generate with "
+                "cache_implementation='dynamic'."
             )
         keys = None if self.layer is None or not self.layer.is_initialized else self.layer.keys
         if keys is None or keys.dim() != 4:
@@ -301,7 +343,10 @@ _DYNAMIC: tuple[type, ...] = ()
 def _dynamic_layers() -> tuple[type, ...]:
     global _DYNAMIC
     if not _DYNAMIC:
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+        from transformers import cache_utils
 
-        _DYNAMIC = (DynamicLayer, DynamicSlidingWindowLayer)
+        # a hybrid layer's attention part is one of the two (its linear-attention state is not touched)
+        names = ("DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionAndFullAttentionLayer",
+                 "LinearAttentionAndSlidingWindowAttentionLayer")  # fmt: skip
+        _DYNAMIC = tuple(getattr(cache_utils, name) for name in names if hasattr(cache_utils, name))
     return _DYNAMIC
