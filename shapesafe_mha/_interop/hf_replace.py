@@ -209,6 +209,7 @@ class HFAttention(MultiHeadAttention):
     RoPE is computed from `position_ids` (as the model's rotary class computes it, verified when it was
     converted); a 4-D mask from transformers (bool or additive, as `"sdpa"` and `"eager"` build it) is
     applied as given, and without one the layer is causal. A failure names the module path.
+    transformers records `output_attentions` from its own attention classes only: none from this layer.
     """
 
     hf_path: str
