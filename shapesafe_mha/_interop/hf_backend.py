@@ -91,6 +91,8 @@ def _path_from_callers(module: nn.Module) -> str | None:
 
 def refuse_unknown(module: nn.Module, kwargs: dict[str, Any]) -> None:
     """A `ConfigError` naming the first keyword argument that would change the result and that is not computed."""
+    if _INERT.issuperset(kwargs):  # the common case, in one set operation: every call runs this
+        return
     unknown = {k: v for k, v in kwargs.items() if k not in _INERT and v is not None and v is not False}
     if unknown:
         name, given = next(iter(unknown.items()))

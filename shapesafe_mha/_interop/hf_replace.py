@@ -233,7 +233,8 @@ class HFAttention(MultiHeadAttention):
 
         `position_embeddings` (the model's cos/sin) are not read: our stages compute RoPE from the positions.
         """
-        refuse_unknown(self, kwargs)
+        if kwargs:
+            refuse_unknown(self, kwargs)
         cache = past_key_values if cache is None else cache
         if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4):
             kind = type(attention_mask).__name__ if not isinstance(attention_mask, Tensor) else "a 2-D padding mask"
