@@ -54,15 +54,17 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
     """Swap every supported attention module of a transformers `model` for our checked layer, in place.
 
     Each module whose class name ends in `Attention` is converted with `MultiHeadAttention.from_hf`
-    (verified on a probe unless `verify=False`) and put in its place as an `HFAttention`: called as the
+    (verified on a probe unless `verify=False`, in float64: on a float64 copy of a layer in another dtype)
+    and put in its place as an `HFAttention`: called as the
     model calls its attention (`hidden_states`, `attention_mask`, `position_ids`, the `Cache`), it runs
     the projections, RoPE, the cache append and attention through our typed stages, reading and writing
     transformers' own `Cache` (so beam search reorders it). The model keeps its parameters (the
     projection modules it held, its QK-norm weights), so an optimizer built before still holds them.
 
     A module is left as it was, and named with why, where `from_hf` refuses it (a variant it does not
-    compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), or
-    where its forward takes an argument the replacement would not pass on.
+    compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), where
+    its forward takes an argument the replacement would not pass on, or where the model's `DynamicCache`
+    keeps it as a kind of layer the replacement does not read (linear attention).
 
     Example:
         >>> import torch, shapesafe_mha.hf
@@ -129,7 +131,10 @@ def _why_left(module: nn.Module) -> str | None:
         named = [f"{n} {kind.replace('_', ' ')[:-1]}" + ("s" if n > 1 else "") for kind, n in hooks.items()]
         listed = ", ".join(named) or "an accelerate hook"
         return f"it has hooks ({listed}), which the replacement would not run; remove them first, or keep the layer"
-    parameters = inspect.signature(type(module).forward).parameters
+    try:
+        parameters = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return "its forward has no signature to read, so what the model passes it is not known"
     other = [
         name
         for name, p in parameters.items()
