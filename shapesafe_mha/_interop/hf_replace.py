@@ -75,7 +75,7 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
         >>> done = shapesafe_mha.hf.replace_attention(model)
         >>> list(done.replaced)
         ['model.layers.0.self_attn', 'model.layers.1.self_attn']
-        >>> model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape
+        >>> model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, min_new_tokens=3, do_sample=False).shape
         torch.Size([1, 6])
 
     Arguments:
