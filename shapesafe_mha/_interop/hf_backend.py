@@ -172,7 +172,7 @@ def _relations(exact: Any) -> Any:
     """The same key with batch and sequence sizes replaced by how they relate (`relational`), so decoding step
     after step is one verdict. Heads and `d_head` stay exact: the stage also checks that KV heads divide
     the query heads, which no equality shows. None where the call is not 4-D tensors."""
-    if len(exact) != 18:
+    if len(exact) != 18 or not isinstance(exact[2], torch.Size):  # the fallback key: exact only
         return None
     q, k, v, mask = exact[2], exact[3], exact[4], exact[11]
     shapes = (q, k, v) if mask is None else (q, k, v, mask[0])
