@@ -102,6 +102,28 @@ def test_the_probe_catches_a_conversion_that_reads_a_field_wrong(monkeypatch: py
     assert unverified.window is None and _ours_equal_theirs(unverified, layer) > 1e-3
 
 
+def _verdict(layer: nn.Module) -> str:
+    try:
+        ssm.MultiHeadAttention.from_hf(layer)
+    except ssm.ConfigError as refusal:
+        return str(refusal).split(" by ")[0]  # the refusal without its figures, which depend on the dtype
+    return "converted"
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "ernie4_5", "helium", "llama"])
+def test_a_float32_layer_gets_the_verdict_of_its_float64_copy(model_type: str) -> None:
+    """The probe's tolerance is relative to the largest output: with a floor of 1.0 under it, a float32 layer
+    with the weights of its own init (std 0.02, outputs near 0.01) was allowed 1e-3, a tenth of its outputs,
+    and Cohere's interleaved RoPE (2e-4 off) converted silently where its float64 copy was refused."""
+    config_cls = CONFIG_MAPPING[model_type]
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    torch.manual_seed(0)
+    model = modeling.__dict__[f"{config_cls.__name__.removesuffix('Config')}ForCausalLM"](config_cls(**SIZES))
+    layer = model.model.layers[0].self_attn.to(torch.float64)
+    assert _verdict(layer.to(torch.float32)) == _verdict(layer.to(torch.float64))
+    assert all(p.dtype == torch.float64 for p in layer.parameters())  # the probe copied; the layer is left as it is
+
+
 def test_from_hf_on_meta_loads_without_a_probe() -> None:
     """Meta layers hold no values to compare: the conversion's shapes only (a huge config costs nothing)."""
     with torch.device("meta"):

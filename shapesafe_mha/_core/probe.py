@@ -27,6 +27,7 @@ BATCH, PROMPT = 2, 5
 # float32: two orders of summation over d_model (~1e-6). A layer that computes something else differs by ~0.1.
 TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3}
 
+_TINY = 1e-30  # the scale of an all-zero output: any difference from it is refused
 Outputs = dict[str, Tensor]  # what was run ("a causal forward", "a decoding step") -> its output
 FORWARD, DECODING = "a causal forward", "a decoding step"
 
@@ -114,7 +115,7 @@ def verify(
                 f"{owner}: the converted layer returns {tuple(got.shape)} where {source} returns "
                 f"{tuple(expected.shape)} ({what} on a probe); it would compute something else, so it is refused."
             )
-        size = max(1.0, float(expected.abs().max()))
+        size = max(float(expected.abs().max()), _TINY)  # relative: a model's outputs may be 0.01 wide
         difference = float((got - expected).abs().max())
         if difference != difference:  # NaN: one side produced it
             difference = float("inf")

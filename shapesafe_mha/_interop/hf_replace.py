@@ -147,8 +147,8 @@ def _why_left(module: nn.Module) -> str | None:
 
 def _converted(module: nn.Module, verify: bool) -> MultiHeadAttention:
     """`from_hf(module)`, verified in float64: on a float64 copy where the model is in another dtype (the
-    probe's float32 tolerance, 1e-3 of the output, would pass a layer that differs by 1e-4: Cohere's
-    interleaved RoPE). The copy's parameters are not kept: `_adopt` gives the layer the model's own."""
+    probe's float32 tolerance, 1e-3 of the largest output, would pass a layer that differs by less; float64's
+    is 1e-5). The copy's parameters are not kept: `_adopt` gives the layer the model's own."""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float64)
     if verify and dtype != torch.float64 and probeable(module):
         return MultiHeadAttention.from_hf(copy.deepcopy(module).to(torch.float64), verify=True)
