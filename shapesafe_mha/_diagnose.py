@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._reference import KVHeads, MaskMod, RopeStyle, ScoreMod, per_head_attention
+from ._reference import KVHeads, MaskMod, NormOver, RopeStyle, ScoreMod, per_head_attention
 from ._weights import AttentionWeights
 
 # Below this a float64 deviation is float32 rounding, not a wrong formula (float32's epsilon is 1.2e-7).
@@ -62,6 +62,13 @@ class Scenario:
     score_mod: ScoreMod | None = None
     mask_mod: MaskMod | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the variants a layer computes beyond these (what check_hf_attention reads from a config)
+    rotary_dim: int | None = None
+    qk_norm: tuple[Tensor, Tensor] | None = None
+    norm_eps: float = 1e-6
+    qk_norm_over: NormOver = "head"
+    window: int | None = None
+    logit_softcap: float | None = None
 
     def expected(self) -> Tensor:
         return per_head_attention(
@@ -82,6 +89,12 @@ class Scenario:
             scale=self.scale,
             score_mod=self.score_mod,
             mask_mod=self.mask_mod,
+            rotary_dim=self.rotary_dim,
+            qk_norm=self.qk_norm,
+            norm_eps=self.norm_eps,
+            qk_norm_over=self.qk_norm_over,
+            window=self.window,
+            logit_softcap=self.logit_softcap,
         )
 
     @property

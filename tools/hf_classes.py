@@ -1,0 +1,166 @@
+"""Every attention class of the installed transformers through `check_hf_attention`: a verdict for each.
+
+    python -m tools.hf_classes                 # print the table
+    python -m tools.hf_classes --write         # rewrite docs/hf-attention-classes.md from it
+    python -m tools.hf_classes -k llama        # only classes whose name contains "llama"
+
+The classes: every `...Attention` class defined in the modeling module of a causal-LM model type
+(transformers' own mapping), built from the config class its constructor is annotated with (else the
+model type's), tiny sizes drawn by the check. Each is checked eager and sdpa with a few examples per
+property. Verdicts: **pass**; **refused**, with the first line of our ConfigError (a variant or layout
+the reference does not compute, named); **fail** (an AssertionError on correct upstream code: a false
+alarm) and **crash** (any other exception from inside the check): the test fails on either. New
+classes of a future transformers appear without edits.
+"""
+
+import argparse
+import importlib
+import inspect
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "hf-attention-classes.md"
+IMPLEMENTATIONS = ("eager", "sdpa")
+EXAMPLES = 3  # per property and implementation: the sweep is a census of verdicts, the tests check deeper
+BAD = ("fail", "crash")
+
+
+@dataclass(frozen=True)
+class Row:
+    attention: str
+    config: str
+    verdicts: tuple[str, ...]  # one per implementation
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def verdict(self) -> str:
+        return next((v for v in BAD if v in self.verdicts), self.verdicts[0])
+
+
+def classes(pattern: str = "") -> list[tuple[type, type]]:
+    """`(attention class, config class)` for every attention class of a causal-LM model type, sorted by name."""
+    from torch import nn
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found: dict[type, type] = {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        module_name = model_type_to_module_name(model_type)
+        try:
+            modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        except Exception:
+            continue  # a model type served by another model's module (it appears there)
+        for name, cls in vars(modeling).items():
+            if not (inspect.isclass(cls) and issubclass(cls, nn.Module) and name.endswith("Attention")):
+                continue
+            if cls.__module__ != modeling.__name__ or cls in found or pattern.lower() not in name.lower():
+                continue
+            parameter = inspect.signature(cls.__init__).parameters.get("config")
+            annotation = None if parameter is None else parameter.annotation
+            if isinstance(annotation, str):
+                annotation = getattr(modeling, annotation, None)
+            config_cls = (
+                annotation if inspect.isclass(annotation) and issubclass(annotation, PretrainedConfig) else None
+            )
+            found[cls] = config_cls or CONFIG_MAPPING[model_type]
+    return sorted(found.items(), key=lambda pair: pair[0].__name__)
+
+
+def _first(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def check_one(attention_cls: type, config_cls: type, examples: int = EXAMPLES) -> Row:
+    import shapesafe_mha as ssm
+    from shapesafe_mha.testing.hf import check_hf_attention
+
+    verdicts, details = [], []
+    start = time.perf_counter()
+    for implementation in IMPLEMENTATIONS:
+        try:
+            check_hf_attention(attention_cls, config_cls, attn_implementation=implementation, max_examples=examples)
+            verdicts.append("pass")
+        except ssm.ConfigError as error:
+            verdicts.append("refused")
+            details.append(re.sub(r"^check_hf_attention\(\): \w+: ", "", _first(error)))
+        except AssertionError as error:
+            verdicts.append("fail")
+            details.append(_first(error))
+        except Exception as error:
+            verdicts.append("crash")
+            details.append(f"{type(error).__name__}: {_first(error)}")
+    detail = details[0] if details and all(d == details[0] for d in details) else " / ".join(details)
+    return Row(attention_cls.__name__, config_cls.__name__, tuple(verdicts), detail[:220], time.perf_counter() - start)
+
+
+def sweep(pattern: str = "", report: bool = False, examples: int = EXAMPLES) -> list[Row]:
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny layers: one thread is fastest, and a shared machine's cores stay free
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for attention_cls, config_cls in classes(pattern):
+                rows.append(row := check_one(attention_cls, config_cls, examples))
+                if report:
+                    print(f"{row.attention:36s} {'/'.join(row.verdicts):16s} {row.seconds:5.1f}s {row.detail}",
+                          flush=True)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def counts(rows: list[Row]) -> dict[str, int]:
+    return {v: sum(r.verdict == v for r in rows) for v in ("pass", "refused", *BAD)}
+
+
+def render(rows: list[Row]) -> str:
+    import transformers
+
+    tally = ", ".join(f"{n} {v}" for v, n in counts(rows).items())
+    lines = [
+        "# Every attention class of transformers through `check_hf_attention`",
+        "",
+        f"Each `...Attention` class of a causal-LM model type of transformers {transformers.__version__}, built",
+        "tiny from its config class and checked eager and sdpa (float32, a few examples per property) by",
+        "`python -m tools.hf_classes --write`; tests/test_hf_classes.py fails if this page is stale or any row",
+        f"fails or crashes. {len(rows)} classes: {tally}.",
+        "",
+        "A refusal names the variant or layout the per-head reference does not compute; it is a verdict, not",
+        "a failure: the check will not call correct code wrong.",
+        "",
+        "| class | config | eager / sdpa | reason refused |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        detail = row.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| `{row.attention}` | `{row.config}` | {' / '.join(row.verdicts)} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Any = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"rewrite {PAGE.name}")
+    parser.add_argument("-k", default="", help="only classes whose name contains this")
+    parser.add_argument("--examples", type=int, default=EXAMPLES)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    rows = sweep(args.k, report=True, examples=args.examples)
+    print(f"{len(rows)} classes in {time.perf_counter() - started:.0f} s: {counts(rows)}")
+    if args.write:
+        PAGE.write_text(render(rows))
+    sys.exit(1 if any(r.verdict in BAD for r in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()
