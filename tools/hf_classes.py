@@ -30,6 +30,7 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "hf-attention-classes.m
 IMPLEMENTATIONS = ("eager", "sdpa")
 EXAMPLES = 3  # per property and implementation: the sweep is a census of verdicts, the tests check deeper
 BAD = ("fail", "crash")
+SUFFIX = " is not computed by the per-head reference; it cannot be checked against it."
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,14 @@ def check_one(attention_cls: type, config_cls: type, examples: int = EXAMPLES) -
             check_hf_attention(attention_cls, config_cls, attn_implementation=implementation, max_examples=examples)
             verdicts.append("pass")
         except ssm.ConfigError as error:
+            heading = f"check_hf_attention(): {attention_cls.__name__}: "
+            first = _first(error)
+            if not first.startswith(heading):  # a refusal must name the class (never another function's name)
+                verdicts.append("crash")
+                details.append(f"ConfigError not headed {heading!r}: {first}")
+                continue
             verdicts.append("refused")
-            details.append(re.sub(r"^check_hf_attention\(\): \w+: ", "", _first(error)))
+            details.append(first.removeprefix(heading).removesuffix(SUFFIX))
         except AssertionError as error:
             verdicts.append("fail")
             details.append(_first(error))
@@ -132,20 +139,27 @@ def render(rows: list[Row]) -> str:
         "# Every attention class of transformers through `check_hf_attention`",
         "",
         f"Each `...Attention` class of a causal-LM model type of transformers {transformers.__version__}, built",
-        "tiny from its config class and checked eager and sdpa (float32, a few examples per property) by",
+        f"tiny from its config class and checked eager and sdpa (float32, {EXAMPLES} examples per property) by",
         "`python -m tools.hf_classes --write`; tests/test_hf_classes.py fails if this page is stale or any row",
         f"fails or crashes. {len(rows)} classes: {tally}.",
         "",
-        "A refusal names the variant or layout the per-head reference does not compute; it is a verdict, not",
-        "a failure: the check will not call correct code wrong.",
+        "A refusal is a `ConfigError` whose first line names the class and what the per-head reference does not",
+        "compute (the variant or the layout, as listed here); it is a verdict, not a failure: the check does not",
+        "call correct code wrong. Time: both implementations, on one thread.",
         "",
-        "| class | config | eager / sdpa | reason refused |",
-        "|---|---|---|---|",
+        "| class | config | eager / sdpa | time | reason refused |",
+        "|---|---|---|---|---|",
     ]
     for row in rows:
         detail = row.detail.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| `{row.attention}` | `{row.config}` | {' / '.join(row.verdicts)} | {detail} |")
+        verdicts = " / ".join(row.verdicts)
+        lines.append(f"| `{row.attention}` | `{row.config}` | {verdicts} | {row.seconds:.1f} s | {detail} |")
     return "\n".join(lines) + "\n"
+
+
+def without_times(page: str) -> str:
+    """The page with its time column blanked: what a stale page is told by (times vary from run to run)."""
+    return re.sub(r"\| [0-9.]+ s \|", "| |", page)
 
 
 def main(argv: Any = None) -> None:
