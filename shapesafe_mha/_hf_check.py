@@ -42,6 +42,7 @@ class _Layer:
     window: int | None = None
     qk_norm: tuple[Tensor, Tensor] | None = None
     scale: float | None = None
+    softcap: float | None = None
 
 
 class _Target:
@@ -99,6 +100,10 @@ class _Target:
         if r.windowed:
             window = data.draw(st.integers(2, c.seq + 2), label="sliding_window")  # 1: its cache keeps no key
             kwargs["sliding_window"] = window
+        softcap = None
+        if r.logit_softcap is not None:  # a cap near the scores' size, where it bends them (the default 50 hardly does)
+            softcap = data.draw(st.sampled_from([0.5, 2.0, r.logit_softcap]), label="attn_logit_softcapping")
+            kwargs["attn_logit_softcapping"] = softcap
         theta = None
         if self.rotary_cls is not None:
             theta = data.draw(st.sampled_from([10.0, 10000.0]), label="rope_theta")
@@ -126,7 +131,8 @@ class _Target:
         scale = None if r.scale is None else r.scale(config)
         if layer_idx in r.nope:
             theta = None  # a NoPE layer: the tables are passed, and ignored
-        return _Layer(config, module, held, rotary, theta, layer_type, window if sliding else None, qk_norm, scale)
+        window = window if sliding else None
+        return _Layer(config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap)
 
     def call(
         self, layer: _Layer, x: Tensor, positions: Tensor, mask: Tensor | None, cache: Any, neutral: bool
@@ -176,6 +182,7 @@ def _sizes(c: AttentionConfig, layer: _Layer) -> str:
         + (f", rope_theta={layer.theta:g}" if layer.theta is not None else "")
         + (f", layer_type={layer.layer_type!r}" if layer.layer_type is not None else "")
         + (f", sliding_window={layer.window}" if layer.window is not None else "")
+        + (f", attn_logit_softcapping={layer.softcap:g}" if layer.softcap is not None else "")
     )
 
 
@@ -275,7 +282,7 @@ def _scenario(
         norm_eps=1e-6 if target.recipe.qk_norm is None else target.recipe.qk_norm.eps,
         qk_norm_over="head" if target.recipe.qk_norm is None else target.recipe.qk_norm.over,
         window=layer.window,
-        logit_softcap=target.recipe.logit_softcap,
+        logit_softcap=layer.softcap,
     )
 
 

@@ -172,15 +172,20 @@ def _rotary_factor(config: Any, name: str, layer_type: str | None) -> float:
 def _rope_style(
     attention_cls: type[nn.Module], rotary: nn.Module, config: Any, width: int, name: str, layer_type: str | None
 ) -> RopeStyle:
-    """How the model pairs features: its own `apply_rotary_pos_emb` on a probe, halves or adjacent pairs.
+    """How the model pairs features: halves (rotate_half) or adjacent pairs (interleaved).
 
-    Read from the model's function, not its attention's forward (which is what is checked); a function
-    that matches neither (a wrong sign, say) is taken as halves, so the check still reports it.
+    A rotary table that repeats each angle for adjacent features (Cohere's) says pairs. A table in halves
+    may still be applied to pairs (GLM and ERNIE interleave it inside `apply_rotary_pos_emb`): then the
+    model's own function on a probe tells, not its attention's forward (which is what is checked); a
+    function that matches neither (a wrong sign, say) is taken as halves, so the check reports it.
     """
     positions = torch.arange(4)[None]
     cos, sin = tables(rotary, torch.zeros(1, 4, 8), positions, layer_type)
     if cos.shape[-1] not in (width, width // 2):  # gpt-oss keeps one angle per pair: a table half as wide
         raise refuse(name, f"a rotary table {cos.shape[-1]} wide where the config rotates {width} features")
+    row = cos[0, 2]
+    if cos.shape[-1] == width and width > 2 and torch.equal(row[0::2], row[1::2]):
+        return "interleaved"
     apply = getattr(importlib.import_module(attention_cls.__module__), "apply_rotary_pos_emb", None)
     theta = rope_parameters(config, layer_type).get("rope_theta")
     if apply is None or theta is None:
