@@ -69,6 +69,7 @@ class Scenario:
     qk_norm_over: NormOver = "head"
     window: int | None = None
     logit_softcap: float | None = None
+    sinks: Tensor | None = None
 
     def expected(self) -> Tensor:
         return per_head_attention(
@@ -95,6 +96,7 @@ class Scenario:
             qk_norm_over=self.qk_norm_over,
             window=self.window,
             logit_softcap=self.logit_softcap,
+            sinks=self.sinks,
         )
 
     @property

@@ -43,6 +43,7 @@ class _Layer:
     qk_norm: tuple[Tensor, Tensor] | None = None
     scale: float | None = None
     softcap: float | None = None
+    sinks: Tensor | None = None
 
 
 class _Target:
@@ -63,7 +64,7 @@ class _Target:
     def configs(self, max_seq: int) -> st.SearchStrategy[AttentionConfig]:
         r = self.recipe
         drawn = attention_configs(
-            ALL_KINDS if r.has_kv_heads and r.fused is None else ("mha",),
+            ("mqa",) if r.multi_query else ALL_KINDS if r.has_kv_heads and r.fused is None else ("mha",),
             max_heads=4,
             max_seq=max_seq,
             max_batch=2,
@@ -127,12 +128,19 @@ class _Target:
                     norm.weight.copy_(wanted - r.qk_norm.offset)
                 pair.append(wanted.double())
             qk_norm = (pair[0], pair[1])
+        sinks = None
+        if r.sinks:
+            held_sinks: Any = module.sinks
+            sinks = data.draw(_norm_weights(c.num_heads, dtype, weights.w_q.device), label="sinks") * 4 - 4
+            with torch.no_grad():
+                held_sinks.copy_(sinks)  # logits of -2..2: sinks that take a share of the softmax
+            sinks = sinks.double()
         rotary = None if self.rotary_cls is None else self.rotary_cls(config).to(device=weights.w_q.device)
         scale = None if r.scale is None else r.scale(config)
         if layer_idx in r.nope:
             theta = None  # a NoPE layer: the tables are passed, and ignored
         window = window if sliding else None
-        return _Layer(config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap)
+        return _Layer(config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks)
 
     def call(
         self, layer: _Layer, x: Tensor, positions: Tensor, mask: Tensor | None, cache: Any, neutral: bool
@@ -283,6 +291,7 @@ def _scenario(
         qk_norm_over="head" if target.recipe.qk_norm is None else target.recipe.qk_norm.over,
         window=layer.window,
         logit_softcap=layer.softcap,
+        sinks=layer.sinks,
     )
 
 
@@ -371,4 +380,5 @@ def check_hf_attention(
                 got, scenario, tol, dtype, where, run=run, rows=rows, lenient_float64=lenient, what=f"[{name}] {label}"
             )
 
-        run_property(check, kinds=ALL_KINDS, max_examples=max_examples, base=settings, configs=target.configs(max_seq))
+        kinds = ("mqa",) if target.recipe.multi_query else ALL_KINDS
+        run_property(check, kinds=kinds, max_examples=max_examples, base=settings, configs=target.configs(max_seq))

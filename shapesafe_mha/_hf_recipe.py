@@ -41,7 +41,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "attn_temperature_tuning": ((None, False, 0), "attention temperature tuning (Llama 4)"),
     "use_sink": ((None, False), "attention sinks"),
     "alibi": ((None, False), "ALiBi position biases"),
-    "multi_query": ((None, False), "multi-query attention from a multi_query switch"),
     "new_decoder_architecture": ((None, False), "Falcon's grouped fused query-key-value layout"),
     "attention_chunk_size": ((None,), "chunked attention (Llama 4)"),
     "use_qkv_bias": ((None, False), "a query-key-value bias switch of its own"),
@@ -82,6 +81,8 @@ class Recipe:
     windowed: bool = False  # the config has a sliding_window the check draws
     takes_position_embeddings: bool = True
     tied_width: bool = False  # the output projection takes hidden_size features (Helium): heads * head_dim drawn equal
+    multi_query: bool = False  # one KV head from a multi_query switch, not num_key_value_heads (GPTBigCode)
+    sinks: bool = False  # a `sinks` parameter of one logit per head (gpt-oss)
     nope: frozenset[int] = frozenset()  # layers (by index) that apply no RoPE where others do (Cohere 2, SmolLM3)
     cache_keyword: str = "past_key_values"
 
@@ -183,6 +184,8 @@ def _rope_style(
     cos, sin = tables(rotary, torch.zeros(1, 4, 8), positions, layer_type)
     if cos.shape[-1] not in (width, width // 2):  # gpt-oss keeps one angle per pair: a table half as wide
         raise refuse(name, f"a rotary table {cos.shape[-1]} wide where the config rotates {width} features")
+    if cos.ndim != 3:
+        raise refuse(name, f"a rotary table of shape {tuple(cos.shape)}, not (batch, seq, features)")
     row = cos[0, 2]
     if cos.shape[-1] == width and width > 2 and torch.equal(row[0::2], row[1::2]):
         return "interleaved"
@@ -299,6 +302,11 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             f"attention computed by the layer itself under {implementation} (its model passes it "
             "a mask of its own, not transformers' attention interface)",
         )
+    if isinstance(getattr(module, "sinks", None), nn.Parameter) and implementation != "eager":
+        raise refuse(
+            name,
+            f"attention sinks under {implementation} (transformers' {implementation} does not apply them; eager does)",
+        )
     if not getattr(module, "is_causal", True):
         raise refuse(name, "a non-causal layer (is_causal=False)")
     scales = [s for s in _SCALES if getattr(default, s, None) is not None]
@@ -328,6 +336,8 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         windowed=getattr(default, "sliding_window", None) is not None or "sliding_attention" in types,
         takes_position_embeddings="position_embeddings" in forward,
         cache_keyword=next((k for k in _CACHE_WORDS if k in forward), "past_key_values"),
+        sinks=isinstance(getattr(module, "sinks", None), nn.Parameter),
+        multi_query=bool(getattr(default, "multi_query", False)),
         has_kv_heads=fields["has_kv_heads"],
         has_head_dim=fields["has_head_dim"],
         has_bias_switch=fields["has_bias_switch"],
@@ -460,6 +470,10 @@ def _refuse_unloaded(module: nn.Module, name: str, fused: str | None) -> None:
     if norms:
         raise refuse(name, f"a norm of its own ({', '.join(norms)})")
     loaded = {"q_norm", "k_norm"}
+    sinks = getattr(module, "sinks", None)
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    if isinstance(sinks, nn.Parameter) and sinks.shape == (heads,):  # drawn by the check: one logit per head
+        loaded.add("sinks")
     for role in ("q", "k", "v", "o") if fused is None else ("o", "qkv"):
         names = _PER_HEAD if fused == "per_head" and role == "qkv" else NAMES[role]
         loaded.add(next(n for n in names if isinstance(getattr(module, n, None), nn.Module)))

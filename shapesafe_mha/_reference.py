@@ -154,6 +154,7 @@ def per_head_attention(
     qk_norm: tuple[Tensor, Tensor] | None = None,
     norm_eps: float = 1e-6,
     qk_norm_over: NormOver = "head",
+    sinks: Tensor | None = None,
     window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
@@ -201,6 +202,8 @@ def per_head_attention(
         qk_norm_over: "head" normalises each head's `d_head` features (Qwen3); "all" normalises
             every head's features together (OLMo-2: weights `(num_heads * d_head,)` and
             `(num_kv_heads * d_head,)`), each head then taking its slice.
+        sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
+            part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         scale: the score scale; default `1/sqrt(d_head)`.
@@ -243,7 +246,11 @@ def per_head_attention(
         scores = scores + _head_mask(
             attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod
         )
-        heads.append(_softmax_or_zeros(scores) @ v)
+        if sinks is not None:  # one more logit per head, in the softmax's sum and dropped after it
+            sink = sinks[head].to(scores.dtype).expand(*scores.shape[:-1], 1)
+            heads.append(_softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v)
+        else:
+            heads.append(_softmax_or_zeros(scores) @ v)
     return _linear(torch.cat(heads, dim=-1), weights.w_o, weights.b_o)
 
 

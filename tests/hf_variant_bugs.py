@@ -16,6 +16,7 @@ from transformers import (
     CohereConfig,
     Gemma2Config,
     GPTNeoXConfig,
+    GptOssConfig,
     GraniteConfig,
     MistralConfig,
     Olmo2Config,
@@ -29,7 +30,10 @@ from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
 from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
+from transformers.models.gpt_oss import modeling_gpt_oss
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
 from transformers.models.granite.modeling_granite import GraniteAttention
+from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import rotate_half as llama_rotate_half
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.olmo2 import modeling_olmo2
@@ -114,6 +118,14 @@ def _softcap_dropped(original: Callable[..., Any]) -> Callable[..., Any]:
     return attention
 
 
+def _sinks_dropped(original: Callable[..., Any]) -> Callable[..., Any]:
+    def attention(module: Any, *a: Any, **kw: Any) -> Any:
+        # the bug: Llama's softmax, without the sink logit of each head
+        return modeling_llama.eager_attention_forward(module, *a, **{k: v for k, v in kw.items() if k != "s_aux"})
+
+    return attention
+
+
 def _window_one_longer(sliding_window: int) -> Callable[..., bool]:
     def inner_mask(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
         return kv_idx > q_idx - sliding_window - 1  # the bug: each query sees one key more than its window
@@ -155,6 +167,9 @@ VARIANT_BUGS = [
                                 _softcap_dropped(modeling_gemma2.eager_attention_forward)), "heads"),
     VariantBug("attention_multiplier", "Granite: 1/sqrt(head_dim) where the multiplier was meant",
                GraniteMultiplierIgnored, GraniteConfig, _none, "heads"),
+    VariantBug("attention sinks", "gpt-oss: the sinks left out of the softmax", GptOssAttention, GptOssConfig,
+               lambda: _patched(modeling_gpt_oss, "eager_attention_forward",
+                                _sinks_dropped(modeling_gpt_oss.eager_attention_forward)), "heads"),
     VariantBug("sliding window", "Mistral: the window one key longer", MistralAttention, MistralConfig,
                lambda: _patched(masking_utils, "sliding_window_overlay", _window_one_longer), "heads"),
     VariantBug("partial rotary", "Phi: frequencies over head_dim, not the rotated part", PhiAttention, PhiConfig,

@@ -28,6 +28,10 @@ VARIANTS = {
     "QK-norm 1 + weight, query_pre_attn_scalar, layer types (Gemma 3)": (
         "gemma3.Gemma3Attention", "Gemma3TextConfig", "sdpa", None),
     "logit softcapping (Gemma 2)": ("gemma2.Gemma2Attention", "Gemma2Config", "eager", None),
+    # eager takes the softmax in float32 inside: the float32-rounding tolerance
+    "attention sinks, half-width rotary table (gpt-oss)": ("gpt_oss.GptOssAttention", "GptOssConfig", "eager", None),
+    "multi_query MQA, one fused [q; k; v] (GPTBigCode)": (
+        "gpt_bigcode.GPTBigCodeAttention", "GPTBigCodeConfig", "sdpa", 1e-10),
 }  # fmt: skip
 
 
