@@ -70,6 +70,8 @@ class Scenario:
     window: int | None = None
     logit_softcap: float | None = None
     sinks: Tensor | None = None
+    qk_norm_after_rope: bool = False
+    out_norm: tuple[Tensor, float] | None = None
 
     def expected(self) -> Tensor:
         return per_head_attention(
@@ -97,6 +99,8 @@ class Scenario:
             window=self.window,
             logit_softcap=self.logit_softcap,
             sinks=self.sinks,
+            qk_norm_after_rope=self.qk_norm_after_rope,
+            out_norm=self.out_norm,
         )
 
     @property

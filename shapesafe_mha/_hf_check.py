@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ._diagnose import Scenario
-from ._hf_recipe import drawn_rope, load_layer_weights, read_recipe, rope_parameters, tables, tiny_config
+from ._hf_recipe import OUT_NORMS, drawn_rope, load_layer_weights, read_recipe, rope_parameters, tables, tiny_config
 from ._strategies import ALL_KINDS, AttentionConfig, attention_configs, attention_inputs, projection_weights
 from ._toolkit import _to, judge, resolve, run_property
 from ._weights import AttentionWeights
@@ -44,6 +44,7 @@ class _Layer:
     scale: float | None = None
     softcap: float | None = None
     sinks: Tensor | None = None
+    out_norm: tuple[Tensor, float] | None = None
 
 
 class _Target:
@@ -121,13 +122,20 @@ class _Target:
         qk_norm = None
         if r.qk_norm is not None:
             pair = []
-            for name in ("q_norm", "k_norm"):
+            for name in r.qk_norm.names:
                 norm: Any = getattr(module, name)
                 wanted = data.draw(_norm_weights(norm.weight.shape[0], dtype, weights.w_q.device), label=name)
                 with torch.no_grad():
                     norm.weight.copy_(wanted - r.qk_norm.offset)
                 pair.append(wanted.double())
             qk_norm = (pair[0], pair[1])
+        out_norm = None
+        if r.out_norm_eps is not None:
+            sub_norm: Any = next(getattr(module, n) for n in OUT_NORMS if hasattr(module, n))
+            wanted = data.draw(_norm_weights(sub_norm.weight.shape[0], dtype, weights.w_q.device), label="out_norm")
+            with torch.no_grad():
+                sub_norm.weight.copy_(wanted)
+            out_norm = (wanted.double(), r.out_norm_eps)
         sinks = None
         if r.sinks:
             held_sinks: Any = module.sinks
@@ -140,7 +148,9 @@ class _Target:
         if layer_idx in r.nope:
             theta = None  # a NoPE layer: the tables are passed, and ignored
         window = window if sliding else None
-        return _Layer(config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks)
+        return _Layer(
+            config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm
+        )
 
     def call(
         self, layer: _Layer, x: Tensor, positions: Tensor, mask: Tensor | None, cache: Any, neutral: bool
@@ -160,6 +170,8 @@ class _Target:
             kwargs["position_ids"] = positions
         if "cache_position" in self.keywords:
             kwargs["cache_position"] = positions[0]
+        if "alibi" in self.keywords:
+            kwargs["alibi"] = None  # as the model passes it where the config switches ALiBi off (Falcon)
         with torch.no_grad():
             out = layer.module(x, **kwargs)
         return out[0] if isinstance(out, tuple) else out
@@ -292,6 +304,8 @@ def _scenario(
         window=layer.window,
         logit_softcap=layer.softcap,
         sinks=layer.sinks,
+        qk_norm_after_rope=target.recipe.qk_norm is not None and target.recipe.qk_norm.after_rope,
+        out_norm=layer.out_norm,
     )
 
 

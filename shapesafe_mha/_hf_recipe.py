@@ -53,11 +53,22 @@ _CACHE_WORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 @dataclass(frozen=True)
 class QKNorm:
-    """An RMSNorm of queries and keys before RoPE: `weight * x / rms(x)`, `(offset + weight)` where Gemma 3's is."""
+    """An RMSNorm of queries and keys: `weight * x / rms(x)`, `(offset + weight)` where Gemma 3's is.
+
+    Where it sits is read from the submodules' names, transformers' convention: `q_norm`/`k_norm` before
+    RoPE (Qwen3, Gemma 3, OLMo-2), `query_layernorm`/`key_layernorm` after it (HunYuan).
+    """
 
     offset: float
     eps: float
     over: NormOver
+    names: tuple[str, str] = ("q_norm", "k_norm")
+    after_rope: bool = False
+
+
+# submodule names of a QK-norm, and whether it normalises after RoPE
+QK_NORMS = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True}
+OUT_NORMS = ("attn_sub_norm",)  # BitNet: the merged heads normalised before the output projection
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,7 @@ class Recipe:
     takes_position_embeddings: bool = True
     tied_width: bool = False  # the output projection takes hidden_size features (Helium): heads * head_dim drawn equal
     multi_query: bool = False  # one KV head from a multi_query switch, not num_key_value_heads (GPTBigCode)
+    out_norm_eps: float | None = None  # BitNet's attn_sub_norm: an RMSNorm of the merged heads
     sinks: bool = False  # a `sinks` parameter of one logit per head (gpt-oss)
     nope: frozenset[int] = frozenset()  # layers (by index) that apply no RoPE where others do (Cohere 2, SmolLM3)
     cache_keyword: str = "past_key_values"
@@ -233,7 +245,8 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             taken = ", ".join(p for p in init if p != "self")
             raise refuse(name, f"a layer built as {name}({taken}), not from (config, layer_idx)")
         forward = inspect.signature(attention_cls.forward).parameters
-        extra = [p for p, v in forward.items() if p not in _PASSED and v.default is v.empty
+        passed = _PASSED | ({"alibi"} if getattr(config_cls(), "alibi", None) is False else set())  # Falcon: None
+        extra = [p for p, v in forward.items() if p not in passed and v.default is v.empty
                  and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]  # fmt: skip
         if extra:
             raise refuse(name, f"a forward that needs {', '.join(extra)}")
@@ -294,6 +307,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         fused = _layout(module, name, config)
         tied = _widths(module, name, config, fused)
         norm = _qk_norm(module, name, config)
+        out_norm = _out_norm(module, name, config)
         _refuse_unloaded(module, name, fused)
         nope = _nope_layers(attention_cls, config_cls, rotary_cls, sizes, layers) if rotary_cls else frozenset()
     if implementation != "eager" and "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(attention_cls):
@@ -330,6 +344,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         rope_style=style,
         rotary_factor=factor,
         qk_norm=norm,
+        out_norm_eps=out_norm,
         logit_softcap=None if softcap is None else float(softcap),
         scale=scale,
         layers=layers,
@@ -370,6 +385,8 @@ _PER_HEAD = ("query_key_value",)  # GPT-NeoX, Persimmon: each head's [q; k; v] r
 def _layout(module: nn.Module, name: str, config: Any) -> str | None:
     """None: four projections; "stacked": one `[q; k; v]`; "per_head": `[q_h; k_h; v_h]` for each head."""
     if isinstance(getattr(module, "query_key_value", None), nn.Linear):
+        if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+            return "stacked"  # Falcon's multi-query layout: every head's queries, then the one key and value
         if getattr(config, "num_key_value_heads", None) not in (None, config.num_attention_heads):
             raise refuse(name, "a per-head fused query_key_value with grouped KV heads")
         return "per_head"
@@ -442,7 +459,13 @@ def _nope_layers(
 
 
 def _qk_norm(module: nn.Module, name: str, config: Any) -> QKNorm | None:
-    norms: list[Any] = [getattr(module, n, None) for n in ("q_norm", "k_norm")]
+    held = [(names, after) for names, after in QK_NORMS.items() if any(hasattr(module, n) for n in names)]
+    if not held:
+        return None
+    if len(held) > 1:
+        raise refuse(name, "two QK-norms")
+    labels, after_rope = held[0]
+    norms: list[Any] = [getattr(module, n, None) for n in labels]
     if all(n is None for n in norms):
         return None
     if any(n is None or isinstance(n, nn.Identity) for n in norms):
@@ -456,26 +479,40 @@ def _qk_norm(module: nn.Module, name: str, config: Any) -> QKNorm | None:
     over: NormOver = "head" if q_width == d else "all"
     widths = (d, d) if over == "head" else (heads * d, kv_heads * d)
     (q_offset, q_eps), (k_offset, k_eps) = (
-        _norm_of(n, w, name, label) for n, w, label in zip(norms, widths, ("q_norm", "k_norm"), strict=True)
+        _norm_of(n, w, name, label) for n, w, label in zip(norms, widths, labels, strict=True)
     )
     if (q_offset, q_eps) != (k_offset, k_eps):
         raise refuse(name, "a query norm and a key norm that differ in kind")
-    return QKNorm(q_offset, q_eps, over)
+    if after_rope and over == "all":
+        raise refuse(name, "a QK-norm over every head after RoPE")
+    return QKNorm(q_offset, q_eps, over, labels, after_rope)
+
+
+def _out_norm(module: nn.Module, name: str, config: Any) -> float | None:
+    """The epsilon of an RMSNorm of the merged heads before the output projection (BitNet), if the layer has one."""
+    norm = next((getattr(module, n) for n in OUT_NORMS if isinstance(getattr(module, n, None), nn.Module)), None)
+    if norm is None:
+        return None
+    offset, eps = _norm_of(norm, config.num_attention_heads * _head_dim(config), name, "attn_sub_norm")
+    if offset:
+        raise refuse(name, "an output norm of 1 + weight")
+    return eps
 
 
 def _refuse_unloaded(module: nn.Module, name: str, fused: str | None) -> None:
     """Parameters the check would not draw (sinks, other norms, gates, experts) are refused by name, and norms
     without parameters too (Gemma 3n's v_norm)."""
-    norms = [n for n, _ in module.named_children() if "norm" in n.lower() and n not in ("q_norm", "k_norm")]
+    known = {n for names in QK_NORMS for n in names} | set(OUT_NORMS)
+    norms = [n for n, _ in module.named_children() if "norm" in n.lower() and n not in known]
     if norms:
         raise refuse(name, f"a norm of its own ({', '.join(norms)})")
-    loaded = {"q_norm", "k_norm"}
+    loaded = set(known)
     sinks = getattr(module, "sinks", None)
     heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
     if isinstance(sinks, nn.Parameter) and sinks.shape == (heads,):  # drawn by the check: one logit per head
         loaded.add("sinks")
     for role in ("q", "k", "v", "o") if fused is None else ("o", "qkv"):
-        names = _PER_HEAD if fused == "per_head" and role == "qkv" else NAMES[role]
+        names = (*NAMES[role], *_PER_HEAD) if role == "qkv" else NAMES[role]
         loaded.add(next(n for n in names if isinstance(getattr(module, n, None), nn.Module)))
     others = sorted({n.split(".")[0] for n, _ in module.named_parameters() if n.split(".")[0] not in loaded})
     if others:
@@ -487,7 +524,8 @@ def _refuse_unloaded(module: nn.Module, name: str, fused: str | None) -> None:
 def load_layer_weights(module: nn.Module, weights: AttentionWeights, recipe: Recipe, heads: int) -> AttentionWeights:
     """`load_weights`, and the per-head fused layout (`query_key_value` rows `[q_h; k_h; v_h]` for each head)."""
     if recipe.fused != "per_head":
-        return load_weights(module, weights)
+        named = recipe.fused == "stacked" and isinstance(getattr(module, "query_key_value", None), nn.Module)
+        return load_weights(module, weights, names={"qkv": "query_key_value"} if named else None)
     fused: Any = module.query_key_value
     d = weights.w_q.shape[0] // heads
 

@@ -154,7 +154,9 @@ def per_head_attention(
     qk_norm: tuple[Tensor, Tensor] | None = None,
     norm_eps: float = 1e-6,
     qk_norm_over: NormOver = "head",
+    qk_norm_after_rope: bool = False,
     sinks: Tensor | None = None,
+    out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
@@ -202,6 +204,8 @@ def per_head_attention(
         qk_norm_over: "head" normalises each head's `d_head` features (Qwen3); "all" normalises
             every head's features together (OLMo-2: weights `(num_heads * d_head,)` and
             `(num_kv_heads * d_head,)`), each head then taking its slice.
+        qk_norm_after_rope: normalise after RoPE instead of before (HunYuan).
+        out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
         sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
@@ -235,11 +239,13 @@ def per_head_attention(
             every_k = _rms_norm(_linear(key, weights.w_k, weights.b_k), qk_norm[1], norm_eps)
             q = every_q[..., head * d_head : (head + 1) * d_head]
             k = every_k[..., kv_head * d_head : (kv_head + 1) * d_head]
-        elif qk_norm is not None:
+        elif qk_norm is not None and not qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         if rope_theta is not None:
             q = _rotate_part(q, where, rope_theta, rope_style, rotary_dim)
             k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim)
+        if qk_norm is not None and qk_norm_after_rope:
+            q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
         scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
         scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
@@ -251,7 +257,10 @@ def per_head_attention(
             heads.append(_softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v)
         else:
             heads.append(_softmax_or_zeros(scores) @ v)
-    return _linear(torch.cat(heads, dim=-1), weights.w_o, weights.b_o)
+    merged = torch.cat(heads, dim=-1)
+    if out_norm is not None:  # BitNet: the merged heads RMS-normalised before the output projection
+        merged = _rms_norm(merged, *out_norm)
+    return _linear(merged, weights.w_o, weights.b_o)
 
 
 def per_head_latent_attention(

@@ -13,17 +13,21 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import (
+    BitNetConfig,
     CohereConfig,
     Gemma2Config,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
+    HunYuanDenseV1Config,
     MistralConfig,
     Olmo2Config,
     PhiConfig,
     Qwen3Config,
     masking_utils,
 )
+from transformers.models.bitnet import modeling_bitnet
+from transformers.models.bitnet.modeling_bitnet import BitNetAttention
 from transformers.models.cohere import modeling_cohere
 from transformers.models.cohere.modeling_cohere import CohereAttention
 from transformers.models.gemma2 import modeling_gemma2
@@ -33,6 +37,8 @@ from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
 from transformers.models.granite.modeling_granite import GraniteAttention
+from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as modeling_hunyuan
+from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1Attention
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import rotate_half as llama_rotate_half
 from transformers.models.mistral.modeling_mistral import MistralAttention
@@ -73,6 +79,36 @@ class Qwen3NormAfterRope(Qwen3Attention):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         return self.o_proj(_attend(self, modeling_qwen3, q, k, v, attention_mask)), None
+
+
+class HunYuanNormBeforeRope(HunYuanDenseV1Attention):
+    """QK-norm after RoPE (HunYuan's query_layernorm/key_layernorm): the norm applied before the rotation."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any = None,  # type: ignore[override]
+                cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.query_layernorm(self.q_proj(hidden_states).view(shape).transpose(1, 2))  # the bug: before RoPE
+        k = self.key_layernorm(self.k_proj(hidden_states).view(shape).transpose(1, 2))
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = modeling_hunyuan.apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        return self.o_proj(_attend(self, modeling_hunyuan, q, k, v, attention_mask)), None
+
+
+class BitNetSubNormSkipped(BitNetAttention):
+    """BitNet's attn_sub_norm of the merged heads left out before the output projection."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any = None,  # type: ignore[override]
+                cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = modeling_bitnet.apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        return self.o_proj(_attend(self, modeling_bitnet, q, k, v, attention_mask)), None  # the bug: no sub-norm
 
 
 class Olmo2KeysUnnormed(Olmo2Attention):
@@ -160,6 +196,10 @@ def _none() -> contextlib.AbstractContextManager[Any]:
 VARIANT_BUGS = [
     VariantBug("QK-norm (RMSNorm of each head)", "Qwen3: the norm applied after RoPE", Qwen3NormAfterRope,
                Qwen3Config, _none, "RoPE/positions"),
+    VariantBug("QK-norm after RoPE", "HunYuan: the norm applied before RoPE", HunYuanNormBeforeRope,
+               HunYuanDenseV1Config, _none, "RoPE/positions"),
+    VariantBug("output norm of the merged heads", "BitNet: attn_sub_norm left out", BitNetSubNormSkipped,
+               BitNetConfig, _none, "heads"),
     VariantBug("QK-norm over every head", "OLMo-2: the keys' norm left out", Olmo2KeysUnnormed, Olmo2Config,
                _none, "heads"),
     VariantBug("logit softcapping", "Gemma 2: softcap not applied", Gemma2Attention, Gemma2Config,

@@ -27,6 +27,9 @@ VARIANTS = {
     "QK-norm over every head (OLMo-2)": ("olmo2.Olmo2Attention", "Olmo2Config", "sdpa", None),
     "QK-norm 1 + weight, query_pre_attn_scalar, layer types (Gemma 3)": (
         "gemma3.Gemma3Attention", "Gemma3TextConfig", "sdpa", None),
+    "QK-norm after RoPE (HunYuan)": ("hunyuan_v1_dense.HunYuanDenseV1Attention", "HunYuanDenseV1Config", "sdpa", None),
+    "an RMSNorm of the merged heads (BitNet)": ("bitnet.BitNetAttention", "BitNetConfig", "sdpa", None),
+    "multi_query fused query_key_value, alibi off (Falcon)": ("falcon.FalconAttention", "FalconConfig", "eager", None),
     "logit softcapping (Gemma 2)": ("gemma2.Gemma2Attention", "Gemma2Config", "eager", None),
     # eager takes the softmax in float32 inside: the float32-rounding tolerance
     "attention sinks, half-width rotary table (gpt-oss)": ("gpt_oss.GptOssAttention", "GptOssConfig", "eager", None),
