@@ -71,6 +71,7 @@ class Scenario:
     logit_softcap: float | None = None
     sinks: Tensor | None = None
     qk_norm_after_rope: bool = False
+    qk_norm_bias: tuple[Tensor, Tensor] | None = None
     out_norm: tuple[Tensor, float] | None = None
 
     def expected(self) -> Tensor:
@@ -100,6 +101,7 @@ class Scenario:
             logit_softcap=self.logit_softcap,
             sinks=self.sinks,
             qk_norm_after_rope=self.qk_norm_after_rope,
+            qk_norm_bias=self.qk_norm_bias,
             out_norm=self.out_norm,
         )
 

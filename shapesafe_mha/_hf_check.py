@@ -45,6 +45,7 @@ class _Layer:
     softcap: float | None = None
     sinks: Tensor | None = None
     out_norm: tuple[Tensor, float] | None = None
+    qk_norm_bias: tuple[Tensor, Tensor] | None = None
 
 
 class _Target:
@@ -119,16 +120,21 @@ class _Target:
             sliding = layer_type == "sliding_attention"
         else:
             sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
-        qk_norm = None
+        qk_norm = qk_norm_bias = None
         if r.qk_norm is not None:
-            pair = []
+            pair, shifts = [], []
             for name in r.qk_norm.names:
                 norm: Any = getattr(module, name)
                 wanted = data.draw(_norm_weights(norm.weight.shape[0], dtype, weights.w_q.device), label=name)
                 with torch.no_grad():
                     norm.weight.copy_(wanted - r.qk_norm.offset)
+                    if r.qk_norm.kind == "layer":
+                        shift = data.draw(_norm_weights(norm.bias.shape[0], dtype, weights.w_q.device)) - 1
+                        norm.bias.copy_(shift)
+                        shifts.append(shift.double())
                 pair.append(wanted.double())
             qk_norm = (pair[0], pair[1])
+            qk_norm_bias = (shifts[0], shifts[1]) if shifts else None
         out_norm = None
         if r.out_norm_eps is not None:
             sub_norm: Any = next(getattr(module, n) for n in OUT_NORMS if hasattr(module, n))
@@ -149,7 +155,8 @@ class _Target:
             theta = None  # a NoPE layer: the tables are passed, and ignored
         window = window if sliding else None
         return _Layer(
-            config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm
+            config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm,
+            qk_norm_bias,
         )
 
     def call(
@@ -306,6 +313,7 @@ def _scenario(
         sinks=layer.sinks,
         qk_norm_after_rope=target.recipe.qk_norm is not None and target.recipe.qk_norm.after_rope,
         out_norm=layer.out_norm,
+        qk_norm_bias=layer.qk_norm_bias,
     )
 
 

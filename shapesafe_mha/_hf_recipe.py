@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ._adapters import NAMES, load_weights
 from ._errors import ConfigError
-from ._reference import NormOver, RopeStyle, _rotate_pairs
+from ._reference import NormKind, NormOver, RopeStyle, _layer_norm, _rotate_pairs
 from ._weights import AttentionWeights
 
 OWNER = "check_hf_attention()"
@@ -33,7 +33,6 @@ _PASSED = {"hidden_states", "position_embeddings", "attention_mask", "cache", "p
 # Config fields of variants the reference does not compute, each neutral at the values listed.
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "clip_qkv": ((None,), "queries, keys and values clipped (OLMo's clip_qkv)"),
-    "qk_layernorm": ((None, False), "a QK LayerNorm"),
     "use_qk_norm": ((None, False), "a QK-norm over every head"),
     "rope_interleave": ((None, False), "interleaved RoPE read from a field"),
     "scale_attn_weights": ((None, True), "unscaled scores"),
@@ -64,10 +63,12 @@ class QKNorm:
     over: NormOver
     names: tuple[str, str] = ("q_norm", "k_norm")
     after_rope: bool = False
+    kind: NormKind = "rms"
 
 
 # submodule names of a QK-norm, and whether it normalises after RoPE
-QK_NORMS = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True}
+QK_NORMS = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True,
+            ("q_layernorm", "k_layernorm"): False}  # fmt: skip
 OUT_NORMS = ("attn_sub_norm",)  # BitNet: the merged heads normalised before the output projection
 
 
@@ -214,24 +215,39 @@ def _rope_style(
     return "interleaved" if torch.allclose(turned.double(), interleaved, atol=1e-5) else "half"
 
 
-def _norm_of(norm: nn.Module, width: int, name: str, label: str) -> tuple[float, float]:
-    """`(offset, eps)` of a norm that computes `(offset + weight) * x / sqrt(mean(x**2) + eps)`, shown on a probe."""
-    weight = getattr(norm, "weight", None)
+def _norm_of(norm: nn.Module, width: int, name: str, label: str) -> tuple[NormKind, float, float]:
+    """`(kind, offset, eps)` of a norm, shown on a probe: "rms" computes `(offset + weight) * x / sqrt(mean(x**2) +
+    eps)`; "layer" (a bias beside the weight: Persimmon's LayerNorm) `weight * (x - mean) / sqrt(var + eps) + bias`."""
+    weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(weight, Tensor) or weight.shape != (width,) or not isinstance(eps, float):
-        raise refuse(name, f"{label}={type(norm).__name__} (not an RMSNorm of {width} features with an epsilon)")
+        raise refuse(name, f"{label}={type(norm).__name__} (not a norm of {width} features with an epsilon)")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, width, generator=generator, dtype=torch.float64)
     drawn = torch.rand(width, generator=generator, dtype=torch.float64) + 0.5
-    rms = torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
-    for offset in (0.0, 1.0):
+    shift = torch.randn(width, generator=generator, dtype=torch.float64)
+    probe = norm.double()
+    saved = [t.detach().clone() for t in (weight, bias) if isinstance(t, Tensor)]
+    try:
+        if isinstance(bias, Tensor):
+            with torch.no_grad():
+                weight.copy_(drawn)
+                bias.copy_(shift)
+                got = probe(x)
+            if torch.allclose(got, _layer_norm(x, drawn, shift, eps), rtol=1e-5, atol=1e-6):
+                return "layer", 0.0, eps
+            raise refuse(name, f"{label}={type(norm).__name__}, a norm with a bias other than LayerNorm")
+        rms = torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+        for offset in (0.0, 1.0):
+            with torch.no_grad():
+                weight.copy_(drawn - offset)
+                got = probe(x)
+            if torch.allclose(got, x / rms * drawn, rtol=1e-5, atol=1e-6):
+                return "rms", offset, eps
+    finally:
         with torch.no_grad():
-            saved = weight.detach().clone()
-            weight.copy_(drawn - offset)
-            got = norm.double()(x)
-            weight.copy_(saved)
-        if torch.allclose(got, x / rms * drawn, rtol=1e-5, atol=1e-6):
-            return offset, eps
+            for held, value in zip((t for t in (weight, bias) if isinstance(t, Tensor)), saved, strict=True):
+                held.copy_(value)
     raise refuse(name, f"{label}={type(norm).__name__}, a norm other than weight * x / rms(x)")
 
 
@@ -241,7 +257,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         init = inspect.signature(attention_cls.__init__).parameters
         required = [p for p, v in init.items() if p not in ("self", "config", "layer_idx") and v.default is v.empty
                     and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]  # fmt: skip
-        if "config" not in init or required:
+        if "config" not in init or "layer_idx" not in init or required:
             taken = ", ".join(p for p in init if p != "self")
             raise refuse(name, f"a layer built as {name}({taken}), not from (config, layer_idx)")
         forward = inspect.signature(attention_cls.forward).parameters
@@ -478,14 +494,14 @@ def _qk_norm(module: nn.Module, name: str, config: Any) -> QKNorm | None:
     q_width = getattr(norms[0], "weight", torch.zeros(0)).shape[-1]
     over: NormOver = "head" if q_width == d else "all"
     widths = (d, d) if over == "head" else (heads * d, kv_heads * d)
-    (q_offset, q_eps), (k_offset, k_eps) = (
+    (q_kind, q_offset, q_eps), k_norm = (
         _norm_of(n, w, name, label) for n, w, label in zip(norms, widths, labels, strict=True)
     )
-    if (q_offset, q_eps) != (k_offset, k_eps):
+    if (q_kind, q_offset, q_eps) != k_norm:
         raise refuse(name, "a query norm and a key norm that differ in kind")
-    if after_rope and over == "all":
-        raise refuse(name, "a QK-norm over every head after RoPE")
-    return QKNorm(q_offset, q_eps, over, labels, after_rope)
+    if (after_rope or q_kind == "layer") and over == "all":
+        raise refuse(name, f"a QK-norm over every head ({q_kind}{', after RoPE' if after_rope else ''})")
+    return QKNorm(q_offset, q_eps, over, labels, after_rope, q_kind)
 
 
 def _out_norm(module: nn.Module, name: str, config: Any) -> float | None:
@@ -493,9 +509,9 @@ def _out_norm(module: nn.Module, name: str, config: Any) -> float | None:
     norm = next((getattr(module, n) for n in OUT_NORMS if isinstance(getattr(module, n, None), nn.Module)), None)
     if norm is None:
         return None
-    offset, eps = _norm_of(norm, config.num_attention_heads * _head_dim(config), name, "attn_sub_norm")
-    if offset:
-        raise refuse(name, "an output norm of 1 + weight")
+    kind, offset, eps = _norm_of(norm, config.num_attention_heads * _head_dim(config), name, "attn_sub_norm")
+    if offset or kind != "rms":
+        raise refuse(name, f"an output norm other than an RMSNorm of weight ({type(norm).__name__})")
     return eps
 
 

@@ -37,6 +37,7 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
 KVHeads = Literal["grouped", "interleaved"]
 RopeStyle = Literal["half", "interleaved"]
 NormOver = Literal["head", "all"]
+NormKind = Literal["rms", "layer"]
 # FlexAttention's signatures (torch.nn.attention.flex_attention): `score_mod(score, b, h, q_idx, kv_idx)`
 # returns the modified score; `mask_mod(b, h, q_idx, kv_idx)` returns True where the query may attend.
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -91,6 +92,12 @@ def _rotate_part(x: Tensor, positions: Tensor, theta: float, style: RopeStyle, r
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """`x / sqrt(mean(x**2) + eps) * weight` over each row's features."""
     return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """`(x - mean(x)) / sqrt(var(x) + eps) * weight + bias` over each row's features."""
+    centred = x - x.mean(dim=-1, keepdim=True)
+    return centred / torch.sqrt((centred * centred).mean(dim=-1, keepdim=True) + eps) * weight + bias
 
 
 def _softcap(scores: Tensor, cap: float | None) -> Tensor:
@@ -155,6 +162,7 @@ def per_head_attention(
     norm_eps: float = 1e-6,
     qk_norm_over: NormOver = "head",
     qk_norm_after_rope: bool = False,
+    qk_norm_bias: tuple[Tensor, Tensor] | None = None,
     sinks: Tensor | None = None,
     out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
@@ -205,6 +213,8 @@ def per_head_attention(
             every head's features together (OLMo-2: weights `(num_heads * d_head,)` and
             `(num_kv_heads * d_head,)`), each head then taking its slice.
         qk_norm_after_rope: normalise after RoPE instead of before (HunYuan).
+        qk_norm_bias: `(q_bias, k_bias)`, each `(d_head,)`: the QK-norm is a LayerNorm of each head
+            (`(x - mean) / sqrt(var + eps) * weight + bias`, Persimmon) instead of an RMSNorm.
         out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
         sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
@@ -239,6 +249,9 @@ def per_head_attention(
             every_k = _rms_norm(_linear(key, weights.w_k, weights.b_k), qk_norm[1], norm_eps)
             q = every_q[..., head * d_head : (head + 1) * d_head]
             k = every_k[..., kv_head * d_head : (kv_head + 1) * d_head]
+        elif qk_norm is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
+            q = _layer_norm(q, qk_norm[0], qk_norm_bias[0], norm_eps)
+            k = _layer_norm(k, qk_norm[1], qk_norm_bias[1], norm_eps)
         elif qk_norm is not None and not qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         if rope_theta is not None:

@@ -22,6 +22,7 @@ from transformers import (
     HunYuanDenseV1Config,
     MistralConfig,
     Olmo2Config,
+    PersimmonConfig,
     PhiConfig,
     Qwen3Config,
     masking_utils,
@@ -44,6 +45,8 @@ from transformers.models.llama.modeling_llama import rotate_half as llama_rotate
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
+from transformers.models.persimmon import modeling_persimmon
+from transformers.models.persimmon.modeling_persimmon import PersimmonAttention
 from transformers.models.phi.modeling_phi import PhiAttention, PhiRotaryEmbedding
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
@@ -94,6 +97,23 @@ class HunYuanNormBeforeRope(HunYuanDenseV1Attention):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         return self.o_proj(_attend(self, modeling_hunyuan, q, k, v, attention_mask)), None
+
+
+class PersimmonKeysNormedAsQueries(PersimmonAttention):
+    """A LayerNorm of each head (Persimmon's q_layernorm/k_layernorm): the keys normalised with the queries' norm."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,  # type: ignore[override]
+                cache: Any = None, output_attentions: bool = False, use_cache: bool = False,
+                position_embeddings: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        q, k, v = self._split_heads(self.query_key_value(hidden_states))
+        q, k = self.q_layernorm(q), self.q_layernorm(k)  # the bug: self.k_layernorm was meant for the keys
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        r = self.rotary_ndims
+        q_rot, k_rot = modeling_persimmon.apply_rotary_pos_emb(q[..., :r], k[..., :r], *position_embeddings)
+        q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        return self.dense(_attend(self, modeling_persimmon, q, k, v, attention_mask)), None
 
 
 class BitNetSubNormSkipped(BitNetAttention):
@@ -198,6 +218,8 @@ VARIANT_BUGS = [
                Qwen3Config, _none, "RoPE/positions"),
     VariantBug("QK-norm after RoPE", "HunYuan: the norm applied before RoPE", HunYuanNormBeforeRope,
                HunYuanDenseV1Config, _none, "RoPE/positions"),
+    VariantBug("QK LayerNorm of each head", "Persimmon: the keys normalised with the queries' LayerNorm",
+               PersimmonKeysNormedAsQueries, PersimmonConfig, _none, "heads"),
     VariantBug("output norm of the merged heads", "BitNet: attn_sub_norm left out", BitNetSubNormSkipped,
                BitNetConfig, _none, "heads"),
     VariantBug("QK-norm over every head", "OLMo-2: the keys' norm left out", Olmo2KeysUnnormed, Olmo2Config,

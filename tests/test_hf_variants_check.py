@@ -28,6 +28,8 @@ VARIANTS = {
     "QK-norm 1 + weight, query_pre_attn_scalar, layer types (Gemma 3)": (
         "gemma3.Gemma3Attention", "Gemma3TextConfig", "sdpa", None),
     "QK-norm after RoPE (HunYuan)": ("hunyuan_v1_dense.HunYuanDenseV1Attention", "HunYuanDenseV1Config", "sdpa", None),
+    "QK LayerNorm, partial rotary, per-head fused QKV (Persimmon)": (
+        "persimmon.PersimmonAttention", "PersimmonConfig", "sdpa", None),
     "an RMSNorm of the merged heads (BitNet)": ("bitnet.BitNetAttention", "BitNetConfig", "sdpa", None),
     "multi_query fused query_key_value, alibi off (Falcon)": ("falcon.FalconAttention", "FalconConfig", "eager", None),
     "logit softcapping (Gemma 2)": ("gemma2.Gemma2Attention", "Gemma2Config", "eager", None),
