@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 import shapesafe_mha as ssm
-from shapesafe_mha import _module
+from shapesafe_mha._compute import fastpath as _fastpath
+from shapesafe_mha._core import contract as _contract
 
 
 @dataclass
@@ -82,23 +83,23 @@ def unchecked(f: Callable[[], object]) -> Run:
 @contextlib.contextmanager
 def switch_removed() -> Iterator[None]:
     """The module's forward with its one check switch replaced by a constant: code with no checks at all."""
-    original = _module.checks_enabled
-    _module.checks_enabled = lambda: False
+    original = _contract.checks_enabled
+    _contract.checks_enabled = lambda: False  # the switch the module's forward reads (remembered_forward)
     try:
         yield
     finally:
-        _module.checks_enabled = original
+        _contract.checks_enabled = original
 
 
 @contextlib.contextmanager
 def fast_paths_removed() -> Iterator[None]:
     """The module with its fused-QKV fast path switched off: every projection through its submodule."""
-    original = _module.fused_qkv
-    _module.fused_qkv = lambda *args: None
+    original = _fastpath.fused_qkv
+    _fastpath.fused_qkv = lambda *args: None  # what choose_path builds the fused weight with
     try:
         yield
     finally:
-        _module.fused_qkv = original
+        _fastpath.fused_qkv = original
 
 
 def padded_generation(module: ssm.MultiHeadAttention, batch: int, prompt: int, steps: int) -> Callable[[], object]:

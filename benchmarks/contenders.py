@@ -376,7 +376,7 @@ def overhead_rows(rounds: int, devices: tuple[str, ...], sync: Callable[[], None
 def decision_rows(rounds: int, device: str, sync: Callable[[], None], quick: bool) -> list[Row]:
     """Why the decision table folds where it does: our module forced onto torch's GQA kernel / forced to fold
     (the 'ours' column here is the forced native call; the module itself takes the faster of the two)."""
-    from shapesafe_mha import _kernels
+    from shapesafe_mha._compute import kernels as _kernels
 
     decided = _kernels.native_gqa
 

@@ -15,7 +15,7 @@ from rich.table import Table
 
 import shapesafe_mha as ssm
 from benchmarks.__main__ import Comparison, measure, unchecked
-from shapesafe_mha._latent import LatentAttention
+from shapesafe_mha._modules.latent import LatentAttention
 
 CACHED = 256
 

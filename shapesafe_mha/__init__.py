@@ -4,70 +4,70 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name loads on first use
-    from ._cache import KVCache as KVCache
-    from ._contract import checks_enabled as checks_enabled
-    from ._contract import unchecked as unchecked
-    from ._errors import ConfigError as ConfigError
-    from ._errors import ShapeError as ShapeError
-    from ._errors import ShapesafeError as ShapesafeError
-    from ._flex import flex_attention as flex_attention
-    from ._latent import LatentAttention as LatentAttention
-    from ._latent import LatentCache as LatentCache
-    from ._module import MultiHeadAttention as MultiHeadAttention
-    from ._prove import ShapeProof as ShapeProof
-    from ._prove import prove as prove
-    from ._report import LatentTraceConfig as LatentTraceConfig
-    from ._report import TraceConfig as TraceConfig
-    from ._report import TraceReport as TraceReport
-    from ._report import trace_forward as trace_forward
-    from ._report import trace_latent as trace_latent
-    from ._rotary import RotaryEmbedding as RotaryEmbedding
-    from ._rotary import apply_rotary as apply_rotary
-    from ._rotary import inverse_frequencies as inverse_frequencies
-    from ._shapecheck import expect as expect
-    from ._shapecheck import shape_scope as shape_scope
-    from ._shapecheck import shapecheck as shapecheck
-    from ._stages import attention_weights as attention_weights
-    from ._stages import group_queries as group_queries
-    from ._stages import merge_heads as merge_heads
-    from ._stages import project as project
-    from ._stages import scaled_dot_product_attention as scaled_dot_product_attention
-    from ._stages import split_heads as split_heads
-    from ._weights import AttentionWeights as AttentionWeights
+    from ._compute.cache import KVCache as KVCache
+    from ._compute.flex import flex_attention as flex_attention
+    from ._compute.rotary import RotaryEmbedding as RotaryEmbedding
+    from ._compute.rotary import apply_rotary as apply_rotary
+    from ._compute.rotary import inverse_frequencies as inverse_frequencies
+    from ._compute.stages import attention_weights as attention_weights
+    from ._compute.stages import group_queries as group_queries
+    from ._compute.stages import merge_heads as merge_heads
+    from ._compute.stages import project as project
+    from ._compute.stages import scaled_dot_product_attention as scaled_dot_product_attention
+    from ._compute.stages import split_heads as split_heads
+    from ._core.contract import checks_enabled as checks_enabled
+    from ._core.contract import unchecked as unchecked
+    from ._core.errors import ConfigError as ConfigError
+    from ._core.errors import ShapeError as ShapeError
+    from ._core.errors import ShapesafeError as ShapesafeError
+    from ._core.shapecheck import expect as expect
+    from ._core.shapecheck import shape_scope as shape_scope
+    from ._core.shapecheck import shapecheck as shapecheck
+    from ._core.weights import AttentionWeights as AttentionWeights
+    from ._modules.latent import LatentAttention as LatentAttention
+    from ._modules.latent import LatentCache as LatentCache
+    from ._modules.multihead import MultiHeadAttention as MultiHeadAttention
+    from ._tools.prove import ShapeProof as ShapeProof
+    from ._tools.prove import prove as prove
+    from ._tools.report import LatentTraceConfig as LatentTraceConfig
+    from ._tools.report import TraceConfig as TraceConfig
+    from ._tools.report import TraceReport as TraceReport
+    from ._tools.report import trace_forward as trace_forward
+    from ._tools.report import trace_latent as trace_latent
 
 # Each public name, from the private module that defines it. They load on first use, not on import:
 # `shapesafe-mha --help` lives in this package and must answer before torch is imported (a second).
 _WHERE = {
-    "KVCache": "_cache",
-    "checks_enabled": "_contract",
-    "unchecked": "_contract",
-    "ConfigError": "_errors",
-    "ShapeError": "_errors",
-    "ShapesafeError": "_errors",
-    "flex_attention": "_flex",
-    "LatentAttention": "_latent",
-    "LatentCache": "_latent",
-    "MultiHeadAttention": "_module",
-    "ShapeProof": "_prove",
-    "prove": "_prove",
-    "LatentTraceConfig": "_report",
-    "TraceConfig": "_report",
-    "TraceReport": "_report",
-    "trace_forward": "_report",
-    "trace_latent": "_report",
-    "RotaryEmbedding": "_rotary",
-    "apply_rotary": "_rotary",
-    "inverse_frequencies": "_rotary",
-    "expect": "_shapecheck",
-    "shape_scope": "_shapecheck",
-    "shapecheck": "_shapecheck",
-    "attention_weights": "_stages",
-    "group_queries": "_stages",
-    "merge_heads": "_stages",
-    "project": "_stages",
-    "scaled_dot_product_attention": "_stages",
-    "split_heads": "_stages",
-    "AttentionWeights": "_weights",
+    "KVCache": "_compute.cache",
+    "checks_enabled": "_core.contract",
+    "unchecked": "_core.contract",
+    "ConfigError": "_core.errors",
+    "ShapeError": "_core.errors",
+    "ShapesafeError": "_core.errors",
+    "flex_attention": "_compute.flex",
+    "LatentAttention": "_modules.latent",
+    "LatentCache": "_modules.latent",
+    "MultiHeadAttention": "_modules.multihead",
+    "ShapeProof": "_tools.prove",
+    "prove": "_tools.prove",
+    "LatentTraceConfig": "_tools.report",
+    "TraceConfig": "_tools.report",
+    "TraceReport": "_tools.report",
+    "trace_forward": "_tools.report",
+    "trace_latent": "_tools.report",
+    "RotaryEmbedding": "_compute.rotary",
+    "apply_rotary": "_compute.rotary",
+    "inverse_frequencies": "_compute.rotary",
+    "expect": "_core.shapecheck",
+    "shape_scope": "_core.shapecheck",
+    "shapecheck": "_core.shapecheck",
+    "attention_weights": "_compute.stages",
+    "group_queries": "_compute.stages",
+    "merge_heads": "_compute.stages",
+    "project": "_compute.stages",
+    "scaled_dot_product_attention": "_compute.stages",
+    "split_heads": "_compute.stages",
+    "AttentionWeights": "_core.weights",
 }
 
 

@@ -1,3 +1,3 @@
-from ._cli import main
+from ._tools.cli import main
 
 main()

@@ -12,28 +12,28 @@ Example:
     <class 'jaxtyping.Float[Tensor, 'batch num_heads seq d_head']'>
 """
 
-from ._dims import DIMS as DIMS
-from ._dims import AttnMask as AttnMask
-from ._dims import Bias as Bias
-from ._dims import CacheBuffer as CacheBuffer
-from ._dims import GroupedQueries as GroupedQueries
-from ._dims import Heads as Heads
-from ._dims import Inner as Inner
-from ._dims import KVHeads as KVHeads
-from ._dims import KVTokens as KVTokens
-from ._dims import LinearIn as LinearIn
-from ._dims import LinearOut as LinearOut
-from ._dims import Memory as Memory
-from ._dims import NewKVHeads as NewKVHeads
-from ._dims import NewKVInner as NewKVInner
-from ._dims import PaddingMask as PaddingMask
-from ._dims import Positions as Positions
-from ._dims import Probabilities as Probabilities
-from ._dims import QueryInner as QueryInner
-from ._dims import RotaryTable as RotaryTable
-from ._dims import SameSeqKVHeads as SameSeqKVHeads
-from ._dims import Tokens as Tokens
-from ._dims import Weight as Weight
+from ._core.dims import DIMS as DIMS
+from ._core.dims import AttnMask as AttnMask
+from ._core.dims import Bias as Bias
+from ._core.dims import CacheBuffer as CacheBuffer
+from ._core.dims import GroupedQueries as GroupedQueries
+from ._core.dims import Heads as Heads
+from ._core.dims import Inner as Inner
+from ._core.dims import KVHeads as KVHeads
+from ._core.dims import KVTokens as KVTokens
+from ._core.dims import LinearIn as LinearIn
+from ._core.dims import LinearOut as LinearOut
+from ._core.dims import Memory as Memory
+from ._core.dims import NewKVHeads as NewKVHeads
+from ._core.dims import NewKVInner as NewKVInner
+from ._core.dims import PaddingMask as PaddingMask
+from ._core.dims import Positions as Positions
+from ._core.dims import Probabilities as Probabilities
+from ._core.dims import QueryInner as QueryInner
+from ._core.dims import RotaryTable as RotaryTable
+from ._core.dims import SameSeqKVHeads as SameSeqKVHeads
+from ._core.dims import Tokens as Tokens
+from ._core.dims import Weight as Weight
 
 __all__ = [
     "DIMS",

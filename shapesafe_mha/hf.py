@@ -3,7 +3,7 @@
 Needs transformers (`pip install "shapesafe_mha[hf]"`); importing this module does not import it.
 """
 
-from ._hf_backend import attention as attention
-from ._hf_backend import register as register
+from ._interop.hf_backend import attention as attention
+from ._interop.hf_backend import register as register
 
 __all__ = ["attention", "register"]

@@ -1,6 +1,6 @@
 """The naive per-head reference implementations, the oracles of shapesafe_mha's property tests."""
 
-from ._reference import per_head_attention as per_head_attention
-from ._reference import per_head_latent_attention as per_head_latent_attention
+from ._compute.reference import per_head_attention as per_head_attention
+from ._compute.reference import per_head_latent_attention as per_head_latent_attention
 
 __all__ = ["per_head_attention", "per_head_latent_attention"]

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
-from shapesafe_mha._trace import storage_id
+from shapesafe_mha._core.trace import storage_id
 from shapesafe_mha.testing import attention_configs
 
 
@@ -94,7 +94,7 @@ def test_which_stages_copy_is_what_the_trace_observes(num_kv_heads: int) -> None
 
 def test_the_trace_observes_a_copying_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trace's view/copy column is observed, not assumed: a split that copies shows as a new allocation."""
-    import shapesafe_mha._kernels as kernels
+    import shapesafe_mha._compute.kernels as kernels
 
     honest = kernels.split_heads
     monkeypatch.setattr(kernels, "split_heads", lambda x, n: honest(x, n).contiguous())

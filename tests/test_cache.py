@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
-from shapesafe_mha._trace import storage_id
+from shapesafe_mha._core.trace import storage_id
 from shapesafe_mha.testing import attention_configs, attention_inputs, projection_weights
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}

@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from shapesafe_mha._cli import app
+from shapesafe_mha._tools.cli import app
 
 runner = CliRunner()
 
@@ -108,7 +108,7 @@ def test_check_runs_the_property_suite_and_prints_a_table() -> None:
 
 def test_check_exits_nonzero_when_a_property_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failing property is reported with its first line, and the exit code is 1."""
-    import shapesafe_mha._suite as suite
+    import shapesafe_mha.testing._suite as suite
 
     def broken(config: object, data: object, device: str, dtype: object) -> float:
         raise AssertionError("planted: differs by 1 (tolerance 1e-08)")
@@ -215,7 +215,7 @@ def test_help_and_a_bad_value_answer_before_torch_is_imported() -> None:
     """Parsing needs no torch (a second or more to import): --help and usage errors never load it."""
     for argv in (["--help"], ["trace", "--help"], ["prove", "--help"], ["trace", "--seq", "0"], ["check", "--bogus"]):
         code = (
-            "import sys\nfrom shapesafe_mha._cli import main\n"
+            "import sys\nfrom shapesafe_mha._tools.cli import main\n"
             f"sys.argv = ['shapesafe-mha', *{argv!r}]\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules, file=sys.stderr)"
@@ -268,8 +268,8 @@ def test_an_error_nobody_foresaw_is_one_line_too(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The console script turns an unexpected exception into one line and exit 1; the traceback on request."""
-    import shapesafe_mha._report as report
-    from shapesafe_mha._cli import main
+    import shapesafe_mha._tools.report as report
+    from shapesafe_mha._tools.cli import main
 
     def broken(config: object) -> None:
         raise RuntimeError("invalid device ordinal\nCUDA kernel errors might be asynchronously reported")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from shapesafe_mha._cli import app
+from shapesafe_mha._tools.cli import app
 
 runner = CliRunner()
 

@@ -294,7 +294,7 @@ def test_lowest_versions_smoke_script_runs_here() -> None:
 
 
 def test_env_switch_accepts_the_usual_spellings_and_rejects_others() -> None:
-    from shapesafe_mha._contract import parse_switch
+    from shapesafe_mha._core.contract import parse_switch
 
     for text in ("1", "true", "YES", "on", " On "):
         assert parse_switch(text) is True

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import shapesafe_mha as ssm
-from shapesafe_mha import _hf
+from shapesafe_mha._interop import hf as _hf
 from shapesafe_mha.reference import per_head_attention
 from shapesafe_mha.testing import check_attention
 

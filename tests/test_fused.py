@@ -17,7 +17,7 @@ F64 = {"atol": 1e-10, "rtol": 1e-8}
 def _uses_fused_path(module: ssm.MultiHeadAttention, x: torch.Tensor) -> bool:
     with torch.no_grad():
         report_names = []
-        from shapesafe_mha._trace import tracing
+        from shapesafe_mha._core.trace import tracing
 
         with tracing() as tracer:
             module(x)

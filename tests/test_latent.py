@@ -222,7 +222,7 @@ def test_yarn_rope_is_refused_by_its_field() -> None:
 def test_decoding_with_a_growing_padding_mask_is_checked_a_few_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """Verdicts by relations, as for MultiHeadAttention: a prefill and 22 steps are checked in full only when
     a size relation is new (the first step, and kv_seq passing one of the module's sizes)."""
-    import shapesafe_mha._latent as latent
+    import shapesafe_mha._modules.latent as latent
 
     mla = ssm.LatentAttention(24, 4, kv_lora_rank=6, d_nope=3, d_rope=2, d_value=5)
     cache = mla.new_cache(2, 40)

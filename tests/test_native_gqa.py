@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
-from shapesafe_mha import _kernels
+from shapesafe_mha._compute import kernels as _kernels
 from shapesafe_mha.testing import assert_no_kv_expansion, attention_configs, attention_masks
 
 B, H, HKV, S, KV, D = 2, 8, 2, 3, 40, 8  # K at num_heads heads is larger than every legitimate tensor

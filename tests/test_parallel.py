@@ -153,7 +153,7 @@ def test_from_module_refuses_shards_that_compute_something_else(tmp_path, monkey
     import torch
     import torch.distributed as dist
 
-    from shapesafe_mha import _parallel
+    from shapesafe_mha._modules import parallel as _parallel
     from shapesafe_mha.parallel import HeadParallelAttention
 
     honest = _parallel._local_share

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
-from shapesafe_mha import _fastpath, _kernels, _module
+from shapesafe_mha._compute import fastpath as _fastpath
+from shapesafe_mha._compute import kernels as _kernels
 from shapesafe_mha.reference import per_head_attention
 from shapesafe_mha.testing import (
     attention_configs,
@@ -36,12 +37,12 @@ PATHS = {
 
 def _paths_of(path: str, query: torch.Tensor, kv_cache: Any, need_weights: bool) -> set[str]:
     taken = {
-        _module.SEPARATE: "separate projections",
-        _module.FUSED: "fused QKV projection",
-        _module.NATIVE: "torch's native kernel",
+        _fastpath.SEPARATE: "separate projections",
+        _fastpath.FUSED: "fused QKV projection",
+        _fastpath.NATIVE: "torch's native kernel",
     }
     found = {taken[path]}
-    if path == _module.FUSED and query.shape[1] > _fastpath.NATIVE_MAX_SEQ:
+    if path == _fastpath.FUSED and query.shape[1] > _fastpath.NATIVE_MAX_SEQ:
         found.add("SDPA above the native cut-off")
     if kv_cache is not None and query.shape[1] == 1 and len(kv_cache) > 0:
         found.add("cached decoding")

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from benchmarks.__main__ import record
 from shapesafe_mha import TraceConfig, trace_forward
-from shapesafe_mha._cli import app
-from shapesafe_mha._svg import gqa_groups, head_split, pipeline
+from shapesafe_mha._tools.cli import app
+from shapesafe_mha._tools.svg import gqa_groups, head_split, pipeline
 from tools.pictures import DOCS, PICTURES, overhead_chart
 
 runner = CliRunner()

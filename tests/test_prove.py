@@ -138,7 +138,7 @@ def test_the_cli_proves_and_exits_by_the_outcome() -> None:
     """In this process (tests/test_cli_check.py runs the console script from a user's folder)."""
     from typer.testing import CliRunner
 
-    from shapesafe_mha._cli import app
+    from shapesafe_mha._tools.cli import app
 
     ok = CliRunner().invoke(app, ["prove", "--d-model", "64", "--causal"])
     assert ok.exit_code == 0 and "proven for" in ok.stdout, ok.output

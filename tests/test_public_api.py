@@ -38,7 +38,7 @@ STAGES = (
 
 def test_the_public_stages_are_exported_as_checked_stages() -> None:
     """Each public stage is in __all__ and is a checked Stage (its annotations are its contract)."""
-    from shapesafe_mha._contract import Stage
+    from shapesafe_mha._core.contract import Stage
 
     for name in STAGES:
         assert name in ssm.__all__, name
@@ -68,7 +68,7 @@ def test_import_does_not_pull_hypothesis_pytest_or_the_cli() -> None:
     """`import shapesafe_mha` loads neither hypothesis, pytest, nor the CLI framework (typer)."""
     code = (
         "import sys, shapesafe_mha\n"
-        "heavy = [m for m in ('hypothesis', 'pytest', 'typer', 'shapesafe_mha._cli') if m in sys.modules]\n"
+        "heavy = [m for m in ('hypothesis', 'pytest', 'typer', 'shapesafe_mha._tools.cli') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from shapesafe_mha import TraceConfig, _dims, trace_forward
-from shapesafe_mha._cli import render
+from shapesafe_mha import TraceConfig, trace_forward
+from shapesafe_mha._core import dims as _dims
+from shapesafe_mha._tools.cli import render
 from tools.pictures import PICTURES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +93,7 @@ def test_every_public_name_is_in_the_reference_with_its_signature(site: Path, na
 
 
 def test_dimensions_table_lists_every_declared_dimension(site: Path) -> None:
-    """The API page's Dimensions table names every dimension in shapesafe_mha._dims.DIMS."""
+    """The API page's Dimensions table names every dimension in shapesafe_mha._core.dims.DIMS."""
     html = _page(site, "api")
     table = html[html.index('id="dimensions"') :]
     table = table[table.index("<table>") : table.index("</table>")]
@@ -199,7 +200,7 @@ for (const width of WIDTHS) for (const page of PAGES) {
 }
 """
 PHONE, LAPTOP = 400, 1280
-SVG_TEXT_PX = 12  # the smallest text our pictures draw (tools/pictures.py, shapesafe_mha/_svg.py)
+SVG_TEXT_PX = 12  # the smallest text our pictures draw (tools/pictures.py, shapesafe_mha/_tools/svg.py)
 
 
 def _chromium() -> str | None:

@@ -2,7 +2,7 @@
 
 Three things, all at load time, none of them in the package:
 
-- **Shapes on the signature.** A stage is annotated with a shape alias from `shapesafe_mha._dims`
+- **Shapes on the signature.** A stage is annotated with a shape alias from `shapesafe_mha._core.dims`
   (`q: Heads`); a reader of the reference sees what it stands for,
   `q: Float[Tensor, "batch num_heads seq d_head"]`, as `help()` shows it.
 - **`Example:`** (the house's singular) is read as google style's `Examples:` section, so the
@@ -16,7 +16,7 @@ from typing import Any
 
 import griffe
 
-DIMS_MODULE = "shapesafe_mha._dims"
+DIMS_MODULE = "shapesafe_mha._core.dims"
 EXAMPLE = re.compile(r"^(\s*)Example:\s*$", re.MULTILINE)
 SHARED = re.compile(r"^(\s+)(\w+(?:, \w+)+):(.*)$")
 

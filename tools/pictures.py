@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shapesafe_mha import LatentTraceConfig, TraceConfig, trace_forward, trace_latent
-from shapesafe_mha._svg import INK, LINE, MUTED, Canvas, gqa_groups, head_split, pipeline
+from shapesafe_mha._tools.svg import INK, LINE, MUTED, Canvas, gqa_groups, head_split, pipeline
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 # The README's example layer: small enough to read, GQA so that K and V are visibly smaller.

@@ -1,0 +1,224 @@
+"""Fast paths: one matrix multiply for Q, K and V, and torch's fused MHA kernel, when provably the same.
+
+A fast path runs only where it computes exactly what calling the projection submodules would:
+plain `nn.Linear`s (not a subclass, a LoRA wrapper, a quantized or parametrized layer), with no
+hooks, in one dtype and on one device, without autograd and outside any tracer or compiler.
+Otherwise the module calls its submodules, silently.
+
+The concatenated Q/K/V weight is a cache, not a parameter: it is rebuilt whenever any of the
+parameters it was made from is replaced or written (their version counters move, or their data
+pointer), or a projection submodule is replaced, so loads, optimizer steps, `share_memory`,
+`state_dict` and parameter swaps see plain, separate parameters. The one write it cannot see is
+the one autograd cannot see either: in place through `param.data` (`p.data += x`); write under
+`torch.no_grad()` instead, or call `module.to(module.q_proj.weight.device)` afterwards.
+
+torch has no public API for some of what this needs (a module's hooks, a tensor's version counter,
+the fused kernel itself, whether a tensor is a `vmap` slice); those uses are here and nowhere else,
+each tested (tests/test_fused.py, tests/test_verdicts.py).
+"""
+
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _module_hooks
+
+from .._core.errors import ShapeError
+from .._core.trace import current_observer
+
+# Up to this many positions torch's fused MHA kernel is as fast as our fused-QKV + SDPA path or
+# faster; beyond it SDPA's flash kernel wins (measured on CPU: 0.82x of the kernel's time at 256).
+NATIVE_MAX_SEQ = 128
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def global_hooks() -> bool:
+    """Whether any module-wide hook (`register_module_forward_hook` and friends) is registered."""
+    hooks = _module_hooks.__dict__
+    return any(hooks.get(name) for name in _GLOBAL_HOOKS)
+
+
+def module_state(modules: Iterable[nn.Module | None]) -> tuple[Any, ...]:
+    """What a verdict reads of `modules` (a module's submodules) besides which they are: their forward hooks
+    and torch's module-wide ones, as how many and the newest one's handle id, and their weights' shapes.
+
+    Handle ids only grow, so adding a hook raises the newest and removing one lowers the count. A weight
+    of another shape can change a result without an error (`o_proj`'s rows are the output's width); a
+    bias, dtype or device that disagrees makes torch fail instead, and `recheck` explains that failure.
+    """
+    count = newest = 0
+    hooks = _module_hooks.__dict__
+    tables = [hooks.get("_global_forward_hooks"), hooks.get("_global_forward_pre_hooks")]
+    shapes: list[Any] = []
+    for module in modules:  # a plain loop: this runs on every call whose verdict is known
+        if module is None:
+            continue
+        if module._forward_hooks or module._forward_pre_hooks:
+            tables += (module._forward_hooks, module._forward_pre_hooks)
+        weight = module._parameters.get("weight")
+        shapes.append(None if weight is None else weight.shape)
+    for table in tables:
+        if table:
+            count += len(table)
+            newest = max(newest, *table)
+    return (count, newest, *shapes)
+
+
+def forward_hooked(module: nn.Module) -> bool:
+    """Whether a forward hook (the module's own or a module-wide one) runs after `module.forward` returns."""
+    hooks = _module_hooks.__dict__
+    return bool(module._forward_hooks or hooks.get("_global_forward_hooks"))
+
+
+def call_restoring(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cache_kind: type) -> Any:
+    """`module(*args, **kwargs)`, its `kv_cache` restored if a forward hook raises after `forward` returned
+    (a failed call changes nothing); without such a hook, the plain call."""
+    cache: Any = kwargs.get("kv_cache")
+    if not isinstance(cache, cache_kind) or not forward_hooked(module):
+        return nn.Module.__call__(module, *args, **kwargs)
+    state = cache.state()
+    try:
+        return nn.Module.__call__(module, *args, **kwargs)
+    except BaseException:
+        cache.restore(state)
+        raise
+
+
+def vmapped(tensor: Tensor) -> bool:
+    """Whether `tensor` is one slice of a `torch.vmap` (torch documents no public test for it)."""
+    return bool(torch._C._functorch.is_batchedtensor(tensor))  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def refuse_under_vmap(tensor: Tensor, owner: str | None) -> None:
+    """A cache is one buffer for the whole batch: `torch.vmap` would write each slice into it."""
+    if vmapped(tensor):
+        raise ShapeError(
+            f"{owner or 'KVCache.append()'}: kv_cache cannot be written under torch.vmap: it is one buffer for "
+            "the whole batch, and each mapped slice would write into it; call the module on the batch instead "
+            "(kv_cache's batch is its first axis)."
+        )
+
+
+def plain_linear(module: Any) -> bool:
+    """An `nn.Linear` as torch ships it: no subclass, parametrization, adapter or hook."""
+    return (
+        type(module) is nn.Linear  # parametrize swaps the class; LoRA and quantization replace the module
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not module._backward_pre_hooks
+    )
+
+
+def version(tensor: Tensor) -> int:
+    """How many times `tensor` has been written in place (torch's version counter)."""
+    return tensor._version
+
+
+@dataclass
+class FusedQKV:
+    """The q/k/v weights (and biases) concatenated, and what they were made from."""
+
+    sources: tuple[Tensor | None, ...]
+    stamps: tuple[int, ...]
+    weight: Tensor
+    bias: Tensor | None
+
+
+def _stamps(sources: tuple[Tensor | None, ...]) -> tuple[int, ...]:
+    # Writes move the version counter; `param.data = ...` does not, but moves the data pointer.
+    return tuple([stamp for p in sources if p is not None for stamp in (version(p), p.data_ptr())])
+
+
+def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None) -> FusedQKV | None:
+    """The concatenated projection of three plain linears, reusing `cached` while it is current; else None."""
+    if not (plain_linear(q) and plain_linear(k) and plain_linear(v)) or global_hooks():
+        return None
+    qp, kp, vp = q._parameters, k._parameters, v._parameters
+    sources = (qp["weight"], kp["weight"], vp["weight"], qp["bias"], kp["bias"], vp["bias"])
+    if cached is not None and all(map(operator.is_, cached.sources, sources)) and cached.stamps == _stamps(sources):
+        return cached
+    weights, biases = sources[:3], sources[3:]
+    first = qp["weight"]
+    if first is None or any(w is None or w.dtype != first.dtype or w.device != first.device for w in weights):
+        return None
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([w for w in weights if w is not None])
+        bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+    return FusedQKV(sources, _stamps(sources), weight, bias)
+
+
+def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> bool:
+    """Whether torch's fused MHA kernel computes this call exactly: MHA, num_heads * d_head == d_model,
+    biases, no dropout, a plain output projection, a short sequence, a dtype and device it supports."""
+    o_proj = module._modules["o_proj"]
+    return (
+        module.native_shape
+        and fused.bias is not None
+        and query.shape[1] <= NATIVE_MAX_SEQ
+        and (module.dropout == 0.0 or not module.training)
+        and plain_linear(o_proj)
+        and o_proj._parameters["bias"] is not None
+        and query.dtype in _NATIVE_DTYPES
+        and query.device.type in _NATIVE_DEVICES
+        and not tracing
+    )
+
+
+SEPARATE, FUSED, NATIVE = "separate", "fused", "native"  # the execution paths of MultiHeadAttention.forward
+
+
+def choose_path(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    key_padding_mask: Any,
+    is_causal: Any,
+    need_weights: Any,
+    kv_cache: Any,
+    positions: Any,
+) -> tuple[str, FusedQKV | None]:
+    """Which computation a `MultiHeadAttention` call runs: separate projections (always correct), or a fast
+    path where provably the same; the fused Q/K/V weight it builds is kept on the module for the next call."""
+    if key is not query or value is not query or torch.is_grad_enabled():
+        return SEPARATE, None
+    jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
+    if torch.compiler.is_compiling() or jit_tracing or not isinstance(query, Tensor):
+        return SEPARATE, None
+    modules = module._modules
+    fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], module._fused)
+    module.__dict__["_fused"] = fused  # not nn.Module.__setattr__: this runs on every inference call
+    if fused is None:
+        return SEPARATE, None
+    plain = attn_mask is None and key_padding_mask is None and kv_cache is None
+    if plain and is_causal is False and need_weights is False:
+        if native_fits(module, query, fused, tracing=current_observer() is not None):
+            return NATIVE, fused
+    return FUSED, fused
+
+
+_NATIVE_DTYPES = (torch.float32, torch.float64)
+_NATIVE_DEVICES = ("cpu", "cuda")
+
+
+def native_kernel(
+    query: Tensor, in_weight: Tensor, in_bias: Tensor, out_weight: Tensor, out_bias: Tensor, num_heads: int
+) -> Tensor:
+    """Exactly what nn.MultiheadAttention's inference fast path runs."""
+    kernel = torch._native_multi_head_attention  # pyright: ignore[reportPrivateImportUsage]
+    d_model = query.shape[-1]
+    return kernel(query, query, query, d_model, num_heads, in_weight, in_bias, out_weight, out_bias, None, False)[0]

@@ -1,0 +1,300 @@
+"""Kernels: the computations of attention, nothing else (no checks, no tracing).
+
+Stages (`stages.py`) give these their contracts; the module composes the stages.
+"""
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def split_heads(x: Tensor, num_heads: int) -> Tensor:
+    # Splitting one axis in two is always expressible as a view, whatever x's strides are.
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    # After attention the heads axis sits before seq; bringing it back beside d_head and merging
+    # the two is a view only if the data is already laid out (batch, seq, heads, d_head).
+    return x.transpose(1, 2).flatten(2)
+
+
+def group_queries(q: Tensor, num_kv_heads: int) -> Tensor:
+    # Query head h reads KV head h // group, so consecutive query heads form a group.
+    return q.unflatten(1, (num_kv_heads, -1))
+
+
+def fold_queries(grouped: Tensor) -> Tensor:
+    """GQA without copying K/V: the query heads of a group laid end to end along the query axis."""
+    return grouped.flatten(2, 3)
+
+
+def unfold(out: Tensor, num_heads: int) -> Tensor:
+    return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """`(x1, x2) -> (-x2, x1)` over the two halves of the last axis."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of per-head `x` `(batch, heads, seq, d_head)`; tables `(seq, d)` or `(batch, seq, d)`."""
+    if cos.ndim == 3:
+        cos, sin = cos[:, None], sin[:, None]  # the same rotation for every head
+    return x * cos + rotate_half(x) * sin
+
+
+def combine_masks(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    q: Tensor,
+    k: Tensor,
+    explicit: bool,
+    window: int | None = None,
+    gqa: bool = False,
+) -> Tensor | None:
+    """`attn_mask`, `key_padding_mask`, `is_causal` and a sliding `window` as one 4-D mask.
+
+    Bool (True = may attend) or float (added to the scores).
+
+    None when there is nothing to mask, or when the only restriction is causality that torch's
+    SDPA applies itself (`seq == kv_seq`, MHA, or GQA/MQA by torch's own kernel: `gqa`; see
+    `sdpa_causal`), unless `explicit`.
+    """
+    seq, kv_seq = q.shape[2], k.shape[2]
+    causal = is_causal and seq > 1  # a single query, lower-right aligned, sees every key
+    windowed = window_matters(window, kv_seq)
+    if causal and attn_mask is None and key_padding_mask is None and not explicit and not windowed:
+        if sdpa_causal(q, k, gqa):
+            return None
+    allowed: Tensor | None = None
+    if causal or windowed:
+        # Lower-right alignment: query i sits at absolute position kv_seq - seq + i.
+        ones = torch.ones(seq, kv_seq, dtype=torch.bool, device=q.device)
+        allowed = ones.tril(kv_seq - seq) if causal else ones
+        if windowed and window is not None:
+            allowed = allowed & ~ones.tril(kv_seq - seq - window)  # keys window or more positions back
+        allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]
+        allowed = keep if allowed is None else allowed & keep
+    if attn_mask is not None:
+        mask4 = attn_mask if attn_mask.ndim == 4 else attn_mask[None, None]
+        if mask4.dtype == torch.bool:
+            return mask4 if allowed is None else allowed & mask4
+        return mask4 if allowed is None else mask4.masked_fill(~allowed, -math.inf)
+    return allowed
+
+
+def window_matters(window: int | None, kv_seq: int) -> bool:
+    """Whether a sliding window hides any key: some query is `window` or more positions after some key.
+
+    Under compile and export the mask is always built (it is right for every size), so the graph holds for
+    every `kv_seq` instead of guarding on `kv_seq > window`.
+    """
+    if window is None:
+        return False
+    if torch.compiler.is_compiling() or kv_seq > window:  # an `if`: a Python bool under compile and export
+        return True
+    return False
+
+
+def sdpa_causal(q: Tensor, k: Tensor, gqa: bool = False) -> bool:
+    """Whether torch's own `is_causal` (top-left) is our lower-right causal mask: square, and MHA (or GQA/MQA
+    that torch's kernel computes itself, `gqa`; see `native_gqa`)."""
+    return q.shape[2] == k.shape[2] and (gqa or q.shape[1] == k.shape[1])
+
+
+def native_causal(is_causal: bool, q: Tensor, k: Tensor, gqa: bool = False) -> bool:
+    """Whether SDPA's own `is_causal` applies our causal mask (see `sdpa_causal`); one query sees every key."""
+    if is_causal and q.shape[2] > 1 and sdpa_causal(q, k, gqa):  # an `if`: a Python bool under compile and export
+        return True
+    return False
+
+
+# Where torch's `scaled_dot_product_attention(..., enable_gqa=True)` computes GQA/MQA without expanding K/V:
+# the device, and the first torch version on which recorded allocations showed it (the flash kernel for CPU
+# allocates only the output and the log-sum-exp: prefill, a mask, autograd, one decoding query). Folded
+# instead: dropout (torch's math kernel runs, and repeats K and V); one decoding query (no copy either way, but
+# its group folded is a view, one query row per head of the group, and measured 1.04-1.8x faster: see
+# docs/performance.md); unmeasured devices (CUDA, MPS), `meta` (the math kernel), older torch, compiled graphs.
+# `tests/test_native_gqa.py` pins this table against the allocations of this torch.
+NATIVE_GQA_SINCE: dict[str, tuple[int, int]] = {"cpu": (2, 13)}
+TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])  # "2.13.0+cpu": (2, 13)
+NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if TORCH_RELEASE >= since)
+
+
+def zeroes_empty_rows(q: Tensor, dropout_p: float) -> bool:
+    """Whether torch's kernel itself gives a query with no key to attend to zeros, in outputs and gradients:
+    the CPU flash kernel (the devices of `NATIVE_GQA_SINCE`, no dropout), so no row need be opened and zeroed."""
+    return dropout_p == 0.0 and q.device.type in NATIVE_GQA_DEVICES and not torch.compiler.is_compiling()
+
+
+def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
+    """Whether torch's own GQA computes this attention without copying K/V, and faster than the fold (see
+    `NATIVE_GQA_SINCE`). MHA: always (there is nothing to expand)."""
+    if q.shape[1] == k.shape[1]:
+        return True
+    if torch.compiler.is_compiling() or dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES:
+        return False
+    if q.shape[2] == 1:  # decoding: the folded group is a view, and faster
+        return False
+    return True
+
+
+def may_empty_rows(
+    attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool, seq: int, kv_seq: int
+) -> bool:
+    """Whether some query may have no key left to attend to."""
+    return (is_causal and seq > kv_seq) or key_padding_mask is not None or attn_mask is not None
+
+
+def rows_with_a_key(mask: Tensor) -> Tensor:
+    allowed = mask if mask.dtype == torch.bool else mask != -math.inf
+    return allowed.any(-1, keepdim=True)
+
+
+def open_empty_rows(mask: Tensor, rows: Tensor) -> Tensor:
+    """Give a row with nothing to attend to every key: a finite softmax; the caller zeroes it after."""
+    return mask | ~rows if mask.dtype == torch.bool else mask.masked_fill(~rows, 0.0)
+
+
+def fold_mask(mask: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
+    """A `(#batch, #heads, #seq, kv_seq)` mask laid out for queries folded to `(num_kv_heads, group*seq)`.
+
+    Row `g*seq + i` of the folded axis is query `i` of the group's `g`-th head. Built with `repeat`
+    and `flatten`, never `expand().reshape()`, so symbolic shapes (export) need no guards on `seq`.
+    """
+    group = num_heads // num_kv_heads
+    if group == 1:
+        return mask
+    heads, seq = mask.shape[1], mask.shape[2]
+    if heads == 1:
+        return mask if seq == 1 else mask.repeat(1, 1, group, 1)
+    return mask.unflatten(1, (num_kv_heads, group)).flatten(2, 3)
+
+
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
+) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
+
+
+def sdpa_gqa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
+) -> Tensor:
+    """Torch's own GQA: query head `h` reads KV head `h // group`, as `group_queries` lays them out."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=True
+    )
+
+
+def sdpa_heads(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None, dropout_p: float
+) -> Tensor:
+    """`sdpa` for MHA, `sdpa_gqa` for fewer KV heads."""
+    attention = sdpa if q.shape[1] == k.shape[1] else sdpa_gqa
+    return attention(q, k, v, mask, causal, scale, dropout_p)
+
+
+def open_rows(mask: Tensor | None, may_empty: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The mask with rows that have no key opened (a finite softmax), and those rows (to zero after), if any."""
+    if mask is None or not may_empty:
+        return mask, None
+    rows = rows_with_a_key(mask)
+    return open_empty_rows(mask, rows), rows
+
+
+def attend_native(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    may_empty: bool,
+    scale: float | None,
+    dropout_p: float,
+) -> Tensor:
+    """Attention by torch's own kernel, GQA/MQA included (`native_gqa`); empty rows are zeros."""
+    mask, rows = open_rows(mask, may_empty and not zeroes_empty_rows(q, dropout_p))
+    return zero_rows(sdpa_heads(q, k, v, mask, causal, scale, dropout_p), rows)
+
+
+def probabilities(
+    q: Tensor, k: Tensor, mask: Tensor | None, scale: float | None, softcap: float | None = None
+) -> Tensor:
+    """`softmax(softcap(q @ k.T * scale) + mask)` over the last axis; `softcap(s) = c * tanh(s / c)` (Gemma 2)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1)
+
+
+def zero_rows(x: Tensor, rows: Tensor | None) -> Tensor:
+    return x if rows is None else x.masked_fill(~rows, 0.0)
+
+
+def fold_mask_rows(mask: Tensor, may_empty: bool, num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor | None]:
+    """The mask laid out for folded queries, rows with no key opened; and those rows (to zero after), if any."""
+    rows = None
+    if may_empty:
+        rows = rows_with_a_key(mask)
+        mask = open_empty_rows(mask, rows)
+    return fold_mask(mask, num_heads, num_kv_heads), rows
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    native_causal: bool,
+    may_empty: bool,
+    scale: float | None,
+    dropout_p: float,
+    softcap: float | None = None,
+) -> Tensor:
+    """Attention for MHA/GQA/MQA with our conventions (lower-right causal, empty rows are zeros)."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if mask is None and num_heads == num_kv_heads and softcap is None:
+        return sdpa(q, k, v, None, native_causal, scale, dropout_p)
+    may_empty = may_empty and (softcap is not None or not zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
+    folded_mask, rows = (None, None) if mask is None else fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
+    folded = fold_queries(group_queries(q, num_kv_heads))
+    if softcap is None:
+        out = sdpa(folded, k, v, folded_mask, False, scale, dropout_p)
+    else:  # SDPA has no softcap: the scores are computed here
+        out = weighted_values(probabilities(folded, k, folded_mask, scale, softcap), v, dropout_p)
+    return zero_rows(unfold(out, num_heads), rows)
+
+
+def head_weights(
+    q: Tensor, k: Tensor, mask: Tensor | None, may_empty: bool, scale: float | None, softcap: float | None = None
+) -> Tensor:
+    """Per-head probabilities `(batch, num_heads, seq, kv_seq)`; rows with nothing to attend to are zeros."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    folded_mask, rows = (None, None) if mask is None else fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
+    folded = fold_queries(group_queries(q, num_kv_heads))
+    return zero_rows(unfold(probabilities(folded, k, folded_mask, scale, softcap), num_heads), rows)
+
+
+def deinterleave(x: Tensor) -> Tensor:
+    """Features `(x0, x1, x2, x3, ...)` laid out as `(x0, x2, ..., x1, x3, ...)`: pairs `(2i, 2i+1)` become
+    `(i, i + d/2)`, the pairing `rotate_half` turns (DeepSeek's interleaved RoPE, as transformers computes it)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def weighted_values(probabilities: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """`probabilities @ v` with queries folded as the values are laid out (dropout on the probabilities)."""
+    if dropout_p > 0.0:
+        probabilities = F.dropout(probabilities, dropout_p)
+    return torch.matmul(probabilities, v)

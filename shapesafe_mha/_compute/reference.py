@@ -1,0 +1,353 @@
+"""The naive per-head reference: written for reading, the oracle of every property test.
+
+No fused projection, no reshapes, no folding: for each head, slice that head's rows out of the
+weights, project, score, mask, softmax, weight the values; then concatenate and project out.
+"""
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .._core.weights import AttentionWeights
+
+
+def _rows(weight: Tensor, bias: Tensor | None, head: int, d_head: int) -> tuple[Tensor, Tensor | None]:
+    """The slice of a projection that produces one head."""
+    rows = slice(head * d_head, (head + 1) * d_head)
+    return weight[rows], None if bias is None else bias[rows]
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    out = x @ weight.T
+    return out if bias is None else out + bias
+
+
+def _softmax_or_zeros(scores: Tensor) -> Tensor:
+    """Softmax over the last axis; a row whose scores are all -inf becomes zeros."""
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    exp = torch.exp(scores - top)
+    total = exp.sum(dim=-1, keepdim=True)
+    return exp / torch.where(total == 0, torch.ones_like(total), total)
+
+
+KVHeads = Literal["grouped", "interleaved"]
+RopeStyle = Literal["half", "interleaved"]
+NormOver = Literal["head", "all"]
+NormKind = Literal["rms", "layer"]
+# FlexAttention's signatures (torch.nn.attention.flex_attention): `score_mod(score, b, h, q_idx, kv_idx)`
+# returns the modified score; `mask_mod(b, h, q_idx, kv_idx)` returns True where the query may attend.
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _indices(batch: int, head: int, seq: int, kv_seq: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`b (batch, 1, 1)`, `h ()`, `q_idx (1, seq, 1)`, `kv_idx (1, 1, kv_seq)`: int32, as FlexAttention passes them,
+    laid out to broadcast against one head's `(batch, seq, kv_seq)` scores."""
+
+    def arange(n: int) -> Tensor:
+        return torch.arange(n, dtype=torch.int32, device=like.device)
+
+    h = torch.tensor(head, dtype=torch.int32, device=like.device)
+    return arange(batch)[:, None, None], h, arange(seq)[None, :, None], arange(kv_seq)[None, None, :]
+
+
+def _score_mod(scores: Tensor, score_mod: ScoreMod | None, head: int) -> Tensor:
+    """One head's scores with `score_mod` applied elementwise (h is the query head)."""
+    if score_mod is None:
+        return scores
+    batch, seq, kv_seq = scores.shape
+    return score_mod(scores, *_indices(batch, head, seq, kv_seq, scores)).expand_as(scores)
+
+
+def _rotate_pairs(x: Tensor, positions: Tensor, theta: float, style: RopeStyle = "half") -> Tensor:
+    """One head's features, each pair turned by the angle `position * theta**(-2i/d_head)`.
+
+    Pair `i` is features `(i, i + d_head/2)` in the "half" style (Llama, Mistral, Qwen: rotate_half),
+    features `(2i, 2i+1)` in the "interleaved" style (GPT-J, the RoFormer paper).
+    """
+    half = x.shape[-1] // 2
+    exponents = torch.arange(half, dtype=torch.float32) * 2 / x.shape[-1]
+    frequency = 1.0 / theta**exponents
+    angle = positions.to(torch.float32)[..., None] * frequency
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    if style == "interleaved":
+        first, second = x[..., 0::2], x[..., 1::2]
+        turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        return turned.flatten(-2)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def _rotate_part(x: Tensor, positions: Tensor, theta: float, style: RopeStyle, rotary_dim: int | None) -> Tensor:
+    """RoPE on the first `rotary_dim` features of one head (all of them where None); the rest pass unrotated."""
+    if rotary_dim is None or rotary_dim == x.shape[-1]:
+        return _rotate_pairs(x, positions, theta, style)
+    return torch.cat((_rotate_pairs(x[..., :rotary_dim], positions, theta, style), x[..., rotary_dim:]), dim=-1)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`x / sqrt(mean(x**2) + eps) * weight` over each row's features."""
+    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """`(x - mean(x)) / sqrt(var(x) + eps) * weight + bias` over each row's features."""
+    centred = x - x.mean(dim=-1, keepdim=True)
+    return centred / torch.sqrt((centred * centred).mean(dim=-1, keepdim=True) + eps) * weight + bias
+
+
+def _softcap(scores: Tensor, cap: float | None) -> Tensor:
+    return scores if cap is None else cap * torch.tanh(scores / cap)
+
+
+def _head_mask(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    head: int,
+    batch: int,
+    seq: int,
+    kv_seq: int,
+    like: Tensor,
+    window: int | None = None,
+    mask_mod: MaskMod | None = None,
+) -> Tensor:
+    """An additive `(batch, seq, kv_seq)` mask for one head: 0 where allowed, -inf where not."""
+    additive = torch.zeros(batch, seq, kv_seq, dtype=like.dtype, device=like.device)
+    blocked = torch.zeros(batch, seq, kv_seq, dtype=torch.bool, device=like.device)
+    for i in range(seq):
+        position = kv_seq - seq + i  # lower-right alignment; negative: sees no key at all
+        if is_causal:
+            blocked[:, i, max(position + 1, 0) :] = True  # every key after its own position
+        if window is not None:
+            blocked[:, i, : max(position - window + 1, 0)] = True  # every key window or more positions back
+    if key_padding_mask is not None:
+        blocked |= key_padding_mask[:, None, :]
+    if mask_mod is not None:
+        blocked |= ~mask_mod(*_indices(batch, head, seq, kv_seq, like)).to(torch.bool).expand(batch, seq, kv_seq)
+    if attn_mask is not None:
+        mask = attn_mask
+        if mask.ndim == 4:
+            mask = mask[:, head if mask.shape[1] > 1 else 0]
+        mask = mask.expand(batch, seq, kv_seq)
+        if mask.dtype == torch.bool:
+            blocked |= ~mask
+        else:
+            additive = additive + mask
+    return additive.masked_fill(blocked, -math.inf)
+
+
+def per_head_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    weights: AttentionWeights,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    rope_theta: float | None = None,
+    positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
+    rope_style: RopeStyle = "half",
+    rotary_dim: int | None = None,
+    kv_heads: KVHeads = "grouped",
+    qk_norm: tuple[Tensor, Tensor] | None = None,
+    norm_eps: float = 1e-6,
+    qk_norm_over: NormOver = "head",
+    qk_norm_after_rope: bool = False,
+    qk_norm_bias: tuple[Tensor, Tensor] | None = None,
+    sinks: Tensor | None = None,
+    out_norm: tuple[Tensor, float] | None = None,
+    window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+) -> Tensor:
+    """Multi-head attention computed one head at a time from explicit per-head weight slices.
+
+    For head `h` with KV head `g = h // (num_heads // num_kv_heads)` (or `h % num_kv_heads` with
+    `kv_heads="interleaved"`):
+    `head_h = softmax(softcap(score_mod((x W_Q[h]) (k W_K[g])^T * scale)) + mask) (v W_V[g])`, then
+    `out = concat(head_0, ..., head_{H-1}) W_O^T + b_O`. Masks follow `MultiHeadAttention`:
+    bool `attn_mask` True = may attend, float added; `key_padding_mask` True = padding;
+    `is_causal` lower-right aligned; `mask_mod` True = may attend; a key must be allowed by every
+    mask given, and a row with nothing to attend to is zeros.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> from shapesafe_mha.reference import per_head_attention
+        >>> m = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2)
+        >>> x = torch.randn(2, 5, 16)
+        >>> ref = per_head_attention(x, x, x, m.weights(), num_heads=4, num_kv_heads=2)
+        >>> bool(torch.allclose(ref, m(x), atol=1e-5))
+        True
+
+    Arguments:
+        query: `(batch, seq, d_model)`.
+        key, value: `(batch, kv_seq, d_model)`.
+        weights: the layer's weights in `nn.Linear` layout.
+        num_heads, num_kv_heads: the head counts (`num_kv_heads` divides `num_heads`).
+        attn_mask, is_causal, key_padding_mask: as in `MultiHeadAttention.forward`.
+        rope_theta: rotate each head's queries and keys (default RoPE with this base); angles in
+            float32, as transformers computes them.
+        positions: `(batch, seq)` positions of the queries; default `0..seq-1`.
+        key_positions: `(batch, kv_seq)` positions of the keys; default the queries' positions when
+            `kv_seq == seq`, else `0..kv_seq-1`.
+        rope_style: "half" pairs feature `i` with `i + d_head/2` (Llama's rotate_half),
+            "interleaved" pairs `2i` with `2i+1` (GPT-J).
+        rotary_dim: rotate only each head's first `rotary_dim` features (partial rotary: Phi,
+            StableLM, GPT-NeoX), pairing them within that part; default all `d_head`.
+        kv_heads: which KV head query head `h` reads: "grouped" `h // group` (transformers'
+            repeat_kv, torch's enable_gqa), "interleaved" `h % num_kv_heads` (x-transformers).
+        qk_norm: `(q_weight, k_weight)`, each `(d_head,)`: RMS-normalise every head's query and
+            key with these weights (and `norm_eps`) before RoPE.
+        qk_norm_over: "head" normalises each head's `d_head` features (Qwen3); "all" normalises
+            every head's features together (OLMo-2: weights `(num_heads * d_head,)` and
+            `(num_kv_heads * d_head,)`), each head then taking its slice.
+        qk_norm_after_rope: normalise after RoPE instead of before (HunYuan).
+        qk_norm_bias: `(q_bias, k_bias)`, each `(d_head,)`: the QK-norm is a LayerNorm of each head
+            (`(x - mean) / sqrt(var + eps) * weight + bias`, Persimmon) instead of an RMSNorm.
+        out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
+        sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
+            part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
+        window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
+        logit_softcap: scores become `c * tanh(scores / c)` before the mask.
+        scale: the score scale; default `1/sqrt(d_head)`.
+        score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, applied to each head's
+            scaled scores (before the softcap and the masks); `h` is the *query* head. It is called
+            once per head on int32 index tensors laid out to broadcast against that head's scores
+            (`b (batch, 1, 1)`, `h` 0-D, `q_idx (1, seq, 1)`, `kv_idx (1, 1, kv_seq)`), so the
+            elementwise tensor code FlexAttention takes works as written.
+        mask_mod: FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, True = may attend, combined with
+            the other masks; called as `score_mod` is.
+
+    Returns:
+        `(batch, seq, d_model)`.
+    """
+    d_head = weights.check(num_heads, num_kv_heads)
+    group = num_heads // num_kv_heads
+    batch, seq, _ = query.shape
+    kv_seq = key.shape[1]
+    where = torch.arange(seq).expand(batch, seq) if positions is None else positions
+    if key_positions is None:
+        key_positions = where if kv_seq == seq else torch.arange(kv_seq).expand(batch, kv_seq)
+    heads = []
+    for head in range(num_heads):
+        kv_head = head % num_kv_heads if kv_heads == "interleaved" else head // group
+        q = _linear(query, *_rows(weights.w_q, weights.b_q, head, d_head))
+        k = _linear(key, *_rows(weights.w_k, weights.b_k, kv_head, d_head))
+        if qk_norm is not None and qk_norm_over == "all":  # the statistic of every head's features together
+            every_q = _rms_norm(_linear(query, weights.w_q, weights.b_q), qk_norm[0], norm_eps)
+            every_k = _rms_norm(_linear(key, weights.w_k, weights.b_k), qk_norm[1], norm_eps)
+            q = every_q[..., head * d_head : (head + 1) * d_head]
+            k = every_k[..., kv_head * d_head : (kv_head + 1) * d_head]
+        elif qk_norm is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
+            q = _layer_norm(q, qk_norm[0], qk_norm_bias[0], norm_eps)
+            k = _layer_norm(k, qk_norm[1], qk_norm_bias[1], norm_eps)
+        elif qk_norm is not None and not qk_norm_after_rope:
+            q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
+        if rope_theta is not None:
+            q = _rotate_part(q, where, rope_theta, rope_style, rotary_dim)
+            k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim)
+        if qk_norm is not None and qk_norm_after_rope:
+            q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
+        v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
+        scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
+        scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
+        scores = scores + _head_mask(
+            attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod
+        )
+        if sinks is not None:  # one more logit per head, in the softmax's sum and dropped after it
+            sink = sinks[head].to(scores.dtype).expand(*scores.shape[:-1], 1)
+            heads.append(_softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v)
+        else:
+            heads.append(_softmax_or_zeros(scores) @ v)
+    merged = torch.cat(heads, dim=-1)
+    if out_norm is not None:  # BitNet: the merged heads RMS-normalised before the output projection
+        merged = _rms_norm(merged, *out_norm)
+    return _linear(merged, weights.w_o, weights.b_o)
+
+
+def per_head_latent_attention(
+    query: Tensor,
+    parameters: Mapping[str, Tensor],
+    *,
+    num_heads: int,
+    kv_lora_rank: int,
+    d_nope: int,
+    d_rope: int,
+    d_value: int,
+    rope_theta: float = 10000.0,
+    interleaved: bool = False,
+    norm_eps: float = 1e-6,
+    is_causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    positions: Tensor | None = None,
+) -> Tensor:
+    """Multi-head latent attention (DeepSeek-V2/V3) one head at a time, from explicit weight slices.
+
+    For head `h`: `q_h = norm(x W_qa) W_qb[h]` (or `x W_q[h]`), split into `(q_nope, q_rope)`;
+    `latent, k_rope = norm(x W_kva[:r]), x W_kva[r:]`; `k_nope_h = latent W_kvb[h, :d_nope]`,
+    `v_h = latent W_kvb[h, d_nope:]`; `head_h = softmax((q_nope k_nope_h^T + rope(q_rope) rope(k_rope)^T)
+    / sqrt(d_nope + d_rope) + mask) v_h`; `out = concat(heads) W_O^T + b_O`.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> from shapesafe_mha.reference import per_head_latent_attention
+        >>> mla = ssm.LatentAttention(32, 4, q_lora_rank=8, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=6)
+        >>> x = torch.randn(2, 5, 32)
+        >>> ref = per_head_latent_attention(x, mla.state_dict(), num_heads=4, kv_lora_rank=8, d_nope=4, d_rope=4,
+        ...                                 d_value=6, is_causal=True)
+        >>> bool(torch.allclose(ref, mla(x, is_causal=True), atol=1e-5))
+        True
+
+    Arguments:
+        query: `(batch, seq, d_model)` (self-attention).
+        parameters: the layer's weights by transformers' `DeepseekV3Attention` names (`q_proj` or
+            `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`,
+            `kv_b_proj`, `o_proj`; `.weight`, `.bias`), as in a state dict.
+        num_heads, kv_lora_rank, d_nope, d_rope, d_value: the sizes.
+        rope_theta, interleaved: the rotary embedding; `interleaved` pairs features `(2i, 2i+1)`.
+        norm_eps: of the RMSNorms.
+        is_causal, key_padding_mask: as in `per_head_attention`.
+        positions: `(batch, seq)`; default `0..seq-1`.
+
+    Returns:
+        `(batch, seq, d_model)`.
+    """
+    p = parameters
+    batch, seq, _ = query.shape
+    where = torch.arange(seq).expand(batch, seq) if positions is None else positions
+
+    def rope(x: Tensor) -> Tensor:
+        return _rotate_pairs(x, where, rope_theta, "interleaved" if interleaved else "half")
+
+    if "q_proj.weight" in p:
+        queries = _linear(query, p["q_proj.weight"], p.get("q_proj.bias"))
+    else:
+        bottleneck = _linear(query, p["q_a_proj.weight"], p.get("q_a_proj.bias"))
+        bottleneck = _rms_norm(bottleneck, p["q_a_layernorm.weight"], norm_eps)
+        queries = _linear(bottleneck, p["q_b_proj.weight"], p.get("q_b_proj.bias"))
+    compressed = _linear(query, p["kv_a_proj_with_mqa.weight"], p.get("kv_a_proj_with_mqa.bias"))
+    latent = _rms_norm(compressed[..., :kv_lora_rank], p["kv_a_layernorm.weight"], norm_eps)
+    k_rope = rope(compressed[..., kv_lora_rank:])  # one rotary key, shared by every head
+    kv_b = p["kv_b_proj.weight"]
+    mask = _head_mask(None, key_padding_mask, is_causal, 0, batch, seq, seq, query)
+    heads = []
+    for head in range(num_heads):
+        q = queries[..., head * (d_nope + d_rope) : (head + 1) * (d_nope + d_rope)]
+        q_nope, q_rope = q[..., :d_nope], rope(q[..., d_nope:])
+        rows = head * (d_nope + d_value)
+        k_nope = latent @ kv_b[rows : rows + d_nope].T
+        v = latent @ kv_b[rows + d_nope : rows + d_nope + d_value].T
+        scores = (q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)) / math.sqrt(d_nope + d_rope)
+        heads.append(_softmax_or_zeros(scores + mask) @ v)
+    return _linear(torch.cat(heads, dim=-1), p["o_proj.weight"], p.get("o_proj.bias"))

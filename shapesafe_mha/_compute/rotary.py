@@ -1,0 +1,150 @@
+"""Rotary position embeddings (RoPE): the frequency tables, and the rotation as a typed stage.
+
+Query and key features are rotated in pairs `(i, i + d_head/2)` by the angle `position * inv_freq[i]`,
+so the score between two positions depends only on their distance. Tables are computed as
+transformers computes them (frequencies and angles in float32, then cast), so a layer loaded with
+`MultiHeadAttention.from_hf` computes what the Hugging Face layer computes.
+"""
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._core.contract import stage
+from .._core.dims import Heads, Positions, RotaryTable, SameSeqKVHeads
+from .._core.errors import ConfigError
+from .._core.messages import mismatch
+from . import kernels as K
+
+SUPPORTED_SCALING = ("default", "llama3")
+
+
+def check_rotary_width(d_head: int, owner: str, name: str = "d_head") -> None:
+    """Raise `ConfigError` unless `d_head` (or the rotary part `name`) is even: RoPE rotates pairs of features."""
+    if d_head % 2:
+        raise ConfigError(
+            f"{owner}: {name}={d_head} is odd, but rotary embeddings rotate pairs of features; "
+            f"use an even {name} (for example {d_head - 1 if d_head > 1 else 2} or {d_head + 1})."
+        )
+
+
+def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | None = None) -> Tensor:
+    """`1 / theta ** (2i / d_head)` for each pair `i`, in float32; llama3-style scaling if asked for.
+
+    Example:
+        >>> from shapesafe_mha import inverse_frequencies
+        >>> inverse_frequencies(8, theta=10000.0)
+        tensor([1.0000, 0.1000, 0.0100, 0.0010])
+
+    Raises:
+        ConfigError: `d_head` is odd, `theta` is not positive, or `scaling` asks for a RoPE type
+            other than "default" and "llama3".
+    """
+    check_rotary_width(d_head, "RotaryEmbedding()")
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
+        raise ConfigError(f"RotaryEmbedding(): rope_theta must be a positive finite number, but got {theta!r}.")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.int64).to(dtype=torch.float) / d_head))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind != "llama3" or scaling is None:
+        raise ConfigError(
+            f"RotaryEmbedding(): rope_type={kind!r} is not supported (only {', '.join(SUPPORTED_SCALING)}); "
+            "its positions would differ from the model's."
+        )
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the ones between interpolated.
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelength < context / high) * ~(wavelength > context / low)
+    return torch.where(between, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """The cos/sin tables of rotary position embeddings for given positions.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> rope = ssm.RotaryEmbedding(d_head=8, theta=10000.0)
+        >>> cos, sin = rope(torch.arange(5)[None], dtype=torch.float32)
+        >>> cos.shape
+        torch.Size([1, 5, 8])
+
+    Arguments:
+        d_head: the width of one head (even).
+        theta: the base of the frequencies (`rope_theta`).
+        scaling: transformers' `rope_parameters`/`rope_scaling` dict; "default" and "llama3" types.
+    """
+
+    def __init__(self, d_head: int, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.d_head, self.theta = d_head, theta
+        self.scaling = dict(scaling) if scaling else None
+        self.register_buffer("inv_freq", inverse_frequencies(d_head, theta, scaling), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"d_head={self.d_head}, theta={self.theta}" + (f", scaling={self.scaling}" if self.scaling else "")
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin, `(batch, seq, d_head)` in `dtype`, for integer `positions` `(batch, seq)`."""
+        inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
+        angles = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _validate_rotary(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    if dims["d_head"] % 2:
+        raise mismatch(
+            f"q has d_head={dims['d_head']} (axis 3), which is odd; rotary embeddings rotate pairs of features."
+        )
+    for name in ("cos", "sin"):
+        table = arguments[name]
+        if table.dtype != arguments["q"].dtype:
+            raise mismatch(f"{name} has dtype {table.dtype}, but q has {arguments['q'].dtype}.", arg=name)
+
+
+@stage(validate=_validate_rotary, trace=("rotary_q", "rotary_k"))
+def apply_rotary(q: Heads, k: SameSeqKVHeads, cos: RotaryTable, sin: RotaryTable) -> tuple[Heads, SameSeqKVHeads]:
+    """Rotate queries and keys by their positions: `x * cos + rotate_half(x) * sin` (transformers' layout).
+
+    `rotate_half` pairs feature `i` with feature `i + d_head/2` (not `2i` with `2i+1`), as Llama,
+    Mistral and Qwen do. Keys must be at the queries' positions (self-attention, before caching).
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], dtype=torch.float32)
+        >>> q, k = ssm.apply_rotary(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), cos, sin)
+        >>> q.shape, k.shape
+        (torch.Size([1, 4, 5, 8]), torch.Size([1, 2, 5, 8]))
+
+    Arguments:
+        q: `(batch, num_heads, seq, d_head)`.
+        k: `(batch, num_kv_heads, seq, d_head)`.
+        cos, sin: `(seq, d_head)` or `(#batch, seq, d_head)`, from `RotaryEmbedding`.
+
+    Returns:
+        The rotated `(q, k)`, same shapes.
+
+    Raises:
+        ShapeError: the shapes disagree, or `d_head` is odd.
+    """
+    return K.rotate(q, cos, sin), K.rotate(k, cos, sin)
+
+
+@stage(name="rotary", trace=("", ""), public=("positions",))
+def rotary_tables(rotary: nn.Module, positions: Positions, q: Heads) -> tuple[RotaryTable, RotaryTable]:
+    """cos and sin for the positions of this call's queries, in q's dtype."""
+    return rotary(positions, q.dtype)
+
+
+def default_positions(query: Tensor, cached: int) -> Tensor:
+    """Positions `cached, ..., cached + seq - 1` for every sequence: prefill and decoding agree."""
+    batch, seq = query.shape[0], query.shape[1]
+    return torch.arange(cached, cached + seq, device=query.device).expand(batch, seq)

@@ -1,0 +1,672 @@
+"""The typed stages of multi-head attention: each one's annotations are its contract.
+
+The public stages (`project`, `split_heads`, `merge_heads`, `group_queries`,
+`scaled_dot_product_attention`, `attention_weights`) are checked when called on their own. The
+module's stages below them (`project_query`, `split_query`, ..., `project_output`) are what
+`MultiHeadAttention.forward` is made of: in a checked forward each runs in one session, against one
+memo, with its result checked and reported to the trace.
+"""
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._core.contract import stage
+from .._core.dims import (
+    AttnMask,
+    Bias,
+    CacheBuffer,
+    FoldedMask,
+    FoldedProbabilities,
+    FoldedQueries,
+    FullMask,
+    FusedInner,
+    GroupedQueries,
+    Heads,
+    Inner,
+    KVHeads,
+    KVTokens,
+    LinearIn,
+    LinearOut,
+    NewKVHeads,
+    NewKVInner,
+    PaddingMask,
+    Probabilities,
+    QueryInner,
+    RowsWithAKey,
+    SeenAttnMask,
+    SeenPaddingMask,
+    Tokens,
+    Weight,
+)
+from .._core.errors import ConfigError
+from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from . import kernels as K
+from .cache import KVCache
+
+# --- what annotations cannot say --------------------------------------------------------------------
+
+
+def positive_count(owner: str, name: str, value: Any) -> None:
+    """Raise `ConfigError` unless `value` is a positive int (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{owner}{name} must be a positive int, but got {value!r}.")
+
+
+def check_groups(num_heads: int, num_kv_heads: int, owner: str) -> None:
+    """Raise `ConfigError` unless `num_kv_heads` divides `num_heads`."""
+    if num_heads % num_kv_heads == 0:
+        return
+    raise ConfigError(
+        f"{owner}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; each KV head serves "
+        f"a group of query heads, so num_kv_heads must be one of {divisors(num_heads)}."
+    )
+
+
+def same_device_and_dtype(arguments: dict[str, Any], names: tuple[str, ...]) -> None:
+    """All tensors among `names` on one device, and of one dtype (masks may be bool)."""
+    tensors = [(n, arguments[n]) for n in names if isinstance(arguments.get(n), Tensor)]
+    if not tensors:
+        return
+    first_name, first = tensors[0]
+    for name, tensor in tensors[1:]:
+        if tensor.device != first.device:
+            raise mismatch(
+                f"{name} is on {tensor.device}, but {first_name} is on {first.device}; "
+                f"move them to one device (for example {name}.to({first_name}.device)).",
+                arg=name,
+            )
+        if tensor.dtype == first.dtype or (name.endswith("mask") and tensor.dtype == torch.bool):
+            continue
+        if name.endswith("mask") and tensor.is_floating_point():
+            raise mismatch(
+                f"{name} has dtype {dtype_name(tensor.dtype)}, but {first_name} has {dtype_name(first.dtype)}; "
+                f"a float mask is added to the scores, so cast it ({name}.to({first_name}.dtype)).",
+                arg=name,
+            )
+        if tensor.is_floating_point() and first.is_floating_point():
+            raise mismatch(
+                f"{name} has dtype {dtype_name(tensor.dtype)}, but {first_name} has {dtype_name(first.dtype)}; "
+                f"cast one of them (for example {name}.to({first_name}.dtype)).",
+                arg=name,
+            )
+
+
+MASK_MEANING = "bool (True = may attend) or floating point (added to the scores)"
+
+
+def explain_mask(arguments: dict[str, Any], failure: ExplainedError) -> str | None:
+    """The usual causes of a mask mistake."""
+    mask = arguments.get(failure.arg or "")
+    if failure.arg == "attn_mask" and failure.dim is None and isinstance(mask, Tensor):
+        if not (mask.dtype == torch.bool or mask.is_floating_point()):
+            return f"A mask is {MASK_MEANING}: convert with attn_mask.bool()."
+        if mask.ndim == 3:
+            return "From (batch*num_heads, seq, kv_seq): attn_mask.unflatten(0, (batch, -1))."
+    if failure.arg == "attn_mask" and failure.dim in ("seq", "kv_seq") and failure.size == 1:
+        return "Masks broadcast only over batch and heads; for a per-key mask use key_padding_mask."
+    if failure.arg == "key_padding_mask" and failure.dim is None:
+        return "key_padding_mask is (batch, kv_seq) bool, True = padding."
+    return None
+
+
+def _explain_attention(arguments: dict[str, Any], failure: ExplainedError) -> str | None:
+    q, k = arguments.get("q"), arguments.get("k")
+    if failure.arg == "k" and failure.dim == "d_head" and isinstance(q, Tensor) and isinstance(k, Tensor):
+        if k.ndim == 4 and k.shape[2] == q.shape[3]:
+            return "k looks transposed: pass it as (batch, num_kv_heads, kv_seq, d_head); attention transposes it."
+    if failure.arg == "v" and failure.dim == "kv_seq" and isinstance(q, Tensor) and q.ndim == 4:
+        if q.shape[2] == failure.size:
+            return "Are q and k swapped? q has as many positions as v."
+    return explain_mask(arguments, failure)
+
+
+def _precheck_attention(arguments: dict[str, Any]) -> None:
+    same_device_and_dtype(arguments, ("q", "k", "v", "attn_mask"))
+
+
+def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    if dims["num_heads"] % dims["num_kv_heads"] != 0:
+        raise mismatch(
+            f"q has num_heads={dims['num_heads']} (axis 1), which is not a multiple of k's "
+            f"num_kv_heads={dims['num_kv_heads']}; each KV head must serve a whole group of query heads"
+            + ("; are q and k swapped?" if dims["num_kv_heads"] > dims["num_heads"] else ".")
+        )
+    dropout_p = arguments.get("dropout_p", 0.0)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ConfigError(f"dropout_p must be in [0, 1), but got {dropout_p}.")
+    check_variants("", arguments.get("window"), arguments.get("softcap"))
+
+
+def check_variants(owner: str, window: Any, softcap: Any, scalar: Any = None, norm_eps: Any = 0.0) -> None:
+    """Raise `ConfigError` unless a sliding window is a positive int, a softcap (query scalar) a finite positive
+    number, and a norm's epsilon a finite number >= 0."""
+    if window is not None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ConfigError(
+                f"{owner}window must be a positive int (the keys a query sees, itself included), but got {window!r}."
+            )
+    for name, value in (("logit softcap", softcap), ("query_pre_attn_scalar", scalar)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ConfigError(f"{owner}{name} must be a finite positive number, but got {value!r}.")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, int | float) or not 0 <= norm_eps < math.inf:
+        raise ConfigError(f"{owner}norm_eps must be a finite number >= 0, but got {norm_eps!r}.")
+
+
+def _validate_split(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    positive_count("", "num_heads", arguments["num_heads"])
+    width, num_heads = dims["d_inner"], arguments["num_heads"]
+    if width % num_heads:
+        raise mismatch(
+            f"x has width {width} (axis 2), which does not split into num_heads={num_heads} equal heads; "
+            f"num_heads must divide it (one of {shown(divisors(width))})."
+        )
+
+
+def _validate_group(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    positive_count("", "num_kv_heads", arguments["num_kv_heads"])
+    if dims["num_heads"] % arguments["num_kv_heads"]:
+        raise mismatch(
+            f"q has num_heads={dims['num_heads']} (axis 1), which num_kv_heads={arguments['num_kv_heads']} "
+            "does not divide; each KV head must serve a whole group of query heads."
+        )
+
+
+def _precheck_project(arguments: dict[str, Any]) -> None:
+    same_device_and_dtype(arguments, ("x", "weight", "bias"))
+
+
+# --- public stages --------------------------------------------------------------------------------------
+
+
+@stage(precheck=_precheck_project)
+def project(x: LinearIn, weight: Weight, bias: Bias | None = None) -> LinearOut:
+    """Apply a linear map in `nn.Linear` layout: `x @ weight.T + bias`.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> ssm.project(torch.randn(2, 5, 16), torch.randn(8, 16)).shape
+        torch.Size([2, 5, 8])
+
+    Arguments:
+        x: activations, `(batch, seq, d_in)`.
+        weight: `(d_out, d_in)`, as `nn.Linear.weight`.
+        bias: `(d_out,)` or None.
+
+    Returns:
+        `(batch, seq, d_out)`.
+
+    Raises:
+        ShapeError: widths, dtypes or devices disagree.
+    """
+    return F.linear(x, weight, bias)
+
+
+@stage(validate=_validate_split)
+def split_heads(x: Inner, num_heads: int) -> Heads:
+    """Relabel `(batch, seq, num_heads*d_head)` as `(batch, num_heads, seq, d_head)`, as a view.
+
+    `x.view(batch, seq, num_heads, d_head).transpose(1, 2)`: no data moves, and writing through
+    the result writes `x`. Splitting one axis in two is possible as a view for every stride
+    pattern, so this never copies (for K and V, pass `num_kv_heads` as `num_heads`).
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> x = torch.randn(2, 5, 32)
+        >>> heads = ssm.split_heads(x, 4)
+        >>> heads.shape, heads.data_ptr() == x.data_ptr()
+        (torch.Size([2, 4, 5, 8]), True)
+
+    Arguments:
+        x: `(batch, seq, d_inner)`, the output of a projection.
+        num_heads: how many heads `d_inner` holds; it must divide `d_inner`.
+
+    Returns:
+        A view of `x`, `(batch, num_heads, seq, d_inner // num_heads)`.
+
+    Raises:
+        ShapeError: `x` is not 3-D or its width does not divide into `num_heads` heads.
+        ConfigError: `num_heads` is not a positive int.
+    """
+    return K.split_heads(x, num_heads)
+
+
+@stage()
+def merge_heads(x: Heads) -> Inner:
+    """The inverse of `split_heads`: `(batch, num_heads, seq, d_head)` to `(batch, seq, num_heads*d_head)`.
+
+    `x.transpose(1, 2).reshape(batch, seq, num_heads * d_head)`: a view when `x`'s data is laid
+    out `(batch, seq, num_heads, d_head)` (as `split_heads` leaves it), otherwise one copy
+    (as after attention, whose output is laid out head by head).
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> x = torch.randn(2, 5, 32)
+        >>> torch.equal(ssm.merge_heads(ssm.split_heads(x, 4)), x)
+        True
+
+    Arguments:
+        x: `(batch, num_heads, seq, d_head)`.
+
+    Returns:
+        `(batch, seq, num_heads * d_head)`.
+
+    Raises:
+        ShapeError: `x` is not 4-D.
+    """
+    return K.merge_heads(x)
+
+
+@stage(validate=_validate_group)
+def group_queries(q: Heads, num_kv_heads: int) -> GroupedQueries:
+    """View query heads as `(batch, num_kv_heads, group, seq, d_head)`: the GQA grouping, no copy.
+
+    Query head `h` reads KV head `h // group`, where `group = num_heads // num_kv_heads`.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> ssm.group_queries(torch.randn(2, 8, 5, 16), num_kv_heads=2).shape
+        torch.Size([2, 2, 4, 5, 16])
+
+    Arguments:
+        q: `(batch, num_heads, seq, d_head)`.
+        num_kv_heads: how many KV heads the query heads share; it must divide `num_heads`.
+
+    Returns:
+        A view of `q`, `(batch, num_kv_heads, group, seq, d_head)`.
+
+    Raises:
+        ShapeError: `num_kv_heads` does not divide `num_heads`.
+        ConfigError: `num_kv_heads` is not a positive int.
+    """
+    return K.group_queries(q, num_kv_heads)
+
+
+@stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
+def scaled_dot_product_attention(
+    q: Heads,
+    k: KVHeads,
+    v: KVHeads,
+    *,
+    attn_mask: AttnMask | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Heads:
+    """Attention per head: `softmax(q @ k.T * scale + mask) @ v`, for MHA, GQA and MQA alike.
+
+    The number of KV heads is read from `k`: equal to `q`'s heads is MHA, one is MQA, anything
+    dividing it is GQA, where query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
+    K and V are never expanded to `num_heads` heads: torch's own GQA kernel runs where it copies
+    nothing (`enable_gqa=True`, on CPU), and elsewhere the query heads of a group are folded into
+    the query axis. Equals `torch.nn.functional.scaled_dot_product_attention(...,
+    enable_gqa=True)` wherever that is defined, with two deliberate differences:
+
+    - `is_causal` is **lower-right aligned**: when `seq < kv_seq`, query `i` sits at absolute
+      position `kv_seq - seq + i` and sees keys `0..kv_seq - seq + i`, as decoding with a KV cache
+      needs. (torch aligns top-left, so a single decoding query would see only the first key.)
+      `is_causal` and `attn_mask` combine: a key must be allowed by both.
+    - A query row with nothing to attend to yields zeros, never NaN, in outputs and gradients.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> q, k = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 7, 16)
+        >>> ssm.scaled_dot_product_attention(q, k, k, is_causal=True).shape
+        torch.Size([2, 8, 5, 16])
+
+    Arguments:
+        q: `(batch, num_heads, seq, d_head)`.
+        k, v: `(batch, num_kv_heads, kv_seq, d_head)`; `num_kv_heads` must divide `num_heads`.
+        attn_mask: `(seq, kv_seq)` or `(#batch, #num_heads, seq, kv_seq)`; bool (True = may
+            attend, torch's SDPA convention) or float (added to the scores, `q`'s dtype). Only the
+            batch and heads axes may be 1 to broadcast; `seq` and `kv_seq` must be given in full.
+        is_causal: mask future keys, lower-right aligned.
+        scale: score scale; default `1 / sqrt(d_head)`.
+        dropout_p: dropout on the probabilities (apply only in training).
+        window: sliding-window attention: query `i` sees only keys fewer than `window` positions
+            before it (itself included), lower-right aligned like `is_causal`, as Mistral and
+            Gemma do.
+        softcap: cap the scores smoothly at `±softcap` before the mask, `softcap * tanh(s / softcap)`
+            (Gemma 2's `attn_logit_softcapping`).
+
+    Returns:
+        `(batch, num_heads, seq, d_head)`.
+
+    Raises:
+        ShapeError: shapes, dtypes or devices disagree, or `num_kv_heads` does not divide `num_heads`.
+        ConfigError: `window` is not a positive int, or `softcap` not a positive number.
+    """
+    native = softcap is None and K.native_gqa(q, k, dropout_p)
+    if native and attn_mask is None and window is None and (not is_causal or q.shape[2] == k.shape[2]):
+        return K.sdpa_heads(q, k, v, None, is_causal, scale, dropout_p)  # torch's own call, nothing around it
+    mask = K.combine_masks(attn_mask, None, is_causal, q, k, softcap is not None, window, gqa=native)
+    may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
+    if native:  # torch's own kernel copies nothing here: no fold, no mask per folded row
+        causal = mask is None and K.native_causal(is_causal, q, k, gqa=True)
+        return K.attend_native(q, k, v, mask, causal, may_empty, scale, dropout_p)
+    return K.attend(q, k, v, mask, False, may_empty, scale, dropout_p, softcap)
+
+
+@stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
+def attention_weights(
+    q: Heads,
+    k: KVHeads,
+    *,
+    attn_mask: AttnMask | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Probabilities:
+    """The per-head attention probabilities `softmax(q @ k.T * scale + mask)`.
+
+    Same conventions as `scaled_dot_product_attention` (GQA by shape, lower-right causal, rows
+    with nothing to attend to are zeros).
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> w = ssm.attention_weights(torch.randn(2, 8, 5, 16), torch.randn(2, 2, 7, 16))
+        >>> w.shape, bool(torch.allclose(w.sum(-1), torch.ones(2, 8, 5)))
+        (torch.Size([2, 8, 5, 7]), True)
+
+    Arguments:
+        q: `(batch, num_heads, seq, d_head)`.
+        k: `(batch, num_kv_heads, kv_seq, d_head)`.
+        attn_mask, is_causal, scale, window, softcap: as in `scaled_dot_product_attention`.
+
+    Returns:
+        `(batch, num_heads, seq, kv_seq)`; each row sums to 1 (or is all zeros).
+
+    Raises:
+        ShapeError: shapes, dtypes or devices disagree.
+    """
+    mask = K.combine_masks(attn_mask, None, is_causal, q, k, explicit=True, window=window)
+    may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
+    return K.head_weights(q, k, mask, may_empty, scale, softcap)
+
+
+# --- the module's stages --------------------------------------------------------------------------------
+# What MultiHeadAttention.forward is made of. Names are the trace's; dimension names are the
+# forward's, so one memo spans them all.
+
+
+@stage(name="q_proj", public=("query",))
+def project_query(proj: nn.Module, query: Tokens) -> QueryInner:
+    return proj(query)
+
+
+def _project_kv(proj: nn.Module, x: KVTokens) -> NewKVInner:
+    return proj(x)
+
+
+project_key = stage(name="k_proj")(_project_kv)
+project_value = stage(name="v_proj")(_project_kv)
+
+
+@stage(name="qkv_proj", public=("query",))
+def project_qkv(query: Tokens, weight: Tensor, bias: Tensor | None) -> FusedInner:
+    """Q, K and V of self-attention in one matrix multiply (the weights concatenated, see `fastpath`)."""
+    return F.linear(query, weight, bias)
+
+
+@stage(name="unfuse", trace=("q_proj", "k_proj", "v_proj"))
+def unfuse(qkv: FusedInner, q_width: int, kv_width: int) -> tuple[QueryInner, NewKVInner, NewKVInner]:
+    q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+    return q, k, v
+
+
+@stage(name="split_q")
+def split_query(x: QueryInner, num_heads: int) -> Heads:
+    return K.split_heads(x, num_heads)
+
+
+def _split_kv(x: NewKVInner, num_kv_heads: int) -> NewKVHeads:
+    return K.split_heads(x, num_kv_heads)
+
+
+split_key = stage(name="split_k")(_split_kv)
+split_value = stage(name="split_v")(_split_kv)
+
+
+@stage(name="qk_norm", trace=("q_norm", "k_norm"))
+def normalize_qk(q_norm: nn.Module, k_norm: nn.Module, q: Heads, k: NewKVHeads) -> tuple[Heads, NewKVHeads]:
+    """QK-norm (Qwen3, Gemma 3): each head's query and key RMS-normalised over `d_head`, before RoPE."""
+    return q_norm(q), k_norm(k)
+
+
+@stage(name="keys", trace=("", ""), sources={"result": "key"})
+def attend_to_new(k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
+    """Without a cache the keys attended over are the new ones (`kv_seq` is `new`)."""
+    return k, v
+
+
+def check_cache(cache: Any, kind: type, computed: Any = None, fix: str = "") -> None:
+    """Raise unless `cache` is a `kind` (KVCache, LatentCache) holding what the module computes (`computed`'s
+    dtype and device); `fix` adds a way out to the message."""
+    if cache is None:
+        return
+    if not isinstance(cache, kind):
+        raise mismatch(
+            f"kv_cache must be a shapesafe_mha.{kind.__name__}, but got {type(cache).__name__}; "
+            "make one with module.new_cache(batch, capacity).",
+            arg="kv_cache",
+        )
+    held = cache.dtype, cache.device
+    if isinstance(computed, Tensor) and held != (computed.dtype, computed.device):
+        autocast = autocast_dtype(computed.device)
+        if cache.device == computed.device and autocast is not None and cache.dtype in (autocast, torch.float32):
+            return  # autocast computes in its dtype from a cache of the parameters' (float32) or its own
+        where = "" if autocast is None else f" (autocast computes in {dtype_name(autocast)})"
+        raise mismatch(
+            f"kv_cache holds {dtype_name(cache.dtype)} on {cache.device}, but the module computes "
+            f"{dtype_name(computed.dtype)} on {computed.device}{where}; use module.new_cache(batch, capacity){fix}.",
+            arg="kv_cache",
+        )
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype `torch.autocast` computes in on `device` now, or None where it is off."""
+    kind = device.type
+    if kind == "meta" or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def autocast_on() -> bool:
+    """Whether `torch.autocast` is on for CPU or CUDA (cheaper than asking for a device's dtype)."""
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+def _precheck_cache(arguments: dict[str, Any]) -> None:
+    k = arguments["k"]
+    fix = f" or kv_cache.to({k.dtype}, '{k.device}')" if isinstance(k, Tensor) else ""
+    check_cache(arguments["cache"], KVCache, k, fix)
+
+
+@stage(
+    name="cache",
+    public=("kv_cache",),
+    trace=("cache_k", "cache_v"),
+    sources={"result": "the cache plus key"},
+    precheck=_precheck_cache,
+)
+def append_to_cache(cache: KVCache, kv_cache: CacheBuffer, k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
+    """Write the new positions into the cache; attend over everything it holds."""
+    return cache.write(k, v, "MultiHeadAttention.forward()")
+
+
+def precheck_masks(arguments: dict[str, Any]) -> None:
+    """Masks on the queries' device; a float `attn_mask` in their dtype (any, under autocast)."""
+    q = arguments["q"]
+    for name in ("attn_mask", "key_padding_mask"):
+        mask = arguments[name]
+        if isinstance(mask, Tensor) and mask.device != q.device:
+            raise mismatch(f"{name} is on {mask.device}, but the module's parameters are on {q.device}.", arg=name)
+        if isinstance(mask, Tensor) and mask.is_floating_point() and mask.dtype != q.dtype and name == "attn_mask":
+            if autocast_dtype(q.device) is not None:
+                continue  # autocast casts what it adds the mask to; a mask in the parameters' dtype is fine
+            raise mismatch(
+                f"attn_mask has dtype {dtype_name(mask.dtype)}; a float mask is added to the scores, so it must be "
+                f"{dtype_name(q.dtype)} like the module (or bool: True = may attend).",
+                arg=name,
+            )
+
+
+def _validate_seen(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    seen = arguments["seen"]
+    if "seen" in dims and dims["seen"] != seen:
+        name = "attn_mask" if isinstance(arguments["attn_mask"], Tensor) else "key_padding_mask"
+        raise mismatch(
+            f"{name} covers {dims['seen']} key positions, but the sliding-window kv_cache has seen {seen} "
+            f"(cached and new); with a window, masks cover every position seen (the cache keeps the last "
+            f"{arguments['kept']}).",
+            arg=name,
+            dim="seen",
+        )
+
+
+@stage(name="window_masks", trace=("", ""), public=("attn_mask", "key_padding_mask"), validate=_validate_seen)
+def visible_masks(
+    attn_mask: SeenAttnMask | None, key_padding_mask: SeenPaddingMask | None, seen: int, kept: int
+) -> tuple[AttnMask | None, PaddingMask | None]:
+    """Masks over every position a sliding-window cache has seen, cut to the positions it kept (the last)."""
+    return (
+        None if attn_mask is None else attn_mask[..., seen - kept :],
+        None if key_padding_mask is None else key_padding_mask[:, seen - kept :],
+    )
+
+
+@stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
+def combine_masks(
+    q: Heads,
+    k: KVHeads,
+    attn_mask: AttnMask | None,
+    key_padding_mask: PaddingMask | None,
+    is_causal: bool,
+    explicit: bool,
+    window: int | None,
+    native: bool,
+) -> FullMask | None:
+    return K.combine_masks(attn_mask, key_padding_mask, is_causal, q, k, explicit, window, gqa=native)
+
+
+@stage(name="attention")
+def attend_heads(q: Heads, k: KVHeads, v: KVHeads, causal: bool, dropout_p: float, scale: float | None) -> Heads:
+    """MHA with nothing to mask but torch's own causality: SDPA as it is."""
+    return K.sdpa(q, k, v, None, causal, scale, dropout_p)
+
+
+@stage(name="attention")
+def attend_native(
+    q: Heads,
+    k: KVHeads,
+    v: KVHeads,
+    mask: FullMask | None,
+    causal: bool,
+    may_empty: bool,
+    dropout_p: float,
+    scale: float | None,
+) -> Heads:
+    """GQA/MQA (or masked MHA) by torch's own kernel where it copies nothing (`K.native_gqa`); K/V at
+    `num_kv_heads` heads, the mask at its own heads; rows with nothing to attend to are zeros."""
+    return K.attend_native(q, k, v, mask, causal, may_empty, scale, dropout_p)
+
+
+@stage(name="fold_queries")
+def fold_queries(grouped: GroupedQueries) -> FoldedQueries:
+    return K.fold_queries(grouped)
+
+
+@stage(name="fold_mask", trace=("", ""))
+def fold_mask(
+    mask: FullMask, may_empty: bool, num_heads: int, num_kv_heads: int
+) -> tuple[FoldedMask, RowsWithAKey | None]:
+    """The mask laid out as the folded queries; rows with no key opened (and noted, to zero them after)."""
+    return K.fold_mask_rows(mask, may_empty, num_heads, num_kv_heads)
+
+
+@stage(name="attention_folded", trace=("",))
+def attend_folded(
+    q: FoldedQueries, k: KVHeads, v: KVHeads, mask: FoldedMask | None, dropout_p: float, scale: float | None
+) -> FoldedQueries:
+    return K.sdpa(q, k, v, mask, False, scale, dropout_p)
+
+
+@stage(name="attention")
+def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Heads:
+    return K.zero_rows(K.unfold(out, num_heads), rows)
+
+
+@stage(name="weights_folded", trace=("",))
+def folded_weights(
+    q: FoldedQueries, k: KVHeads, mask: FoldedMask | None, scale: float | None, softcap: float | None
+) -> FoldedProbabilities:
+    return K.probabilities(q, k, mask, scale, softcap)
+
+
+@stage(name="weights")
+def unfold_weights(weights: FoldedProbabilities, num_heads: int, rows: RowsWithAKey | None) -> Probabilities:
+    return K.zero_rows(K.unfold(weights, num_heads), rows)
+
+
+@stage(name="attention_folded", trace=("",))
+def weigh_values(weights: FoldedProbabilities, v: KVHeads, dropout_p: float) -> FoldedQueries:
+    return K.weighted_values(weights, v, dropout_p)
+
+
+@stage(name="merge")
+def merge(x: Heads) -> QueryInner:
+    return K.merge_heads(x)
+
+
+@stage(name="o_proj")
+def project_output(proj: nn.Module, x: QueryInner) -> Tokens:
+    return proj(x)
+
+
+@stage(name="attention", public=("query",))
+def native_attention(
+    query: Tokens, in_weight: Tensor, in_bias: Tensor, out_weight: Tensor, out_bias: Tensor, num_heads: int
+) -> Tokens:
+    """Exactly what nn.MultiheadAttention's inference fast path runs: torch's fused MHA kernel."""
+    from .fastpath import native_kernel
+
+    return native_kernel(query, in_weight, in_bias, out_weight, out_bias, num_heads)
+
+
+# The stages MultiHeadAttention.forward composes, by the names it calls them.
+FORWARD_STAGES: dict[str, Any] = {
+    "project_query": project_query,
+    "project_key": project_key,
+    "project_value": project_value,
+    "project_qkv": project_qkv,
+    "unfuse": unfuse,
+    "split_query": split_query,
+    "split_key": split_key,
+    "split_value": split_value,
+    "normalize_qk": normalize_qk,
+    "attend_to_new": attend_to_new,
+    "append_to_cache": append_to_cache,
+    "visible_masks": visible_masks,
+    "combine_masks": combine_masks,
+    "attend_heads": attend_heads,
+    "attend_native": attend_native,
+    "group_queries": group_queries,
+    "fold_queries": fold_queries,
+    "fold_mask": fold_mask,
+    "attend_folded": attend_folded,
+    "unfold": unfold,
+    "folded_weights": folded_weights,
+    "unfold_weights": unfold_weights,
+    "weigh_values": weigh_values,
+    "merge": merge,
+    "project_output": project_output,
+    "native_attention": native_attention,
+}

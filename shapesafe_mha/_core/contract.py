@@ -1,0 +1,485 @@
+"""The contract machinery: stages annotated with named shapes, checked by jaxtyping+beartype.
+
+A *stage* is a function whose signature carries its jaxtyping annotations, result included. A
+*session* runs stages against one jaxtyping memo (`jaxtyped("context")`), so a dimension bound by
+one stage must hold at every later one: `num_heads` bound at the query split holds at the mask and
+at attention. Each stage reports its result once, to the session, which checks it and passes it
+on to an observer (the trace). jaxtyping+beartype decide every check; `messages` only explains.
+
+Checking costs microseconds, so verdicts are remembered: a public stage remembers the exact
+signatures it accepted; `MultiHeadAttention` remembers whole forwards by the relations between
+their sizes (see `relational`). A call whose verdict is not known is always checked in full.
+"""
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import os
+import typing
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import torch
+from beartype.door import is_bearable
+from jaxtyping import jaxtyped
+
+from .errors import ConfigError
+from .messages import ExplainedError, Memo, arrays_of, bind, explain, shape_error
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+ENV_VAR = "SHAPESAFE_MHA_UNCHECKED"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def parse_switch(value: str) -> bool:
+    """Whether `SHAPESAFE_MHA_UNCHECKED=value` turns the checks off.
+
+    Raises:
+        ConfigError: `value` is none of 1/true/yes/on or 0/false/no/off/empty (any case).
+    """
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(
+        f"{ENV_VAR}={value!r} is not a switch: use 1, true, yes or on to turn the checks off, "
+        "or 0, false, no, off or nothing to keep them."
+    )
+
+
+_OFF_BY_ENV = parse_switch(os.environ.get(ENV_VAR, ""))
+# The session of an open `shape_scope`: our public stages and users' decorated calls inside it share it.
+scope: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("shapesafe_mha_scope", default=None)
+_off: contextvars.ContextVar[bool] = contextvars.ContextVar("shapesafe_mha_unchecked", default=False)
+
+MAX_VERDICTS = 4096
+
+
+def switched_off() -> bool:
+    """Whether `unchecked()` or `SHAPESAFE_MHA_UNCHECKED` turned the checks off (compiling aside)."""
+    return _OFF_BY_ENV or _off.get()
+
+
+def checks_enabled() -> bool:
+    """Whether runtime checks run now (see `unchecked`).
+
+    Example:
+        >>> import shapesafe_mha as ssm
+        >>> with ssm.unchecked():
+        ...     print(ssm.checks_enabled())
+        False
+    """
+    # is_compiling first: dynamo folds it to a constant and never traces the ContextVar.
+    return not (torch.compiler.is_compiling() or _OFF_BY_ENV or _off.get())
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Turn shapesafe_mha's runtime checks off inside a `with` block.
+
+    The switch is a context variable: it holds for this thread (or asyncio task) only, and a
+    generator that is suspended inside the block keeps it off when resumed elsewhere.
+    `SHAPESAFE_MHA_UNCHECKED=1` (or true/yes/on) in the environment before import turns the
+    checks off for the whole process.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> with ssm.unchecked():
+        ...     print(ssm.split_heads(torch.zeros(1, 3, 8), 2).shape)
+        torch.Size([1, 2, 3, 4])
+    """
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
+class Verdicts:
+    """Calls known to pass their checks: the one memo of stages, modules and users' decorated functions.
+
+    A call is known by its exact key (what the check read, exactly: one hash) or, where a caller can
+    abstract it soundly, by its relations key (sizes replaced by how they relate, see `relational`),
+    asked for only when the exact key misses. At most `MAX_VERDICTS` of each, then forgotten at once.
+    """
+
+    __slots__ = ("exact", "relations")
+
+    def __init__(self) -> None:
+        self.exact: dict[Any, Any] = {}
+        self.relations: dict[Any, Any] = {}
+
+    def known(self, exact: Any, relations: Callable[[], Any] | None = None) -> bool:
+        if exact in self.exact:
+            return True
+        if relations is not None and relations() in self.relations:
+            _add(self.exact, exact)
+            return True
+        return False
+
+    def remember(self, exact: Any, relations: Any = None, note: Any = True) -> None:
+        """Remember `exact` (and `relations`); `note` is what `exact[key]` holds (a caller's detail of the call)."""
+        if _UNCACHEABLE in exact if isinstance(exact, tuple) else exact is _UNCACHEABLE:
+            return  # a value whose check cannot be keyed: every such call is checked in full
+        _add(self.exact, exact, note)
+        if relations is not None:
+            _add(self.relations, relations)
+
+    def forget(self) -> None:
+        self.exact.clear()
+        self.relations.clear()
+
+
+def _add(memo: dict[Any, Any], key: Any, note: Any = True) -> None:
+    if len(memo) >= MAX_VERDICTS:
+        memo.clear()
+    memo[key] = note
+
+
+Precheck = Callable[[dict[str, Any]], None]
+Validate = Callable[[dict[str, Any], dict[str, int]], None]
+Explain = Callable[[dict[str, Any], ExplainedError], str | None]
+Observer = Callable[[str, str, torch.Tensor], None]
+
+
+class Stage(Generic[P, R]):
+    """A function whose annotations are its contract. Calling it checks the call (see `stage`)."""
+
+    def __init__(
+        self,
+        fn: Callable[P, R],
+        *,
+        name: str,
+        public: tuple[str, ...],
+        trace: tuple[str, ...],
+        sources: dict[str, str],
+        precheck: Precheck | None,
+        validate: Validate | None,
+        explain: Explain | None,
+    ) -> None:
+        hints = typing.get_type_hints(fn, include_extras=True)
+        self.returns = hints.pop("return", None)
+        self.hints = hints
+        self.signature = inspect.signature(fn)
+        self.fn = fn
+        self.name = name
+        self.public = public
+        self.trace = trace
+        self.sources = sources
+        self.precheck, self.validate, self.explain = precheck, validate, explain
+        self.verdicts = Verdicts()
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Called on its own (a public stage): checked on first sight of each exact signature."""
+        if not checks_enabled():
+            return self.fn(*args, **kwargs)
+        shared = scope.get()
+        if shared is not None:  # inside a shape_scope: checked in its dimensions, every time
+            with shared.calling(f"{self.name}()"):
+                return shared.call(self, *args, **kwargs)
+        key = signature_key(args, kwargs)
+        if self.verdicts.known(key):
+            return self.fn(*args, **kwargs)
+        with Session(f"{self.name}()") as session:
+            result = session.call(self, *args, **kwargs)
+        self.verdicts.remember(key)
+        return result
+
+    def result_names(self) -> list[tuple[str, Any]]:
+        """(trace name, annotation) of each tensor the stage returns."""
+        returns = self.returns
+        parts = list(typing.get_args(returns)) if typing.get_origin(returns) is tuple else [returns]
+        names = self.trace or (self.name,)
+        return list(zip(names, parts, strict=False))
+
+
+def stage(
+    *,
+    name: str | None = None,
+    public: tuple[str, ...] = (),
+    trace: tuple[str, ...] = (),
+    sources: dict[str, str] | None = None,
+    precheck: Precheck | None = None,
+    validate: Validate | None = None,
+    explain: Explain | None = None,
+) -> Callable[[Callable[P, R]], Stage[P, R]]:
+    """Make `fn` a stage: its annotations, arguments and result, are checked by jaxtyping+beartype.
+
+    `precheck(arguments)` runs before the annotations (dtypes and devices, which need no
+    dimensions); `validate(arguments, dims)` after them, for what an annotation cannot say
+    (divisibility, a cache's capacity); both raise `mismatch(...)`. `explain(arguments, failure)`
+    may return the usual fix, appended to the message. `public` names the arguments a user passed
+    as they are (messages name them plainly); `trace` names the results for the trace; `sources`
+    names who set a dimension this stage binds (`{"kv_seq": "the cache plus key"}`).
+    """
+
+    def decorate(fn: Callable[P, R]) -> Stage[P, R]:
+        return Stage(
+            fn,
+            name=name or fn.__name__,
+            public=public,
+            trace=trace,
+            sources=sources or {},
+            precheck=precheck,
+            validate=validate,
+            explain=explain,
+        )
+
+    return decorate
+
+
+_ONE = torch.empty((), device="meta")  # made at import: a trace never sees it allocated
+
+
+@functools.lru_cache(maxsize=64)
+def witness(sizes: tuple[int, ...]) -> torch.Tensor:
+    """A `meta` tensor whose shape is a module's sizes, for `Session.seed`: binds them before any argument.
+
+    One element broadcast to that shape, so it costs nothing anywhere (no allocation to record).
+    """
+    return _ONE.expand(sizes)
+
+
+class Session:
+    """Stages run against one jaxtyping memo, checked (if `check`) and reported to `observer`."""
+
+    def __init__(self, owner: str, *, check: bool = True, observer: Observer | None = None) -> None:
+        self.owner = owner
+        self.check = check
+        self.observer = observer
+        self.memo: Memo = {}
+        self.called_with: list[tuple[str, Any, Any]] = []
+        self.where = ""  # in a shared session, which call bound a dimension: " (in split_heads())"
+        self._context: Any = None
+
+    def __enter__(self) -> "Session":
+        if self.check:
+            self._context = jaxtyped("context")  # pyright: ignore[reportCallIssue,reportArgumentType]
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def calling(self, owner: str, shared: bool = True) -> Iterator[None]:
+        """One call checked in this session: messages name `owner` and list only its arguments; in a session
+        shared by several calls (a `shape_scope`), what a call binds is said to come from it."""
+        saved = self.owner, self.called_with, self.where
+        self.owner, self.called_with, self.where = owner, [], f" (in {owner})" if shared else ""
+        try:
+            yield
+        finally:
+            self.owner, self.called_with, self.where = saved
+
+    def stages(self, **stages: Stage[..., Any]) -> SimpleNamespace:
+        """The stages as plain callables that run in this session."""
+        return SimpleNamespace(**{n: functools.partial(self.call, s) for n, s in stages.items()})
+
+    def seed(self, hint: Any, witness: torch.Tensor, source: str) -> None:
+        """Bind dimensions known before any argument (a module's sizes) from a `meta` witness tensor."""
+        failure = self.fits("witness", witness, hint, source)
+        if failure is not None:
+            raise self.fail(failure)
+
+    def fits(self, label: str, value: Any, hint: Any, source: str) -> ExplainedError | None:
+        """Check one value against its annotation in this session's memo: None, or why it fails."""
+        if hint is None or not self.check:  # only observing: nothing to bind (sizes may be symbolic)
+            return None
+        if not is_bearable(value, hint):
+            return explain(label, value, hint, self.memo) or ExplainedError(
+                f"{label} does not satisfy its annotation {hint}.", arg=label
+            )
+        bind(label, value, hint, self.memo, source)
+        return None
+
+    def fail(self, failure: ExplainedError, where: str = "", fix: str | None = None) -> Exception:
+        sentence = f"{where}{failure.sentence}" + (f" {fix}" if fix else "")
+        return shape_error(self.owner, sentence, self.called_with, self.memo)
+
+    def call(self, stage: Stage[..., R], *args: Any, **kwargs: Any) -> R:
+        """Run `stage` in this session: arguments checked, then the stage, then its result."""
+        if self.check:
+            self.check_arguments(stage, args, kwargs)
+        result = stage.fn(*args, **kwargs)
+        if self.check or self.observer is not None:
+            self.report(stage, result)
+        return result
+
+    def check_arguments(
+        self, stage: Stage[..., Any], args: Any, kwargs: Any, hints: dict[str, Any] | None = None
+    ) -> None:
+        """Check a call's arguments against the stage's annotations (or `hints`, where given)."""
+        try:
+            bound = stage.signature.bind(*args, **kwargs)
+        except TypeError as failure:
+            raise TypeError(f"{self.owner}: {failure}") from None
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        hints = stage.hints if hints is None else hints
+        top_level = not self.called_with
+        if top_level:
+            self.called_with = [(n, v, hints.get(n)) for n, v in arguments.items()]
+        try:
+            if stage.precheck is not None:
+                stage.precheck(arguments)
+            for name, value in arguments.items():
+                plain = top_level or name in stage.public
+                source = stage.sources.get(name, name if plain else stage.name) + self.where
+                failure = self.fits(name, value, hints.get(name), source)
+                if failure is not None:
+                    raise failure
+            if stage.validate is not None:
+                stage.validate(arguments, {k: b.size for k, b in self.memo.items()})
+        except ExplainedError as failure:
+            fix = stage.explain(arguments, failure) if stage.explain is not None else None
+            plain = top_level or failure.arg is None or failure.arg in stage.public
+            raise self.fail(failure, "" if plain else f"at {stage.name}, ", fix) from None
+        except ConfigError as failure:
+            raise ConfigError(f"{self.owner}: {failure}") from None
+
+    def report(self, stage: Stage[..., Any], result: Any) -> None:
+        values = result if isinstance(result, tuple) else (result,)
+        for (trace_name, hint), value in zip(stage.result_names(), values, strict=False):
+            failure = self.fits("the result", value, hint, stage.sources.get("result", stage.name))
+            if failure is not None:
+                raise self.fail(failure, f"{stage.name} returned a wrong value: ")
+            if self.observer is not None and trace_name and isinstance(value, torch.Tensor):
+                arrays = arrays_of(hint)
+                self.observer(trace_name, arrays[0].dim_str if arrays else "", value)
+
+
+def recheck(checked: Callable[[], Any], failure: BaseException) -> None:
+    """A call whose verdict was remembered failed unchecked: run it `checked()` to explain it, as a fresh
+    module would (something it depends on changed that its key did not hold, such as a parameter
+    replaced by one of another shape or dtype). Raises the checked failure, else `failure` itself."""
+    from .errors import ShapesafeError
+
+    try:
+        checked()
+    except ShapesafeError as explained:
+        raise explained from None
+    raise failure
+
+
+def raw(**stages: Stage[..., Any]) -> SimpleNamespace:
+    """The stages' functions themselves: what a forward runs once its verdict is known."""
+    return SimpleNamespace(**{n: s.fn for n, s in stages.items()})
+
+
+# --- verdicts ------------------------------------------------------------------------------------------
+
+
+class _Uncacheable:
+    """Marks an argument whose verdict cannot be remembered (it is always checked in full)."""
+
+
+_UNCACHEABLE = _Uncacheable
+_ITSELF = frozenset({int, str, type(None), torch.dtype, torch.device})  # hashable, no two kinds collide
+
+
+def signature_of(value: Any) -> Any:
+    """What a check depends on: a tensor's shape, dtype and device; a plain value with its type."""
+    if isinstance(value, torch.Tensor):  # the common case first: this runs on every remembered call
+        return (value.shape, value.dtype, value.device)
+    kind = type(value)
+    if kind in _ITSELF:
+        return value
+    if kind is bool or kind is float:
+        return (kind, value)  # True == 1 == 1.0 would collide with the int
+    if kind is tuple:
+        return (kind, tuple(signature_of(v) for v in value))
+    return _UNCACHEABLE
+
+
+def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The exact signature of a call, keyword names included."""
+    key = tuple(map(signature_of, args))
+    if kwargs:
+        key += tuple(item for k, v in kwargs.items() for item in (k, signature_of(v)))
+    return key
+
+
+def relational(sizes: tuple[int, ...], constants: frozenset[int]) -> tuple[int, ...]:
+    """Sizes abstracted to what a shape check can see of them.
+
+    A check compares sizes with each other, with the module's constants and with 0 and 1 (to
+    broadcast), and nothing else. So a size that is 0, 1 or a constant is kept; any other is
+    replaced by the index of its first occurrence (negated). Two calls with the same result agree
+    on every equality a check can test, so they pass or fail together: `kv_seq` growing by one a
+    decoding step keeps the key.
+    """
+    first: dict[int, int] = {}
+    return tuple(s if s < 2 or s in constants else -1 - first.setdefault(s, len(first)) for s in sizes)
+
+
+class CallKey(typing.NamedTuple):
+    """What a module's verdict for one call depends on: its structure (kinds, dtypes, devices, flags,
+    submodules), the shapes of its tensors, and `kv_seq` where a mask is checked against it."""
+
+    structure: tuple[Any, ...]
+    shapes: tuple[Any, ...]
+    kv_seq: int | None
+
+    def relations(self, constants: frozenset[int]) -> Any:
+        """The key with sizes replaced by their relations (`relational`): covers decoding step after step."""
+        sizes = [size for shape in self.shapes if shape is not None for size in shape]
+        if self.kv_seq is not None:
+            sizes.append(self.kv_seq)
+        ranks = tuple(None if shape is None else len(shape) for shape in self.shapes)
+        return self.structure, ranks, self.kv_seq is None, relational(tuple(sizes), constants)
+
+
+def remembered_forward(
+    verdicts: Verdicts,
+    constants: frozenset[int],
+    key: Callable[[], CallKey | None],
+    cache: Any,
+    run: Callable[[], R],
+    checked: Callable[[bool, Any], R],
+    observer: Any,
+) -> R:
+    """A module's forward under its remembered verdicts (`MultiHeadAttention` and `LatentAttention` both).
+
+    `cache` is the call's cache (with `state()` and `restore(state)`) or None.
+
+    A call whose key (exact, or by relations) is known runs `run()` unchecked; any other runs `checked(check,
+    observer)`, every stage checked, and is remembered if it passes. An unchecked call that fails is run again
+    checked to explain it (`recheck`); a call that fails leaves `cache` as it was.
+    """
+    check = checks_enabled()
+    keys = None
+    if check and observer is None:
+        try:
+            keys = key()
+        except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
+            keys = None
+        if keys is not None and verdicts.known(keys, lambda: keys.relations(constants)):
+            check = False
+    state = None if cache is None else cache.state()
+    try:
+        if not check and observer is None:
+            try:
+                return run()
+            except Exception as failure:
+                if keys is None:  # checks off: torch's error as it is
+                    raise
+                if state is not None and cache is not None:
+                    cache.restore(state)
+                recheck(lambda: checked(True, None), failure)
+        result = checked(check, observer)
+    except BaseException:
+        if state is not None and cache is not None:
+            cache.restore(state)  # a failed call changes nothing
+        raise
+    if check and keys is not None:
+        verdicts.remember(keys, keys.relations(constants))
+    return result

@@ -1,0 +1,375 @@
+"""Checks for the code users write: `shapecheck`, `expect` and `shape_scope`.
+
+A user annotates their own function with jaxtyping dimension names (ours, from `shapesafe_mha.dims`, or
+their own) and gets what our stages get: jaxtyping+beartype decide, the one formatter (`messages`)
+explains, verdicts are remembered (`Verdicts`, the memo our stages and modules use). Sizes known before
+any tensor bind first: `shape_scope`'s, then int arguments named like a dimension (`num_heads: int`),
+then, in a method, int attributes of `self` so named (a module's sizes). So an alias with arithmetic
+(`"batch seq num_heads*d_head"`) works as an argument annotation wherever its names are bound.
+"""
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import re
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+from jaxtyping import AnnotationError, Shaped
+from torch import nn
+
+from . import trace as _trace
+from .contract import Session, Verdicts, checks_enabled, scope, signature_key, switched_off, witness
+from .errors import ConfigError
+from .messages import ExplainedError, arrays_of, axes
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# The session of the innermost checked call (where `expect` binds), `_KNOWN` inside a call whose verdict
+# is remembered (its expectations held for these shapes), or None.
+_KNOWN = object()
+_current: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_current", default=None)
+
+
+def dims_of(hint: Any) -> set[str]:
+    """Every dimension name an annotation uses (its array types', arithmetic included)."""
+    names: set[str] = set()
+    for array in arrays_of(hint):
+        for axis in axes(array):
+            names.update(n for n in re.findall(r"[A-Za-z_]\w*", axis.name) if n != "_")
+    if typing.get_origin(hint) is tuple:
+        for part in typing.get_args(hint):
+            names |= dims_of(part)
+    return names
+
+
+@functools.lru_cache(maxsize=256)
+def _sizes_hint(names: tuple[str, ...]) -> Any:
+    return Shaped[torch.Tensor, " ".join(names)]
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_hint(shape: str) -> Any:
+    return Shaped[torch.Tensor, shape]
+
+
+def _seed(session: Session, sizes: dict[str, tuple[int, str]], owner: str) -> None:
+    """Bind known sizes before any tensor; a size that disagrees with one bound already is named."""
+    fresh: dict[str, list[str]] = {}
+    for name, (size, source) in sizes.items():
+        bound = session.memo.get(name)
+        if bound is not None and bound.size != size:
+            raise session.fail(
+                ExplainedError(f"{source} is {name}={size}, but {bound.source} set {name}={bound.size}.", dim=name)
+            )
+        if bound is None:
+            fresh.setdefault(source, []).append(name)
+    for source, names in fresh.items():
+        session.seed(_sizes_hint(tuple(names)), witness(tuple(sizes[n][0] for n in names)), source)
+
+
+def _is_size(value: Any) -> typing.TypeGuard[int]:
+    return type(value) is int and value >= 0
+
+
+class _Checked:
+    """What `shapecheck` reads of a function once, at decoration; `__call__` checks one call."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.owner = f"{fn.__qualname__}()"
+        hints = typing.get_type_hints(fn, include_extras=True)
+        self.returns = hints.pop("return", None)
+        self.hints = hints
+        self.signature = inspect.signature(fn)
+        parameters = list(self.signature.parameters.values())
+        arrays = [h for h in [*hints.values(), self.returns] if arrays_of(h) or dims_of(h)]
+        if not arrays:
+            raise ConfigError(
+                f"shapecheck: {fn.__qualname__} has no shape annotation to check; annotate its tensors with "
+                'jaxtyping (Float[Tensor, "batch seq d_model"]) or an alias of shapesafe_mha.dims.'
+            )
+        names = set().union(*(dims_of(h) for h in arrays))
+        self.int_dims = tuple(p.name for p in parameters if p.name in names)
+        self.method = bool(parameters) and parameters[0].name == "self"
+        self.self_dims = tuple(sorted(names)) if self.method else ()
+        self.variadic = {p.name: p.kind for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        self.verdicts = Verdicts()
+
+    def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What the check reads, exactly: the arguments' signatures, and a method's sizes on `self`."""
+        if not self.method or not args:
+            return signature_key(args, kwargs)
+        owner = args[0]
+        held = tuple(getattr(owner, name, None) for name in self.self_dims)
+        return (type(owner), *(h if type(h) is int else None for h in held), *signature_key(args[1:], kwargs))
+
+    def sizes(self, bound: inspect.BoundArguments) -> dict[str, tuple[int, str]]:
+        """Sizes known before any tensor: int arguments named like a dimension, then int attributes of `self`."""
+        sizes: dict[str, tuple[int, str]] = {}
+        for name in self.int_dims:
+            value = bound.arguments.get(name)
+            if _is_size(value):
+                sizes[name] = (value, f"the argument {name}")
+        if self.method:
+            owner = bound.arguments["self"]
+            where = "the module" if isinstance(owner, nn.Module) else f"self ({type(owner).__name__})"
+            for name in self.self_dims:
+                value = getattr(owner, name, None)
+                if name not in sizes and _is_size(value):
+                    sizes[name] = (value, where)
+        return sizes
+
+    def run(self, session: Session, args: tuple[Any, ...], kwargs: dict[str, Any], shared: bool = False) -> Any:
+        """The call checked in `session` (its own, or a scope's), arguments first, then the result."""
+        with session.calling(self.owner, shared):
+            try:
+                bound = self.signature.bind(*args, **kwargs)
+            except TypeError as failure:
+                raise TypeError(f"{self.owner}: {failure}") from None
+            bound.apply_defaults()
+            _seed(session, self.sizes(bound), self.owner)
+            values = list(self.arguments(bound))
+            session.called_with = [(label, value, hint) for label, value, hint in values]
+            for label, value, hint in values:
+                self.fit(session, label, value, hint, label + session.where)
+            token = _current.set(session)
+            try:
+                result = self.fn(*args, **kwargs)
+            finally:
+                _current.reset(token)
+            parts = typing.get_args(self.returns) if typing.get_origin(self.returns) is tuple else None
+            if parts and isinstance(result, tuple) and ... not in parts:
+                for index, (value, hint) in enumerate(zip(result, parts, strict=False)):
+                    self.fit(session, f"the result[{index}]", value, hint, f"the result of {self.owner}")
+            else:
+                self.fit(session, "the result", result, self.returns, f"the result of {self.owner}")
+            return result
+
+    def report(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call, its annotated arguments, expectations and result reported to the active observer (for
+        `prove`, which checks them against torch's symbolic shapes): one group of names per call."""
+        observer = _trace.current_observer()
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        group = _Reporting(observer, self.owner, {n: size for n, (size, _) in self.sizes(bound).items()})
+        for label, value, hint in self.arguments(bound):
+            group.add(label, value, hint)
+        before = _trace.guards_so_far(bound.arguments.values())
+        token = _current.set(group)
+        try:
+            result = self.fn(*args, **kwargs)
+        finally:
+            _current.reset(token)
+            after = _trace.guards_so_far(bound.arguments.values())
+            if before is not None and after is not None:
+                _trace.note_guards(self.owner, before, after)  # a size-specific branch or slice made here
+        parts = typing.get_args(self.returns) if typing.get_origin(self.returns) is tuple else None
+        if parts and isinstance(result, tuple) and ... not in parts:
+            for index, (value, hint) in enumerate(zip(result, parts, strict=False)):
+                group.add(f"the result[{index}]", value, hint)
+        else:
+            group.add("the result", result, self.returns)
+        return result
+
+    def arguments(self, bound: inspect.BoundArguments) -> Iterator[tuple[str, Any, Any]]:
+        for name, value in bound.arguments.items():
+            hint = self.hints.get(name)
+            kind = self.variadic.get(name)
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                yield from ((f"{name}[{i}]", v, hint) for i, v in enumerate(value))
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                yield from ((f"{name}[{k!r}]", v, hint) for k, v in value.items())
+            elif hint is not None:
+                yield name, value, hint
+
+    def fit(self, session: Session, label: str, value: Any, hint: Any, source: str) -> None:
+        failure = fits(session, label, value, hint, source)
+        if failure is not None:
+            raise session.fail(failure) from None
+
+
+class _Reporting:
+    """One decorated call reporting its values to an observer (under `prove`): its own group of names."""
+
+    def __init__(self, observer: Any, owner: str, seed: dict[str, int]) -> None:
+        self.observer, self.owner, self.seed, self.expectations = observer, owner, seed, 0
+
+    def add(self, label: str, value: Any, hint: Any) -> None:
+        if self.observer is None or not isinstance(value, torch.Tensor):
+            return
+        shapes = [a.dim_str for a in arrays_of(hint) if len(a.dim_str.split()) == value.ndim]
+        if shapes:
+            self.observer(f"{self.owner}: {label}", shapes[0], value, group=self, seed=self.seed)
+
+
+def fits(session: Session, label: str, value: Any, hint: Any, source: str) -> ExplainedError | None:
+    """`session.fits`, with an annotation whose arithmetic uses names nothing has bound explained too."""
+    try:
+        return session.fits(label, value, hint, source)
+    except AnnotationError:
+        arithmetic = [axis.name for array in arrays_of(hint) for axis in axes(array) if axis.symbolic]
+        symbolic = {n for name in arithmetic for n in re.findall(r"[A-Za-z_]\w*", name)}
+        names = sorted(n for n in symbolic if n not in session.memo)
+        listed = ", ".join(names)
+        return ExplainedError(
+            f"{label}'s annotation uses {listed} in arithmetic, but nothing has bound {listed} yet: bind "
+            "them first (an earlier argument, an int argument of that name, an attribute of self, or "
+            f"shapesafe_mha.shape_scope({', '.join(f'{n}=...' for n in names)})).",
+            arg=label,
+        )
+
+
+def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
+    """Check a function's (or method's, or `nn.Module.forward`'s) shape annotations on every new kind of call.
+
+    `jaxtyping`+`beartype` decide; a failure is a `ShapeError` whose first line names the function, the
+    argument (or "the result"), the dimension, the axis, both sizes and what bound the expected one.
+    Int arguments named like a dimension of the annotations bind it, and so do int attributes of `self`
+    in a method (a module's sizes). Verdicts are remembered per exact signature, as our stages' are;
+    `ssm.unchecked()`, `SHAPESAFE_MHA_UNCHECKED=1` and `torch.compile` turn the checks off.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> from jaxtyping import Float
+        >>> from torch import Tensor
+        >>> @ssm.shapecheck
+        ... def scale_heads(q: Float[Tensor, "batch num_heads seq d_head"],
+        ...                 temperature: Float[Tensor, " num_heads"]) -> Float[Tensor, "batch num_heads seq d_head"]:
+        ...     return q * temperature[:, None, None]
+        >>> scale_heads(torch.ones(2, 6, 5, 8), torch.ones(6)).shape
+        torch.Size([2, 6, 5, 8])
+        >>> scale_heads(torch.ones(2, 6, 5, 8), torch.ones(2))
+        Traceback (most recent call last):
+        ...
+        shapesafe_mha.ShapeError: scale_heads(): temperature has num_heads=2 (axis 0), but q set num_heads=6.
+        ...
+
+    Raises:
+        ConfigError: at decoration, when nothing of `fn` has a shape annotation to check.
+        ShapeError: at a call, when an argument, the result or an `expect` inside does not fit.
+    """
+    if isinstance(fn, classmethod | staticmethod):
+        return type(fn)(shapecheck(fn.__func__))  # type: ignore[return-value]
+    contract = _Checked(fn)
+    verdicts, run, owner = contract.verdicts, contract.run, contract.owner
+    key_of = contract.key if contract.method else signature_key  # a method's key holds its sizes on self
+
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        # checks_enabled(), spelled out: this runs on every call (is_compiling folds to a constant under dynamo)
+        if torch.compiler.is_compiling() or switched_off():
+            if _trace._active:  # prove() or a trace: the call reports its annotated values instead
+                return contract.report(args, kwargs)
+            return fn(*args, **kwargs)
+        shared = scope.get()
+        if shared is not None:
+            return run(shared, args, kwargs, True)
+        key = key_of(args, kwargs)
+        expects = verdicts.exact.get(key)  # remembered: whether the checked call made expectations
+        if expects is False:
+            return fn(*args, **kwargs)
+        if expects:  # they held for these shapes too: `expect` inside skips its check
+            token = _current.set(_KNOWN)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _current.reset(token)
+        with Session(owner) as session:
+            result = run(session, args, kwargs)
+        verdicts.remember(key, note=getattr(session, "expectations", 0) > 0)
+        return result
+
+    checked.__shapecheck__ = contract  # type: ignore[attr-defined]
+    return checked
+
+
+def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.Tensor:
+    """Check `tensor` against `shape` inside a function, and return it: `ssm.expect(q @ k.mT, "batch seq kv_seq")`.
+
+    `shape` is a string of dimension names or a jaxtyping annotation. Inside a `shapecheck`ed call (or a
+    `shape_scope`) it binds into that call's dimensions: it must agree with the arguments, and binds
+    new names for what follows; outside one it checks alone.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> ssm.expect(torch.zeros(2, 8, 5, 5), "batch num_heads seq kv_seq").shape
+        torch.Size([2, 8, 5, 5])
+
+    Raises:
+        ShapeError: `tensor` does not fit; the message names the enclosing function and the expectation
+            (`name`, or its position among the call's expectations).
+    """
+    if torch.compiler.is_compiling() or not checks_enabled():  # the first folds to a constant under dynamo
+        reporting = _current.get() if _trace._active else None
+        if isinstance(reporting, _Reporting):  # under prove(): reported, to be checked symbolically
+            reporting.expectations += 1
+            hint = _shape_hint(shape) if isinstance(shape, str) else shape
+            reporting.add(name or f"expectation {reporting.expectations}", tensor, hint)
+        return tensor
+    session = _current.get()
+    if session is _KNOWN:
+        return tensor
+    hint = _shape_hint(shape) if isinstance(shape, str) else shape
+    if session is None:
+        key = (id(hint), *signature_key((tensor,), {}))
+        if hint in _alone and key in _alone[hint]:
+            return tensor
+        with Session("expect()") as alone:
+            _expect_in(alone, tensor, hint, name)
+        _alone.setdefault(hint, set()).add(key)
+        if len(_alone[hint]) > 4096:
+            _alone[hint].clear()
+        return tensor
+    _expect_in(session, tensor, hint, name)
+    return tensor
+
+
+_alone: dict[Any, set[Any]] = {}  # verdicts of expectations checked outside any call
+
+
+def _expect_in(session: Session, tensor: Any, hint: Any, name: str | None) -> None:
+    count = getattr(session, "expectations", 0) + 1
+    session.expectations = count  # type: ignore[attr-defined]
+    label = name or f"expectation {count}"
+    failure = fits(session, label, tensor, hint, label + session.where)
+    if failure is not None:
+        raise session.fail(failure) from None
+
+
+@contextlib.contextmanager
+def shape_scope(**sizes: int) -> Iterator[None]:
+    """Share one set of dimensions among every `shapecheck`ed call and `expect` inside, seeded with `sizes`.
+
+    Outside a scope each decorated call has its own dimensions (a helper's `seq` may be its caller's
+    `kv_seq`); inside one, a dimension bound anywhere holds everywhere, as our stages share one
+    within a forward. Our public stages (`split_heads`, `scaled_dot_product_attention`, ...) called
+    inside a scope join it too. Calls in a scope are always checked in full.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> with ssm.shape_scope(num_heads=8):
+        ...     ssm.split_heads(torch.zeros(2, 5, 64), 8).shape
+        torch.Size([2, 8, 5, 8])
+
+    Raises:
+        ConfigError: a size is not a non-negative int.
+    """
+    for dim, size in sizes.items():
+        if not _is_size(size):
+            raise ConfigError(f"shape_scope(): {dim} must be a non-negative int, but got {size!r}.")
+    if not checks_enabled():
+        yield
+        return
+    with Session("shape_scope()") as session:
+        _seed(session, {d: (s, "shape_scope") for d, s in sizes.items()}, "shape_scope()")
+        tokens = scope.set(session), _current.set(session)
+        try:
+            yield
+        finally:
+            _current.reset(tokens[1])
+            scope.reset(tokens[0])

@@ -1,0 +1,480 @@
+"""Hugging Face interop: load a transformers attention layer (Llama, Mistral, Qwen2/3, Gemma 2 layout), and back.
+
+transformers is an optional dependency (`pip install "shapesafe_mha[hf]"`); it is imported only
+when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping and `query_pre_attn_scalar`
+become the module's options; a variant it does not compute (partial RoPE, RoPE scaling other than
+llama3, a QK-norm other than RMSNorm) is a `ConfigError` naming the config field, never a silently
+different layer.
+"""
+
+import importlib
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._compute.cache import KVCache
+from .._compute.rotary import SUPPORTED_SCALING
+from .._core import probe
+from .._core.errors import ConfigError
+
+_OWNER = "MultiHeadAttention.from_hf()"
+
+
+def _refuse(field: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(
+        f"{_OWNER}: {field}={value!r}: {why}; this layer would compute something else, so it is refused."
+    )
+
+
+def rope_of(config: Any) -> tuple[float | None, dict[str, Any] | None]:
+    """`(rope_theta, scaling)` of a transformers config (`rope_parameters` in transformers 5, else `rope_theta`)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind not in SUPPORTED_SCALING:
+        raise _refuse("rope_parameters['rope_type']", kind, f"only {', '.join(SUPPORTED_SCALING)} RoPE is supported")
+    # transformers 5 keeps it in rope_parameters; earlier releases (and some configs) on the config itself
+    for field, partial in (
+        ("rope_parameters['partial_rotary_factor']", parameters.get("partial_rotary_factor")),
+        ("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)),
+    ):
+        if partial not in (None, 1.0, 1):
+            raise _refuse(field, partial, "only full-width RoPE is supported")
+    return theta, (dict(parameters) if kind != "default" else None)
+
+
+def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
+    """The `MultiHeadAttention` options of the variants `attention` uses; refuse the others, naming the field."""
+    options: dict[str, Any] = {}
+    window = getattr(attention, "sliding_window", None)
+    if window is None and not hasattr(attention, "sliding_window"):  # Mistral: the config's window applies
+        window = getattr(config, "sliding_window", None)
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            field = "sliding_window"
+            raise _refuse(field, window, "a sliding window must be a positive number of keys (None: no window)")
+        options["window"] = window
+    norms = [getattr(attention, norm, None) for norm in ("q_norm", "k_norm")]
+    if any(norm is not None for norm in norms):
+        options["qk_norm"] = True
+        options["norm_eps"] = _norm_eps(norms[0])
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        options["logit_softcap"] = float(softcap)
+    head_dim = _head_dim(config)
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    expected = head_dim**-0.5
+    if scalar is not None:
+        options["query_pre_attn_scalar"] = float(scalar)
+        expected = float(scalar) ** -0.5
+    scaling = getattr(attention, "scaling", expected)
+    if abs(scaling - expected) > 1e-12:
+        raise _refuse("scaling", scaling, f"only 1/sqrt(query_pre_attn_scalar or head_dim) = {expected:g} is supported")
+    if not getattr(attention, "is_causal", True):
+        raise _refuse("is_causal", False, "only causal (decoder) attention layers are supported")
+    return options
+
+
+def _norm_eps(norm: Any) -> float:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(eps, float):
+        raise _refuse("q_norm", type(norm).__name__, "a QK-norm without an epsilon is not an RMSNorm we know")
+    return eps
+
+
+def load_norms(module: Any, attention: nn.Module) -> None:
+    """Copy QK-norm weights, after checking on a probe that their norm is an RMSNorm over `d_head` as ours is."""
+    for name in ("q_norm", "k_norm"):
+        theirs, ours = getattr(attention, name), module._modules[name]
+        with torch.no_grad():
+            ours.weight.copy_(theirs.weight)
+            probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
+            probe = probe.to(device=ours.weight.device, dtype=ours.weight.dtype)
+            if not torch.allclose(theirs(probe), ours(probe), rtol=1e-3, atol=1e-5):
+                why = "it computes something other than weight * x / rms(x) (Gemma 3's 1 + weight?)"
+                raise _refuse(name, type(theirs).__name__, why)
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+_LOADED = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+# Config fields of layers that compute a variant we do not (each is None or False where they do not).
+_UNSUPPORTED_FIELDS = {
+    "clip_qkv": "queries, keys and values clipped (OLMo)",
+    "qk_layernorm": "QK LayerNorm (StableLM)",
+    "use_qk_norm": "QK-norm over every head (Cohere)",
+    "attention_multiplier": "a score scale of its own (Granite)",
+    "rope_interleave": "interleaved RoPE pairs",
+}
+
+
+def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
+    """Refuse, by name, what the layer holds that a `MultiHeadAttention` would not load or compute."""
+    own = [name for name, _ in attention.named_parameters(recurse=False)]
+    if own:
+        raise _refuse(
+            "parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded"
+        )
+    for name, child in attention.named_children():
+        if name not in _LOADED and any(True for _ in child.parameters()):
+            why = f"the layer holds a submodule with parameters ({type(child).__name__}) that is not loaded"
+            raise _refuse(name, type(child).__name__, why)
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attention, name, None)
+        weight = getattr(norm, "weight", None)
+        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != (d_head,)):
+            shape = None if not isinstance(weight, Tensor) else tuple(weight.shape)
+            why = f"it normalises features {shape}, not each head's d_head={d_head} (a full-width or per-head norm)"
+            raise _refuse(name, type(norm).__name__, why)
+    for field, what in _UNSUPPORTED_FIELDS.items():
+        value = getattr(config, field, None)
+        if value is not None and value is not False:
+            raise _refuse(f"config.{field}", value, f"{what} is not computed here")
+
+
+def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
+    """Build `cls` (a `MultiHeadAttention`) computing what `attention`, a transformers layer, computes."""
+    config = getattr(attention, "config", None)
+    if config is None:
+        raise ConfigError(f"{_OWNER}: {type(attention).__name__} has no .config; pass a transformers attention layer.")
+    if isinstance(getattr(attention, "kv_a_proj_with_mqa", None), nn.Linear):
+        raise ConfigError(
+            f"{_OWNER}: {type(attention).__name__} is multi-head latent attention (kv_a_proj_with_mqa); "
+            "load it with shapesafe_mha.LatentAttention.from_hf(layer)."
+        )
+    projections: dict[str, Any] = {
+        name: getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    missing = [name for name, proj in projections.items() if not isinstance(proj, nn.Linear)]
+    if missing:
+        raise ConfigError(
+            f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
+            "(Llama, Mistral, Qwen2) is supported."
+        )
+    head_dim = _head_dim(config)
+    _refuse_structure(attention, config, head_dim)
+    options = variant_options(attention, config)
+    theta, scaling = rope_of(config)
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    q_proj = projections["q_proj"]
+    module = cls(
+        config.hidden_size,
+        num_heads,
+        num_kv_heads,
+        d_head=head_dim,
+        bias=True,
+        dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        device=q_proj.weight.device,
+        dtype=q_proj.weight.dtype,
+        **options,
+    )
+    for name, theirs in projections.items():
+        ours: Any = module._modules[name]
+        if theirs.weight.shape != ours.weight.shape:
+            raise _refuse(
+                f"{name}.weight",
+                tuple(theirs.weight.shape),
+                f"the config's sizes make it {tuple(ours.weight.shape)} (hidden_size={config.hidden_size}, "
+                f"num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads}, head_dim={head_dim})",
+            )
+    if module.qk_norm:
+        load_norms(module, attention)
+    with torch.no_grad():
+        for name, theirs in projections.items():
+            ours = module._modules[name]
+            ours.weight.copy_(theirs.weight)
+            if theirs.bias is None:
+                ours.register_parameter("bias", None)
+            else:
+                ours.bias.copy_(theirs.bias)
+    module.train(attention.training)
+    if verify:
+        verify_against_hf(_OWNER, module, attention)
+    return module
+
+
+def _modeling(layer: nn.Module) -> Any:
+    return importlib.import_module(type(layer).__module__)
+
+
+def _layer_type(layer: nn.Module, config: Any) -> str | None:
+    types = getattr(config, "layer_types", None)
+    index = getattr(layer, "layer_idx", 0) or 0
+    return types[index] if types and index < len(types) else None
+
+
+def _rotary_for(layer: nn.Module, config: Any) -> Any:
+    """The model's own rotary class for `layer` (`LlamaRotaryEmbedding` beside `LlamaAttention`), built from config."""
+    modeling = _modeling(layer)
+    prefix = type(config).__name__.removesuffix("Config")
+    rotary_cls = getattr(modeling, f"{prefix}RotaryEmbedding", None)
+    if rotary_cls is None:
+        named = [getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding")]
+        rotary_cls = named[0] if len(named) == 1 else None
+    if rotary_cls is None:
+        return None
+    return rotary_cls(config=config)
+
+
+def hf_outputs(layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: bool = False) -> probe.Outputs:
+    """`layer` called as its model calls it (its rotary class, its mask function, a `DynamicCache`) on the probe.
+
+    The causal forward is a prefill through the cache (so two calls in all). A layer built alone has no
+    attention implementation set, which its model would set: eager meanwhile, which is what the layer then
+    runs. `unrotated`: cos/sin for position 0 everywhere (the mask keeps the real positions).
+    """
+    from transformers import DynamicCache
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config: Any = layer.config
+    unset = getattr(config, "_attn_implementation", None) is None
+    if unset:
+        config._attn_implementation = "eager"  # transformers' default for a model; unset again below
+    try:
+        return _hf_outputs(layer, config, x, decode, unrotated, DynamicCache, create_causal_mask,
+                           create_sliding_window_causal_mask)  # fmt: skip
+    finally:
+        if unset:
+            config._attn_implementation = None
+
+
+def _hf_outputs(
+    layer: nn.Module, config: Any, x: Tensor, decode: bool, unrotated: bool, cache_cls: Any, causal: Any, sliding: Any
+) -> probe.Outputs:
+    create_causal_mask, create_sliding_window_causal_mask, DynamicCache = causal, sliding, cache_cls
+    layer_type = _layer_type(layer, config)
+    if layer_type is not None:
+        sliding = layer_type == "sliding_attention"
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    mask_parameters = inspect.signature(make_mask).parameters
+    cache_word = "cache" if "cache" in mask_parameters else "past_key_values"
+    parameters = inspect.signature(layer.forward).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    layer_cache_word = "cache" if "cache" in parameters else "past_key_values"
+    rotary = _rotary_for(layer, config) if "position_embeddings" in parameters else None
+    if rotary is not None:
+        rotary = rotary.to(x.device)
+
+    def call(chunk: Tensor, start: int, cache: Any) -> Tensor:
+        positions = torch.arange(start, start + chunk.shape[1], device=x.device)[None]
+        mask = make_mask(config=config, inputs_embeds=chunk, attention_mask=None, position_ids=positions,
+                         **{cache_word: cache})  # fmt: skip
+        kwargs: dict[str, Any] = {"attention_mask": mask, layer_cache_word: cache}
+        if rotary is not None:
+            takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+            angles = positions * 0 if unrotated else positions
+            kwargs["position_embeddings"] = rotary(chunk, angles, *([layer_type] if takes_type else []))
+        if takes_kwargs or "position_ids" in parameters:
+            kwargs["position_ids"] = positions
+        if "cache_position" in parameters:
+            kwargs["cache_position"] = positions[0]
+        out = layer(chunk, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    prompt, step = x[:, : probe.PROMPT].contiguous(), x[:, probe.PROMPT :].contiguous()
+    with torch.no_grad():
+        if not decode:
+            return {probe.FORWARD: call(prompt, 0, None)}
+        # a hybrid model's config may call this index another kind of layer: then a plain cache
+        attention_layer = layer_type in (None, "full_attention", "sliding_attention")
+        cache = DynamicCache(config=config) if attention_layer else DynamicCache()
+        outputs = {probe.FORWARD: call(prompt, 0, cache)}
+        outputs[probe.DECODING] = call(step, probe.PROMPT, cache)
+    return outputs
+
+
+def _run_source(owner: str, layer: nn.Module, x: Tensor, decode: bool = True) -> probe.Outputs:
+    try:
+        return hf_outputs(layer, x, decode=decode)
+    except Exception as error:
+        raise ConfigError(
+            f"{owner}: {type(layer).__name__} could not be run as its model runs it, to verify the conversion "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); pass verify=False "
+            "to convert it unverified."
+        ) from error
+
+
+def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module) -> None:
+    """Raise `ConfigError` unless `module` computes what the transformers `layer` computes, on the probe."""
+    if not (probe.probeable(module) and probe.probeable(layer)):
+        return  # meta holds no values to compare
+    config: Any = layer.config
+    with probe.probing(layer) as theirs_probed, probe.probing(module) as ours_probed:
+        x = probe.probe_tokens(config.hidden_size, probe.device_of(layer), probe.dtype_of(theirs_probed))
+        theirs = _run_source(owner, theirs_probed, x)
+        windowed = getattr(ours_probed, "window", None) is not None  # a window cache is as long as its window
+        ours = probe.our_outputs(ours_probed, x, cache=_plain_cache(ours_probed, x.shape[0]) if windowed else None)
+        source = type(layer).__name__
+        try:
+            probe.verify(owner, ours, theirs, source=source)
+        except ConfigError:
+            suspects = _suspects(ours_probed, theirs_probed, x)
+            probe.verify(owner, ours, theirs, source=source, suspects=suspects)
+            raise
+
+
+def _plain_cache(module: Any, batch: int) -> Any:
+    """A cache that keeps every position (the module's own would be as long as its window)."""
+    weight = module.k_proj.weight
+    capacity = probe.PROMPT + 1
+    return KVCache(batch, module.num_kv_heads, capacity, module.d_head, dtype=weight.dtype, device=weight.device)
+
+
+def _suspects(ours: Any, theirs: nn.Module, x: Tensor) -> list[str]:
+    """What a difference comes from, where a second probe tells: RoPE, if both agree with nothing rotated."""
+    if getattr(ours, "rotary", None) is None:
+        return []
+    try:
+        probe.verify("", probe.our_outputs(ours, x, decode=False, unrotated=True),
+                     hf_outputs(theirs, x, decode=False, unrotated=True), source="")  # fmt: skip
+    except ConfigError:
+        return []
+    return [
+        f"the rotary embeddings (with every position at 0, {type(theirs).__name__} agrees: interleaved pairs, "
+        "partial rotary or another RoPE scaling)"
+    ]
+
+
+def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
+    """The transformers attention layer of `config`'s model type, holding `module`'s weights."""
+    kind = type(config).__name__.removesuffix("Config")
+    try:
+        modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+        layer_cls = getattr(modeling, f"{kind}Attention")
+    except (ImportError, AttributeError):
+        raise ConfigError(
+            f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
+        ) from None
+    theta, scaling = rope_of(config)
+    wanted = {
+        "hidden_size": module.d_model,
+        "num_attention_heads": module.num_heads,
+        "num_key_value_heads": module.num_kv_heads,
+        "head_dim": module.d_head,
+        "rope_theta": module.rope_theta,
+        "rope_parameters (scaling)": None if module.rotary is None else _scaling(module.rotary.scaling),
+        "attention_dropout": float(module.dropout),
+    }
+    found = {k: getattr(config, k, None) for k in wanted}
+    found.update(
+        head_dim=_head_dim(config),
+        rope_theta=theta,
+        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+    )
+    found["rope_parameters (scaling)"] = _scaling(scaling) if module.rotary is not None else None
+    different = {k: (found[k], v) for k, v in wanted.items() if found[k] != v}
+    if different:
+        listed = ", ".join(f"{k}={theirs!r} (module: {ours!r})" for k, (theirs, ours) in different.items())
+        raise ConfigError(f"MultiHeadAttention.to_hf(): the config does not describe this module: {listed}.")
+    weight = module.q_proj.weight
+    theirs = layer_cls(config, layer_idx=0).to(device=weight.device, dtype=weight.dtype)
+    options = variant_options(theirs, config)
+    ours = {
+        "window": module.window,
+        "qk_norm": module.qk_norm or None,
+        "logit_softcap": module.logit_softcap,
+        "query_pre_attn_scalar": module.query_pre_attn_scalar,
+    }
+    different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
+    if different:
+        listed = ", ".join(f"{k}={theirs_!r} (module: {mine!r})" for k, (theirs_, mine) in different.items())
+        raise ConfigError(f"MultiHeadAttention.to_hf(): the config's layer 0 computes another variant: {listed}.")
+    with torch.no_grad():
+        if module.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                getattr(theirs, name).weight.copy_(module._modules[name].weight)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            mine: Any = module._modules[name]
+            other = getattr(theirs, name)
+            if (mine.bias is None) != (other.bias is None):
+                raise ConfigError(
+                    f"MultiHeadAttention.to_hf(): {name} has bias={mine.bias is not None} here but "
+                    f"{other.bias is not None} in {layer_cls.__name__} (config.attention_bias?)."
+                )
+            other.weight.copy_(mine.weight)
+            if mine.bias is not None:
+                other.bias.copy_(mine.bias)
+    theirs.train(module.training)
+    if verify:
+        verify_against_hf("MultiHeadAttention.to_hf()", module, theirs)
+    return theirs
+
+
+def _scaling(parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+    """RoPE scaling parameters as compared: the theta apart (compared on its own)."""
+    return None if parameters is None else {k: v for k, v in parameters.items() if k != "rope_theta"}
+
+
+def latent_from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
+    """Build `cls` (a `LatentAttention`) computing what `attention` (DeepseekV3Attention or alike) computes."""
+    owner = "LatentAttention.from_hf()"
+    config = getattr(attention, "config", None)
+    if config is None or not isinstance(getattr(attention, "kv_a_proj_with_mqa", None), nn.Linear):
+        raise ConfigError(
+            f"{owner}: {type(attention).__name__} is not a multi-head latent attention layer (no .config and "
+            "kv_a_proj_with_mqa); for q/k/v/o_proj layers use MultiHeadAttention.from_hf."
+        )
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    kind = parameters.get("rope_type", "default")
+    if kind != "default":
+        raise ConfigError(
+            f"{owner}: rope_parameters['rope_type']={kind!r}: only default RoPE is supported (its positions and "
+            "score scale would differ); this layer would compute something else, so it is refused."
+        )
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    num_heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", num_heads) or num_heads
+    if kv_heads != num_heads:  # transformers' layer repeats the rebuilt K/V; MLA has every head's own
+        raise ConfigError(
+            f"{owner}: num_key_value_heads={kv_heads} != num_attention_heads={num_heads}: latent attention "
+            "rebuilds a key and a value for every head; this layer would compute something else, so it is refused."
+        )
+    norm = attention.kv_a_layernorm
+    projection: Any = attention.kv_a_proj_with_mqa
+    weight = projection.weight
+    module = cls(
+        config.hidden_size,
+        num_heads,
+        kv_lora_rank=config.kv_lora_rank,
+        d_nope=config.qk_nope_head_dim,
+        d_rope=config.qk_rope_head_dim,
+        d_value=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        bias=bool(getattr(config, "attention_bias", False)),
+        rope_theta=theta,
+        interleaved=bool(getattr(config, "rope_interleave", False)),
+        norm_eps=_norm_eps(norm),
+        dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    scaling = getattr(attention, "scaling", module.scale)
+    if abs(scaling - module.scale) > 1e-12:
+        raise _refuse("scaling", scaling, f"only 1/sqrt(qk_head_dim) = {module.scale:g} is supported")
+    theirs = attention.state_dict()
+    missing, unexpected = module.load_state_dict(theirs, strict=False)
+    if missing or unexpected:
+        raise ConfigError(
+            f"{owner}: {type(attention).__name__}'s parameters do not match the layout: missing {missing}, "
+            f"unexpected {unexpected}."
+        )
+    module.train(attention.training)
+    if verify:
+        if hasattr(config, "rope_interleave"):
+            verify_against_hf(owner, module, attention)
+        else:  # no field says how RoPE pairs features (DeepSeek-V2 interleaves): the probe shows it
+            try:
+                verify_against_hf(owner, module, attention)
+            except ConfigError:
+                module.interleaved = True
+                verify_against_hf(owner, module, attention)
+    return module

@@ -1,0 +1,712 @@
+"""`MultiHeadAttention`: the module, for MHA, GQA and MQA, composed of checked stages."""
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._compute import kernels as K
+from .._compute.cache import KVCache
+from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state
+from .._compute.rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
+from .._compute.stages import (
+    FORWARD_STAGES,
+    autocast_dtype,
+    autocast_on,
+    check_cache,
+    check_groups,
+    check_variants,
+    explain_mask,
+    positive_count,
+)
+from .._core.contract import CallKey, Session, Stage, Verdicts, raw, remembered_forward, witness
+from .._core.dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
+from .._core.errors import ConfigError
+from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from .._core.trace import current_observer
+from .._core.weights import AttentionWeights
+
+_STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": apply_rotary}
+_RAW = raw(**_STAGES)
+
+
+@contextlib.contextmanager
+def _quiet_jit_tracer() -> Iterator[None]:
+    """Checks read sizes in Python; under `torch.jit.trace` that is not part of the graph, so say nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # pyright: ignore[reportPrivateImportUsage]
+        yield
+
+
+def _module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device of the module's first floating-point parameter (None if it has none)."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype, param.device
+    return None
+
+
+def _precheck_forward(arguments: dict[str, Any]) -> None:
+    """Inputs in the module's dtype and on its device; a cache of the right kind."""
+    module = arguments["self"]
+    if arguments["positions"] is not None and module.rotary is None:
+        raise ConfigError(
+            "positions were given, but this module has no rotary embeddings (rope_theta=None): "
+            "nothing would use them. Build it with rope_theta=..., or drop positions."
+        )
+    key, query = arguments["key"], arguments["query"]
+    if module.rotary is not None and isinstance(key, Tensor) and isinstance(query, Tensor) and key is not query:
+        if key.dim() == query.dim() == 3 and key.shape[1] != query.shape[1]:
+            raise mismatch(
+                f"key has kv_seq={key.shape[1]} positions for the query's seq={query.shape[1]}, but this module "
+                f"rotates queries and keys by the same positions (rope_theta={module.rotary.theta}): cross-attention "
+                "with rotary embeddings is not supported. Build the module with rope_theta=None for cross-attention.",
+                arg="key",
+                dim="kv_seq",
+            )
+    found = _module_dtype_device(module)
+    cache = arguments["kv_cache"]
+    check_cache(cache, KVCache)
+    if cache is not None and not _window_fits(cache.window, module.window):
+        raise mismatch(
+            f"kv_cache keeps a window of {cache.window} positions, but the module attends over "
+            + ("every position" if module.window is None else f"a window of {module.window}")
+            + "; it would have dropped keys the module needs. Make it with module.new_cache(batch, capacity).",
+            arg="kv_cache",
+            dim="window",
+        )
+    if found is None:
+        return
+    dtype, device = found
+    for name in ("query", "key", "value"):
+        tensor = arguments[name]
+        if not isinstance(tensor, Tensor):
+            continue
+        if tensor.dtype != dtype:
+            raise mismatch(
+                f"{name} has dtype {dtype_name(tensor.dtype)}, but the module's parameters are {dtype_name(dtype)}; "
+                + (
+                    f"cast the input ({name}.to({dtype})) or the module (module.to({tensor.dtype}))."
+                    if tensor.is_floating_point()
+                    else f"inputs must be floating point: {name}.to({dtype})."
+                ),
+                arg=name,
+            )
+        if tensor.device != device:
+            raise mismatch(
+                f"{name} is on {tensor.device}, but the module's parameters are on {device}; "
+                f"move one of them ({name}.to('{device}') or module.to('{tensor.device}')).",
+                arg=name,
+            )
+
+
+def _kind(tensor: Tensor) -> tuple[Any, ...]:
+    return type(tensor), tensor.dtype, tensor.device
+
+
+def _window_fits(kept: int | None, needed: int | None) -> bool:
+    """Whether a cache keeping a window of `kept` positions (None: all) holds every key a window of `needed` sees."""
+    return kept is None or (needed is not None and kept >= needed)
+
+
+def _explain_forward(arguments: dict[str, Any], failure: ExplainedError) -> str | None:
+    if failure.arg == "value" and failure.dim in ("kv_seq", "new"):
+        return "key and value must cover the same positions."
+    if failure.arg in ("key", "value") and failure.dim == "batch":
+        return f"{failure.arg} needs one sequence per query sequence."
+    return explain_mask(arguments, failure)
+
+
+def forward_key(
+    module: Any,
+    path: str,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: Any,
+    need_weights: Any,
+    kv_cache: KVCache | None,
+    positions: Tensor | None,
+) -> CallKey:
+    """What the verdict of a `MultiHeadAttention` call depends on: its structure (kinds, ranks, dtypes, devices,
+    flags, path, submodules) and its sizes; these exactly, for a lookup that costs one hash."""
+    kv_len = key.shape[1]
+    cache_kind = buffer_shape = kept = None
+    if kv_cache is not None:
+        kv_len += len(kv_cache)
+        buffer = kv_cache.keys_buffer
+        cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache.window), buffer.shape
+        if kv_cache.window is not None:
+            kept = (kv_cache.kept, kv_cache.kept + key.shape[1])
+    masked = attn_mask is not None or key_padding_mask is not None
+    structure = (
+        path,
+        type(query),
+        query.dtype,
+        query.device,
+        None if key is query else (type(key), key.dtype, key.device),
+        None if value is key else (type(value), value.dtype, value.device),
+        None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device),
+        None if key_padding_mask is None else _kind(key_padding_mask),
+        None if positions is None else (type(positions), positions.dtype, positions.device),
+        cache_kind,
+        type(is_causal),
+        is_causal,
+        type(need_weights),
+        need_weights,
+        query.shape[1] > kv_len,  # some rows have nothing to attend to
+        module.training,
+        autocast_on() and autocast_dtype(query.device),
+        *module._modules.values(),  # a projection replaced is another module (compared by identity)
+        module_state(module._modules.values()),  # hooks added, parameters replaced or re-typed
+    )
+    shapes = (
+        query.shape,
+        None if key is query else key.shape,
+        None if value is key else value.shape,
+        None if attn_mask is None else attn_mask.shape,
+        None if key_padding_mask is None else key_padding_mask.shape,
+        buffer_shape,
+        kept,
+        None if positions is None else positions.shape,
+    )
+    # kv_seq counts the cached positions too; it is checked only against masks.
+    return CallKey(structure, shapes, kv_len if masked else None)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with MHA, GQA and MQA by configuration, batch-first, checked.
+
+    `o_proj(merge_heads(attention(split_heads(q_proj(x)), split_heads(k_proj(x)), split_heads(v_proj(x)))))`.
+    The four projections are `nn.Linear` submodules named `q_proj, k_proj, v_proj, o_proj`, so
+    checkpoints in that common layout load directly, and they are called as submodules: LoRA
+    adapters, hooks, quantized or parametrized layers in those slots work. The first call of each
+    kind runs every stage checked against one set of named dimensions (see `forward`); the verdict
+    is remembered for calls whose sizes relate the same way, which then run the stages unchecked.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> attn = ssm.MultiHeadAttention(d_model=64, num_heads=8, num_kv_heads=2)
+        >>> attn(torch.randn(2, 10, 64), is_causal=True).shape
+        torch.Size([2, 10, 64])
+
+    Arguments:
+        d_model: width of inputs and outputs.
+        num_heads: query heads.
+        num_kv_heads: key/value heads; None means `num_heads` (MHA), 1 is MQA, any divisor of
+            `num_heads` is GQA.
+        d_head: width of each head; default `d_model // num_heads` (which must then divide).
+        bias: biases on all four projections.
+        dropout: dropout on the attention probabilities, in training mode.
+        rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
+        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3"), or None.
+        qk_norm: RMS-normalise each head's query and key over `d_head` before RoPE, with learned
+            weights (`q_norm`, `k_norm` submodules), as Qwen3 and Gemma 3 do.
+        norm_eps: the epsilon of QK-norm.
+        window: sliding-window attention: a query sees only the `window` most recent keys,
+            itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
+            `is_causal` the window bounds only how far back a query sees.
+        logit_softcap: cap the scores at `±logit_softcap` smoothly, `c * tanh(scores / c)`, before
+            the mask (Gemma 2).
+        query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
+            `d_head ** -0.5` (Gemma 2).
+        device, dtype: of the parameters.
+
+    Raises:
+        ConfigError: the sizes are not positive ints, `num_kv_heads` does not divide `num_heads`,
+            `d_head` is not given and `num_heads` does not divide `d_model`, `dropout` is not a
+            number in [0, 1), `window` is not a positive int, or `logit_softcap` /
+            `query_pre_attn_scalar` not a positive number.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        d_head: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        rope_theta: float | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        window: int | None = None,
+        logit_softcap: float | None = None,
+        query_pre_attn_scalar: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        owner = f"MultiHeadAttention(d_model={d_model}, num_heads={num_heads}, num_kv_heads={num_kv_heads})"
+        for name, size in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            positive_count(f"{owner}: ", name, size)
+        if num_kv_heads > num_heads:
+            raise ConfigError(
+                f"{owner}: num_kv_heads={num_kv_heads} is more than num_heads={num_heads}; each KV head serves "
+                f"a group of query heads, so num_kv_heads must divide num_heads (MQA: 1, MHA: {num_heads})."
+            )
+        check_groups(num_heads, num_kv_heads, owner)
+        if d_head is None:
+            if d_model % num_heads:
+                raise ConfigError(
+                    f"{owner}: d_model must be num_heads * d_head, and {d_model} is not divisible by {num_heads}; "
+                    f"pass d_head explicitly or use num_heads in {shown(divisors(d_model), limit=5)}."
+                )
+            d_head = d_model // num_heads
+        positive_count(f"{owner}: ", "d_head", d_head)
+        if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
+        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar, norm_eps)
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.d_head = d_head
+        self.group = num_heads // num_kv_heads
+        self.dropout = dropout
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(d_model, num_heads * d_head, bias=bias, **factory)
+        self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
+        self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
+        self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
+        self.rope_theta = rope_theta
+        self.rotary: RotaryEmbedding | None = None
+        if rope_theta is not None:
+            check_rotary_width(d_head, owner)
+            self.rotary = RotaryEmbedding(d_head, rope_theta, rope_scaling).to(device=device)
+        self.qk_norm = bool(qk_norm)
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(d_head, eps=norm_eps, **factory)
+            self.k_norm = nn.RMSNorm(d_head, eps=norm_eps, **factory)
+        self.window = window
+        self.logit_softcap = logit_softcap
+        self.query_pre_attn_scalar = query_pre_attn_scalar
+        self.scale = None if query_pre_attn_scalar is None else float(query_pre_attn_scalar) ** -0.5
+        variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
+        # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
+        self.native_shape = (
+            num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
+        )
+        self._constants = frozenset(
+            {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
+            | ({window} if window is not None else set())
+        )
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop what is remembered about calls: verdicts and the fused Q/K/V weight."""
+        self._verdicts = Verdicts()
+        self._fused: FusedQKV | None = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "MultiHeadAttention":
+        # .to(), .half(), .cuda(): the parameters change dtype or device; what was remembered may not hold.
+        super()._apply(fn, recurse)
+        self._forget()
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A projection replaced (PEFT wraps and later unwraps them, writing weights through `.data`,
+        # which no version counter sees): forget the fused weight built from the old ones.
+        super().__setattr__(name, value)
+        if isinstance(value, nn.Module) and "_fused" in self.__dict__:
+            self._forget()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_verdicts=Verdicts(), _fused=None)
+        return state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return call_restoring(self, args, kwargs, KVCache)  # a hook that raises after forward changes nothing
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"d_head={self.d_head}, dropout={self.dropout}"
+            + (f", rope_theta={self.rope_theta}" if self.rope_theta is not None else "")
+            + (", qk_norm=True" if self.qk_norm else "")
+            + (f", window={self.window}" if self.window is not None else "")
+            + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
+            + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
+        )
+
+    @property
+    def bias(self) -> bool:
+        return self.q_proj.bias is not None
+
+    def weights(self) -> AttentionWeights:
+        """The parameters as an `AttentionWeights` (the parameters themselves, not copies)."""
+        return AttentionWeights(
+            self.q_proj.weight,
+            self.k_proj.weight,
+            self.v_proj.weight,
+            self.o_proj.weight,
+            self.q_proj.bias,
+            self.k_proj.bias,
+            self.v_proj.bias,
+            self.o_proj.bias,
+        )
+
+    @classmethod
+    def from_weights(
+        cls,
+        weights: AttentionWeights,
+        *,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        rope_theta: float | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
+        verify: bool = True,
+    ) -> "MultiHeadAttention":
+        """A module holding copies of `weights` (on their device, in their dtype), each bias as given.
+
+        Verified on a float64 probe against `reference.per_head_attention` with the same weights
+        (`verify=False` skips it; `meta` weights are not probed).
+
+        Example:
+            >>> import torch, shapesafe_mha as ssm
+            >>> a = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2)
+            >>> b = ssm.MultiHeadAttention.from_weights(a.weights(), num_heads=4, num_kv_heads=2)
+            >>> x = torch.randn(1, 3, 16)
+            >>> torch.equal(a(x), b(x))
+            True
+
+        Raises:
+            ConfigError, ShapeError: the weights do not fit the head counts, or are not floating point.
+        """
+        from .._interop.torch_nn import from_weights
+
+        return from_weights(
+            cls,
+            weights,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            dropout=dropout,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            verify=verify,
+        )
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """A `KVCache` that fits this module: its KV heads, `d_head`, dtype, device and sliding window.
+
+        With a `window`, `capacity >= window` serves a generation of any length (see `KVCache`).
+        """
+        weight = self.k_proj.weight
+        return KVCache(
+            batch,
+            self.num_kv_heads,
+            capacity,
+            self.d_head,
+            dtype=weight.dtype,
+            device=weight.device,
+            window=self.window,
+        )
+
+    def forward(
+        self,
+        query: Tokens,
+        key: Memory | None = None,
+        value: Memory | None = None,
+        *,
+        attn_mask: AttnMask | None = None,
+        key_padding_mask: PaddingMask | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache: KVCache | None = None,
+        positions: Positions | None = None,
+    ) -> Tokens | tuple[Tokens, Probabilities]:
+        """Attend from `query` to `key`/`value` (default: `query`, self-attention).
+
+        `o_proj(merge(attention(split(q_proj(query)), split(k_proj(key)), split(v_proj(value)))))`.
+
+        Checking: on the first call of a kind, every stage runs checked, arguments and result,
+        against one set of named dimensions (`batch`, `seq`, `kv_seq`, `num_heads`, ... bound by the
+        module's sizes and by the first tensor that shows each one); then the verdict is remembered
+        for every call whose sizes relate the same way (equal where these were equal, 1 where these
+        were 1), on the same execution path, so decoding step after step is checked once.
+
+        Example:
+            >>> import torch, shapesafe_mha as ssm
+            >>> attn = ssm.MultiHeadAttention(d_model=64, num_heads=8, num_kv_heads=2)
+            >>> attn(torch.randn(2, 10, 64), is_causal=True).shape
+            torch.Size([2, 10, 64])
+
+        Arguments:
+            query: `(batch, seq, d_model)`.
+            key, value: `(batch, kv_seq, d_model)`; with a `kv_cache`, the new positions only
+                (`(batch, new, d_model)`).
+            attn_mask: `(seq, kv_seq)` or `(#batch, #num_heads, seq, kv_seq)`; bool (True = may
+                attend) or float (added to the scores). With a cache, `kv_seq` counts every
+                cached position plus the new ones.
+            key_padding_mask: `(batch, kv_seq)` bool, True = padding (ignored), as in
+                `nn.MultiheadAttention`.
+            is_causal: mask future positions, lower-right aligned (query `i` is position
+                `kv_seq - seq + i`), so prefill and decoding with a cache agree.
+            need_weights: also return the per-head probabilities `(batch, num_heads, seq, kv_seq)`.
+            kv_cache: append this call's keys and values to it and attend over all it holds.
+            positions: `(batch, seq)` integer positions of the queries, for rotary embeddings
+                (default: `len(kv_cache) + arange(seq)` for every sequence, so prefill and
+                decoding agree; a left-padded batch passes its own).
+
+        Returns:
+            `(batch, seq, d_model)`, or `(output, weights)` with `need_weights=True`. A query
+            with nothing to attend to gets zeros (never NaN), in outputs and gradients.
+
+        Raises:
+            ShapeError: any input does not fit the module, the others or the cache; nothing
+                (parameters, cache) is changed by a failed call.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
+        path, fused = choose_path(self, *call)
+        jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
+
+        def checked(check: bool, observer: Any) -> Any:
+            with _quiet_jit_tracer() if jit_tracing else contextlib.nullcontext():
+                return self._checked(check, observer, path, fused, *call)
+
+        return remembered_forward(
+            self._verdicts,
+            self._constants,
+            lambda: None if jit_tracing else forward_key(self, path, *call),
+            kv_cache if isinstance(kv_cache, KVCache) else None,
+            lambda: self._run(_RAW, path, fused, *call),
+            checked,
+            current_observer(),
+        )
+
+    def _checked(
+        self,
+        check: bool,
+        observer: Any,
+        path: str,
+        fused: FusedQKV | None,
+        query: Any,
+        key: Any,
+        value: Any,
+        attn_mask: Any,
+        key_padding_mask: Any,
+        is_causal: Any,
+        need_weights: Any,
+        kv_cache: Any,
+        positions: Any,
+    ) -> Any:
+        """The forward with every stage checked against one memo, and reported to the trace."""
+        with Session("MultiHeadAttention.forward()", check=check, observer=observer) as session:
+            sizes = (self.d_model, self.num_heads, self.num_kv_heads, self.d_head, self.group)
+            session.seed(ModuleSizes, witness(sizes), "the module")
+            session.check_arguments(
+                _FORWARD,
+                (self, query, key, value),
+                dict(
+                    attn_mask=attn_mask,
+                    key_padding_mask=key_padding_mask,
+                    is_causal=is_causal,
+                    need_weights=need_weights,
+                    kv_cache=kv_cache,
+                    positions=positions,
+                ),
+                hints=_FORWARD_HINTS if kv_cache is None else _CACHED_FORWARD_HINTS,
+            )
+            if observer is not None:
+                observer("query", "batch seq d_model", query)
+            stages = session.stages(**_STAGES)
+            call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
+            result = self._run(stages, path, fused, *call)
+            session.report(_FORWARD, result)
+        return result
+
+    def _run(
+        self,
+        s: Any,
+        path: str,
+        fused: FusedQKV | None,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+        kv_cache: KVCache | None,
+        positions: Tensor | None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The forward, stage by stage: `s` holds the stages, checked (a session's) or plain."""
+        num_heads, num_kv_heads, d_head = self.num_heads, self.num_kv_heads, self.d_head
+        modules = self._modules  # plain dict lookups: nn.Module.__getattr__ costs a microsecond each
+        q_proj, k_proj, v_proj, o_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["o_proj"]
+        if path is NATIVE and fused is not None:
+            out = o_proj._parameters  # pyright: ignore[reportOptionalMemberAccess]  (built in __init__)
+            out_weight, out_bias = out["weight"], out["bias"]
+            return s.native_attention(query, fused.weight, fused.bias, out_weight, out_bias, num_heads)
+        if path is FUSED and fused is not None:
+            qkv = s.project_qkv(query, fused.weight, fused.bias)
+            q, k, v = s.unfuse(qkv, num_heads * d_head, num_kv_heads * d_head)
+        else:
+            q = s.project_query(q_proj, query)
+            k = s.project_key(k_proj, key)
+            v = s.project_value(v_proj, value)
+        q = s.split_query(q, num_heads)
+        k = s.split_key(k, num_kv_heads)
+        v = s.split_value(v, num_kv_heads)
+        if self.qk_norm:
+            q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
+        rotary = modules.get("rotary")
+        if rotary is not None:
+            if positions is None:
+                positions = default_positions(query, 0 if kv_cache is None else kv_cache.seen)
+            cos, sin = s.rotary_tables(rotary, positions, q)
+            q, k = s.apply_rotary(q, k, cos, sin)
+        if kv_cache is None:
+            k, v = s.attend_to_new(k, v)
+        else:
+            k, v = s.append_to_cache(kv_cache, kv_cache.keys_buffer, k, v)
+            masked = attn_mask is not None or key_padding_mask is not None
+            if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
+                attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
+        scale, softcap = self.scale, self.logit_softcap
+        explicit = need_weights or softcap is not None  # the scores computed here, not by SDPA
+        dropout_p = self.dropout if self.training else 0.0
+        native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
+        mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window, native)
+        weights = None
+        if mask is None and num_heads == num_kv_heads and not explicit:
+            out = s.attend_heads(q, k, v, K.native_causal(is_causal, q, k), dropout_p, scale)
+        elif native:
+            causal = mask is None and K.native_causal(is_causal, q, k, gqa=True)
+            may_empty = mask is not None and K.may_empty_rows(
+                attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2]
+            )
+            out = s.attend_native(q, k, v, mask, causal, may_empty, dropout_p, scale)
+        else:
+            folded = s.fold_queries(s.group_queries(q, num_kv_heads))
+            folded_mask, rows = None, None
+            if mask is not None:
+                may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
+                may_empty = may_empty and (explicit or not K.zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
+                folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
+            if explicit:
+                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap)
+                if need_weights:
+                    weights = s.unfold_weights(folded_weights, num_heads, rows)
+                out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)
+            else:
+                out = s.unfold(s.attend_folded(folded, k, v, folded_mask, dropout_p, scale), num_heads, rows)
+        out = s.project_output(o_proj, s.merge(out))
+        return out if weights is None else (out, weights)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """A `MultiHeadAttention` computing what a batch-first `module` computes.
+
+        Masks translate as: our bool `attn_mask` is True where attending is allowed, torch's
+        module's is True where it is *forbidden*, so pass `~their_mask`; `key_padding_mask` means
+        the same in both (True = padding).
+
+        Example:
+            >>> import torch, shapesafe_mha as ssm
+            >>> theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+            >>> ours = ssm.MultiHeadAttention.from_torch(theirs)
+            >>> x = torch.randn(2, 5, 32)
+            >>> bool(torch.allclose(ours(x), theirs(x, x, x, need_weights=False)[0], atol=1e-6))
+            True
+
+        Raises:
+            ConfigError: `module` is not batch-first (the message says how to convert), or uses
+                features without an equivalent here (`kdim`/`vdim`, `add_bias_kv`, `add_zero_attn`).
+        """
+        from .._interop.torch_nn import from_torch
+
+        return from_torch(cls, module)
+
+    @classmethod
+    def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "MultiHeadAttention":
+        """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
+
+        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike), configured by
+        `attention.config`: sizes, GQA, biases per projection, dropout, RoPE (default or llama3
+        scaling; tables computed as transformers computes them), and the variants: sliding window,
+        QK-norm, logit softcapping, `query_pre_attn_scalar`. Call it `is_causal=True`; positions
+        default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
+        the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
+
+        The result is verified, not trusted: both layers run a causal forward and a decoding step on
+        a small float64 probe (the layer as its model calls it: its rotary class, its mask function, a
+        `DynamicCache`), and a layer that computes something else is refused, naming the difference.
+        `verify=False` skips the probe (layers on `meta`, which hold no values, are not probed).
+
+        Example:
+            >>> import torch, shapesafe_mha as ssm
+            >>> from transformers import LlamaConfig
+            >>> from transformers.models.llama.modeling_llama import LlamaAttention
+            >>> config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
+            >>> ours = ssm.MultiHeadAttention.from_hf(LlamaAttention(config, layer_idx=0))
+            >>> ours
+            MultiHeadAttention(
+              d_model=64, num_heads=8, num_kv_heads=2, d_head=8, dropout=0.0, rope_theta=10000.0
+              ...
+
+        Raises:
+            ConfigError: a variant computed differently here (another RoPE scaling, partial rotary,
+                a QK-norm other than RMSNorm, latent attention), named by its config field or the
+                submodule; or the converted layer differs from `attention` on the probe.
+        """
+        from .._interop.hf import from_hf
+
+        return from_hf(cls, attention, verify=verify)
+
+    def to_hf(self, config: Any, *, verify: bool = True) -> nn.Module:
+        """The transformers attention layer for `config` (a LlamaConfig, Qwen2Config, ...), with these weights.
+
+        Verified as `from_hf` is: the layer, called as its model calls it, against this module on a
+        float64 probe (`verify=False` skips it).
+
+        Raises:
+            ConfigError: `config` describes other sizes, biases, RoPE (theta or scaling), dropout or
+                variants than this module, or its model type has no such attention class, or the
+                layer differs from this module on the probe.
+        """
+        from .._interop.hf import to_hf
+
+        return to_hf(self, config, verify=verify)
+
+    def to_torch(self, *, verify: bool = True) -> nn.MultiheadAttention:
+        """An equivalent `nn.MultiheadAttention(batch_first=True)`; MHA with `num_heads*d_head == d_model` only.
+
+        Biases on some projections only become zero biases there (it has all or none). Verified on a
+        float64 probe (`verify=False` skips it).
+
+        Raises:
+            ConfigError: the configuration has no `nn.MultiheadAttention` equivalent (GQA/MQA,
+                `num_heads * d_head != d_model`, or a variant: RoPE, QK-norm, a window, softcapping,
+                `query_pre_attn_scalar`), named.
+        """
+        from .._interop.torch_nn import to_torch
+
+        return to_torch(self, verify=verify)
+
+
+_FORWARD = Stage(
+    MultiHeadAttention.forward,
+    name="MultiHeadAttention.forward",
+    public=("query", "key", "value", "attn_mask", "key_padding_mask", "kv_cache"),
+    trace=("",),
+    sources={},
+    precheck=_precheck_forward,
+    validate=None,
+    explain=_explain_forward,
+)
+# Masks are checked where kv_seq is known (the mask stage, after the cache); with a cache, key and
+# value hold the new positions only.
+_FORWARD_HINTS = {k: v for k, v in _FORWARD.hints.items() if k not in ("attn_mask", "key_padding_mask")}
+_CACHED_FORWARD_HINTS = _FORWARD_HINTS | {"key": KVTokens, "value": KVTokens}

@@ -1,0 +1,373 @@
+"""Name the bug class of a failed check: which variant of the reference the wrong output matches.
+
+A wrong output that equals the reference computed *with one classic mistake* (KV heads tiled,
+the causal mask shifted, RoPE turned the wrong way, ...) is that mistake, whatever the code looks
+like. Each variant is the reference with one argument changed, so a match is evidence, not a guess.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._compute.reference import KVHeads, MaskMod, NormOver, RopeStyle, ScoreMod, per_head_attention
+from .._core.weights import AttentionWeights
+
+# Below this a float64 deviation is float32 rounding, not a wrong formula (float32's epsilon is 1.2e-7).
+FLOAT32_INSIDE = 1e-5
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """`|got - expected| <= atol + rtol * |expected|` elementwise, as `torch.allclose`."""
+
+    atol: float
+    rtol: float = 0.0
+
+    def excess(self, got: Tensor, expected: Tensor) -> Tensor:
+        """How far each element is beyond the tolerance (NaN where either is NaN: compare with `<= 0`)."""
+        deviation = (got.double() - expected.double()).abs()
+        return deviation - self.atol - self.rtol * expected.double().abs()
+
+    def holds(self, got: Tensor, expected: Tensor) -> bool:
+        if got.shape != expected.shape:
+            return False
+        return not got.numel() or self.excess(got, expected).max().item() <= 0
+
+    def __str__(self) -> str:
+        return f"tolerance {self.atol:g}" if not self.rtol else f"tolerance atol={self.atol:g}, rtol={self.rtol:g}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything the reference needs for one example, in float64: one call of `per_head_attention`."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    weights: AttentionWeights
+    num_heads: int
+    num_kv_heads: int
+    is_causal: bool = False
+    attn_mask: Tensor | None = None
+    key_padding_mask: Tensor | None = None
+    rope_theta: float | None = None
+    positions: Tensor | None = None
+    key_positions: Tensor | None = None
+    rope_style: RopeStyle = "half"
+    kv_heads: KVHeads = "grouped"
+    scale: float | None = None
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    # the variants a layer computes beyond these (what check_hf_attention reads from a config)
+    rotary_dim: int | None = None
+    qk_norm: tuple[Tensor, Tensor] | None = None
+    norm_eps: float = 1e-6
+    qk_norm_over: NormOver = "head"
+    window: int | None = None
+    logit_softcap: float | None = None
+    sinks: Tensor | None = None
+    qk_norm_after_rope: bool = False
+    qk_norm_bias: tuple[Tensor, Tensor] | None = None
+    out_norm: tuple[Tensor, float] | None = None
+
+    def expected(self) -> Tensor:
+        return per_head_attention(
+            self.query,
+            self.key,
+            self.value,
+            self.weights,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            is_causal=self.is_causal,
+            attn_mask=self.attn_mask,
+            key_padding_mask=self.key_padding_mask,
+            rope_theta=self.rope_theta,
+            positions=self.positions,
+            key_positions=self.key_positions,
+            rope_style=self.rope_style,
+            kv_heads=self.kv_heads,
+            scale=self.scale,
+            score_mod=self.score_mod,
+            mask_mod=self.mask_mod,
+            rotary_dim=self.rotary_dim,
+            qk_norm=self.qk_norm,
+            norm_eps=self.norm_eps,
+            qk_norm_over=self.qk_norm_over,
+            window=self.window,
+            logit_softcap=self.logit_softcap,
+            sinks=self.sinks,
+            qk_norm_after_rope=self.qk_norm_after_rope,
+            qk_norm_bias=self.qk_norm_bias,
+            out_norm=self.out_norm,
+        )
+
+    @property
+    def d_head(self) -> int:
+        return self.weights.w_q.shape[0] // self.num_heads
+
+
+def _causal_shifted(s: Scenario, shift: int) -> Tensor:
+    """A bool mask, True = may attend: lower-right aligned causal, each query seeing `shift` more keys."""
+    seq, kv_seq = s.query.shape[1], s.key.shape[1]
+    return torch.ones(seq, kv_seq, dtype=torch.bool).tril(kv_seq - seq + shift)
+
+
+def _merge_dh(w: AttentionWeights, num_heads: int, d_head: int) -> AttentionWeights:
+    """W_O as seen by code that merges heads as `(d_head num_heads)` instead of `(num_heads d_head)`."""
+    order = torch.arange(num_heads * d_head).view(d_head, num_heads).T.reshape(-1)
+    return replace(w, w_o=w.w_o[:, order])
+
+
+def _positions(s: Scenario) -> tuple[Tensor, Tensor]:
+    batch, seq, kv_seq = s.query.shape[0], s.query.shape[1], s.key.shape[1]
+    q = torch.arange(seq).expand(batch, seq) if s.positions is None else s.positions
+    if s.key_positions is not None:
+        return q, s.key_positions
+    return q, q if kv_seq == seq else torch.arange(kv_seq).expand(batch, kv_seq)
+
+
+Variant = tuple[str, str, Callable[[Scenario], Scenario]]
+
+
+def _score_mod_heads(mod: ScoreMod, heads: Callable[[Tensor], Tensor]) -> ScoreMod:
+    """`mod` given another head index than the query head's."""
+    return lambda score, b, h, q_idx, kv_idx: mod(score, b, heads(h), q_idx, kv_idx)
+
+
+def _mod_variants(s: Scenario) -> list[Variant]:
+    """The classic mistakes of code that applies a score_mod or a mask_mod (FlexAttention's signatures)."""
+    out: list[Variant] = []
+    group, num_kv_heads, last = s.num_heads // s.num_kv_heads, s.num_kv_heads, s.num_heads - 1
+    if s.score_mod is not None:
+        mod = s.score_mod
+        out.append(("score_mod", "score_mod not applied", lambda t: replace(t, score_mod=None)))
+        if s.num_kv_heads != s.num_heads:
+            out.append(
+                (
+                    "score_mod",
+                    "score_mod given the KV head index (h // group) instead of the query head h: "
+                    "a per-head parameter (temperature, slope) indexed per KV head",
+                    lambda t: replace(t, score_mod=_score_mod_heads(mod, lambda h: h // group)),
+                )
+            )
+            if s.num_kv_heads > 1:
+                out.append(
+                    (
+                        "score_mod",
+                        "score_mod given h % num_kv_heads instead of the query head h",
+                        lambda t: replace(t, score_mod=_score_mod_heads(mod, lambda h: h % num_kv_heads)),
+                    )
+                )
+        if s.num_heads > 1:
+            out.append(
+                (
+                    "score_mod",
+                    "score_mod's heads in reverse order (h read as num_heads - 1 - h: ALiBi's slopes reversed?)",
+                    lambda t: replace(t, score_mod=_score_mod_heads(mod, lambda h: last - h)),
+                )
+            )
+        out.append(
+            (
+                "score_mod",
+                "score_mod's change to the scores negated (a bias with the wrong sign: ALiBi's distance reversed?)",
+                lambda t: replace(t, score_mod=lambda score, *idx: 2 * score - mod(score, *idx)),
+            )
+        )
+        out.append(
+            (
+                "score_mod",
+                "score_mod given q_idx and kv_idx swapped",
+                lambda t: replace(t, score_mod=lambda score, b, h, q, kv: mod(score, b, h, kv, q)),
+            )
+        )
+    if s.mask_mod is not None:
+        allowed = s.mask_mod
+        out.append(("mask_mod", "mask_mod not applied", lambda t: replace(t, mask_mod=None)))
+        out.append(
+            (
+                "mask_mod",
+                "mask_mod negated (True taken as masked out; FlexAttention's True = may attend)",
+                lambda t: replace(t, mask_mod=lambda *idx: ~allowed(*idx).to(torch.bool)),
+            )
+        )
+        out.append(
+            (
+                "mask_mod",
+                "mask_mod given q_idx and kv_idx swapped",
+                lambda t: replace(t, mask_mod=lambda b, h, q, kv: allowed(b, h, kv, q)),
+            )
+        )
+        if s.num_kv_heads != s.num_heads:
+            out.append(
+                (
+                    "mask_mod",
+                    "mask_mod given the KV head index (h // group) instead of the query head h",
+                    lambda t: replace(t, mask_mod=lambda b, h, q, kv: allowed(b, h // group, q, kv)),
+                )
+            )
+    return out
+
+
+def variants(s: Scenario) -> list[Variant]:
+    """(bug class, description, how the scenario changes) for each mistake that applies to `s`."""
+    out: list[Variant] = _mod_variants(s)
+    other: KVHeads = "interleaved" if s.kv_heads == "grouped" else "grouped"
+    if s.num_kv_heads not in (1, s.num_heads):
+        if other == "interleaved":
+            why = (
+                "KV heads tiled: query head i reads KV head i % num_kv_heads (`repeat` where `repeat_interleave` "
+                'was meant); if that is your convention (x-transformers), pass kv_heads="interleaved"'
+            )
+        else:
+            why = (
+                "query head i reads KV head i // group (transformers' repeat_kv, torch's enable_gqa), "
+                'not i % num_kv_heads; if that is your convention, pass kv_heads="grouped"'
+            )
+        out.append(("heads", why, lambda t: replace(t, kv_heads=other)))
+    if s.num_heads > 1 and s.d_head > 1:
+        out.append(
+            (
+                "heads",
+                "heads merged in (d_head num_heads) order: a reshape without the transpose back",
+                lambda t: replace(t, weights=_merge_dh(t.weights, t.num_heads, t.d_head)),
+            )
+        )
+    d_model = s.weights.d_model
+    if d_model != s.d_head:
+        out.append(
+            (
+                "scaling",
+                "scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)",
+                lambda t: replace(t, scale=d_model**-0.5),
+            )
+        )
+    if s.d_head > 1:
+        out.append(("scaling", "scores not scaled by 1/sqrt(d_head)", lambda t: replace(t, scale=1.0)))
+    out.append(
+        (
+            "k/v",
+            "k and v swapped (keys from the value projection and values from the key projection)",
+            lambda t: replace(
+                t,
+                weights=replace(t.weights, w_k=t.weights.w_v, w_v=t.weights.w_k, b_k=t.weights.b_v, b_v=t.weights.b_k),
+            ),
+        )
+    )
+    for role in "qkvo":
+        if getattr(s.weights, f"b_{role}") is not None:
+            out.append(
+                (
+                    "bias",
+                    f"the {role} projection's bias not added",
+                    lambda t, role=role: replace(t, weights=replace(t.weights, **{f"b_{role}": None})),
+                )
+            )
+    if s.is_causal and s.attn_mask is None:
+        out.append(("mask", "no causal mask: every query sees every key", lambda t: replace(t, is_causal=False)))
+        out.append(
+            (
+                "mask",
+                "causal mask shifted by one: each query also sees the next key",
+                lambda t: replace(t, is_causal=False, attn_mask=_causal_shifted(t, 1)),
+            )
+        )
+        out.append(
+            (
+                "mask",
+                "causal mask shifted by one: no query sees its own key",
+                lambda t: replace(t, is_causal=False, attn_mask=_causal_shifted(t, -1)),
+            )
+        )
+    elif not s.is_causal and s.attn_mask is None:
+        out.append(("mask", "a causal mask applied where none was asked for", lambda t: replace(t, is_causal=True)))
+    if s.key_padding_mask is not None or s.extra.get("padding"):
+        out.append(
+            (
+                "padding/mask",
+                "padding ignored: padded keys are attended to",
+                lambda t: replace(t, key_padding_mask=None, extra={**t.extra, "padding": False}),
+            )
+        )
+    if s.rope_theta is not None:
+        q_at, k_at = _positions(s)
+        style: RopeStyle = "interleaved" if s.rope_style == "half" else "half"
+        out.append(("RoPE/positions", "RoPE not applied", lambda t: replace(t, rope_theta=None)))
+        out.append(
+            (
+                "RoPE/positions",
+                "RoPE turned the wrong way (the sign of sin, or of rotate_half)",
+                lambda t: replace(t, positions=-q_at, key_positions=-k_at),
+            )
+        )
+        pairs = "(2i, 2i+1) where (i, i + d_head/2)" if style == "interleaved" else "(i, i + d_head/2) where (2i, 2i+1)"
+        out.append(("RoPE/positions", f"RoPE rotates pairs {pairs} was meant", lambda t: replace(t, rope_style=style)))
+        out.append(
+            (
+                "RoPE/positions",
+                "RoPE positions of the queries off by one against the keys'",
+                lambda t: replace(t, positions=q_at + 1, key_positions=k_at),
+            )
+        )
+    return out
+
+
+def name_bug(
+    got: Tensor, scenario: Scenario, tolerance: Tolerance, rows: Tensor | None = None
+) -> list[tuple[str, str]]:
+    """The (bug class, description) of every variant of the reference that `got` matches."""
+    found = []
+    for kind, description, change in variants(scenario):
+        try:
+            expected = change(scenario).expected()
+        except Exception:  # a variant that does not apply to these sizes
+            continue
+        if rows is not None:
+            expected = expected[rows]
+        if tolerance.holds(got, expected):
+            found.append((kind, description))
+    return found
+
+
+def describe_matches(matches: list[tuple[str, str]]) -> str:
+    """One report line naming the bug class (empty when no variant matched)."""
+    if not matches:
+        return ""
+    kinds = sorted({kind for kind, _ in matches}, key=[kind for kind, _ in matches].index)
+    return f"bug class: {' or '.join(kinds)}: the output matches the reference with " + "; or with ".join(
+        description for _, description in matches
+    )
+
+
+def locate_heads(
+    run: Callable[[AttentionWeights], Tensor],
+    scenario: Scenario,
+    tolerance: Tolerance,
+    rows: Tensor | None = None,
+) -> str:
+    """Which heads are wrong, found by running the code with W_O restricted to one head at a time."""
+    wrong = []
+    d_head, num_heads = scenario.d_head, scenario.num_heads
+    for head in range(num_heads):
+        keep = torch.zeros_like(scenario.weights.w_o)
+        columns = slice(head * d_head, (head + 1) * d_head)
+        keep[:, columns] = scenario.weights.w_o[:, columns]
+        no_bias = None if scenario.weights.b_o is None else torch.zeros_like(scenario.weights.b_o)
+        isolated = replace(scenario.weights, w_o=keep, b_o=no_bias)
+        try:
+            got = run(isolated)
+            expected = replace(scenario, weights=isolated).expected()
+            if rows is not None:
+                expected = expected[rows]
+            if not tolerance.holds(got.double(), expected):
+                wrong.append(head)
+        except Exception:
+            wrong.append(head)
+    if not wrong:
+        return "no single head is wrong on its own: the error is in how heads are combined (merge or W_O)"
+    if len(wrong) == num_heads:
+        return f"every head ({num_heads}) is wrong"
+    return f"wrong heads: {wrong} of {num_heads}"
