@@ -2,11 +2,13 @@
 
 Each example builds the class from its config class with drawn sizes (GQA where the config has
 `num_key_value_heads`), loads drawn weights into its layout (`q/k/v/o_proj`, GPT-2's `Conv1D`
-`c_attn`/`c_proj`, any biases it has), and calls it the way the model's `forward` does: cos/sin from
-the model's own rotary class, the mask from transformers' `create_causal_mask`, a `DynamicCache`
-for decoding. The expected output is our per-head reference, which applies RoPE itself. Four
-properties run in turn, so a failure names what broke: heads, RoPE/positions, padding/mask,
-decoding/cache.
+`c_attn`/`c_proj`, GPT-NeoX's per-head `query_key_value`, any biases it has), and calls it the way
+the model's `forward` does: cos/sin from the model's own rotary class, the mask from transformers'
+`create_causal_mask` (or its sliding-window one), a `DynamicCache` for decoding. What the class
+computes beyond plain attention is read first (`_hf_recipe.read_recipe`: QK-norms, softcapping, other
+scales, windows, partial or interleaved RoPE, NoPE layers, sinks, an output norm) and handed to the
+per-head reference, which computes it itself; anything else is refused by name. Four properties run
+in turn, so a failure names what broke: heads, RoPE/positions, padding/mask, decoding/cache.
 
 transformers is needed here (the `hf` extra); `shapesafe_mha.testing` does not import this module.
 """
@@ -342,10 +344,13 @@ def check_hf_attention(
     """Property-test a Hugging Face attention class, as its model builds and calls it, against the reference.
 
     hypothesis draws sizes (GQA and MQA where the config has `num_key_value_heads`, `head_dim` apart
-    from `hidden_size / heads` where the config has `head_dim`, with and without `attention_bias`),
-    builds `attention_cls(config_cls(...), layer_idx=0)`, loads drawn weights into its projections,
-    and checks four properties in turn, each against `reference.per_head_attention` (which applies
-    rotary embeddings itself, from `rope_theta`):
+    from `hidden_size / heads` where the config has `head_dim`, with and without `attention_bias`; a
+    layer of each attention type of `layer_types`, a `sliding_window`, the softcap, QK-norm weights
+    and sinks where the class has them), builds `attention_cls(config_cls(...), layer_idx=...)`, loads
+    drawn weights into its projections, and checks four properties in turn, each against
+    `reference.per_head_attention` (which applies rotary embeddings itself, from `rope_theta`, and
+    computes the variants the class was read to compute: see docs/hf-attention-classes.md for every
+    class of the installed transformers):
 
     - **heads**: one causal forward (the mask from transformers' `create_causal_mask`); for a RoPE
       model with cos=1, sin=0, so projections, heads, scaling and the causal mask are checked alone;
@@ -365,8 +370,10 @@ def check_hf_attention(
         >>> check_hf_attention(LlamaAttention, LlamaConfig, max_examples=5)
 
     Raises:
-        ConfigError: the class computes what the reference does not (QK-norm, logit softcapping, a
-            scale other than 1/sqrt(head_dim), sliding windows, a non-causal layer), named by field.
+        ConfigError: the class computes what the reference does not, or cannot be built and called
+            as its model does; the first line names the class and the variant or layout
+            (`check_hf_attention(): BloomAttention: a forward that needs residual, alibi is not
+            computed by the per-head reference; ...`). Never raised for a failed property.
         AssertionError: the first property that fails, named in brackets on the report's first
             line (`[RoPE/positions] LlamaAttention (eager, float32) differs from the per-head
             reference by 0.83 ...`), with the smallest failing sizes, what the property did, the
