@@ -207,6 +207,7 @@ class VariantBug:
     config_cls: type
     patch: Callable[[], contextlib.AbstractContextManager[Any]]
     prop: str
+    named: str | None = None  # a phrase of the report's bug class line, where a variant of the reference matches
 
 
 def _none() -> contextlib.AbstractContextManager[Any]:
@@ -215,25 +216,28 @@ def _none() -> contextlib.AbstractContextManager[Any]:
 
 VARIANT_BUGS = [
     VariantBug("QK-norm (RMSNorm of each head)", "Qwen3: the norm applied after RoPE", Qwen3NormAfterRope,
-               Qwen3Config, _none, "RoPE/positions"),
+               Qwen3Config, _none, "RoPE/positions", 'QK-norm applied after RoPE'),
     VariantBug("QK-norm after RoPE", "HunYuan: the norm applied before RoPE", HunYuanNormBeforeRope,
-               HunYuanDenseV1Config, _none, "RoPE/positions"),
+               HunYuanDenseV1Config, _none, "RoPE/positions", 'QK-norm applied before RoPE'),
     VariantBug("QK LayerNorm of each head", "Persimmon: the keys normalised with the queries' LayerNorm",
                PersimmonKeysNormedAsQueries, PersimmonConfig, _none, "heads"),
     VariantBug("output norm of the merged heads", "BitNet: attn_sub_norm left out", BitNetSubNormSkipped,
-               BitNetConfig, _none, "heads"),
+               BitNetConfig, _none, "heads", "the merged heads' norm not applied"),
     VariantBug("QK-norm over every head", "OLMo-2: the keys' norm left out", Olmo2KeysUnnormed, Olmo2Config,
                _none, "heads"),
     VariantBug("logit softcapping", "Gemma 2: softcap not applied", Gemma2Attention, Gemma2Config,
                lambda: _patched(modeling_gemma2, "eager_attention_forward",
-                                _softcap_dropped(modeling_gemma2.eager_attention_forward)), "heads"),
+                                _softcap_dropped(modeling_gemma2.eager_attention_forward)), "heads",
+               "logit softcapping not applied"),
     VariantBug("attention_multiplier", "Granite: 1/sqrt(head_dim) where the multiplier was meant",
-               GraniteMultiplierIgnored, GraniteConfig, _none, "heads"),
+               GraniteMultiplierIgnored, GraniteConfig, _none, "heads", "not the config's scale"),
     VariantBug("attention sinks", "gpt-oss: the sinks left out of the softmax", GptOssAttention, GptOssConfig,
                lambda: _patched(modeling_gpt_oss, "eager_attention_forward",
-                                _sinks_dropped(modeling_gpt_oss.eager_attention_forward)), "heads"),
+                                _sinks_dropped(modeling_gpt_oss.eager_attention_forward)), "heads",
+               "attention sinks left out of the softmax"),
     VariantBug("sliding window", "Mistral: the window one key longer", MistralAttention, MistralConfig,
-               lambda: _patched(masking_utils, "sliding_window_overlay", _window_one_longer), "heads"),
+               lambda: _patched(masking_utils, "sliding_window_overlay", _window_one_longer), "heads",
+               "sliding window one key longer"),
     VariantBug("partial rotary", "Phi: frequencies over head_dim, not the rotated part", PhiAttention, PhiConfig,
                lambda: _patched(PhiRotaryEmbedding, "compute_default_rope_parameters",
                                 staticmethod(_frequencies_over_head_dim)), "RoPE/positions"),

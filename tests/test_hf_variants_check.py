@@ -60,5 +60,7 @@ def test_a_variant_class_passes_in_float64_full_forward_and_decoding(variant: st
 def test_a_bug_planted_in_a_variant_is_caught_and_its_property_named(bug: VariantBug) -> None:
     with pytest.raises(AssertionError) as caught, bug.patch():
         check_hf_attention(bug.attention_cls, bug.config_cls)
-    first = str(caught.value).splitlines()[0]
-    assert first.startswith(f"[{bug.prop}] {bug.attention_cls.__name__} (eager, float32)"), str(caught.value)
+    report = str(caught.value)
+    assert report.splitlines()[0].startswith(f"[{bug.prop}] {bug.attention_cls.__name__} (eager, float32)"), report
+    if bug.named is not None:
+        assert "bug class:" in report and bug.named in report, report
