@@ -2,7 +2,9 @@
 
 A class passes, or is refused with a ConfigError naming it and the variant or layout the reference does not
 compute; it never fails on correct upstream code (a false alarm) and never crashes. The sweep is
-tools/hf_classes.py, which writes docs/hf-attention-classes.md; new classes land in it without edits.
+tools/hf_classes.py, which writes docs/hf-attention-classes.md; new classes land in it without edits. Its last
+column joins the whole-model sweep (tools/hf_sweep.py, docs/hf-architectures.md, kept fresh by test_hf_models.py):
+the two sweeps are one table.
 """
 
 import pytest
@@ -39,6 +41,13 @@ def test_the_issue_s_fifty_classes_are_all_in_the_table_and_most_pass(rows: list
     passed = [r.attention for r in listed if r.verdicts == ("pass", "pass")]
     # 11 passed before issue 27 (every other was refused, a false alarm or a crash); the count is the table's
     assert len(passed) >= 30, passed
+
+
+def test_every_class_names_the_model_types_whose_whole_model_verdict_it_shows(rows: list[hf_classes.Row]) -> None:
+    whole = hf_classes.whole_models()
+    assert whole["llama"] == "equal" and len(whole) > 150
+    assert all(r.model_types for r in rows)
+    assert {"llama4", "llama4_text"} <= set(next(r for r in rows if r.attention == "Llama4TextAttention").model_types)
 
 
 def test_the_page_is_the_sweep_s_table(rows: list[hf_classes.Row]) -> None:

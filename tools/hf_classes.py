@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "hf-attention-classes.md"
+ARCHITECTURES = PAGE.with_name("hf-architectures.md")  # tools/hf_sweep.py's: whole models under "shapesafe"
 IMPLEMENTATIONS = ("eager", "sdpa")
 EXAMPLES = 3  # per property and implementation: the sweep is a census of verdicts, the tests check deeper
 BAD = ("fail", "crash")
@@ -40,20 +41,23 @@ class Row:
     verdicts: tuple[str, ...]  # one per implementation
     detail: str = ""
     seconds: float = 0.0
+    model_types: tuple[str, ...] = ()
 
     @property
     def verdict(self) -> str:
         return next((v for v in BAD if v in self.verdicts), self.verdicts[0])
 
 
-def classes(pattern: str = "") -> list[tuple[type, type]]:
-    """`(attention class, config class)` for every attention class of a causal-LM model type, sorted by name."""
+def classes(pattern: str = "") -> list[tuple[type, type, tuple[str, ...]]]:
+    """`(attention class, config class, model types)` for every attention class of a causal-LM model type, sorted
+    by name; the model types are those whose modeling module defines the class (`llama4` and `llama4_text`)."""
     from torch import nn
     from transformers import CONFIG_MAPPING, PretrainedConfig
     from transformers.models.auto.configuration_auto import model_type_to_module_name
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     found: dict[type, type] = {}
+    types: dict[type, list[str]] = {}
     for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         module_name = model_type_to_module_name(model_type)
         try:
@@ -63,7 +67,10 @@ def classes(pattern: str = "") -> list[tuple[type, type]]:
         for name, cls in vars(modeling).items():
             if not (inspect.isclass(cls) and issubclass(cls, nn.Module) and name.endswith("Attention")):
                 continue
-            if cls.__module__ != modeling.__name__ or cls in found or pattern.lower() not in name.lower():
+            if cls.__module__ != modeling.__name__ or pattern.lower() not in name.lower():
+                continue
+            types.setdefault(cls, []).append(model_type)
+            if cls in found:
                 continue
             parameter = inspect.signature(cls.__init__).parameters.get("config")
             annotation = None if parameter is None else parameter.annotation
@@ -73,7 +80,7 @@ def classes(pattern: str = "") -> list[tuple[type, type]]:
                 annotation if inspect.isclass(annotation) and issubclass(annotation, PretrainedConfig) else None
             )
             found[cls] = config_cls or CONFIG_MAPPING[model_type]
-    return sorted(found.items(), key=lambda pair: pair[0].__name__)
+    return sorted(((c, f, tuple(types[c])) for c, f in found.items()), key=lambda row: row[0].__name__)
 
 
 def _first(error: BaseException) -> str:
@@ -81,7 +88,9 @@ def _first(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-def check_one(attention_cls: type, config_cls: type, examples: int = EXAMPLES) -> Row:
+def check_one(
+    attention_cls: type, config_cls: type, examples: int = EXAMPLES, model_types: tuple[str, ...] = ()
+) -> Row:
     import shapesafe_mha as ssm
     from shapesafe_mha.testing.hf import check_hf_attention
 
@@ -107,7 +116,8 @@ def check_one(attention_cls: type, config_cls: type, examples: int = EXAMPLES) -
             verdicts.append("crash")
             details.append(f"{type(error).__name__}: {_first(error)}")
     detail = details[0] if details and all(d == details[0] for d in details) else " / ".join(details)
-    return Row(attention_cls.__name__, config_cls.__name__, tuple(verdicts), detail[:220], time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return Row(attention_cls.__name__, config_cls.__name__, tuple(verdicts), detail[:220], seconds, model_types)
 
 
 def sweep(pattern: str = "", report: bool = False, examples: int = EXAMPLES) -> list[Row]:
@@ -117,8 +127,8 @@ def sweep(pattern: str = "", report: bool = False, examples: int = EXAMPLES) -> 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for attention_cls, config_cls in classes(pattern):
-                rows.append(row := check_one(attention_cls, config_cls, examples))
+            for attention_cls, config_cls, model_types in classes(pattern):
+                rows.append(row := check_one(attention_cls, config_cls, examples, model_types))
                 if report:
                     print(f"{row.attention:36s} {'/'.join(row.verdicts):16s} {row.seconds:5.1f}s {row.detail}",
                           flush=True)  # fmt: skip
@@ -127,13 +137,21 @@ def sweep(pattern: str = "", report: bool = False, examples: int = EXAMPLES) -> 
     return rows
 
 
+def whole_models(page: Path = ARCHITECTURES) -> dict[str, str]:
+    """model type -> its verdict under `attn_implementation="shapesafe"`, read from tools/hf_sweep.py's page
+    (tests/test_hf_models.py fails when that page is stale), so the two sweeps make one table."""
+    found = re.findall(r"^\| `([^`]+)` \| ([^|]+?) \|", page.read_text(), flags=re.M)
+    return dict(found)
+
+
 def counts(rows: list[Row]) -> dict[str, int]:
     return {v: sum(r.verdict == v for r in rows) for v in ("pass", "refused", *BAD)}
 
 
-def render(rows: list[Row]) -> str:
+def render(rows: list[Row], whole: dict[str, str] | None = None) -> str:
     import transformers
 
+    whole = whole_models() if whole is None else whole
     tally = ", ".join(f"{n} {v}" for v, n in counts(rows).items())
     lines = [
         "# Every attention class of transformers through `check_hf_attention`",
@@ -145,15 +163,18 @@ def render(rows: list[Row]) -> str:
         "",
         "A refusal is a `ConfigError` whose first line names the class and what the per-head reference does not",
         "compute (the variant or the layout, as listed here); it is a verdict, not a failure: the check does not",
-        "call correct code wrong. Time: both implementations, on one thread.",
+        "call correct code wrong. Time: both implementations, on one thread. The last column is the",
+        "[whole-model sweep](hf-architectures.md)'s verdict for each model type whose module defines the class:",
+        "its tiny model's logits under `attn_implementation=\"shapesafe\"` against transformers' own.",
         "",
-        "| class | config | eager / sdpa | time | reason refused |",
-        "|---|---|---|---|---|",
+        '| class | config | eager / sdpa | time | reason refused | whole model under `"shapesafe"` |',
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
         detail = row.detail.replace("|", "\\|").replace("\n", " ")
         verdicts = " / ".join(row.verdicts)
-        lines.append(f"| `{row.attention}` | `{row.config}` | {verdicts} | {row.seconds:.1f} s | {detail} |")
+        models = ", ".join(f"`{t}`: {whole.get(t, 'not in the sweep')}" for t in row.model_types)
+        lines.append(f"| `{row.attention}` | `{row.config}` | {verdicts} | {row.seconds:.1f} s | {detail} | {models} |")
     return "\n".join(lines) + "\n"
 
 
