@@ -6,8 +6,12 @@ and scale fields) and from the layer's structure (its projections, its norms, th
 holds, its constructor and forward signatures). What the per-head reference computes becomes a
 `Recipe`; anything else is a `ConfigError` whose first line names the class and the variant or
 layout. Nothing is decided from a computed attribute such as `scaling`: a wrong one is a bug for the
-check to catch, not a variant to refuse. Any error while deciding is a refusal naming the class,
-never a traceback from inside the check.
+check to catch, not a variant to refuse. What no field says is shown on a probe of a part, not of the
+attention's forward: a norm submodule on its own (RMSNorm, `1 + weight`, LayerNorm), the modeling
+module's `apply_rotary_pos_emb` (pairs or halves); only layer types that rotate where others do not
+(NoPE layers) are told by calling the layer. A bug inside a norm submodule is therefore refused (a
+norm we do not know), not reported. Any error while deciding is a refusal naming the class, never a
+traceback from inside the check.
 """
 
 import importlib
@@ -33,7 +37,7 @@ _PASSED = {"hidden_states", "position_embeddings", "attention_mask", "cache", "p
 # Config fields of variants the reference does not compute, each neutral at the values listed.
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "clip_qkv": ((None,), "queries, keys and values clipped (OLMo's clip_qkv)"),
-    "use_qk_norm": ((None, False), "a QK-norm over every head"),
+    "use_qk_norm": ((None, False), "a QK-norm switched on by use_qk_norm (Cohere's LayerNorm, Llama 4's L2 norm)"),
     "rope_interleave": ((None, False), "interleaved RoPE read from a field"),
     "scale_attn_weights": ((None, True), "unscaled scores"),
     "scale_attn_by_inverse_layer_idx": ((None, False), "scores scaled by 1/layer_idx"),
@@ -326,7 +330,11 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         out_norm = _out_norm(module, name, config)
         _refuse_unloaded(module, name, fused)
         nope = _nope_layers(attention_cls, config_cls, rotary_cls, sizes, layers) if rotary_cls else frozenset()
-    if implementation != "eager" and "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(attention_cls):
+        try:
+            source = inspect.getsource(attention_cls)
+        except OSError:  # no source to read: taken as computing attention itself
+            source = ""
+    if implementation != "eager" and "ALL_ATTENTION_FUNCTIONS" not in source:
         raise refuse(
             name,
             f"attention computed by the layer itself under {implementation} (its model passes it "
