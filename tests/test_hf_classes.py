@@ -38,9 +38,12 @@ def test_no_class_fails_or_crashes_and_every_refusal_names_its_class_and_reason(
 def test_the_issue_s_fifty_classes_are_all_in_the_table_and_most_pass(rows: list[hf_classes.Row]) -> None:
     by_name = {r.attention: r for r in rows}
     listed = [by_name[f"{name}Attention"] for name in LISTED]
-    passed = [r.attention for r in listed if r.verdicts == ("pass", "pass")]
-    # 11 passed before issue 27 (every other was refused, a false alarm or a crash); the count is the table's
-    assert len(passed) >= 30, passed
+    # a pass in every implementation that computes the class: eager passes, and sdpa passes or is refused
+    # because transformers' sdpa does not compute it (Gemma 2's softcap, gpt-oss's sinks, Falcon's own attention)
+    passed = [r.attention for r in listed
+              if r.verdicts[0] == "pass" and (r.verdicts[1] == "pass" or "under sdpa" in r.detail)]  # fmt: skip
+    # 11 passed before issue 27 (the other 39 were refused, false alarms or crashes)
+    assert len(passed) >= 40, passed
 
 
 def test_every_class_names_the_model_types_whose_whole_model_verdict_it_shows(rows: list[hf_classes.Row]) -> None:
