@@ -185,7 +185,7 @@ class Stage(Generic[P, R]):
             with shared.calling(f"{self.name}()"):
                 return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
-        if self.verdicts.known(key):
+        if key in self.verdicts.exact:  # Verdicts.known, inlined: a stage has no relations key
             return self.fn(*args, **kwargs)
         with Session(f"{self.name}()") as session:
             result = session.call(self, *args, **kwargs)
@@ -401,11 +401,19 @@ def signature_of(value: Any) -> Any:
 
 
 def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The exact signature of a call, keyword names included."""
-    key = tuple(map(signature_of, args))
+    """The exact signature of a call, keyword names included: `signature_of` each value, tensors inlined
+    (this runs on every remembered call of a stage or a decorated function)."""
+    key = []
+    for value in args:
+        key.append((value.shape, value.dtype, value.device) if isinstance(value, _Tensor) else signature_of(value))
     if kwargs:
-        key += tuple(item for k, v in kwargs.items() for item in (k, signature_of(v)))
-    return key
+        for name, value in kwargs.items():
+            key.append(name)
+            key.append((value.shape, value.dtype, value.device) if isinstance(value, _Tensor) else signature_of(value))
+    return tuple(key)
+
+
+_Tensor = torch.Tensor
 
 
 def relational(sizes: tuple[int, ...], constants: frozenset[int]) -> tuple[int, ...]:
