@@ -76,11 +76,19 @@ def classes(pattern: str = "") -> list[tuple[type, type, tuple[str, ...]]]:
             annotation = None if parameter is None else parameter.annotation
             if isinstance(annotation, str):
                 annotation = getattr(modeling, annotation, None)
-            config_cls = (
-                annotation if inspect.isclass(annotation) and issubclass(annotation, PretrainedConfig) else None
-            )
-            found[cls] = config_cls or CONFIG_MAPPING[model_type]
+            found[cls] = _config_class(annotation, CONFIG_MAPPING[model_type], PretrainedConfig)
     return sorted(((c, f, tuple(types[c])) for c, f in found.items()), key=lambda row: row[0].__name__)
+
+
+def _config_class(annotation: Any, fallback: type, base: type) -> type:
+    """The config class an attention class is built from: its annotation (a member of `X | None`), else the
+    model type's; a composite config (Qwen3.5's, Emu3's) stands for its `text_config`, which the decoder gets."""
+    members = [
+        a for a in (*getattr(annotation, "__args__", ()), annotation) if inspect.isclass(a) and issubclass(a, base)
+    ]
+    config_cls = members[0] if members else fallback
+    text = getattr(config_cls, "sub_configs", {}).get("text_config")
+    return text if inspect.isclass(text) and issubclass(text, base) else config_cls
 
 
 def _first(error: BaseException) -> str:

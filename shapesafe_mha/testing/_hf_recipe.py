@@ -157,9 +157,11 @@ def tables(rotary: nn.Module, x: Tensor, positions: Tensor, layer_type: str | No
 def drawn_rope(config: Any, theta: float) -> dict[str, Any]:
     """`rope_parameters` of default RoPE at `theta`, the rotated share kept: scaling types (llama3, YaRN) are the
     rotary class's business, which makes the tables; the attention class only applies them."""
-    parameters = rope_parameters(config)
-    if parameters and all(isinstance(v, dict) for v in parameters.values()):  # one set per layer type (Gemma 3)
-        return {t: _default_rope(p, theta) for t, p in parameters.items()}
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    if any(t in parameters for t in ATTENTION_LAYERS):  # one set per layer type (Mellum); None: that type has none
+        return {
+            t: None if p is None else _default_rope(p, theta) for t, p in parameters.items() if t in ATTENTION_LAYERS
+        }
     return _default_rope(parameters, theta)
 
 
