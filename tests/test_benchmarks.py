@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,3 +63,16 @@ def test_contenders_benchmark_prints_every_row() -> None:
     assert cells["MHA causal prefill"][5] != "-" and cells["GQA causal prefill"][5] == "-", "nn.MHA on MHA rows only"
     for row in cells.values():
         assert row[-1].split()[-1] in ("met", "tie", "NO", "faster"), row
+
+
+def test_whole_models_benchmark_prints_both_pairs() -> None:
+    """`python -m benchmarks.hf_models` prints shapesafe / sdpa and replace_attention / original, each with its
+    median ratio and spread (no timing asserted; it exits non-zero if any contender generates other tokens)."""
+    pytest.importorskip("transformers")
+    command = [sys.executable, "-m", "benchmarks.hf_models", "--rounds", "2", "--tokens", "4"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
+    assert {"shapesafe / sdpa (goal <= 1.05)", "replace_attention / original (goal <= 1.10)"} <= set(rows)
+    for row in rows.values():
+        low, high = (float(x) for x in row.split("│")[-2].strip().split("-"))
+        assert 0 < low <= float(row.split("│")[-3]) <= high

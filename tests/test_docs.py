@@ -40,10 +40,11 @@ def test_python_blocks_run_and_their_printed_comments_hold(page: Path, capsys: p
 
 
 def _modules() -> list[str]:
+    """Every module of the package, those of its folders (`_core`, `_interop`, ...) included."""
     names = [shapesafe_mha.__name__]
-    for info in pkgutil.iter_modules(shapesafe_mha.__path__):
-        if info.name not in ("__main__",):
-            names.append(f"{shapesafe_mha.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(shapesafe_mha.__path__, prefix=f"{shapesafe_mha.__name__}."):
+        if not info.name.endswith(".__main__"):
+            names.append(info.name)
     return names
 
 

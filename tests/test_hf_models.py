@@ -120,7 +120,8 @@ def test_set_attn_implementation_switches_a_built_model() -> None:
     [("layer 1 built with 3 KV heads", 3), ("layer 1's key projection truncated to one head", 1)],
 )
 def test_a_layer_that_disagrees_with_its_config_is_named_with_the_field(bug: str, heads: int) -> None:
-    """Tensors alone would be valid GQA/MQA; the config's num_key_value_heads=2 says otherwise."""
+    """Tensors alone would be valid GQA/MQA; the config's num_key_value_heads=2 says otherwise. The layer is
+    named by its path in the model (found from the model's frames on the stack) and its index."""
     _, ours = _pair("llama")
     attention = ours.model.layers[1].self_attn
     attention.k_proj = nn.Linear(32, heads * 8, bias=False, dtype=torch.float64)
@@ -130,9 +131,31 @@ def test_a_layer_that_disagrees_with_its_config_is_named_with_the_field(bug: str
     with pytest.raises(ssm.ShapeError) as caught:
         ours(ids)
     assert str(caught.value).splitlines()[0] == (
-        f"LlamaAttention(layer_idx=1): k has num_kv_heads={heads} (axis 1), but the config "
+        f"model.layers.1.self_attn (LlamaAttention, layer_idx=1): k has num_kv_heads={heads} (axis 1), but the config "
         "(num_key_value_heads=2) set num_kv_heads=2."
     )
+
+
+def test_decoding_is_checked_once_and_a_later_call_that_disagrees_is_still_caught(monkeypatch: Any) -> None:
+    """Verdicts are remembered by how sizes relate, so a growing KV cache is one verdict (not one per step);
+    heads and d_head stay exact, so a later call with other KV heads is checked, and fails."""
+    from shapesafe_mha._interop import hf_backend as _hf_backend
+
+    _, ours = _pair("llama")
+    _hf_backend._verdicts.forget()
+    checked: list[Any] = []
+    original = _hf_backend._checked
+    monkeypatch.setattr(_hf_backend, "_checked", lambda *args: checked.append(args[0]) or original(*args))
+    ids, _mask = _batch()
+    with torch.no_grad():
+        ours.generate(ids, max_new_tokens=12, do_sample=False)
+    assert len(checked) == 2  # the prefill and the first decoding step, for both layers and every later step
+    attention = ours.model.layers[0].self_attn
+    q, scaling = torch.randn(2, 4, 1, 8, dtype=torch.float64), attention.scaling
+    shapesafe_mha.hf.attention(attention, q, *[torch.randn(2, 2, 30, 8, dtype=torch.float64)] * 2, scaling=scaling)
+    assert len(checked) == 2
+    with pytest.raises(ssm.ShapeError, match=r"k has num_kv_heads=1 \(axis 1\), but the config"):
+        shapesafe_mha.hf.attention(attention, q, *[torch.randn(2, 1, 30, 8, dtype=torch.float64)] * 2, scaling=scaling)
 
 
 def test_a_result_changing_keyword_we_do_not_compute_is_refused_by_name() -> None:

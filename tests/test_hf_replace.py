@@ -1,3 +1,181 @@
+"""`replace_attention`: our checked layers in a transformers model's place generate what the model generates.
+
+Tiny causal LMs built from their configs (random weights, float64, no downloads), each against an
+untouched copy of itself: logits, a left-padded batch, greedy and 2-beam `generate()` tokens (beam search
+reorders transformers' own Cache, which the replaced layers read and write), training gradients. What
+is left is named with why; a failure names the module path and the dimension.
+"""
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shapesafe_mha as ssm
+
+transformers = pytest.importorskip("transformers")
+import shapesafe_mha.hf  # noqa: E402
+
+SIZES = {
+    "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+    "num_hidden_layers": 2, "vocab_size": 101, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+}  # fmt: skip
+# architecture: (config class, extra config, the model's attn_implementation, dtype, logits tolerance)
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = {
+    "llama": ("LlamaConfig", {}, "sdpa", torch.float64, 1e-10),
+    "qwen2": ("Qwen2Config", {}, "sdpa", torch.float64, 1e-10),
+    "qwen2 (layer 1 sliding, window 3)": (
+        "Qwen2Config", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}, "sdpa",
+        torch.float64, 1e-10,
+    ),
+    "mistral (sliding window 3)": ("MistralConfig", {"sliding_window": 3}, "sdpa", torch.float64, 1e-10),
+    # transformers' RMSNorm (QK-norm here) computes in float32 inside
+    "qwen3 (QK-norm)": ("Qwen3Config", {}, "sdpa", torch.float64, 1e-6),
+    # eager's additive masks: its float64 padding rows are NaN in transformers itself, so float32
+    "gemma2 (eager: softcap, window 3)": (
+        "Gemma2Config", {"sliding_window": 3, "attn_logit_softcapping": 5.0}, "eager", torch.float32, 1e-5,
+    ),
+}  # fmt: skip
+
+
+def _pair(architecture: str) -> tuple[Any, Any, shapesafe_mha.hf.Replacements]:
+    """The model as built, and a copy of it with its attention replaced."""
+    config_name, options, implementation, dtype, _ = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_name)(**SIZES, **options)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
+    ours = copy.deepcopy(theirs.eval())
+    return theirs, ours, shapesafe_mha.hf.replace_attention(ours)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 101, (2, 9), generator=generator)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    return ids, mask
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_replaced_layers_generate_the_models_own_tokens_greedy_and_beam(architecture: str) -> None:
+    theirs, ours, done = _pair(architecture)
+    assert list(done.replaced) == ["model.layers.0.self_attn", "model.layers.1.self_attn"] and not done.left
+    assert all(isinstance(layer.self_attn, shapesafe_mha.hf.HFAttention) for layer in ours.model.layers)
+    ids, mask = _batch()
+    tolerance = ARCHITECTURES[architecture][4]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=tolerance, rtol=0)
+        padded = (ours(ids, attention_mask=mask).logits - theirs(ids, attention_mask=mask).logits)[mask.bool()]
+        assert float(padded.abs().max()) <= tolerance
+        for options in ({}, {"num_beams": 2}):
+            expected = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
+            got = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
+            assert torch.equal(got, expected), options
+
+
+def test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients() -> None:
+    theirs, ours, _ = _pair("llama")
+    before = {name: p for name, p in ours.named_parameters()}
+    assert list(ours.state_dict()) == list(theirs.state_dict())  # checkpoints load either way
+    ids, mask = _batch()
+    losses = []
+    for model in (theirs, ours):
+        model.train()
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-10, rtol=0)
+    for (name, mine), (_, other) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        assert mine is before[name], name  # the model's own tensors, not copies
+        torch.testing.assert_close(mine.grad, other.grad, atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_torch_compile_of_the_replaced_model_equals_it_eager() -> None:
+    _, ours, _ = _pair("llama")
+    ids, mask = _batch()
+    with torch.no_grad():
+        compiled = torch.compile(ours, backend="eager")
+        torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits)
+
+
+def test_a_hooked_and_an_unsupported_layer_are_left_and_named_with_why() -> None:
+    config = transformers.LlamaConfig(**{**SIZES, "num_hidden_layers": 3})
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    ours = copy.deepcopy(theirs.eval())
+    ours.model.layers[0].self_attn.register_forward_hook(lambda *_: None)
+    theirs.model.layers[2].self_attn.scaling = ours.model.layers[2].self_attn.scaling = 0.25  # not 1/sqrt(head_dim)
+    done = shapesafe_mha.hf.replace_attention(ours)
+    assert list(done.replaced) == ["model.layers.1.self_attn"]
+    assert list(done.left) == ["model.layers.0.self_attn", "model.layers.2.self_attn"]
+    assert done.left["model.layers.0.self_attn"].startswith("it has hooks (1 forward hook), which the replacement")
+    assert done.left["model.layers.2.self_attn"].startswith("MultiHeadAttention.from_hf(): scaling=0.25: only 1/sqrt")
+    assert "left model.layers.2.self_attn: MultiHeadAttention.from_hf(): scaling=0.25" in str(done)
+    ids, mask = _batch()
+    with torch.no_grad():  # the layers left run as they were, beside the replaced one
+        for options in ({}, {"num_beams": 2}):
+            expected = theirs.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **options)
+            got = ours.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **options)
+            assert torch.equal(got, expected), options
+
+
+def test_a_planted_bug_is_named_by_its_module_path_and_the_dimension() -> None:
+    """Layer 1's key projection built for 3 KV heads, the config says 2: the replaced layer says which."""
+    _, ours, _ = _pair("llama")
+    attention = ours.model.layers[1].self_attn
+    attention.k_proj = nn.Linear(32, 3 * 8, bias=False, dtype=torch.float64)
+    ids, _mask = _batch()
+    with pytest.raises(ssm.ShapeError) as caught:
+        ours(ids, labels=ids)  # training-style call: the projections run separately
+    first = str(caught.value).splitlines()[0]
+    assert first.startswith("model.layers.1.self_attn (HFAttention, layer_idx=1): MultiHeadAttention.forward(): ")
+    assert "num_kv_heads*d_head=24" in first and "num_kv_heads*d_head=16" in first
+
+
+def test_a_failed_call_leaves_the_models_cache_as_it_was() -> None:
+    _, ours, _ = _pair("llama")
+    layer = ours.model.layers[0].self_attn
+    cache = transformers.DynamicCache(config=ours.config)
+    hidden = torch.randn(1, 4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        layer(hidden, cache=cache, position_ids=torch.arange(4)[None])
+        keys = cache.layers[0].keys
+        wrong = torch.ones(1, 1, 1, 9, dtype=torch.bool)  # covers 9 keys; the cache holds 4 + 1
+        with pytest.raises(ssm.ShapeError, match=r"^model\.layers\.0\.self_attn \(HFAttention, layer_idx=0\): "):
+            layer(hidden[:, :1], attention_mask=wrong, cache=cache, position_ids=torch.tensor([[4]]))
+    assert cache.get_seq_length(0) == 4 and cache.layers[0].keys is keys
+
+
+def test_caches_and_masks_it_does_not_read_are_refused_by_name() -> None:
+    _, ours, _ = _pair("llama")
+    layer = ours.model.layers[0].self_attn
+    hidden = torch.randn(1, 4, 32, dtype=torch.float64)
+    with pytest.raises(ssm.ConfigError, match=r"passed a 2-D padding mask as attention_mask.*set_attn_implementation"):
+        layer(hidden, attention_mask=torch.ones(1, 4, dtype=torch.bool))
+    static = transformers.StaticCache(config=ours.config, max_cache_len=8)
+    with pytest.raises(ssm.ConfigError, match=r"the cache's layer 0 is a StaticLayer; a replaced layer reads"):
+        layer(hidden, cache=static, position_ids=torch.arange(4)[None])
+    with pytest.raises(ssm.ConfigError, match=r"transformers passed position_bias=a tensor \(1, 4, 4, 4\)"):
+        layer(hidden, position_bias=torch.zeros(1, 4, 4, 4))
+
+
+def test_the_replaced_layers_share_one_rotary_embedding_whose_tables_follow_the_positions() -> None:
+    """The layers of one forward rotate by the same positions: one table for all of them, recomputed for
+    another positions tensor, for one changed in place, and for another dtype."""
+    _, ours, _ = _pair("llama")
+    rotary = ours.model.layers[0].self_attn.rotary
+    assert type(rotary).__name__ == "SharedRotary" and rotary is ours.model.layers[1].self_attn.rotary
+    positions = torch.arange(5)[None]
+    first = rotary(positions, torch.float64)
+    assert rotary(positions, torch.float64) is first
+    positions.add_(3)  # in place: another version
+    moved = rotary(positions, torch.float64)
+    expected = ssm.RotaryEmbedding(8, 10000.0)(torch.arange(3, 8)[None], torch.float64)
+    torch.testing.assert_close(moved, expected, atol=0, rtol=0)
+    assert rotary(positions, torch.float32)[0].dtype == torch.float32
+    assert rotary(positions.clone(), torch.float64) is not moved
 
 
 def test_a_float32_layer_that_differs_by_less_than_float32s_tolerance_is_left() -> None:

@@ -11,6 +11,7 @@ a keyword argument that would change it and that we do not compute is a
 `ConfigError` naming it, never dropped.
 """
 
+import inspect
 import math
 from typing import Any
 
@@ -19,8 +20,8 @@ from jaxtyping import Shaped
 from torch import Tensor, nn
 
 from .._compute.stages import scaled_dot_product_attention as _sdpa
-from .._core.contract import Session, Verdicts, checks_enabled, signature_key, witness
-from .._core.errors import ConfigError
+from .._core.contract import Session, Verdicts, checks_enabled, relational, signature_key, witness
+from .._core.errors import ConfigError, ShapesafeError
 
 NAME = "shapesafe"
 # What transformers passes an attention function besides the tensors, that does not change the result
@@ -55,9 +56,52 @@ def register() -> str:
     return NAME
 
 
-def _layer_name(module: nn.Module) -> str:
+def _short_name(module: nn.Module) -> str:
     index = getattr(module, "layer_idx", None)
     return f"{type(module).__name__}(layer_idx={index})" if index is not None else type(module).__name__
+
+
+def layer_name(module: nn.Module) -> str:
+    """The layer as a failure names it: its path in the model, its class and index
+    (`model.layers.1.self_attn (LlamaAttention, layer_idx=1)`); the class and index alone where no path is known.
+
+    transformers hands an attention function the module, not the model: the path is found, when a failure
+    is reported, from the modules whose forward is on the call stack (the outermost that holds the layer).
+    A replaced layer (`replace_attention`) knows its own.
+    """
+    path = getattr(module, "hf_path", None) or _path_from_callers(module)
+    if path is None:
+        return _short_name(module)
+    index = getattr(module, "layer_idx", None)
+    return f"{path} ({type(module).__name__}" + (f", layer_idx={index})" if index is not None else ")")
+
+
+def _path_from_callers(module: nn.Module) -> str | None:
+    path, seen = None, set()
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and owner is not module and id(owner) not in seen:
+            seen.add(id(owner))
+            found = next((name for name, sub in owner.named_modules() if sub is module), None)
+            path = found if found else path  # the outermost holder wins
+        frame = frame.f_back
+    return path
+
+
+def refuse_unknown(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """A `ConfigError` naming the first keyword argument that would change the result and that is not computed."""
+    if _INERT.issuperset(kwargs):  # the common case, in one set operation: every call runs this
+        return
+    unknown = {k: v for k, v in kwargs.items() if k not in _INERT and v is not None and v is not False}
+    if unknown:
+        name, given = next(iter(unknown.items()))
+        shown = f"a tensor {tuple(given.shape)}" if isinstance(given, Tensor) else repr(given)
+        raise ConfigError(
+            f"{layer_name(module)}: transformers passed {name}={shown} to attention, which would change what it "
+            f"computes, and attn_implementation='shapesafe' does not compute {name}; use 'eager' or 'sdpa' for this "
+            "model, or open an issue."
+        )
 
 
 _FIELDS = (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("d_head", "head_dim"))
@@ -77,16 +121,68 @@ def _declared(config: Any, field: str) -> int | None:
     return value if type(value) is int else None
 
 
-def _config_sizes(module: nn.Module) -> tuple[tuple[Any, ...], tuple[tuple[str, int, str], ...]]:
-    """The sizes the layer's config fixes, as (dimension, size, "the config (field=size)"): only fields its
-    config class declares, read as transformers standardises them, never a computed attribute."""
+# Per config class: (dimension, field, where the config's __dict__ holds it): the fields its class declares.
+_PLANS: dict[type, tuple[tuple[str, str, str], ...]] = {}
+Sizes = tuple[tuple[str, int, str], ...]  # (dimension, size, config field)
+
+
+def _plan(kind: type) -> tuple[tuple[str, str, str], ...]:
+    plan = _PLANS.get(kind)
+    if plan is None:
+        fields, aliases = getattr(kind, "__dataclass_fields__", {}), getattr(kind, "attribute_map", {})
+        plan = tuple((dim, f, aliases.get(f, f)) for dim, f in _FIELDS if f in fields or f in aliases)
+        _PLANS[kind] = plan
+    return plan
+
+
+def _config_sizes(module: nn.Module) -> Sizes:
+    """The sizes the layer's config fixes, as (dimension, size, field): only fields its config class declares,
+    read as transformers standardises them (its attribute map), never a computed attribute. Read on every
+    call (a config may change), from the config's own dict where it holds them plainly."""
     config: Any = getattr(module, "config", None)
+    if config is None:
+        return ()
+    try:
+        stored = object.__getattribute__(config, "__dict__")  # not through PreTrainedConfig.__getattribute__ (slow)
+    except AttributeError:  # a config without a dict of its own: read through it
+        stored = {}
+    heterogeneous = "_heterogeneity_spec" in stored  # per-layer fields: read through the config, which refuses
     found = []
-    for dim, field in _FIELDS:
-        value = None if config is None else _declared(config, field)
-        if value is not None:
-            found.append((dim, value, f"the config ({field}={value})"))
-    return tuple(size for _, size, _ in found), tuple(found)
+    for dim, field, name in _plan(type(config)):
+        value = stored.get(name) if not heterogeneous and name in stored else _declared(config, field)
+        if type(value) is int:
+            found.append((dim, value, field))
+    return tuple(found)
+
+
+def _call_key(module: nn.Module, sizes: Sizes, query: Tensor, key: Tensor, value: Tensor, options: Any) -> Any:
+    """What a verdict on this call depends on, exactly (a tuple built by hand: this runs on every call)."""
+    mask, scale, softcap = options["attn_mask"], options["scale"], options["softcap"]
+    try:
+        return (
+            type(module), sizes, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+            query.device, key.device, value.device, None if mask is None else (mask.shape, mask.dtype, mask.device),
+            options["is_causal"], options["dropout_p"], type(scale), scale, type(softcap), softcap,
+        )  # fmt: skip
+    except AttributeError:  # not tensors: keyed as any call is (or not at all), checked in full
+        return (type(module), sizes, *signature_key((query, key, value), options))
+
+
+def _relations(exact: Any) -> Any:
+    """The same key with batch and sequence sizes replaced by how they relate (`relational`), so decoding step
+    after step is one verdict. Heads and `d_head` stay exact: the stage also checks that KV heads divide
+    the query heads, which no equality shows. None where the call is not 4-D tensors."""
+    if len(exact) != 18 or not isinstance(exact[2], torch.Size):  # the fallback key: exact only
+        return None
+    q, k, v, mask = exact[2], exact[3], exact[4], exact[11]
+    shapes = (q, k, v) if mask is None else (q, k, v, mask[0])
+    if any(len(shape) != 4 for shape in (q, k, v)):
+        return None
+    kept = (q[1], q[3], k[1], k[3], v[1], v[3])
+    constants = frozenset(kept) | {size for _, size, _ in exact[1]}
+    sizes = relational(tuple(size for shape in shapes for size in shape), constants)
+    ranks = tuple(len(shape) for shape in shapes)
+    return (*exact[:2], kept, ranks, sizes, q[2] > k[2], *exact[5:11], None if mask is None else mask[1:], *exact[12:])
 
 
 def attention(
@@ -107,15 +203,8 @@ def attention(
 
     Returns `(output (batch, seq, num_heads, d_head), None)`, as transformers' own sdpa function does.
     """
-    unknown = {k: v for k, v in kwargs.items() if k not in _INERT and v is not None and v is not False}
-    if unknown:
-        name, given = next(iter(unknown.items()))
-        shown = f"a tensor {tuple(given.shape)}" if isinstance(given, Tensor) else repr(given)
-        raise ConfigError(
-            f"{_layer_name(module)}: transformers passed {name}={shown} to attention, which would change what it "
-            f"computes, and attn_implementation='shapesafe' does not compute {name}; use 'eager' or 'sdpa' for this "
-            "model, or open an issue."
-        )
+    if kwargs:
+        refuse_unknown(module, kwargs)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     seq, kv_seq = query.shape[2], key.shape[2]
     if attention_mask is None and causal and 1 < seq != kv_seq:
@@ -135,10 +224,10 @@ def attention(
     }
     if checks_enabled():
         sizes = _config_sizes(module)
-        exact = (type(module), sizes[0], *signature_key((query, key, value), options))
-        if not _verdicts.known(exact):
+        exact = _call_key(module, sizes, query, key, value, options)
+        if not _verdicts.known(exact, lambda: _relations(exact)):
             out = _checked(module, sizes, query, key, value, options)
-            _verdicts.remember(exact)
+            _verdicts.remember(exact, _relations(exact))
             return _transposed(out)
     return _transposed(_sdpa.fn(query, key, value, **options))
 
@@ -148,15 +237,22 @@ def _transposed(out: Tensor) -> tuple[Tensor, None]:
 
 
 def _checked(
-    module: nn.Module, sizes: Any, query: Tensor, key: Tensor, value: Tensor, options: dict[str, Any]
+    module: nn.Module, sizes: Sizes, query: Tensor, key: Tensor, value: Tensor, options: dict[str, Any]
 ) -> Tensor:
     """The stage, checked in a session seeded with the config's sizes, each named by its field."""
-    with Session(_layer_name(module)) as session:
-        for name, size, source in sizes[1]:
-            if name == "num_kv_heads" and key.shape[1] == query.shape[1]:
-                continue  # K and V repeated to every query head before the call (JetMoE, older ports): MHA-shaped
-            session.seed(Shaped[Tensor, name], witness((size,)), source)
-        return session.call(_sdpa, query, key, value, **options)
+    short = _short_name(module)
+    try:
+        with Session(short) as session:
+            for name, size, field in sizes:
+                if name == "num_kv_heads" and key.shape[1] == query.shape[1]:
+                    continue  # K and V repeated to every query head before the call (JetMoE, older ports): MHA-shaped
+                session.seed(Shaped[Tensor, name], witness((size,)), f"the config ({field}={size})")
+            return session.call(_sdpa, query, key, value, **options)
+    except ShapesafeError as error:  # named now, with the model's frames still on the stack
+        message = str(error)
+        raise type(error)(
+            layer_name(module) + message[len(short) :] if message.startswith(short) else message
+        ) from None
 
 
 def _with_sinks(
