@@ -52,14 +52,20 @@ def test_a_planted_bug_is_caught_and_its_property_named(bug: Bug) -> None:
 
 
 def test_what_the_reference_does_not_compute_is_refused_by_name() -> None:
-    """QK-norm (Qwen3) and a scale of its own (Granite) are a ConfigError naming the field, not a failed check."""
-    from transformers import GraniteConfig, Qwen3Config
-    from transformers.models.granite.modeling_granite import GraniteAttention
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    """gpt-oss's sinks under sdpa (which drops them), Bloom's ALiBi and a layer without an output projection: a
+    ConfigError whose first line names the class and the variant or layout, not a failed check."""
+    from transformers import BertConfig, BloomConfig, GptOssConfig
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
 
     import shapesafe_mha as ssm
 
-    with pytest.raises(ssm.ConfigError, match=r"Qwen3Attention: q_norm=Qwen3RMSNorm: QK-norm computes what"):
-        check_hf_attention(Qwen3Attention, Qwen3Config)
-    with pytest.raises(ssm.ConfigError, match=r"GraniteAttention: config.attention_multiplier=1.0"):
-        check_hf_attention(GraniteAttention, GraniteConfig)
+    refusals = [
+        (GptOssAttention, GptOssConfig, "sdpa", r"GptOssAttention: attention sinks under sdpa"),
+        (BloomAttention, BloomConfig, "eager", r"BloomAttention: a forward that needs residual, alibi"),
+        (BertSelfAttention, BertConfig, "eager", r"BertSelfAttention: a layer without an output projection"),
+    ]
+    for attention_cls, config_cls, implementation, reason in refusals:
+        with pytest.raises(ssm.ConfigError, match=r"^check_hf_attention\(\): " + reason):
+            check_hf_attention(attention_cls, config_cls, attn_implementation=implementation)

@@ -31,12 +31,16 @@ CASES = {
                       "query_pre_attn_scalar": 3},
         {"window": None, "logit_softcap": 0.7},
     ),
+    # the scores scaled by config.attention_multiplier, loaded as query_pre_attn_scalar = multiplier**-2
+    "granite-attention-multiplier": (
+        "granite", 0, {"num_key_value_heads": 2, "attention_multiplier": 0.25}, {"query_pre_attn_scalar": 16.0},
+    ),
 }  # fmt: skip
 
 
 def _classes(model_type: str) -> tuple[Any, Any, Any]:
     module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
-    prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2"}[model_type]
+    prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite"}[model_type]
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 

@@ -36,6 +36,8 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
 
 KVHeads = Literal["grouped", "interleaved"]
 RopeStyle = Literal["half", "interleaved"]
+NormOver = Literal["head", "all"]
+NormKind = Literal["rms", "layer"]
 # FlexAttention's signatures (torch.nn.attention.flex_attention): `score_mod(score, b, h, q_idx, kv_idx)`
 # returns the modified score; `mask_mod(b, h, q_idx, kv_idx)` returns True where the query may attend.
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -80,9 +82,22 @@ def _rotate_pairs(x: Tensor, positions: Tensor, theta: float, style: RopeStyle =
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
+def _rotate_part(x: Tensor, positions: Tensor, theta: float, style: RopeStyle, rotary_dim: int | None) -> Tensor:
+    """RoPE on the first `rotary_dim` features of one head (all of them where None); the rest pass unrotated."""
+    if rotary_dim is None or rotary_dim == x.shape[-1]:
+        return _rotate_pairs(x, positions, theta, style)
+    return torch.cat((_rotate_pairs(x[..., :rotary_dim], positions, theta, style), x[..., rotary_dim:]), dim=-1)
+
+
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """`x / sqrt(mean(x**2) + eps) * weight` over each row's features."""
     return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """`(x - mean(x)) / sqrt(var(x) + eps) * weight + bias` over each row's features."""
+    centred = x - x.mean(dim=-1, keepdim=True)
+    return centred / torch.sqrt((centred * centred).mean(dim=-1, keepdim=True) + eps) * weight + bias
 
 
 def _softcap(scores: Tensor, cap: float | None) -> Tensor:
@@ -141,9 +156,15 @@ def per_head_attention(
     positions: Tensor | None = None,
     key_positions: Tensor | None = None,
     rope_style: RopeStyle = "half",
+    rotary_dim: int | None = None,
     kv_heads: KVHeads = "grouped",
     qk_norm: tuple[Tensor, Tensor] | None = None,
     norm_eps: float = 1e-6,
+    qk_norm_over: NormOver = "head",
+    qk_norm_after_rope: bool = False,
+    qk_norm_bias: tuple[Tensor, Tensor] | None = None,
+    sinks: Tensor | None = None,
+    out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
@@ -182,10 +203,21 @@ def per_head_attention(
             `kv_seq == seq`, else `0..kv_seq-1`.
         rope_style: "half" pairs feature `i` with `i + d_head/2` (Llama's rotate_half),
             "interleaved" pairs `2i` with `2i+1` (GPT-J).
+        rotary_dim: rotate only each head's first `rotary_dim` features (partial rotary: Phi,
+            StableLM, GPT-NeoX), pairing them within that part; default all `d_head`.
         kv_heads: which KV head query head `h` reads: "grouped" `h // group` (transformers'
             repeat_kv, torch's enable_gqa), "interleaved" `h % num_kv_heads` (x-transformers).
         qk_norm: `(q_weight, k_weight)`, each `(d_head,)`: RMS-normalise every head's query and
             key with these weights (and `norm_eps`) before RoPE.
+        qk_norm_over: "head" normalises each head's `d_head` features (Qwen3); "all" normalises
+            every head's features together (OLMo-2: weights `(num_heads * d_head,)` and
+            `(num_kv_heads * d_head,)`), each head then taking its slice.
+        qk_norm_after_rope: normalise after RoPE instead of before (HunYuan).
+        qk_norm_bias: `(q_bias, k_bias)`, each `(d_head,)`: the QK-norm is a LayerNorm of each head
+            (`(x - mean) / sqrt(var + eps) * weight + bias`, Persimmon) instead of an RMSNorm.
+        out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
+        sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
+            part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         scale: the score scale; default `1/sqrt(d_head)`.
@@ -212,19 +244,36 @@ def per_head_attention(
         kv_head = head % num_kv_heads if kv_heads == "interleaved" else head // group
         q = _linear(query, *_rows(weights.w_q, weights.b_q, head, d_head))
         k = _linear(key, *_rows(weights.w_k, weights.b_k, kv_head, d_head))
-        if qk_norm is not None:
+        if qk_norm is not None and qk_norm_over == "all":  # the statistic of every head's features together
+            every_q = _rms_norm(_linear(query, weights.w_q, weights.b_q), qk_norm[0], norm_eps)
+            every_k = _rms_norm(_linear(key, weights.w_k, weights.b_k), qk_norm[1], norm_eps)
+            q = every_q[..., head * d_head : (head + 1) * d_head]
+            k = every_k[..., kv_head * d_head : (kv_head + 1) * d_head]
+        elif qk_norm is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
+            q = _layer_norm(q, qk_norm[0], qk_norm_bias[0], norm_eps)
+            k = _layer_norm(k, qk_norm[1], qk_norm_bias[1], norm_eps)
+        elif qk_norm is not None and not qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         if rope_theta is not None:
-            q = _rotate_pairs(q, where, rope_theta, rope_style)
-            k = _rotate_pairs(k, key_positions, rope_theta, rope_style)
+            q = _rotate_part(q, where, rope_theta, rope_style, rotary_dim)
+            k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim)
+        if qk_norm is not None and qk_norm_after_rope:
+            q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
         scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
         scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
         scores = scores + _head_mask(
             attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod
         )
-        heads.append(_softmax_or_zeros(scores) @ v)
-    return _linear(torch.cat(heads, dim=-1), weights.w_o, weights.b_o)
+        if sinks is not None:  # one more logit per head, in the softmax's sum and dropped after it
+            sink = sinks[head].to(scores.dtype).expand(*scores.shape[:-1], 1)
+            heads.append(_softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v)
+        else:
+            heads.append(_softmax_or_zeros(scores) @ v)
+    merged = torch.cat(heads, dim=-1)
+    if out_norm is not None:  # BitNet: the merged heads RMS-normalised before the output projection
+        merged = _rms_norm(merged, *out_norm)
+    return _linear(merged, weights.w_o, weights.b_o)
 
 
 def per_head_latent_attention(

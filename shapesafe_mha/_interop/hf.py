@@ -1,10 +1,11 @@
 """Hugging Face interop: load a transformers attention layer (Llama, Mistral, Qwen2/3, Gemma 2 layout), and back.
 
 transformers is an optional dependency (`pip install "shapesafe_mha[hf]"`); it is imported only
-when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping and `query_pre_attn_scalar`
-become the module's options; a variant it does not compute (partial RoPE, RoPE scaling other than
-llama3, a QK-norm other than RMSNorm) is a `ConfigError` naming the config field, never a silently
-different layer.
+when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping, `query_pre_attn_scalar` and
+Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier**-2`) become the
+module's options; a variant it does not compute (partial RoPE, RoPE scaling other than llama3, a
+QK-norm other than RMSNorm) is a `ConfigError` naming the config field, never a silently different
+layer.
 """
 
 import importlib
@@ -69,6 +70,12 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     if scalar is not None:
         options["query_pre_attn_scalar"] = float(scalar)
         expected = float(scalar) ** -0.5
+    multiplier = getattr(config, "attention_multiplier", None)
+    if multiplier is not None:  # Granite: the scores scaled by the multiplier itself, 1/sqrt(multiplier**-2)
+        if scalar is not None or isinstance(multiplier, bool) or not multiplier > 0:
+            raise _refuse("attention_multiplier", multiplier, "only a positive multiplier, alone, is supported")
+        options["query_pre_attn_scalar"] = float(multiplier) ** -2
+        expected = float(multiplier)
     scaling = getattr(attention, "scaling", expected)
     if abs(scaling - expected) > 1e-12:
         raise _refuse("scaling", scaling, f"only 1/sqrt(query_pre_attn_scalar or head_dim) = {expected:g} is supported")
@@ -107,7 +114,6 @@ _UNSUPPORTED_FIELDS = {
     "clip_qkv": "queries, keys and values clipped (OLMo)",
     "qk_layernorm": "QK LayerNorm (StableLM)",
     "use_qk_norm": "QK-norm over every head (Cohere)",
-    "attention_multiplier": "a score scale of its own (Granite)",
     "rope_interleave": "interleaved RoPE pairs",
 }
 

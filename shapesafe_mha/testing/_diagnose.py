@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compute.reference import KVHeads, MaskMod, RopeStyle, ScoreMod, per_head_attention
+from .._compute.reference import KVHeads, MaskMod, NormOver, RopeStyle, ScoreMod, per_head_attention
 from .._core.weights import AttentionWeights
 
 # Below this a float64 deviation is float32 rounding, not a wrong formula (float32's epsilon is 1.2e-7).
@@ -62,6 +62,17 @@ class Scenario:
     score_mod: ScoreMod | None = None
     mask_mod: MaskMod | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the variants a layer computes beyond these (what check_hf_attention reads from a config)
+    rotary_dim: int | None = None
+    qk_norm: tuple[Tensor, Tensor] | None = None
+    norm_eps: float = 1e-6
+    qk_norm_over: NormOver = "head"
+    window: int | None = None
+    logit_softcap: float | None = None
+    sinks: Tensor | None = None
+    qk_norm_after_rope: bool = False
+    qk_norm_bias: tuple[Tensor, Tensor] | None = None
+    out_norm: tuple[Tensor, float] | None = None
 
     def expected(self) -> Tensor:
         return per_head_attention(
@@ -82,6 +93,16 @@ class Scenario:
             scale=self.scale,
             score_mod=self.score_mod,
             mask_mod=self.mask_mod,
+            rotary_dim=self.rotary_dim,
+            qk_norm=self.qk_norm,
+            norm_eps=self.norm_eps,
+            qk_norm_over=self.qk_norm_over,
+            window=self.window,
+            logit_softcap=self.logit_softcap,
+            sinks=self.sinks,
+            qk_norm_after_rope=self.qk_norm_after_rope,
+            qk_norm_bias=self.qk_norm_bias,
+            out_norm=self.out_norm,
         )
 
     @property
@@ -291,6 +312,35 @@ def variants(s: Scenario) -> list[Variant]:
                 lambda t: replace(t, positions=q_at + 1, key_positions=k_at),
             )
         )
+        if s.rotary_dim is not None:
+            out.append(("RoPE/positions", f"RoPE over every feature where only the first {s.rotary_dim} rotate "
+                        "(partial rotary)", lambda t: replace(t, rotary_dim=None)))  # fmt: skip
+    return out + _layer_variants(s)
+
+
+def _layer_variants(s: Scenario) -> list[Variant]:
+    """Mistakes in the variants a transformers layer computes beyond plain attention (check_hf_attention)."""
+    out: list[Variant] = []
+    if s.qk_norm is not None:
+        out.append(("QK-norm", "QK-norm not applied", lambda t: replace(t, qk_norm=None, qk_norm_bias=None)))
+        if s.rope_theta is not None and s.qk_norm_bias is None and s.qk_norm_over == "head":
+            where = "before" if s.qk_norm_after_rope else "after"
+            out.append(("QK-norm", f"QK-norm applied {where} RoPE",
+                        lambda t: replace(t, qk_norm_after_rope=not t.qk_norm_after_rope)))  # fmt: skip
+    if s.logit_softcap is not None:
+        out.append(("softcap", "logit softcapping not applied", lambda t: replace(t, logit_softcap=None)))
+    if s.window is not None:
+        out.append(("window", "sliding window not applied", lambda t: replace(t, window=None)))
+        longer = s.window + 1
+        out.append(("window", "sliding window one key longer", lambda t: replace(t, window=longer)))
+    if s.sinks is not None:
+        out.append(("sinks", "attention sinks left out of the softmax", lambda t: replace(t, sinks=None)))
+    if s.out_norm is not None:
+        out.append(("output norm", "the merged heads' norm not applied", lambda t: replace(t, out_norm=None)))
+    if s.scale is not None and s.d_head > 1:
+        d_head = s.d_head
+        out.append(("scaling", "scores scaled by 1/sqrt(d_head), not the config's scale",
+                    lambda t: replace(t, scale=d_head**-0.5)))  # fmt: skip
     return out
 
 

@@ -2,16 +2,17 @@
 
 Each example builds the class from its config class with drawn sizes (GQA where the config has
 `num_key_value_heads`), loads drawn weights into its layout (`q/k/v/o_proj`, GPT-2's `Conv1D`
-`c_attn`/`c_proj`, any biases it has), and calls it the way the model's `forward` does: cos/sin from
-the model's own rotary class, the mask from transformers' `create_causal_mask`, a `DynamicCache`
-for decoding. The expected output is our per-head reference, which applies RoPE itself. Four
-properties run in turn, so a failure names what broke: heads, RoPE/positions, padding/mask,
-decoding/cache.
+`c_attn`/`c_proj`, GPT-NeoX's per-head `query_key_value`, any biases it has), and calls it the way
+the model's `forward` does: cos/sin from the model's own rotary class, the mask from transformers'
+`create_causal_mask` (or its sliding-window one), a `DynamicCache` for decoding. What the class
+computes beyond plain attention is read first (`_hf_recipe.read_recipe`: QK-norms, softcapping, other
+scales, windows, partial or interleaved RoPE, NoPE layers, sinks, an output norm) and handed to the
+per-head reference, which computes it itself; anything else is refused by name. Four properties run
+in turn, so a failure names what broke: heads, RoPE/positions, padding/mask, decoding/cache.
 
 transformers is needed here (the `hf` extra); `shapesafe_mha.testing` does not import this module.
 """
 
-import importlib
 import inspect
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,36 +22,32 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
-from .._interop.adapters import load_weights
-from .._interop.hf import rope_of
 from ._diagnose import Scenario
+from ._hf_recipe import OUT_NORMS, drawn_rope, load_layer_weights, read_recipe, rope_parameters, tables, tiny_config
 from ._strategies import ALL_KINDS, AttentionConfig, attention_configs, attention_inputs, projection_weights
 from ._toolkit import _to, judge, resolve, run_property
-
-# Config fields that change what attention computes, and the values under which it is the reference's.
-_FIELDS: dict[str, tuple[Any, ...]] = {
-    "attn_logit_softcapping": (None,),
-    "query_pre_attn_scalar": (None,),
-    "attention_multiplier": (None,),  # Granite: a scale of its own
-    "partial_rotary_factor": (None, 1.0),
-    "scale_attn_weights": (True,),  # GPT-2
-    "scale_attn_by_inverse_layer_idx": (False,),
-}
 
 
 @dataclass(frozen=True)
 class _Layer:
-    """One drawn layer: the transformers config, the attention module and the weights it holds."""
+    """One drawn layer: the transformers config, the attention module, the weights it holds and its variants."""
 
     config: Any
     module: nn.Module
     weights: AttentionWeights
     rotary: nn.Module | None
     theta: float | None
+    layer_type: str | None = None
+    window: int | None = None
+    qk_norm: tuple[Tensor, Tensor] | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    sinks: Tensor | None = None
+    out_norm: tuple[Tensor, float] | None = None
+    qk_norm_bias: tuple[Tensor, Tensor] | None = None
 
 
 class _Target:
@@ -58,74 +55,20 @@ class _Target:
 
     def __init__(self, attention_cls: type[nn.Module], config_cls: type, attn_implementation: str) -> None:
         self.attention_cls, self.config_cls, self.implementation = attention_cls, config_cls, attn_implementation
-        default = config_cls()
-        self.has_kv_heads = hasattr(default, "num_key_value_heads")
-        self.has_head_dim = hasattr(default, "head_dim")
-        self.has_bias_switch = hasattr(default, "attention_bias")
-        self.has_window = hasattr(default, "sliding_window")
-        self.width_free = self.has_head_dim and self._accepts(hidden_size=6, num_attention_heads=4, head_dim=2)
-        theta = None
-        if getattr(default, "rope_parameters", None) or getattr(default, "rope_theta", None):
-            theta, _ = rope_of(default)
-        self.rotary_cls = self._rotary_class(default) if theta is not None else None
+        self.recipe = read_recipe(attention_cls, config_cls, attn_implementation)
+        self.rotary_cls = self.recipe.rotary_cls
         parameters = inspect.signature(attention_cls.forward).parameters
-        self.cache_keyword = "cache" if "cache" in parameters else "past_key_values"
-        self.takes_position_embeddings = "position_embeddings" in parameters
         self.takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        self._refuse_what_the_reference_does_not_compute()
-
-    def _refuse_what_the_reference_does_not_compute(self) -> None:
-        """QK-norm, softcapping, other scales, non-causal layers: a ConfigError naming the field, not a failed check."""
-        sizes: dict[str, Any] = {"hidden_size": 8, "num_attention_heads": 2, "attn_implementation": self.implementation}
-        if self.has_kv_heads:
-            sizes["num_key_value_heads"] = 1
-        if self.has_head_dim:
-            sizes["head_dim"] = 4
-        if self.has_window:
-            sizes["sliding_window"] = None
-        config = self.config_cls(**sizes)
-        module = self.attention_cls(config, layer_idx=0)
-        # Decided from the config's fields and the layer's structure, never from a computed
-        # attribute such as `scaling`: a wrong one there is a bug to catch, not a variant to refuse.
-        why = next(
-            (f"{norm}={type(getattr(module, norm)).__name__}: QK-norm" for norm in ("q_norm", "k_norm")
-             if getattr(module, norm, None) is not None),
-            None,
-        )  # fmt: skip
-        for field, fine in _FIELDS.items():
-            if why is None and hasattr(config, field) and getattr(config, field) not in fine:
-                why = f"config.{field}={getattr(config, field)!r}"
-        if why is not None:
-            raise ConfigError(
-                f"check_hf_attention(): {self.name}: {why} computes what the per-head reference does not; "
-                "it cannot be checked against it."
-            )
-
-    def _accepts(self, **sizes: int) -> bool:
-        """Whether the config class accepts these sizes (Llama's wants hidden_size a multiple of the heads)."""
-        try:
-            self.config_cls(**sizes)
-        except Exception:
-            return False
-        return True
-
-    def _rotary_class(self, default: Any) -> type[nn.Module] | None:
-        """The model's own rotary class (`LlamaRotaryEmbedding` for `LlamaConfig`), looked up where the model is."""
-        model_type = default.model_type
-        prefix = self.config_cls.__name__.removesuffix("Config")
-        try:
-            modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        except ImportError:
-            return None
-        return getattr(modeling, f"{prefix}RotaryEmbedding", None)
+        self.keywords = set(parameters)
 
     @property
     def name(self) -> str:
         return self.attention_cls.__name__
 
     def configs(self, max_seq: int) -> st.SearchStrategy[AttentionConfig]:
+        r = self.recipe
         drawn = attention_configs(
-            ALL_KINDS if self.has_kv_heads else ("mha",),
+            ("mqa",) if r.multi_query else ALL_KINDS if r.has_kv_heads and r.fused is None else ("mha",),
             max_heads=4,
             max_seq=max_seq,
             max_batch=2,
@@ -133,60 +76,131 @@ class _Target:
             bias=True,  # drawn for every projection; the layer keeps those it has
             cross=False,
             even_d_head=self.rotary_cls is not None,
-            d_model_is_inner=not self.has_head_dim,
+            d_model_is_inner=not r.has_head_dim,
         )
-        if self.width_free or not self.has_head_dim:
+        if self.rotary_cls is not None and r.rotary_factor != 1.0:  # the rotated part an even number of features
+            drawn = drawn.filter(lambda c: int(c.d_head * r.rotary_factor) % 2 == 0 and c.d_head * r.rotary_factor >= 2)
+        if r.tied_width:  # the output projection takes hidden_size features: heads * head_dim is hidden_size
+            return drawn.map(lambda c: replace(c, d_model=c.num_heads * c.d_head))
+        if r.width_free or not r.has_head_dim:
             return drawn
         # hidden_size a multiple of the heads, head_dim still free: the nearest multiple
         return drawn.map(lambda c: replace(c, d_model=c.num_heads * max(1, round(c.d_model / c.num_heads))))
 
     def build(self, c: AttentionConfig, weights: AttentionWeights, data: Any, dtype: torch.dtype) -> _Layer:
+        r = self.recipe
         kwargs: dict[str, Any] = {
             "hidden_size": c.d_model,
             "num_attention_heads": c.num_heads,
-            "num_hidden_layers": 1,
             "attn_implementation": self.implementation,
         }
-        if self.has_kv_heads:
+        if r.has_kv_heads:
             kwargs["num_key_value_heads"] = c.num_kv_heads
-        if self.has_head_dim:
+        if r.has_head_dim:
             kwargs["head_dim"] = c.d_head
-        if self.has_bias_switch:
+        if r.has_bias_switch:
             kwargs["attention_bias"] = data.draw(st.booleans(), label="attention_bias")
-        if self.has_window:
-            kwargs["sliding_window"] = None  # sliding windows are another layer; the reference has none
+        layer_idx, layer_type = data.draw(st.sampled_from(r.layers), label="layer (index, type)")
+        window = None
+        if r.windowed:
+            window = data.draw(st.integers(2, c.seq + 2), label="sliding_window")  # 1: its cache keeps no key
+            kwargs["sliding_window"] = window
+        softcap = None
+        if r.logit_softcap is not None:  # a cap near the scores' size, where it bends them (the default 50 hardly does)
+            softcap = data.draw(st.sampled_from([0.5, 2.0, r.logit_softcap]), label="attn_logit_softcapping")
+            kwargs["attn_logit_softcapping"] = softcap
         theta = None
         if self.rotary_cls is not None:
             theta = data.draw(st.sampled_from([10.0, 10000.0]), label="rope_theta")
-            kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-        config = self.config_cls(**kwargs)
-        module = self.attention_cls(config, layer_idx=0).to(dtype=dtype, device=weights.w_q.device).eval()
-        held = load_weights(module, weights)
+            kwargs["rope_parameters"] = drawn_rope(self.config_cls(), theta)
+        config = tiny_config(self.config_cls, **kwargs)
+        if theta is not None:  # a config may keep a theta per layer type (Gemma 3): the one this layer's tables use
+            theta = float(rope_parameters(config, layer_type).get("rope_theta", theta))
+        module = self.attention_cls(config, layer_idx=layer_idx).to(dtype=dtype, device=weights.w_q.device).eval()
+        held = load_layer_weights(module, weights, r, c.num_heads)
+        if layer_type is not None:
+            sliding = layer_type == "sliding_attention"
+        else:
+            sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+        qk_norm = qk_norm_bias = None
+        if r.qk_norm is not None:
+            pair, shifts = [], []
+            for name in r.qk_norm.names:
+                norm: Any = getattr(module, name)
+                wanted = data.draw(_norm_weights(norm.weight.shape[0], dtype, weights.w_q.device), label=name)
+                with torch.no_grad():
+                    norm.weight.copy_(wanted - r.qk_norm.offset)
+                    if r.qk_norm.kind == "layer":
+                        shift = data.draw(_norm_weights(norm.bias.shape[0], dtype, weights.w_q.device)) - 1
+                        norm.bias.copy_(shift)
+                        shifts.append(shift.double())
+                pair.append(wanted.double())
+            qk_norm = (pair[0], pair[1])
+            qk_norm_bias = (shifts[0], shifts[1]) if shifts else None
+        out_norm = None
+        if r.out_norm_eps is not None:
+            sub_norm: Any = next(getattr(module, n) for n in OUT_NORMS if hasattr(module, n))
+            wanted = data.draw(_norm_weights(sub_norm.weight.shape[0], dtype, weights.w_q.device), label="out_norm")
+            with torch.no_grad():
+                sub_norm.weight.copy_(wanted)
+            out_norm = (wanted.double(), r.out_norm_eps)
+        sinks = None
+        if r.sinks:
+            held_sinks: Any = module.sinks
+            sinks = data.draw(_norm_weights(c.num_heads, dtype, weights.w_q.device), label="sinks") * 4 - 4
+            with torch.no_grad():
+                held_sinks.copy_(sinks)  # logits of -2..2: sinks that take a share of the softmax
+            sinks = sinks.double()
         rotary = None if self.rotary_cls is None else self.rotary_cls(config).to(device=weights.w_q.device)
-        return _Layer(config, module, held, rotary, theta)
+        scale = None if r.scale is None else r.scale(config)
+        if layer_idx in r.nope:
+            theta = None  # a NoPE layer: the tables are passed, and ignored
+        window = window if sliding else None
+        return _Layer(
+            config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm,
+            qk_norm_bias,
+        )
 
     def call(
         self, layer: _Layer, x: Tensor, positions: Tensor, mask: Tensor | None, cache: Any, neutral: bool
     ) -> Tensor:
-        """One call, as the model's forward makes it; `neutral` passes cos=1, sin=0 (no rotation)."""
-        kwargs: dict[str, Any] = {"attention_mask": mask, self.cache_keyword: cache}
-        if self.takes_position_embeddings:
-            if layer.rotary is None or neutral:
+        """One call, as the model's forward makes it; `neutral` passes the tables of position 0 (no rotation)."""
+        kwargs: dict[str, Any] = {"attention_mask": mask, self.recipe.cache_keyword: cache}
+        if self.recipe.takes_position_embeddings:
+            if layer.rotary is None:
                 size = layer.weights.w_q.shape[0] // layer.config.num_attention_heads
                 shape = (1, x.shape[1], size)
                 kwargs["position_embeddings"] = (x.new_ones(shape), x.new_zeros(shape))
             else:
-                kwargs["position_embeddings"] = layer.rotary(x, positions)
-        if self.takes_kwargs:
+                at = positions * 0 if neutral else positions
+                cos, sin = tables(layer.rotary, x, at, layer.layer_type)
+                kwargs["position_embeddings"] = (cos.to(x.dtype), sin.to(x.dtype))
+        if self.takes_kwargs or "position_ids" in self.keywords:
             kwargs["position_ids"] = positions
+        if "cache_position" in self.keywords:
+            kwargs["cache_position"] = positions[0]
+        if "alibi" in self.keywords:
+            kwargs["alibi"] = None  # as the model passes it where the config switches ALiBi off (Falcon)
         with torch.no_grad():
             out = layer.module(x, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def mask(self, layer: _Layer, x: Tensor, attention_mask: Tensor | None, cache: Any, positions: Tensor) -> Any:
-        return create_causal_mask(
+        make = create_causal_mask if layer.window is None else create_sliding_window_causal_mask
+        return make(
             config=layer.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=positions
         )
+
+    def cache(self, layer: _Layer) -> Any:
+        return DynamicCache(config=layer.config)
+
+
+def _norm_weights(width: int, dtype: torch.dtype, device: Any) -> st.SearchStrategy[Tensor]:
+    """QK-norm weights around 1 (the scale a trained norm keeps), drawn from a seed."""
+    return st.integers(0, 2**31 - 1).map(
+        lambda seed: (torch.rand(width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5)
+        .to(dtype=dtype, device=device)
+    )
 
 
 def _sizes(c: AttentionConfig, layer: _Layer) -> str:
@@ -195,6 +209,9 @@ def _sizes(c: AttentionConfig, layer: _Layer) -> str:
         f"seq={c.seq}, batch={c.batch}, hidden_size={c.d_model}, num_heads={c.num_heads}, "
         f"num_kv_heads={c.num_kv_heads}, head_dim={c.d_head}, biases={held or 'none'!r}"
         + (f", rope_theta={layer.theta:g}" if layer.theta is not None else "")
+        + (f", layer_type={layer.layer_type!r}" if layer.layer_type is not None else "")
+        + (f", sliding_window={layer.window}" if layer.window is not None else "")
+        + (f", attn_logit_softcapping={layer.softcap:g}" if layer.softcap is not None else "")
     )
 
 
@@ -202,10 +219,10 @@ def _heads(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype, l
     positions = torch.arange(c.seq, device=x.device)[None]
 
     def run(weights: AttentionWeights) -> Tensor:
-        load_weights(layer.module, weights)
+        load_layer_weights(layer.module, weights, target.recipe, c.num_heads)
         return target.call(layer, x, positions, target.mask(layer, x, None, None, positions), None, neutral=True)
 
-    scenario = _scenario(layer, x, c, rope=False)
+    scenario = _scenario(target, layer, x, c, rope=False)
     note = "one causal forward, no rotation (cos=1, sin=0)" if target.rotary_cls else "one causal forward"
     return run, scenario, None, note
 
@@ -215,10 +232,10 @@ def _rope(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype, la
     positions = torch.arange(start, start + c.seq, device=x.device)[None]
 
     def run(weights: AttentionWeights) -> Tensor:
-        load_weights(layer.module, weights)
+        load_layer_weights(layer.module, weights, target.recipe, c.num_heads)
         return target.call(layer, x, positions, target.mask(layer, x, None, None, positions), None, neutral=False)
 
-    scenario = _scenario(layer, x, c, rope=True, positions=positions.expand(c.batch, -1))
+    scenario = _scenario(target, layer, x, c, rope=layer.theta is not None, positions=positions.expand(c.batch, -1))
     rotary = type(layer.rotary).__name__
     return run, scenario, None, f"one causal forward at positions {start}..{start + c.seq - 1}, cos/sin from {rotary}"
 
@@ -231,11 +248,11 @@ def _padding(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype,
     positions = index[None]  # the model's default position_ids ignore padding
 
     def run(weights: AttentionWeights) -> Tensor:
-        load_weights(layer.module, weights)
+        load_layer_weights(layer.module, weights, target.recipe, c.num_heads)
         mask = target.mask(layer, x, real.long(), None, positions)
         return target.call(layer, x, positions, mask, None, neutral=False)[real]
 
-    scenario = _scenario(layer, x, c, rope=layer.theta is not None, padding=~real)
+    scenario = _scenario(target, layer, x, c, rope=layer.theta is not None, padding=~real)
     side = "left" if left else "right"
     return (
         run,
@@ -249,8 +266,8 @@ def _decoding(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype
     prefill = data.draw(st.integers(1, c.seq), label="prefill")
 
     def run(weights: AttentionWeights) -> Tensor:
-        load_weights(layer.module, weights)
-        cache = DynamicCache(config=layer.config)
+        load_layer_weights(layer.module, weights, target.recipe, c.num_heads)
+        cache = target.cache(layer)
         pieces, done = [], 0
         for size in [prefill] + [1] * (c.seq - prefill):
             chunk = x[:, done : done + size].contiguous()  # as the model's hidden states are
@@ -260,12 +277,13 @@ def _decoding(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype
             done += size
         return torch.cat(pieces, dim=1)
 
-    scenario = _scenario(layer, x, c, rope=layer.theta is not None)
+    scenario = _scenario(target, layer, x, c, rope=layer.theta is not None)
     note = f"prefill {prefill} token(s), then one at a time through a DynamicCache, == one causal forward"
     return run, scenario, None, note
 
 
 def _scenario(
+    target: _Target,
     layer: _Layer,
     x: Tensor,
     c: AttentionConfig,
@@ -286,6 +304,18 @@ def _scenario(
         key_padding_mask=padding,
         rope_theta=layer.theta if rope else None,
         positions=positions,
+        rope_style=target.recipe.rope_style,
+        rotary_dim=target.recipe.rotary_dim(c.d_head),
+        scale=layer.scale,
+        qk_norm=layer.qk_norm,
+        norm_eps=1e-6 if target.recipe.qk_norm is None else target.recipe.qk_norm.eps,
+        qk_norm_over="head" if target.recipe.qk_norm is None else target.recipe.qk_norm.over,
+        window=layer.window,
+        logit_softcap=layer.softcap,
+        sinks=layer.sinks,
+        qk_norm_after_rope=target.recipe.qk_norm is not None and target.recipe.qk_norm.after_rope,
+        out_norm=layer.out_norm,
+        qk_norm_bias=layer.qk_norm_bias,
     )
 
 
@@ -314,10 +344,13 @@ def check_hf_attention(
     """Property-test a Hugging Face attention class, as its model builds and calls it, against the reference.
 
     hypothesis draws sizes (GQA and MQA where the config has `num_key_value_heads`, `head_dim` apart
-    from `hidden_size / heads` where the config has `head_dim`, with and without `attention_bias`),
-    builds `attention_cls(config_cls(...), layer_idx=0)`, loads drawn weights into its projections,
-    and checks four properties in turn, each against `reference.per_head_attention` (which applies
-    rotary embeddings itself, from `rope_theta`):
+    from `hidden_size / heads` where the config has `head_dim`, with and without `attention_bias`; a
+    layer of each attention type of `layer_types`, a `sliding_window`, the softcap, QK-norm weights
+    and sinks where the class has them), builds `attention_cls(config_cls(...), layer_idx=...)`, loads
+    drawn weights into its projections, and checks four properties in turn, each against
+    `reference.per_head_attention` (which applies rotary embeddings itself, from `rope_theta`, and
+    computes the variants the class was read to compute: see docs/hf-attention-classes.md for every
+    class of the installed transformers):
 
     - **heads**: one causal forward (the mask from transformers' `create_causal_mask`); for a RoPE
       model with cos=1, sin=0, so projections, heads, scaling and the causal mask are checked alone;
@@ -337,8 +370,10 @@ def check_hf_attention(
         >>> check_hf_attention(LlamaAttention, LlamaConfig, max_examples=5)
 
     Raises:
-        ConfigError: the class computes what the reference does not (QK-norm, logit softcapping, a
-            scale other than 1/sqrt(head_dim), sliding windows, a non-causal layer), named by field.
+        ConfigError: the class computes what the reference does not, or cannot be built and called
+            as its model does; the first line names the class and the variant or layout
+            (`check_hf_attention(): BloomAttention: a forward that needs residual, alibi is not
+            computed by the per-head reference; ...`). Never raised for a failed property.
         AssertionError: the first property that fails, named in brackets on the report's first
             line (`[RoPE/positions] LlamaAttention (eager, float32) differs from the per-head
             reference by 0.83 ...`), with the smallest failing sizes, what the property did, the
@@ -374,4 +409,5 @@ def check_hf_attention(
                 got, scenario, tol, dtype, where, run=run, rows=rows, lenient_float64=lenient, what=f"[{name}] {label}"
             )
 
-        run_property(check, kinds=ALL_KINDS, max_examples=max_examples, base=settings, configs=target.configs(max_seq))
+        kinds = ("mqa",) if target.recipe.multi_query else ALL_KINDS
+        run_property(check, kinds=kinds, max_examples=max_examples, base=settings, configs=target.configs(max_seq))
