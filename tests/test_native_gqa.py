@@ -15,11 +15,13 @@ from shapesafe_mha._compute import kernels as _kernels
 from shapesafe_mha.testing import assert_no_kv_expansion, attention_configs, attention_masks
 
 B, H, HKV, S, KV, D = 2, 8, 2, 3, 40, 8  # K at num_heads heads is larger than every legitimate tensor
+LONG = 1100  # a decoding query against this many keys: B * H * LONG * D over NATIVE_DECODE_MAX, where the fold wins
 
 # (device, masked, causal, grad, decode, dropout) -> torch's own kernel, or the fold and why. For this torch
 # (2.13): on CPU its flash kernel computes GQA without expanding K/V in every case but dropout (the math kernel
-# then repeats K and V); one decoding query copies nothing either, but folded (a view) it runs faster
-# (benchmarks); on `meta` SDPA runs the math kernel, which repeats K and V.
+# then repeats K and V); one decoding query copies nothing either, and against many keys ("long") it runs
+# faster folded (a view; benchmarks), against few ("short") on torch's kernel; on `meta` SDPA runs the math
+# kernel, which repeats K and V.
 NATIVE, COPIES, SLOWER = "native", "fold: torch's kernel copies K/V", "fold: measured faster"
 DECISIONS = [
     (("cpu", False, False, False, False, False), NATIVE),
@@ -28,27 +30,30 @@ DECISIONS = [
     (("cpu", True, True, False, False, False), NATIVE),
     (("cpu", False, True, True, False, False), NATIVE),
     (("cpu", True, True, True, False, False), NATIVE),
-    (("cpu", False, True, False, True, False), SLOWER),
-    (("cpu", True, True, False, True, False), SLOWER),
-    (("cpu", False, True, True, True, False), SLOWER),
+    (("cpu", False, True, False, "short", False), NATIVE),
+    (("cpu", True, True, False, "short", False), NATIVE),
+    (("cpu", False, True, True, "short", False), NATIVE),
+    (("cpu", False, True, False, "long", False), SLOWER),
+    (("cpu", True, True, False, "long", False), SLOWER),
+    (("cpu", False, True, True, "long", False), SLOWER),
     (("cpu", False, True, True, False, True), COPIES),
     (("meta", False, True, False, False, False), COPIES),
-    (("meta", False, False, False, True, False), COPIES),
+    (("meta", False, False, False, "short", False), COPIES),
 ]
 MEASURED = (2, 13)  # the torch on which the table above was read
 
 
 def _name(case: tuple[Any, ...], decision: str) -> str:
     flags = [name for name, on in zip(("masked", "causal", "grad", "decode", "dropout"), case[1:], strict=True) if on]
-    return "-".join([case[0], *flags, decision.split(":")[0]])
+    return "-".join([case[0], *flags, *([case[4]] if case[4] else []), decision.split(":")[0]])
 
 
-def _inputs(device: str, masked: bool, decode: bool, grad: bool) -> tuple[torch.Tensor, ...]:
-    seq = 1 if decode else S
+def _inputs(device: str, masked: bool, decode: str | bool, grad: bool) -> tuple[torch.Tensor, ...]:
+    seq, kv_seq = (1 if decode else S), (LONG if decode == "long" else KV)
     q = torch.randn(B, H, seq, D, device=device, requires_grad=grad)
-    k = torch.randn(B, HKV, KV, D, device=device, requires_grad=grad)
-    v = torch.randn(B, HKV, KV, D, device=device, requires_grad=grad)
-    mask = torch.ones(B, 1, seq, KV, dtype=torch.bool, device=device).tril(KV - seq) if masked else None
+    k = torch.randn(B, HKV, kv_seq, D, device=device, requires_grad=grad)
+    v = torch.randn(B, HKV, kv_seq, D, device=device, requires_grad=grad)
+    mask = torch.ones(B, 1, seq, kv_seq, dtype=torch.bool, device=device).tril(kv_seq - seq) if masked else None
     return q, k, v, mask
 
 
@@ -56,7 +61,7 @@ def _inputs(device: str, masked: bool, decode: bool, grad: bool) -> tuple[torch.
 @pytest.mark.parametrize(("case", "decision"), [pytest.param(c, d, id=_name(c, d)) for c, d in DECISIONS])
 def test_the_decision_table_is_what_torchs_allocations_show(case: tuple[Any, ...], decision: str) -> None:
     """A case folds where torch's kernel, run on it, allocates K/V at num_heads heads, or where the fold was
-    measured faster (decoding); every other case goes to torch's kernel."""
+    measured faster (decoding against many keys); every other case goes to torch's kernel."""
     device, masked, causal, grad, decode, dropout = case
     q, k, v, mask = _inputs(device, masked, decode, grad)
     dropout_p = 0.1 if dropout else 0.0
@@ -70,7 +75,7 @@ def test_the_decision_table_is_what_torchs_allocations_show(case: tuple[Any, ...
         if grad:
             out.sum().backward()
 
-    sizes = {"batch": B, "num_heads": H, "kv_seq": KV, "d_head": D, "dtype": torch.float32}
+    sizes = {"batch": B, "num_heads": H, "kv_seq": k.shape[2], "d_head": D, "dtype": torch.float32}
     if decision != COPIES:
         assert_no_kv_expansion(theirs, **sizes)
     else:
@@ -111,21 +116,24 @@ def kernels_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         ("causal prefill", "native"),
         ("key-padded prefill", "native"),
         ("training step", "native"),
-        ("decode", "folded"),
+        ("decode, 8 cached", "native"),
+        ("decode, 600 cached", "folded"),
         ("need_weights", "folded"),
         ("dropout in training", "folded"),
     ],
 )
 def test_the_module_runs_gqa_on_the_kernel_the_table_names(how: str, expected: str, kernels_taken: list[str]) -> None:
-    """GQA prefill, padding and autograd go to torch's kernel; decoding, weights and dropout fold."""
+    """GQA prefill, padding, autograd and decoding against few keys go to torch's kernel; decoding against
+    many keys (2 * 8 * 600 * 8 elements, over NATIVE_DECODE_MAX), weights and dropout fold."""
     module = ssm.MultiHeadAttention(64, 8, 2, dropout=0.1 if how == "dropout in training" else 0.0)
     module.train(how in ("training step", "dropout in training"))
     x = torch.randn(2, 5, 64)
     with torch.set_grad_enabled(module.training):
         for _ in range(2):  # the first call checked, the second remembered: the same kernel
-            if how == "decode":
-                cache = module.new_cache(2, 8)
-                module(x, is_causal=True, kv_cache=cache)
+            if how.startswith("decode"):
+                cached = int(how.split()[1])
+                cache = module.new_cache(2, cached + 1)
+                module(torch.randn(2, cached, 64), is_causal=True, kv_cache=cache)
                 kernels_taken.clear()  # the prefill is a causal prefill
                 module(x[:, :1], is_causal=True, kv_cache=cache)
             elif how == "key-padded prefill":
@@ -162,7 +170,7 @@ def _per_head(
 @given(data=st.data())
 def test_the_public_stage_on_torchs_kernel_equals_a_per_head_loop(data: st.DataObject) -> None:
     """ssm.scaled_dot_product_attention, GQA/MQA with masks (rows with no key included) and lower-right causal,
-    takes torch's own kernel (folds one query) and equals attention computed head by head."""
+    takes torch's own kernel (folds one query against many keys) and equals attention computed head by head."""
     config = data.draw(attention_configs(kinds=("gqa", "mqa"), max_seq=12), label="config")
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     b, h, hkv, s, kv, d = config.batch, config.num_heads, config.num_kv_heads, config.seq, config.kv_seq, config.d_head
@@ -181,7 +189,8 @@ def test_the_public_stage_on_torchs_kernel_equals_a_per_head_loop(data: st.DataO
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_kernels, "sdpa_gqa", recording)
         ours = ssm.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-    assert bool(taken) is (s > 1), "torch's own kernel for every seq but one decoding query (folded)"
+    expected = s > 1 or _kernels.native_decodes(b, h, kv, d)
+    assert bool(taken) is expected, "torch's own kernel for every seq but one decoding query against many keys"
     torch.testing.assert_close(ours, _per_head(q, k, v, mask, is_causal), atol=1e-10, rtol=1e-8)
 
 

@@ -121,11 +121,14 @@ def native_causal(is_causal: bool, q: Tensor, k: Tensor, gqa: bool = False) -> b
 # Where torch's `scaled_dot_product_attention(..., enable_gqa=True)` computes GQA/MQA without expanding K/V:
 # the device, and the first torch version on which recorded allocations showed it (the flash kernel for CPU
 # allocates only the output and the log-sum-exp: prefill, a mask, autograd, one decoding query). Folded
-# instead: dropout (torch's math kernel runs, and repeats K and V); one decoding query (no copy either way, but
-# its group folded is a view, one query row per head of the group, and measured 1.04-1.8x faster: see
-# docs/performance.md); unmeasured devices (CUDA, MPS), `meta` (the math kernel), older torch, compiled graphs.
+# instead: dropout (torch's math kernel runs, and repeats K and V); one decoding query against many keys (no
+# copy either way, but its group folded is a view, one query row per head of the group, measured up to 1.5x
+# faster at 4096 cached positions; below NATIVE_DECODE_MAX elements of batch x num_heads x kv_seq x d_head
+# torch's kernel is faster, by the fold's few extra calls: see docs/performance.md); unmeasured devices (CUDA,
+# MPS), `meta` (the math kernel), older torch, compiled graphs.
 # `tests/test_native_gqa.py` pins this table against the allocations of this torch.
 NATIVE_GQA_SINCE: dict[str, tuple[int, int]] = {"cpu": (2, 13)}
+NATIVE_DECODE_MAX = 1 << 16  # measured ties: (1, 4, 2048, 16) at 1.03, (1, 8, 128, 64) at 1.00
 TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])  # "2.13.0+cpu": (2, 13)
 NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if TORCH_RELEASE >= since)
 
@@ -143,9 +146,14 @@ def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
         return True
     if torch.compiler.is_compiling() or dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES:
         return False
-    if q.shape[2] == 1:  # decoding: the folded group is a view, and faster
-        return False
+    if q.shape[2] == 1:  # decoding: the folded group is a view, faster against many keys
+        return native_decodes(q.shape[0], q.shape[1], k.shape[2], q.shape[3])
     return True
+
+
+def native_decodes(batch: int, num_heads: int, kv_seq: int, d_head: int) -> bool:
+    """Whether one decoding query goes to torch's own GQA kernel rather than the fold (see `NATIVE_DECODE_MAX`)."""
+    return batch * num_heads * kv_seq * d_head <= NATIVE_DECODE_MAX
 
 
 def may_empty_rows(

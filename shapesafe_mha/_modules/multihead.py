@@ -160,6 +160,7 @@ def forward_key(
         type(need_weights),
         need_weights,
         query.shape[1] > kv_len,  # some rows have nothing to attend to
+        query.shape[1] == 1 and K.native_decodes(query.shape[0], module.num_heads, kv_len, module.d_head),
         module.training,
         autocast_on() and autocast_dtype(query.device),
         *module._modules.values(),  # a projection replaced is another module (compared by identity)
