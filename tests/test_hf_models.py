@@ -87,18 +87,25 @@ def test_logits_padded_batches_and_generation_equal_transformers_own(architectur
             assert torch.equal(got, expected), options
 
 
-def test_training_loss_and_gradients_equal_and_compile_equals_eager() -> None:
-    theirs, ours = _pair("llama")
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_training_loss_and_gradients_equal_and_compile_equals_eager(architecture: str) -> None:
+    theirs, ours = _pair(architecture)
+    tolerance = ARCHITECTURES[architecture][4]
     ids, mask = _batch()
+    if architecture.startswith("gemma2"):  # transformers' eager Gemma 2 gives NaN for padding in float64
+        mask = None
     losses = []
     for model in (theirs, ours):
         model.train()
         loss = model(ids, attention_mask=mask, labels=ids).loss
         loss.backward()
         losses.append(loss)
-    torch.testing.assert_close(losses[1], losses[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(losses[1], losses[0], atol=tolerance, rtol=0)
     for (name, mine), (_, other) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        torch.testing.assert_close(mine.grad, other.grad, atol=1e-10, rtol=1e-8, msg=name)
+        if other.grad is None:  # a parameter the loss does not reach (gpt-oss's unrouted experts)
+            assert mine.grad is None or not mine.grad.any(), name
+            continue
+        torch.testing.assert_close(mine.grad, other.grad, atol=tolerance, rtol=1e-6, msg=name)
     ours.eval()
     compiled = torch.compile(ours, backend="eager")
     with torch.no_grad():
