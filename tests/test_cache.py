@@ -129,3 +129,47 @@ def test_a_bad_forward_leaves_cache_and_parameters_unchanged() -> None:
         module(torch.randn(2, 1, 16, dtype=torch.float64), kv_cache=cache)
     assert len(cache) == snapshot[0] and torch.equal(cache.keys_buffer, snapshot[1])
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), snapshot[2], strict=True))
+
+
+def test_a_window_cache_slides_only_when_full_keeping_window_minus_one_positions() -> None:
+    """Capacity 6, window 4, one position an append: it fills to 6, then the 7th append keeps the 3 most recent
+    (all a query with a window of 4 sees besides itself) and writes after them; values slide with the keys.
+    Pinned from generated mutants that slid one append early, or kept one position too many."""
+    cache = ssm.KVCache(1, 1, 6, 2, window=4, dtype=torch.float32)
+    held = []
+    for position in range(9):
+        step = torch.full((1, 1, 1, 2), float(position))
+        cache.append(step, -step)
+        held.append(cache.keys()[0, 0, :, 0].tolist())
+        assert torch.equal(cache.values(), -cache.keys())
+    assert [len(h) for h in held] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    assert held[6] == [3.0, 4.0, 5.0, 6.0] and held[8] == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert cache.seen == 9
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"batch": 0}, "KVCache(): batch must be a positive int, but got 0."),
+        ({"num_kv_heads": True}, "KVCache(): num_kv_heads must be a positive int, but got True."),
+        ({"capacity": 2.0}, "KVCache(): capacity must be a positive int, but got 2.0."),
+        ({"d_head": -1}, "KVCache(): d_head must be a positive int, but got -1."),
+        ({"window": 0}, "KVCache(): window must be a positive int or None, but got 0."),
+        ({"window": True}, "KVCache(): window must be a positive int or None, but got True."),
+    ],
+)
+def test_cache_sizes_are_positive_ints_named_in_the_refusal(sizes: dict, message: str) -> None:
+    arguments = {"batch": 1, "num_kv_heads": 1, "capacity": 4, "d_head": 2, **sizes}
+    window = arguments.pop("window", None)
+    with pytest.raises(ssm.ConfigError) as raised:
+        ssm.KVCache(*arguments.values(), window=window, dtype=torch.float32)
+    assert str(raised.value) == message
+
+
+def test_to_converts_both_buffers_and_keeps_what_they_hold() -> None:
+    cache = ssm.KVCache(1, 2, 4, 2, dtype=torch.float32)
+    k = torch.randn(1, 2, 3, 2)
+    cache.append(k, 2 * k)
+    moved = cache.to(torch.float64, "cpu")
+    assert moved.keys_buffer.dtype == moved.values_buffer.dtype == moved.dtype == torch.float64
+    assert torch.equal(moved.keys(), k.double()) and torch.equal(moved.values(), 2 * k.double()) and len(moved) == 3

@@ -147,3 +147,54 @@ def test_one_perturbed_dimension_is_named_with_both_sizes(
     first = str(caught.value).splitlines()[0]
     for text in expected:
         assert text in first, first
+
+
+_Q, _K = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+# A call with an argument of the wrong kind -> the first line of its message, exactly (pinned from generated
+# mutants of the messages that survived: each line names the argument, what it must be, what it got, the fix).
+WRONG_KINDS = {
+    "a list for a tensor": (
+        lambda: ssm.split_heads([1, 2], 2),  # type: ignore[arg-type]
+        "split_heads(): x must be a torch.Tensor, but got list; convert it with torch.as_tensor(x).",
+    ),
+    "a list for an optional mask": (
+        lambda: ssm.scaled_dot_product_attention(_Q, _K, _K, attn_mask=[[True]]),  # type: ignore[arg-type]
+        "scaled_dot_product_attention(): attn_mask must be a torch.Tensor, but got list; "
+        "convert it with torch.as_tensor(attn_mask).",
+    ),
+    "a str for a float": (
+        lambda: ssm.scaled_dot_product_attention(_Q, _K, _K, scale="2"),  # type: ignore[arg-type]
+        "scaled_dot_product_attention(): scale must be float, but got str '2'.",
+    ),
+    "None for a bool that is not optional": (
+        lambda: ssm.scaled_dot_product_attention(_Q, _K, _K, is_causal=None),  # type: ignore[arg-type]
+        "scaled_dot_product_attention(): is_causal must be bool, but got NoneType None.",
+    ),
+    "integer queries": (
+        lambda: ssm.scaled_dot_product_attention(_Q.long(), _K, _K),
+        "scaled_dot_product_attention(): q has dtype int64, but it must be floating point.",
+    ),
+    "a bool tensor to split": (
+        lambda: ssm.split_heads(torch.zeros(2, 3, 8, dtype=torch.bool), 2),
+        "split_heads(): x has dtype bool, but it must be floating point.",
+    ),
+    "an integer mask": (
+        lambda: ssm.scaled_dot_product_attention(_Q, _K, _K, attn_mask=torch.zeros(5, 5, dtype=torch.int64)),
+        "scaled_dot_product_attention(): attn_mask has dtype int64, but it must be bool or floating point. "
+        "A mask is bool (True = may attend) or floating point (added to the scores): convert with attn_mask.bool().",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_KINDS)
+def test_an_argument_of_the_wrong_kind_is_named_with_what_it_must_be(case: str) -> None:
+    call, first_line = WRONG_KINDS[case]
+    with pytest.raises(ssm.ShapeError) as raised:
+        call()
+    assert str(raised.value).splitlines()[0] == first_line
+
+
+def test_none_is_accepted_where_the_annotation_allows_it() -> None:
+    """The optional arguments take None (their default spelled out); the explanation of a failure is not asked."""
+    out = ssm.scaled_dot_product_attention(_Q, _K, _K, attn_mask=None, scale=None, window=None, softcap=None)
+    assert out.shape == _Q.shape

@@ -109,6 +109,52 @@ def test_rotary_errors_name_what_is_wrong() -> None:
         ssm.apply_rotary(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 6, 8), cos, sin)
 
 
+def test_rotary_messages_suggest_the_fix_and_name_the_table() -> None:
+    """Pinned from mutants that survived (tools/mutmut_scores.py): an odd width suggests its even neighbours,
+    headed by who raised it, and a table in another dtype than q is named by its argument."""
+    with pytest.raises(ssm.ConfigError, match=r"^RotaryEmbedding\(\): d_head=5 is odd, .*\(for example 4 or 6\)\.$"):
+        ssm.inverse_frequencies(5, 10000.0)
+    with pytest.raises(ssm.ConfigError, match=r"\(for example 2 or 4\)"):
+        ssm.RotaryEmbedding(3)
+    cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], dtype=torch.float64)
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ssm.ShapeError, match=r"cos has dtype torch.float64, but q has torch.float32\.") as raised:
+        ssm.apply_rotary(q, k, cos, sin.float())
+    assert str(raised.value).startswith("apply_rotary(): ")
+    with pytest.raises(ssm.ShapeError, match=r"sin has dtype torch.float64, but q has torch.float32\."):
+        ssm.apply_rotary(q, k, cos.float(), sin)
+
+
+@pytest.mark.parametrize("theta", [0, 0.0, -1.0, float("inf"), float("nan"), True, "10000"])
+def test_rope_theta_must_be_a_positive_finite_number(theta: Any) -> None:
+    with pytest.raises(ssm.ConfigError, match=r"^RotaryEmbedding\(\): rope_theta must be a positive finite number"):
+        ssm.inverse_frequencies(8, theta)
+
+
+def test_a_theta_below_one_is_a_theta() -> None:
+    """Nothing in RoPE needs theta > 1: 0.5 gives frequencies 0.5 ** -(2i / d_head), growing."""
+    torch.testing.assert_close(ssm.inverse_frequencies(4, 0.5), torch.tensor([1.0, 2.0**0.5]))
+
+
+def test_the_tables_are_float32_angles_whatever_the_modules_dtype() -> None:
+    """As transformers computes them: float32 angles, cast to the dtype asked for (a module made float64 keeps
+    its float32 frequencies' values; the angles are not taken in float64), and the tables are not state."""
+    rope, positions = ssm.RotaryEmbedding(8, 10000.0), torch.arange(300)[None]
+    expected = [table.double() for table in rope(positions, dtype=torch.float32)]
+    for got, want in zip(rope.double()(positions, dtype=torch.float64), expected, strict=True):
+        assert torch.equal(got, want)
+    assert rope.state_dict() == {}
+    assert "rotary.inv_freq" not in ssm.MultiHeadAttention(32, 4, rope_theta=1e4).state_dict()
+
+
+def test_rope_scaling_is_kept_as_given_a_copy() -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+    rope = ssm.RotaryEmbedding(16, 10000.0, scaling)
+    assert rope.scaling == scaling and rope.scaling is not scaling
+    assert ssm.RotaryEmbedding(16, 10000.0).scaling is None
+
+
 def test_the_trace_shows_the_rotary_stage_and_gqa_stays_zero_copy() -> None:
     report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4, rope_theta=10000.0))
     stages = {s.name: s for s in report.stages}
@@ -140,6 +186,23 @@ HF_CASES = {
     "llama-bias-head4": (*LLAMA, {"num_key_value_heads": 2, "head_dim": 4, "attention_bias": True}),
     "qwen2-mqa-qkv-bias": (Qwen2Attention, Qwen2RotaryEmbedding, "Qwen2Config", {"num_key_value_heads": 1}),
 }
+
+
+def test_llama3_scaling_equals_transformers_in_each_of_its_three_bands() -> None:
+    """Llama 3.1's own parameters (head_dim 128, 8192 positions): 29 frequencies kept, 29 slowed by the factor,
+    6 interpolated between, each equal to transformers' own computation (pinned from surviving mutants of the
+    band edges and the interpolation, which the small probe configs above never reach)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = {**LLAMA3, "original_max_position_embeddings": 8192}
+    config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128,
+                                      max_position_embeddings=131072, rope_parameters=parameters)  # fmt: skip
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = ssm.inverse_frequencies(128, 500000.0, parameters)
+    assert torch.equal(ours, theirs)
+    plain = ssm.inverse_frequencies(128, 500000.0)
+    kept, slowed = torch.isclose(ours, plain), torch.isclose(ours, plain / 8.0)
+    assert int(kept.sum()) == 29 and int(slowed.sum()) == 29 and int((~kept & ~slowed).sum()) == 6
 
 
 def _hf_layer(case: str, implementation: str) -> tuple[Any, Any]:
