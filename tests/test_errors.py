@@ -198,3 +198,16 @@ def test_none_is_accepted_where_the_annotation_allows_it() -> None:
     """The optional arguments take None (their default spelled out); the explanation of a failure is not asked."""
     out = ssm.scaled_dot_product_attention(_Q, _K, _K, attn_mask=None, scale=None, window=None, softcap=None)
     assert out.shape == _Q.shape
+
+
+def test_a_detail_line_shows_a_value_as_a_named_shape_or_its_type() -> None:
+    """What the "Called with:" lines show (pinned from surviving mutants of named_shape): a tensor as its dtype,
+    abbreviated where there is an abbreviation, then its dimensions named by the annotation where its rank
+    fits one, else its sizes; anything else as its type's name."""
+    from shapesafe_mha._core.messages import named_shape
+    from shapesafe_mha.dims import Tokens
+
+    assert named_shape(torch.zeros(2, 5, 3, dtype=torch.int64), Tokens) == "int64[batch=2, seq=5, d_model=3]"
+    assert named_shape(torch.zeros(2, 5, 3, dtype=torch.bfloat16), Tokens) == "bf16[batch=2, seq=5, d_model=3]"
+    assert named_shape(torch.zeros(2, 5), Tokens) == "f32[2, 5]"
+    assert named_shape(3) == "int" and named_shape(None) == "NoneType"
