@@ -73,6 +73,22 @@ def test_a_module_wide_hook_added_after_a_verdict_is_checked() -> None:
     module(x, is_causal=True)  # removed: right again
 
 
+def test_a_module_wide_hook_that_torch_would_not_catch_is_checked_after_a_verdict() -> None:
+    """A hook that drops an output feature of o_proj makes no torch op fail: only the verdict's key (which counts
+    module-wide hooks) sends the call back to the checks. Pinned from generated mutants that ignored them."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 6, 16)
+    module(x, is_causal=True)
+    module.o_proj.cut = True
+    handle = register_module_forward_hook(lambda m, i, o: o[..., :-1] if getattr(m, "cut", False) else o)
+    try:
+        with pytest.raises(ssm.ShapeError, match="o_proj returned a wrong value"):
+            module(x, is_causal=True)
+    finally:
+        handle.remove()
+    assert module(x, is_causal=True).shape == (2, 6, 16)
+
+
 def test_a_padding_mask_on_another_device_after_a_verdict_is_a_shape_error() -> None:
     module = ssm.MultiHeadAttention(16, 4, 2)
     x = torch.randn(2, 6, 16)

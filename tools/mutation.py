@@ -145,6 +145,8 @@ MUTANTS: list[Mutant] = [
     M("_compute/fastpath.py", "all(map(operator.is_, cached.sources, sources)) and cached.stamps == _stamps(sources)",
       "all(map(operator.is_, cached.sources, sources))", "fused weight not rebuilt after an in-place write", "tests/test_fused.py", ECO),
     M("_compute/fastpath.py", "        and not module._forward_hooks\n", "", "fast path taken with forward hooks on a projection", ECO),
+    M("_compute/fastpath.py", '    tables = [hooks.get("_global_forward_hooks"), hooks.get("_global_forward_pre_hooks")]',
+      "    tables = [None, None]", "a verdict kept after a module-wide hook is added (one torch would not catch)", VERDICTS),
     M("_compute/fastpath.py", "    return any(hooks.get(name) for name in _GLOBAL_HOOKS)", "    return False",
       "fast path taken with a global module hook registered", PINS),
     M("_modules/multihead.py", "        if isinstance(value, nn.Module) and \"_fused\" in self.__dict__:\n            self._forget()",
