@@ -116,6 +116,14 @@ def test_rotary_messages_suggest_the_fix_and_name_the_table() -> None:
         ssm.inverse_frequencies(5, 10000.0)
     with pytest.raises(ssm.ConfigError, match=r"\(for example 2 or 4\)"):
         ssm.RotaryEmbedding(3)
+    with pytest.raises(ssm.ConfigError, match=r"d_head=1 is odd, .*\(for example 2\)\.$"):
+        ssm.RotaryEmbedding(1)
+    with pytest.raises(ssm.ConfigError) as raised:
+        ssm.RotaryEmbedding(8, 10000.0, {"type": "yarn", "factor": 4.0})
+    assert str(raised.value) == (
+        "RotaryEmbedding(): rope_type='yarn' is not supported (only default, llama3); "
+        "its positions would differ from the model's."
+    )
     cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], dtype=torch.float64)
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
     with pytest.raises(ssm.ShapeError, match=r"cos has dtype torch.float64, but q has torch.float32\.") as raised:
@@ -188,13 +196,17 @@ HF_CASES = {
 }
 
 
-def test_llama3_scaling_equals_transformers_in_each_of_its_three_bands() -> None:
-    """Llama 3.1's own parameters (head_dim 128, 8192 positions): 29 frequencies kept, 29 slowed by the factor,
-    6 interpolated between, each equal to transformers' own computation (pinned from surviving mutants of the
-    band edges and the interpolation, which the small probe configs above never reach)."""
+@pytest.mark.parametrize(("low", "high", "bands"), [(1.0, 4.0, (29, 29, 6)), (2.0, 8.0, (25, 32, 7))])
+def test_llama3_scaling_equals_transformers_in_each_of_its_three_bands(
+    low: float, high: float, bands: tuple[int, int, int]
+) -> None:
+    """Llama 3.1's own parameters (head_dim 128, 8192 positions; and other band factors): frequencies kept,
+    slowed by the factor and interpolated between, each equal to transformers' own computation (pinned from
+    surviving mutants of the band edges and the interpolation, which the small probe configs never reach).
+    The legacy key "type" names the scaling as "rope_type" does."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    parameters = {**LLAMA3, "original_max_position_embeddings": 8192}
+    parameters = {**LLAMA3, "original_max_position_embeddings": 8192, "low_freq_factor": low, "high_freq_factor": high}
     config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128,
                                       max_position_embeddings=131072, rope_parameters=parameters)  # fmt: skip
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
@@ -202,7 +214,9 @@ def test_llama3_scaling_equals_transformers_in_each_of_its_three_bands() -> None
     assert torch.equal(ours, theirs)
     plain = ssm.inverse_frequencies(128, 500000.0)
     kept, slowed = torch.isclose(ours, plain), torch.isclose(ours, plain / 8.0)
-    assert int(kept.sum()) == 29 and int(slowed.sum()) == 29 and int((~kept & ~slowed).sum()) == 6
+    assert (int(kept.sum()), int(slowed.sum()), int((~kept & ~slowed).sum())) == bands
+    legacy = {("type" if k == "rope_type" else k): v for k, v in parameters.items()}
+    assert torch.equal(ssm.inverse_frequencies(128, 500000.0, legacy), ours)
 
 
 def _hf_layer(case: str, implementation: str) -> tuple[Any, Any]:

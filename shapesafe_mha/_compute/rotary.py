@@ -27,7 +27,7 @@ def check_rotary_width(d_head: int, owner: str, name: str = "d_head") -> None:
     if d_head % 2:
         raise ConfigError(
             f"{owner}: {name}={d_head} is odd, but rotary embeddings rotate pairs of features; "
-            f"use an even {name} (for example {d_head - 1 if d_head > 1 else 2} or {d_head + 1})."
+            f"use an even {name} (for example {f'{d_head - 1} or ' if d_head > 1 else ''}{d_head + 1})."
         )
 
 
