@@ -349,3 +349,16 @@ def test_a_broadcast_of_one_is_not_remembered_as_any_size() -> None:
     module(torch.randn(2, 5, 16), attn_mask=torch.ones(1, 4, 5, 5, dtype=torch.bool))
     with pytest.raises(ssm.ShapeError, match=r"attn_mask has batch=3 \(axis 0\), but query set batch=1"):
         module(torch.randn(1, 5, 16), attn_mask=torch.ones(3, 4, 5, 5, dtype=torch.bool))
+
+
+def test_a_cache_appended_under_vmap_says_why_and_what_to_do_instead() -> None:
+    """The whole message of KVCache.append's refusal under vmap (pinned from surviving mutants of its text)."""
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float32)
+    with pytest.raises(ssm.ShapeError) as raised:
+        torch.vmap(lambda k: cache.append(k[None], k[None]))(torch.randn(3, 2, 1, 4))
+    assert str(raised.value) == (
+        "KVCache.append(): kv_cache cannot be written under torch.vmap: it is one buffer for the whole batch, and "
+        "each mapped slice would write into it; call the module on the batch instead (kv_cache's batch is its "
+        "first axis)."
+    )
+    assert len(cache) == 0

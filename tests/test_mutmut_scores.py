@@ -1,0 +1,33 @@
+"""The generated mutation run's table: modules read from mutmut's names, the score as docs/contributors.md says."""
+
+import json
+import tomllib
+from pathlib import Path
+
+from tools.mutmut_scores import EQUIVALENT, RECORD, module_of, scores
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_mutant_belongs_to_the_module_its_name_begins_with() -> None:
+    assert module_of("shapesafe_mha._compute.kernels.x_split_heads__mutmut_3") == "shapesafe_mha._compute.kernels"
+    assert module_of("shapesafe_mha._compute.cache.xǁKVCacheǁappend__mutmut_12") == "shapesafe_mha._compute.cache"
+
+
+def test_the_score_counts_untested_mutants_against_and_equivalent_ones_not_at_all() -> None:
+    base = "shapesafe_mha._compute.rotary.x_f__mutmut_"
+    equivalent = next(iter(EQUIVALENT))
+    statuses = {f"{base}1": "killed", f"{base}2": "timeout", f"{base}3": "survived", f"{base}4": "no tests",
+                f"{base}5": "not checked", equivalent: "survived"}  # fmt: skip
+    rows = scores(statuses)
+    rotary = rows["shapesafe_mha._compute.rotary"]
+    assert (rotary["killed"], rotary["timeout"], rotary["survived"], rotary["no tests"]) == (1, 1, 1, 1)
+    assert rotary["equivalent"] == 1 and rotary["score"] == 0.5
+
+
+def test_the_record_covers_only_configured_modules() -> None:
+    configured = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]["only_mutate"]
+    modules = {path.removesuffix(".py").replace("/", ".") for path in configured}
+    record = json.loads(RECORD.read_text())
+    assert set(record["modules"]) <= modules and record["modules"]
+    assert all(0.0 <= row["score"] <= 1.0 for row in record["modules"].values())
