@@ -16,12 +16,10 @@ from torch import nn
 import shapesafe_mha as ssm
 
 transformers = pytest.importorskip("transformers")
+from test_hf_models import SIZES, _batch  # noqa: E402  (the same tiny models and batch)
+
 import shapesafe_mha.hf  # noqa: E402
 
-SIZES = {
-    "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
-    "num_hidden_layers": 2, "vocab_size": 101, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
-}  # fmt: skip
 # architecture: (config class, extra config, the model's attn_implementation, dtype, logits tolerance)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = {
     "llama": ("LlamaConfig", {}, "sdpa", torch.float64, 1e-10),
@@ -48,14 +46,6 @@ def _pair(architecture: str) -> tuple[Any, Any, shapesafe_mha.hf.Replacements]:
     theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
     ours = copy.deepcopy(theirs.eval())
     return theirs, ours, shapesafe_mha.hf.replace_attention(ours)
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 101, (2, 9), generator=generator)
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[0, :3] = 0  # left padding
-    return ids, mask
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
