@@ -53,17 +53,21 @@ def parse_switch(value: str) -> bool:
     )
 
 
-_OFF_BY_ENV = parse_switch(os.environ.get(ENV_VAR, ""))
-# The session of an open `shape_scope`: our public stages and users' decorated calls inside it share it.
-scope: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("shapesafe_mha_scope", default=None)
-_off: contextvars.ContextVar[bool] = contextvars.ContextVar("shapesafe_mha_unchecked", default=False)
+OFF_BY_ENV = parse_switch(os.environ.get(ENV_VAR, ""))
+
+
+class _Off:
+    def __repr__(self) -> str:
+        return "OFF"
+
+
+OFF = _Off()
+# What the checks do now, in one context variable (a remembered call reads one): None, the usual; OFF inside
+# `unchecked()` (or everywhere, under SHAPESAFE_MHA_UNCHECKED); or the session of an open `shape_scope`, which
+# our public stages and users' decorated calls inside it share.
+mode: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_mode", default=OFF if OFF_BY_ENV else None)
 
 MAX_VERDICTS = 4096
-
-
-def switched_off() -> bool:
-    """Whether `unchecked()` or `SHAPESAFE_MHA_UNCHECKED` turned the checks off (compiling aside)."""
-    return _OFF_BY_ENV or _off.get()
 
 
 def checks_enabled() -> bool:
@@ -76,7 +80,7 @@ def checks_enabled() -> bool:
         False
     """
     # is_compiling first: dynamo folds it to a constant and never traces the ContextVar.
-    return not (torch.compiler.is_compiling() or _OFF_BY_ENV or _off.get())
+    return not (torch.compiler.is_compiling() or mode.get() is OFF)
 
 
 @contextlib.contextmanager
@@ -94,11 +98,11 @@ def unchecked() -> Iterator[None]:
         ...     print(ssm.split_heads(torch.zeros(1, 3, 8), 2).shape)
         torch.Size([1, 2, 3, 4])
     """
-    token = _off.set(True)
+    token = mode.set(OFF)
     try:
         yield
     finally:
-        _off.reset(token)
+        mode.reset(token)
 
 
 class Verdicts:
@@ -178,11 +182,13 @@ class Stage(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Called on its own (a public stage): checked on first sight of each exact signature."""
-        if not checks_enabled():
+        if compiling():  # checks_enabled(), spelled out: this runs on every call
             return self.fn(*args, **kwargs)
-        shared = scope.get()
-        if shared is not None:  # inside a shape_scope: checked in its dimensions, every time
-            with shared.calling(f"{self.name}()"):
+        shared = mode.get()
+        if shared is not None:
+            if shared is OFF:
+                return self.fn(*args, **kwargs)
+            with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
                 return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
         if key in self.verdicts.exact:  # Verdicts.known, inlined: a stage has no relations key
@@ -414,6 +420,7 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
 
 
 _Tensor = torch.Tensor
+compiling = torch.compiler.is_compiling  # dynamo folds it to a constant, by identity
 
 
 def relational(sizes: tuple[int, ...], constants: frozenset[int]) -> tuple[int, ...]:
