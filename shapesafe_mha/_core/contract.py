@@ -402,20 +402,28 @@ def signature_of(value: Any) -> Any:
     if kind is bool or kind is float:
         return (kind, value)  # True == 1 == 1.0 would collide with the int
     if kind is tuple:
-        return (kind, tuple(signature_of(v) for v in value))
+        parts = tuple(signature_of(v) for v in value)
+        return _UNCACHEABLE if _UNCACHEABLE in parts else (kind, parts)  # seen by `remember`, not hidden inside
     return _UNCACHEABLE
 
 
 def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The exact signature of a call, keyword names included: `signature_of` each value, tensors inlined
-    (this runs on every remembered call of a stage or a decorated function)."""
-    key = []
+    """The exact signature of a call, keyword names included: `signature_of` each value, a tensor's three
+    parts inlined into one flat tuple (this runs on every remembered call of a stage). Flat is unambiguous:
+    only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable)."""
+    key: list[Any] = []
     for value in args:
-        key.append((value.shape, value.dtype, value.device) if isinstance(value, _Tensor) else signature_of(value))
+        if isinstance(value, _Tensor):
+            key += (value.shape, value.dtype, value.device)
+        else:
+            key.append(signature_of(value))
     if kwargs:
         for name, value in kwargs.items():
             key.append(name)
-            key.append((value.shape, value.dtype, value.device) if isinstance(value, _Tensor) else signature_of(value))
+            if isinstance(value, _Tensor):
+                key += (value.shape, value.dtype, value.device)
+            else:
+                key.append(signature_of(value))
     return tuple(key)
 
 
