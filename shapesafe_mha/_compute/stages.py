@@ -418,7 +418,7 @@ def project_qkv(query: Tokens, weight: Tensor, bias: Tensor | None) -> FusedInne
 
 @stage(name="unfuse", trace=("q_proj", "k_proj", "v_proj"))
 def unfuse(qkv: FusedInner, q_width: int, kv_width: int) -> tuple[QueryInner, NewKVInner, NewKVInner]:
-    q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+    q, k, v = qkv.split_with_sizes([q_width, kv_width, kv_width], dim=-1)  # Tensor.split is a Python wrapper
     return q, k, v
 
 
