@@ -71,6 +71,28 @@ def test_a_hook_that_changes_a_projection_is_honoured() -> None:
         torch.testing.assert_close(module(x), 2 * plain, **F64)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_an_accelerate_hook_on_a_projection_runs_on_every_path(grad: bool) -> None:
+    """accelerate's hooks replace a module's `forward` on the instance (no torch hook to see): the projection
+    is still called, so what the hook does is what the module computes (here: doubling v_proj's output)."""
+    hooks = pytest.importorskip("accelerate.hooks")  # installed with peft
+
+    class Doubling(hooks.ModelHook):
+        def post_forward(self, module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+            return 2 * output
+
+    module, x = _module(bias=False), _x()
+    with torch.no_grad():
+        plain = module(x)
+    hooks.add_hook_to_module(module.v_proj, Doubling())
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(module(x), 2 * plain, **F64)
+        torch.testing.assert_close(module(x, is_causal=True, kv_cache=module.new_cache(2, 5)).shape, plain.shape)
+    hooks.add_hook_to_module(module.o_proj, Doubling())
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(module(x), 4 * plain, **F64)
+
+
 def test_dynamic_quantization_stays_close_to_float() -> None:
     module, x = _module(dtype=torch.float32), _x(dtype=torch.float32)
     with torch.no_grad():

@@ -2,8 +2,10 @@
 
 A fast path runs only where it computes exactly what calling the projection submodules would:
 plain `nn.Linear`s (not a subclass, a LoRA wrapper, a quantized or parametrized layer), with no
-hooks, in one dtype and on one device, without autograd and outside any tracer or compiler.
-Otherwise the module calls its submodules, silently.
+hooks and no `forward` of their own (accelerate's hooks replace the instance's), in one dtype and on
+one device, without autograd and outside any tracer or compiler. Otherwise the module calls its
+submodules, silently. A plain projection is computed as its `forward` would, `F.linear(x, weight,
+bias)`, without nn.Module's call (`project`), on every path.
 
 The concatenated Q/K/V weight is a cache, not a parameter: it is rebuilt whenever any of the
 parameters it was made from is replaced or written (their version counters move, or their data
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module_hooks
 
@@ -112,14 +115,26 @@ def refuse_under_vmap(tensor: Tensor, owner: str | None) -> None:
 
 
 def plain_linear(module: Any) -> bool:
-    """An `nn.Linear` as torch ships it: no subclass, parametrization, adapter or hook."""
+    """An `nn.Linear` as torch ships it: no subclass, parametrization, adapter, hook or forward of its own."""
     return (
         type(module) is nn.Linear  # parametrize swaps the class; LoRA and quantization replace the module
         and not module._forward_hooks
         and not module._forward_pre_hooks
         and not module._backward_hooks
         and not module._backward_pre_hooks
+        and "forward" not in module.__dict__  # accelerate's offloading hooks replace the instance's forward
     )
+
+
+def project(proj: nn.Module, x: Tensor) -> Tensor:
+    """`proj(x)`. A plain `nn.Linear` with no hook anywhere (`plain_linear`, `global_hooks`) computes
+    `F.linear(x, weight, bias)` and nothing else, so that is called, without nn.Module's call (about 1.5 us)."""
+    if plain_linear(proj) and not global_hooks():
+        parameters = proj._parameters
+        weight = parameters["weight"]
+        if weight is not None:
+            return F.linear(x, weight, parameters["bias"])
+    return proj(x)
 
 
 @dataclass

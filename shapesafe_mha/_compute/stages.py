@@ -46,6 +46,7 @@ from .._core.errors import ConfigError
 from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from . import kernels as K
 from .cache import KVCache
+from .fastpath import project as call_projection
 
 # --- what annotations cannot say --------------------------------------------------------------------
 
@@ -399,11 +400,11 @@ def attention_weights(
 
 @stage(name="q_proj", public=("query",))
 def project_query(proj: nn.Module, query: Tokens) -> QueryInner:
-    return proj(query)
+    return call_projection(proj, query)
 
 
 def _project_kv(proj: nn.Module, x: KVTokens) -> NewKVInner:
-    return proj(x)
+    return call_projection(proj, x)
 
 
 project_key = stage(name="k_proj")(_project_kv)
@@ -628,7 +629,7 @@ def merge(x: Heads) -> QueryInner:
 
 @stage(name="o_proj")
 def project_output(proj: nn.Module, x: QueryInner) -> Tokens:
-    return proj(x)
+    return call_projection(proj, x)
 
 
 @stage(name="attention", public=("query",))

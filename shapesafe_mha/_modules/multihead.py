@@ -190,7 +190,8 @@ class MultiHeadAttention(nn.Module):
     `o_proj(merge_heads(attention(split_heads(q_proj(x)), split_heads(k_proj(x)), split_heads(v_proj(x)))))`.
     The four projections are `nn.Linear` submodules named `q_proj, k_proj, v_proj, o_proj`, so
     checkpoints in that common layout load directly, and they are called as submodules: LoRA
-    adapters, hooks, quantized or parametrized layers in those slots work. The first call of each
+    adapters, hooks (torch's or accelerate's), quantized or parametrized layers in those slots work
+    (a plain `nn.Linear` with none is computed as its forward would, without nn.Module's call). The first call of each
     kind runs every stage checked against one set of named dimensions (see `forward`); the verdict
     is remembered for calls whose sizes relate the same way, which then run the stages unchecked.
 
