@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.export import Dim, export
+from torch.utils.checkpoint import checkpoint
 
 import shapesafe_mha as ssm
 from shapesafe_mha.reference import per_head_attention
@@ -91,6 +92,32 @@ def test_an_accelerate_hook_on_a_projection_runs_on_every_path(grad: bool) -> No
     hooks.add_hook_to_module(module.o_proj, Doubling())
     with torch.set_grad_enabled(grad):
         torch.testing.assert_close(module(x), 4 * plain, **F64)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["mha", "rope", "latent"])
+def test_activation_checkpointing_gives_the_gradients_of_the_plain_forward(kind: str, reentrant: bool) -> None:
+    """torch.utils.checkpoint recomputes the forward in backward; the non-reentrant kind (torch's default and
+    transformers') stops that recomputation early with an exception of its own, which must pass through a
+    remembered call as raised, not be run again checked (it once was: an AssertionError inside torch)."""
+    torch.manual_seed(0)
+    if kind == "latent":
+        sizes = {"kv_lora_rank": 8, "d_nope": 8, "d_rope": 4, "d_value": 8}
+        module: nn.Module = ssm.LatentAttention(32, 4, dtype=torch.float64, **sizes)
+    else:
+        module = _module(rope_theta=10000.0 if kind == "rope" else None)
+    x = _x().requires_grad_()
+    module(x, is_causal=True)  # the verdict remembered: the recomputation runs unchecked
+    out = checkpoint(lambda t: module(t, is_causal=True), x, use_reentrant=reentrant)
+    out.pow(2).sum().backward()
+    checkpointed = [p.grad.clone() for p in module.parameters() if p.grad is not None] + [x.grad.clone()]
+    module.zero_grad()
+    x.grad = None
+    module(x, is_causal=True).pow(2).sum().backward()
+    plain = [p.grad for p in module.parameters() if p.grad is not None] + [x.grad]
+    assert len(checkpointed) == len(plain)
+    for a, b in zip(checkpointed, plain, strict=True):
+        torch.testing.assert_close(a, b, **F64)
 
 
 def test_dynamic_quantization_stays_close_to_float() -> None:

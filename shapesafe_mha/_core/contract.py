@@ -363,6 +363,12 @@ class Session:
                 self.observer(trace_name, arrays[0].dim_str if arrays else "", value)
 
 
+# What torch raises for a shape, dtype or device that does not fit: only these are run again checked to be
+# explained (`recheck`). Anything else passes through as raised: a hook's own error, and the exceptions torch
+# uses for control flow, such as the one non-reentrant activation checkpointing stops its recomputation with.
+SHAPE_FAILURES = (RuntimeError, ValueError, IndexError, TypeError)
+
+
 def recheck(checked: Callable[[], Any], failure: BaseException) -> None:
     """A call whose verdict was remembered failed unchecked: run it `checked()` to explain it, as a fresh
     module would (something it depends on changed that its key did not hold, such as a parameter
@@ -492,8 +498,8 @@ def remembered_forward(
         if not check and observer is None:
             try:
                 return run()
-            except Exception as failure:
-                if keys is None:  # checks off: torch's error as it is
+            except SHAPE_FAILURES as failure:
+                if keys is None or isinstance(failure, torch.OutOfMemoryError):  # torch's error as it is
                     raise
                 if state is not None and cache is not None:
                     cache.restore(state)
