@@ -120,6 +120,27 @@ def test_activation_checkpointing_gives_the_gradients_of_the_plain_forward(kind:
         torch.testing.assert_close(a, b, **F64)
 
 
+@pytest.mark.parametrize("kind", ["mha", "window", "latent"])
+def test_a_prompt_under_inference_mode_then_decoding_outside_it_equals_one_causal_forward(kind: str) -> None:
+    """torch.inference_mode makes the cache's buffers inference tensors, which torch lets no one write in place
+    outside that mode: decoding after it (under no_grad, or with grad) continues as one causal forward would."""
+    torch.manual_seed(0)
+    if kind == "latent":
+        sizes = {"kv_lora_rank": 8, "d_nope": 8, "d_rope": 4, "d_value": 8}
+        module: Any = ssm.LatentAttention(32, 4, dtype=torch.float64, **sizes)
+    else:
+        module = _module(rope_theta=10000.0, window=3 if kind == "window" else None)
+    x = _x(seq=7)
+    with torch.inference_mode():  # the cache made and filled there, as a prompt would be
+        cache = module.new_cache(2, 5 if kind == "window" else 7)
+        outs = [module(x[:, :4], is_causal=True, kv_cache=cache)]
+    with torch.no_grad():
+        outs.append(module(x[:, 4:5], is_causal=True, kv_cache=cache))
+    outs += [module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in (5, 6)]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([o.clone() for o in outs], 1), module(x, is_causal=True), **F64)
+
+
 def test_dynamic_quantization_stays_close_to_float() -> None:
     module, x = _module(dtype=torch.float32), _x(dtype=torch.float32)
     with torch.no_grad():
