@@ -87,6 +87,15 @@ class RotaryEmbedding(nn.Module):
         self.d_head, self.theta = d_head, theta
         self.scaling = dict(scaling) if scaling else None
         self.register_buffer("inv_freq", inverse_frequencies(d_head, theta, scaling), persistent=False)
+        # Not in the state_dict: computed again after every load, so a module made on the meta device, then
+        # `to_empty()` and loaded (how large models are built), has frequencies and not uninitialized memory.
+        self.register_load_state_dict_post_hook(_frequencies_again)
+
+    def reset_parameters(self) -> None:
+        """Compute `inv_freq` again, in place (after `to_empty()` it is uninitialized memory)."""
+        inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
+        with torch.no_grad():
+            inv_freq.copy_(inverse_frequencies(self.d_head, self.theta, self.scaling))
 
     def extra_repr(self) -> str:
         return f"d_head={self.d_head}, theta={self.theta}" + (f", scaling={self.scaling}" if self.scaling else "")
@@ -97,6 +106,11 @@ class RotaryEmbedding(nn.Module):
         angles = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _frequencies_again(module: nn.Module, incompatible_keys: Any) -> None:
+    if isinstance(module, RotaryEmbedding):
+        module.reset_parameters()
 
 
 def _validate_rotary(arguments: dict[str, Any], dims: dict[str, int]) -> None:
