@@ -172,6 +172,19 @@ def test_a_module_made_on_meta_then_to_empty_and_loaded_equals_the_original(kind
     assert torch.equal(rotary.inv_freq, expected.inv_freq)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_module_cast_to_half_precision_keeps_its_rope_frequencies(dtype: torch.dtype) -> None:
+    """`module.to(torch.bfloat16)` casts every floating buffer, the rotary frequencies too; rounded, they put a
+    cosine at position 4000 off by up to 1.97. The tables are those of float32 frequencies, in `dtype`."""
+    module = _module(dtype=torch.float32, rope_theta=500000.0)
+    positions = torch.tensor([[1, 100, 4000, 30000]])
+    expected = module.rotary(positions, torch.float32)
+    half = copy.deepcopy(module).to(dtype)
+    assert half.rotary.inv_freq.dtype == dtype  # torch cast it, as it casts any buffer
+    for got, want in zip(half.rotary(positions, dtype), expected, strict=True):
+        torch.testing.assert_close(got, want.to(dtype))
+
+
 def test_dynamic_quantization_stays_close_to_float() -> None:
     module, x = _module(dtype=torch.float32), _x(dtype=torch.float32)
     with torch.no_grad():

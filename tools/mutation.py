@@ -67,6 +67,8 @@ MUTANTS: list[Mutant] = [
       "if False:", "a cache filled under inference_mode not writable outside it", "tests/test_ecosystem.py"),
     M("_compute/rotary.py", "        self.register_load_state_dict_post_hook(_frequencies_again)\n", "",
       "rotary frequencies left uninitialized after a meta build, to_empty and load", "tests/test_ecosystem.py"),
+    M("_compute/rotary.py", "        if inv_freq.dtype in _ROUNDING:", "        if False:",
+      "RoPE frequencies rounded by a cast to bfloat16", "tests/test_ecosystem.py"),
     M("_compute/kernels.py", "return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)",
       "return x.reshape(x.shape[0], num_heads, x.shape[1], -1)", "head split by a view without the transpose", EQ),
     M("_compute/kernels.py", "return x.transpose(1, 2).flatten(2)", "return x.flatten(1, 2).reshape(x.shape[0], x.shape[2], -1)",

@@ -66,6 +66,9 @@ def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | 
     return torch.where(between, smoothed, scaled)
 
 
+_ROUNDING = (torch.float16, torch.bfloat16)  # dtypes that cannot hold the frequencies (float32 is computed)
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin tables of rotary position embeddings for given positions.
 
@@ -103,6 +106,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin, `(batch, seq, d_head)` in `dtype`, for integer `positions` `(batch, seq)`."""
         inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
+        if inv_freq.dtype in _ROUNDING:  # `module.to(torch.bfloat16)` rounds buffers: angles off by radians at 4k
+            inv_freq = inverse_frequencies(self.d_head, self.theta, self.scaling)
         angles = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
