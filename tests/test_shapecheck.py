@@ -397,6 +397,33 @@ def test_decorating_what_has_no_shape_to_check_is_a_config_error() -> None:
         ssm.shapecheck(plain)
 
 
+def test_decorating_an_async_or_generator_function_is_a_config_error() -> None:
+    """Their call returns a coroutine or a generator before the body runs: there is no result to check, and
+    checking one would blame the user for a coroutine that is no tensor."""
+
+    async def attend_later(x: Tokens) -> Tokens:
+        return x
+
+    def attend_each(x: Tokens) -> Tokens:
+        yield x
+
+    with pytest.raises(ssm.ConfigError, match=r"^shapecheck: .*attend_later is an async function, whose call"):
+        ssm.shapecheck(attend_later)
+    with pytest.raises(ssm.ConfigError, match=r"^shapecheck: .*attend_each is a generator function, whose call"):
+        ssm.shapecheck(attend_each)
+
+
+@ssm.shapecheck
+def forgets_to_unpack(x: Tokens) -> Tokens:
+    return (x,)
+
+
+def test_a_result_that_is_no_tensor_is_named_without_a_conversion_to_suggest() -> None:
+    """A result of the wrong kind is the function's own doing: no `torch.as_tensor(the result)` to suggest."""
+    line = first_line(lambda: forgets_to_unpack(torch.ones(1, 2, 8)))
+    assert line == "forgets_to_unpack(): the result must be a torch.Tensor, but got tuple."
+
+
 def test_the_switch_turns_the_checks_off() -> None:
     wrong = (torch.randn(2, 6, 5, 8), torch.randn(2))
     with ssm.unchecked():

@@ -141,6 +141,13 @@ class _Checked:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.owner = f"{fn.__qualname__}()"
+        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            kind = "a generator" if inspect.isgeneratorfunction(fn) else "an async"
+            raise ConfigError(
+                f"shapecheck: {fn.__qualname__} is {kind} function, whose call returns before its body runs, so its "
+                "result cannot be checked; decorate the function that computes the tensors, or check them inside "
+                "with shapesafe_mha.expect()."
+            )
         hints = typing.get_type_hints(fn, include_extras=True)
         self.returns = hints.pop("return", None)
         self.hints = hints
