@@ -63,7 +63,7 @@ FLEX = "tests/test_flex.py"
 
 MUTANTS: list[Mutant] = [
     # --- kernels: the computation ---
-    M("_compute/cache.py", "if self.keys_buffer.is_inference() and not torch.is_inference_mode_enabled():",
+    M("_compute/cache.py", "if inference and not torch.is_inference_mode_enabled():",
       "if False:", "a cache filled under inference_mode not writable outside it", "tests/test_ecosystem.py"),
     M("_compute/rotary.py", "        self.register_load_state_dict_post_hook(_frequencies_again)\n", "",
       "rotary frequencies left uninitialized after a meta build, to_empty and load", "tests/test_ecosystem.py"),
