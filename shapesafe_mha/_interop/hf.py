@@ -1,11 +1,12 @@
 """Hugging Face interop: load a transformers attention layer (Llama, Mistral, Qwen2/3, Gemma 2 layout), and back.
 
 transformers is an optional dependency (`pip install "shapesafe_mha[hf]"`); it is imported only
-when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping, `query_pre_attn_scalar` and
-Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier**-2`) become the
-module's options; a variant it does not compute (partial RoPE, RoPE scaling other than llama3, a
-QK-norm other than RMSNorm) is a `ConfigError` naming the config field, never a silently different
-layer.
+when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping, `query_pre_attn_scalar`,
+Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier**-2`), partial rotary
+(`partial_rotary_factor`, in `rope_parameters` since transformers 5) and interleaved RoPE (shown on the
+model's own rotary tables and `apply_rotary_pos_emb`, which no config field names) become the module's
+options; a variant it does not compute (RoPE scaling other than llama3, a QK-norm other than RMSNorm) is
+a `ConfigError` naming the config field, never a silently different layer.
 """
 
 import importlib
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._compute import kernels as K
 from .._compute.cache import KVCache
 from .._compute.rotary import SUPPORTED_SCALING
 from .._core import probe
@@ -36,14 +38,76 @@ def rope_of(config: Any) -> tuple[float | None, dict[str, Any] | None]:
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind not in SUPPORTED_SCALING:
         raise _refuse("rope_parameters['rope_type']", kind, f"only {', '.join(SUPPORTED_SCALING)} RoPE is supported")
-    # transformers 5 keeps it in rope_parameters; earlier releases (and some configs) on the config itself
-    for field, partial in (
-        ("rope_parameters['partial_rotary_factor']", parameters.get("partial_rotary_factor")),
-        ("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)),
-    ):
-        if partial not in (None, 1.0, 1):
-            raise _refuse(field, partial, "only full-width RoPE is supported")
-    return theta, (dict(parameters) if kind != "default" else None)
+    scaling = {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
+    return theta, (scaling if kind != "default" else None)
+
+
+def rope_dim_of(config: Any, head_dim: int) -> int | None:
+    """The rotated features of each head, `int(head_dim * partial_rotary_factor)` as transformers' rotary classes
+    compute it (the factor in `rope_parameters` in transformers 5, on the config before); None: every feature."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    found = [
+        (field, value)
+        for field, value in (
+            ("rope_parameters['partial_rotary_factor']", parameters.get("partial_rotary_factor")),
+            ("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)),
+            ("rotary_pct", getattr(config, "rotary_pct", None)),
+        )
+        if value is not None
+    ]
+    if not found:
+        return None
+    field, factor = found[0]
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise _refuse(field, factor, "the rotated share of a head must be a number in (0, 1]")
+    width = int(head_dim * factor)
+    if width == head_dim:
+        return None
+    if width < 2 or width % 2:
+        raise _refuse(field, factor, f"it rotates {width} of head_dim={head_dim} features, not an even number")
+    return width
+
+
+def rope_interleaved(modeling: Any, cos: Tensor, sin: Tensor) -> bool:
+    """Whether a model's RoPE turns adjacent pairs `(2i, 2i+1)` rather than halves, shown on its own parts.
+
+    `cos`, `sin` are its rotary class's tables `(batch, seq, width)` for positions `0, 1, ...`: a table with each
+    angle twice in a row (Cohere's) says pairs. A table in halves may still be applied to pairs (GLM and ERNIE
+    interleave it inside `apply_rotary_pos_emb`): the modeling module's own function on a probe tells. A function
+    that matches neither is taken as halves, and the conversion's probe then names the difference.
+    """
+    width = cos.shape[-1]
+    row = cos[0, -1]
+    if width > 2 and torch.equal(row[0::2], row[1::2]):
+        return True
+    apply = getattr(modeling, "apply_rotary_pos_emb", None)
+    if apply is None or width <= 2:  # two features: halves and pairs are one rotation
+        return False
+    cos, sin = cos.detach().double(), sin.detach().double()
+    q = torch.randn(1, 1, cos.shape[1], width, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    q = q.to(cos.device)
+    try:
+        turned = apply(q, q, cos, sin)[0]
+    except Exception:  # another signature: the probe of the conversion decides
+        return False
+    half = width // 2
+    paired = K.rotate(q, cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True)
+    return turned.shape == q.shape and bool(torch.allclose(turned.double(), paired, atol=1e-6))
+
+
+def rope_layout_of(layer: nn.Module, config: Any, head_dim: int) -> tuple[int | None, bool]:
+    """`(rope_dim, interleaved)` of a transformers attention layer with RoPE: the rotated part, and its pairing."""
+    rope_dim = rope_dim_of(config, head_dim)
+    rotary = _rotary_for(layer, config)
+    interleaved = bool(getattr(config, "rope_interleave", False))
+    if rotary is not None and not interleaved:
+        positions = torch.arange(4)[None]
+        dummy = torch.zeros(1, 4, 8)
+        takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        with torch.no_grad():
+            cos, sin = rotary(dummy, positions, *([_layer_type(layer, config)] if takes_type else []))
+        interleaved = rope_interleaved(_modeling(layer), cos, sin)
+    return rope_dim, interleaved
 
 
 def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
@@ -108,14 +172,21 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-_LOADED = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+# The output projection's names: Llama's o_proj, Phi's dense.
+_OUTPUT_NAMES = ("o_proj", "dense")
+_LOADED = ("q_proj", "k_proj", "v_proj", *_OUTPUT_NAMES, "q_norm", "k_norm")
 # Config fields of layers that compute a variant we do not (each is None or False where they do not).
 _UNSUPPORTED_FIELDS = {
     "clip_qkv": "queries, keys and values clipped (OLMo)",
-    "qk_layernorm": "QK LayerNorm (StableLM)",
+    "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
     "use_qk_norm": "QK-norm over every head (Cohere)",
-    "rope_interleave": "interleaved RoPE pairs",
 }
+
+
+def projection_names(layer: nn.Module) -> dict[str, str]:
+    """Our projection's name -> the layer's (`o_proj` is Phi's `dense`)."""
+    output = next((n for n in _OUTPUT_NAMES if isinstance(getattr(layer, n, None), nn.Linear)), "o_proj")
+    return {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": output}
 
 
 def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
@@ -152,19 +223,20 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
             f"{_OWNER}: {type(attention).__name__} is multi-head latent attention (kv_a_proj_with_mqa); "
             "load it with shapesafe_mha.LatentAttention.from_hf(layer)."
         )
-    projections: dict[str, Any] = {
-        name: getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")
-    }
-    missing = [name for name, proj in projections.items() if not isinstance(proj, nn.Linear)]
+    names = projection_names(attention)
+    projections: dict[str, Any] = {ours: getattr(attention, theirs, None) for ours, theirs in names.items()}
+    missing = [names[name] for name, proj in projections.items() if not isinstance(proj, nn.Linear)]
     if missing:
         raise ConfigError(
             f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
-            "(Llama, Mistral, Qwen2) is supported."
+            "(Llama, Mistral, Qwen2; Phi's dense as o_proj) is supported."
         )
     head_dim = _head_dim(config)
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
     theta, scaling = rope_of(config)
+    if theta is not None:
+        options["rope_dim"], options["rope_interleaved"] = rope_layout_of(attention, config, head_dim)
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     q_proj = projections["q_proj"]
@@ -368,6 +440,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "head_dim": module.d_head,
         "rope_theta": module.rope_theta,
         "rope_parameters (scaling)": None if module.rotary is None else _scaling(module.rotary.scaling),
+        "partial rotary (rope_dim)": None if module.rope_dim == module.d_head else module.rope_dim,
         "attention_dropout": float(module.dropout),
     }
     found = {k: getattr(config, k, None) for k in wanted}
@@ -377,6 +450,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
     )
     found["rope_parameters (scaling)"] = _scaling(scaling) if module.rotary is not None else None
+    found["partial rotary (rope_dim)"] = rope_dim_of(config, _head_dim(config)) if theta is not None else None
     different = {k: (found[k], v) for k, v in wanted.items() if found[k] != v}
     if different:
         listed = ", ".join(f"{k}={theirs!r} (module: {ours!r})" for k, (theirs, ours) in different.items())
@@ -384,7 +458,10 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     weight = module.q_proj.weight
     theirs = layer_cls(config, layer_idx=0).to(device=weight.device, dtype=weight.dtype)
     options = variant_options(theirs, config)
+    if theta is not None:
+        options["rope_interleaved"] = rope_layout_of(theirs, config, _head_dim(config))[1] or None
     ours = {
+        "rope_interleaved": module.rope_interleaved or None,
         "window": module.window,
         "qk_norm": module.qk_norm or None,
         "logit_softcap": module.logit_softcap,
@@ -398,9 +475,9 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         if module.qk_norm:
             for name in ("q_norm", "k_norm"):
                 getattr(theirs, name).weight.copy_(module._modules[name].weight)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for name, their_name in projection_names(theirs).items():
             mine: Any = module._modules[name]
-            other = getattr(theirs, name)
+            other = getattr(theirs, their_name)
             if (mine.bias is None) != (other.bias is None):
                 raise ConfigError(
                     f"MultiHeadAttention.to_hf(): {name} has bias={mine.bias is not None} here but "

@@ -25,6 +25,7 @@ from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
 from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
+from .hf import projection_names
 from .hf_backend import layer_name, refuse_unknown
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
@@ -184,15 +185,15 @@ def _why_not_cached(module: nn.Module, cache_layers: list[Any] | None) -> str | 
 def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[Any, RotaryEmbedding]) -> "HFAttention":
     """`ours` holding the model's own parameters (the projection modules, the norms' weights), as an HFAttention;
     its rotary embedding the one `shared` holds for its frequencies (made from its own, the first time)."""
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        setattr(ours, name, getattr(theirs, name))
+    for name, their_name in projection_names(theirs).items():
+        setattr(ours, name, getattr(theirs, their_name))
     if ours.qk_norm:
         for name in ("q_norm", "k_norm"):
             ours._modules[name].weight = getattr(theirs, name).weight  # pyright: ignore[reportOptionalMemberAccess]
     rotary = ours.rotary
     if rotary is not None:
         inv_freq: Any = rotary.inv_freq
-        kind = (rotary.d_head, rotary.theta, repr(rotary.scaling), inv_freq.dtype, inv_freq.device)
+        kind = (rotary.d_head, rotary.theta, repr(rotary.scaling), rotary.interleaved, inv_freq.dtype, inv_freq.device)
         kind = (*kind, () if inv_freq.device.type == "meta" else tuple(inv_freq.tolist()))  # meta holds no values
         if kind not in shared:
             rotary.__class__ = SharedRotary

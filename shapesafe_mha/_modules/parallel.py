@@ -109,6 +109,8 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         dropout=module.dropout,
         rope_theta=module.rope_theta,
         rope_scaling=None if rotary is None else rotary.scaling,
+        rope_dim=module.rope_dim if rotary is not None else None,
+        rope_interleaved=module.rope_interleaved,
         qk_norm=module.qk_norm,
         norm_eps=module.q_norm.eps if module.qk_norm else 1e-6,  # pyright: ignore[reportArgumentType]
         window=module.window,

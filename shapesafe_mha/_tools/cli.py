@@ -215,6 +215,12 @@ def trace(
     ] = False,
     window: Annotated[int | None, typer.Option(min=1, metavar="INT", help="sliding-window attention (Mistral)")] = None,
     logit_softcap: Annotated[float | None, typer.Option(metavar="FLOAT", help="softcapped scores (Gemma 2)")] = None,
+    rope_dim: Annotated[
+        int | None, typer.Option(min=2, metavar="INT", help="partial rotary: rotate a head's first INT features (Phi)")
+    ] = None,
+    rope_interleaved: Annotated[
+        bool, typer.Option("--rope-interleaved/--rope-halves", help="RoPE on adjacent pairs (Cohere, GLM)")
+    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -257,7 +263,7 @@ def trace(
         else:
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
-                qk_norm, window, logit_softcap,
+                qk_norm, window, logit_softcap, rope_dim, rope_interleaved,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

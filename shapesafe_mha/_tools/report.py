@@ -36,6 +36,8 @@ class TraceConfig:
     qk_norm: bool = False  # RMS-normalise each head's query and key (Qwen3)
     window: int | None = None  # sliding-window attention (Mistral)
     logit_softcap: float | None = None  # softcapped scores (Gemma 2)
+    rope_dim: int | None = None  # partial rotary: the rotated features of each head (Phi, GLM)
+    rope_interleaved: bool = False  # RoPE on adjacent pairs (Cohere, GLM)
 
 
 @dataclass
@@ -87,6 +89,8 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     device = torch.device(config.device)
     options: dict[str, Any] = {
         "rope_theta": config.rope_theta,
+        "rope_dim": config.rope_dim,
+        "rope_interleaved": config.rope_interleaved,
         "qk_norm": config.qk_norm,
         "window": config.window,
         "logit_softcap": config.logit_softcap,
