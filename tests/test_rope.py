@@ -292,10 +292,19 @@ def test_unsupported_variants_are_refused_by_their_config_field() -> None:
     )
     with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['rope_type'\]='linear'"):
         ssm.MultiHeadAttention.from_hf(LlamaAttention(linear, layer_idx=0))
-    partial = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4)
-    partial.partial_rotary_factor = 0.5
-    with pytest.raises(ssm.ConfigError, match=r"partial_rotary_factor=0.5"):
-        ssm.MultiHeadAttention.from_hf(LlamaAttention(partial, layer_idx=0))
+    odd = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4)
+    odd.rope_parameters = {**odd.rope_parameters, "partial_rotary_factor": 0.375}  # 3 of 8 features: no pairs
+    with pytest.raises(ssm.ConfigError, match=r"partial_rotary_factor'\]=0.375: it rotates 3 of head_dim=8"):
+        ssm.MultiHeadAttention.from_hf(LlamaAttention(odd, layer_idx=0))
+
+
+def test_a_partial_rotary_field_the_layer_does_not_read_is_refused_by_the_probe() -> None:
+    """transformers 5 reads the rotated share from rope_parameters: a stale `config.partial_rotary_factor` beside
+    it is loaded as partial rotary, and the probe, where the layer rotates every feature, refuses it naming RoPE."""
+    stale = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4)
+    stale.partial_rotary_factor = 0.5
+    with pytest.raises(ssm.ConfigError, match=r"differs from LlamaAttention .* Known to differ here: the rotary"):
+        ssm.MultiHeadAttention.from_hf(LlamaAttention(stale, layer_idx=0))
 
 
 def test_rope_compiles_fullgraph_with_no_graph_breaks() -> None:
