@@ -1,5 +1,6 @@
-"""QK-norm, sliding windows, softcapping and a custom query scale: the module equals the per-head reference,
-decoding equals one causal forward, and a sliding-window cache keeps only what the window still sees."""
+"""QK-norm, sliding windows, softcapping, a custom query scale, partial rotary and interleaved RoPE: the module
+equals the per-head reference, decoding equals one causal forward, and a sliding-window cache keeps only what the
+window still sees."""
 
 from typing import Any
 
@@ -23,7 +24,23 @@ def variants(draw: Any) -> dict[str, Any]:
         "window": draw(st.one_of(st.none(), st.integers(1, 12)), label="window"),
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
+        # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
+        "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
+        "rope_interleaved": draw(st.booleans(), label="rope_interleaved"),
     }
+
+
+def _rope_options(config: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The module's RoPE options of a drawn variant: only where the config has RoPE."""
+    if config.rope_theta is None:
+        return {}
+    share = options.get("rope_share")
+    rope_dim = None if share is None else 2 * max(1, round(share * config.d_head / 2))
+    return {"rope_dim": rope_dim, "rope_interleaved": options.get("rope_interleaved", False)}
+
+
+def _module_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in ("rope_share", "rope_interleaved")}
 
 
 def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.MultiHeadAttention:
@@ -36,7 +53,8 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
         bias=config.bias,
         rope_theta=config.rope_theta,
         dtype=torch.float64,
-        **options,
+        **_module_options(options),
+        **_rope_options(config, options),
     )
     module.load_state_dict(base.state_dict(), strict=False)
     if options["qk_norm"]:
@@ -54,14 +72,16 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
     return per_head_attention(
         x, x, x, module.weights(), num_heads=module.num_heads, num_kv_heads=module.num_kv_heads,
         rope_theta=module.rope_theta, qk_norm=norms, window=options["window"],
-        logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5, **kwargs,
+        logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5,
+        rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half", **kwargs,
     )  # fmt: skip
 
 
 @given(data=st.data(), options=variants())
 def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
-    """Any mix of QK-norm, window, softcap and query scale, with or without RoPE, causal or not, padded or not,
-    MHA/GQA/MQA: the module (with and without grad, so every path) equals the reference, head by head."""
+    """Any mix of QK-norm, window, softcap and query scale, with or without RoPE (full or partial, halves or
+    adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the module (with and without grad, so every
+    path) equals the reference, head by head."""
     rope = data.draw(st.booleans(), label="rope")
     config = data.draw(attention_configs(cross=False, max_seq=24, rope=rope), label="config")
     module = _module(config, options, data)
@@ -196,6 +216,12 @@ def test_reset_of_a_window_cache_that_slid_starts_over() -> None:
         ({"window": 2.5}, "window must be a positive int"),
         ({"logit_softcap": -1.0}, "logit softcap must be a finite positive number"),
         ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a finite positive number"),
+        ({"rope_dim": 2}, r"rope_dim was given, but the module has no rotary embeddings \(rope_theta=None\)"),
+        ({"rope_interleaved": True}, r"rope_interleaved was given, but the module has no rotary embeddings"),
+        ({"rope_theta": 1e4, "rope_dim": 3}, r"rope_dim=3, but .* an even int in \[2, d_head=4\] \(for example 2\)"),
+        ({"rope_theta": 1e4, "rope_dim": 6}, r"rope_dim=6, but the rotary part of a head must be an even int in"),
+        ({"rope_theta": 1e4, "rope_dim": 2.0}, r"rope_dim=2.0, but the rotary part"),
+        ({"rope_theta": 1e4, "rope_interleaved": 1}, r"rope_interleaved must be True or False, but got 1"),
     ],
 )
 def test_bad_variant_options_are_config_errors(kwargs: dict[str, Any], message: str) -> None:
@@ -250,6 +276,9 @@ COMPILED_VARIANTS = {
     "qk_norm": {"qk_norm": True},
     "window": {"window": 3},
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
+    "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
+    "interleaved RoPE": {"rope_theta": 10000.0, "rope_interleaved": True},
+    "partial, interleaved RoPE": {"rope_theta": 10000.0, "rope_dim": 2, "rope_interleaved": True},
 }
 
 
@@ -257,7 +286,7 @@ COMPILED_VARIANTS = {
 def test_each_variant_compiles_fullgraph_with_no_graph_breaks(options: dict[str, Any]) -> None:
     import torch._dynamo
 
-    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=10000.0, **options).eval()
+    module = ssm.MultiHeadAttention(32, 4, 2, **{"rope_theta": 10000.0, **options}).eval()
     x = torch.randn(2, 6, 32)
     explanation = torch._dynamo.explain(lambda t: module(t, is_causal=True))(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -285,6 +314,7 @@ def test_gqa_and_mqa_stay_zero_copy_in_every_variant(options: dict[str, Any], nu
         config = ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=num_kv_heads, seq=6, decode=decode, **traced)
         stages = ssm.trace_forward(config).stages
         kv = [s for s in stages if s.name in ("split_k", "split_v", "k_norm", "rotary_k", "cache_k", "cache_v")]
+        assert ("rotary_k" in {s.name for s in stages}) == ("rope_theta" in options)
         assert kv and all(s.shape[1] == num_kv_heads for s in kv)
         assert all(s.allocated_bytes < 8 * 13 * 8 * 2 for s in stages if s.name in ("cache_k", "cache_v"))
 

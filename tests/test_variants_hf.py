@@ -1,5 +1,6 @@
 """The variants against the real transformers layers: Qwen3 (QK-norm), Mistral with a sliding window shorter
-than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternating sliding layers), loaded
+than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternating sliding layers), partial
+rotary (Phi, StableLM, Nemotron), interleaved RoPE (Cohere, Helium, ERNIE 4.5) and both (GLM, GLM-4), loaded
 with `MultiHeadAttention.from_hf` and computed as the HF model computes them, full forward and decoding."""
 
 from typing import Any
@@ -35,12 +36,33 @@ CASES = {
     "granite-attention-multiplier": (
         "granite", 0, {"num_key_value_heads": 2, "attention_multiplier": 0.25}, {"query_pre_attn_scalar": 16.0},
     ),
+    # partial rotary: partial_rotary_factor * head_dim features of each head, from rope_parameters (transformers 5)
+    "phi-partial-rotary": ("phi", 0, {"num_key_value_heads": 2}, {"rope_dim": 4, "rope_interleaved": False}),
+    "stablelm-partial-rotary": (
+        "stablelm", 0, {"num_key_value_heads": 2, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        {"rope_dim": 4, "rope_interleaved": False},
+    ),
+    "nemotron-partial-rotary": ("nemotron", 0, {"num_key_value_heads": 2}, {"rope_dim": 4, "rope_interleaved": False}),
+    # interleaved RoPE: adjacent pairs, shown by the rotary table (Cohere) or apply_rotary_pos_emb (the others)
+    "cohere-interleaved": ("cohere", 0, {"num_key_value_heads": 2}, {"rope_dim": 8, "rope_interleaved": True}),
+    "helium-interleaved": ("helium", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
+    "ernie4_5-interleaved": ("ernie4_5", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
+    "glm-partial-interleaved": (
+        "glm", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_dim": 4, "rope_interleaved": True},
+    ),
+    "glm4-partial-interleaved": (
+        "glm4", 0, {"num_key_value_heads": 1, "head_dim": 8}, {"rope_dim": 4, "rope_interleaved": True},
+    ),
 }  # fmt: skip
+# transformers' Cohere and ERNIE 4.5 rotate in float32 inside apply_rotary_pos_emb, whatever the dtype
+FLOAT32_ROPE = ("cohere", "ernie4_5")
 
 
 def _classes(model_type: str) -> tuple[Any, Any, Any]:
     module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
-    prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite"}[model_type]
+    prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite", "phi": "Phi",
+              "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
+              "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -80,13 +102,13 @@ RUNS = [(case, impl) for case in CASES for impl in ("eager", "sdpa") if impl == 
 
 @pytest.mark.parametrize(("case", "implementation"), RUNS)
 def test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding(case: str, implementation: str) -> None:
-    """float64. HF computes the eager softmax and Qwen3's RMSNorm in float32, so 1e-5 there; else 1e-10.
-    Decoding runs through our cache as small as the window allows (capacity = window)."""
+    """float64. HF computes the eager softmax, Qwen3's RMSNorm and Cohere's and ERNIE's RoPE in float32, so 1e-5
+    there; else 1e-10. Decoding runs through our cache as small as the window allows (capacity = window)."""
     layer, rotary = _layer(case, implementation)
     ours = ssm.MultiHeadAttention.from_hf(layer)
     for option, value in CASES[case][3].items():
         assert getattr(ours, option) == value, option
-    float32_inside = implementation == "eager" or ours.qk_norm
+    float32_inside = implementation == "eager" or ours.qk_norm or CASES[case][0] in FLOAT32_ROPE
     tol = {"atol": 1e-5, "rtol": 1e-5} if float32_inside else {"atol": 1e-10, "rtol": 1e-8}
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
     with torch.no_grad():
@@ -134,4 +156,60 @@ def test_a_bad_sliding_window_in_the_config_is_refused_by_its_field() -> None:
     layer = attention_cls(config, layer_idx=0)
     layer.config.sliding_window = 0
     with pytest.raises(ssm.ConfigError, match=r"sliding_window=0"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+@pytest.mark.parametrize("case", ["phi-partial-rotary", "cohere-interleaved", "glm-partial-interleaved"])
+def test_to_hf_round_trips_partial_and_interleaved_rope(case: str) -> None:
+    """from_hf then to_hf gives a layer computing what the original computes (Phi's dense written back as
+    dense); the same module is refused for a config whose RoPE rotates another part or pairs otherwise."""
+    layer, rotary = _layer(case, "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    full = ssm.MultiHeadAttention(
+        32, 4, ours.num_kv_heads, d_head=8, rope_theta=ours.rope_theta, rope_interleaved=ours.rope_interleaved
+    )
+    if ours.rope_dim != ours.d_head:
+        with pytest.raises(ssm.ConfigError, match=rf"partial rotary \(rope_dim\)={ours.rope_dim} \(module: None\)"):
+            full.to_hf(layer.config)
+    halves = ssm.MultiHeadAttention(32, 4, ours.num_kv_heads, d_head=8, rope_theta=ours.rope_theta,
+                                    rope_dim=ours.rope_dim, bias=False)  # fmt: skip
+    if ours.rope_interleaved:
+        with pytest.raises(ssm.ConfigError, match=r"another variant: rope_interleaved=True \(module: None\)"):
+            halves.to_hf(layer.config)
+
+
+def _last_features_rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> Any:
+    from shapesafe_mha._compute import kernels
+
+    width = x.shape[-1] - cos.shape[-1]
+    return torch.cat((x[..., :width], kernels.rotate(x[..., width:], cos, sin, interleaved)), dim=-1)
+
+
+def _pairs_turned_the_wrong_way(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((x[..., 1::2], -x[..., 0::2]), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize(
+    ("case", "kernel", "bug"),
+    [
+        ("phi-partial-rotary", "rotate_part", _last_features_rotated),
+        ("glm-partial-interleaved", "rotate_part", _last_features_rotated),
+        ("cohere-interleaved", "rotate_pairs", _pairs_turned_the_wrong_way),
+        ("helium-interleaved", "rotate_pairs", _pairs_turned_the_wrong_way),
+    ],
+)
+def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_rotary_embeddings(
+    case: str, kernel: str, bug: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our kernel rotating a head's last rope_dim features, or turning adjacent pairs the wrong way: from_hf's
+    probe refuses the conversion, and the second probe (every position at 0) names RoPE as what differs."""
+    from shapesafe_mha._compute import kernels
+
+    layer, _ = _layer(case, "sdpa")
+    monkeypatch.setattr(kernels, kernel, bug)
+    with pytest.raises(ssm.ConfigError, match=r"differs from \w+Attention by .* Known to differ here: the rotary"):
         ssm.MultiHeadAttention.from_hf(layer)
