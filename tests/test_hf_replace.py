@@ -194,3 +194,15 @@ def test_a_float32_layer_that_differs_by_less_than_float32s_tolerance_is_left(mo
     assert all(param.dtype == torch.float32 for param in model.parameters())  # the copy was the probe's
     with torch.no_grad():  # in float32 itself the difference is under the probe's tolerance
         assert ssm.MultiHeadAttention.from_hf(model.model.layers[0].self_attn).rope_theta is not None
+
+
+def test_a_per_head_fused_layer_is_left_named_with_why() -> None:
+    """GPT-NeoX converts with from_hf, but its q/k/v would be copies of its fused query_key_value: a replacement
+    would not train the model's own parameters, so the layer is left, and why is said."""
+    config = transformers.GPTNeoXConfig(**SIZES)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    done = shapesafe_mha.hf.replace_attention(model)
+    assert not done.replaced and list(done.left) == ["gpt_neox.layers.0.attention", "gpt_neox.layers.1.attention"]
+    assert "query_key_value fuses each head's query, key and value rows" in done.left["gpt_neox.layers.0.attention"]
+    assert ssm.MultiHeadAttention.from_hf(model.gpt_neox.layers[0].attention).rope_dim == 2

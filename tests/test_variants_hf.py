@@ -53,6 +53,11 @@ CASES = {
     "glm4-partial-interleaved": (
         "glm4", 0, {"num_key_value_heads": 1, "head_dim": 8}, {"rope_dim": 4, "rope_interleaved": True},
     ),
+    # partial rotary behind a per-head fused query_key_value ([q_h; k_h; v_h] for each head), loaded as q/k/v_proj
+    "gpt_neox-partial-fused": (
+        "gpt_neox", 0, {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, {"rope_dim": 4},
+    ),
+    "persimmon-partial-fused": ("persimmon", 0, {"qk_layernorm": False}, {"rope_dim": 4, "num_kv_heads": 4}),
 }  # fmt: skip
 # transformers' Cohere and ERNIE 4.5 rotate in float32 inside apply_rotary_pos_emb, whatever the dtype
 FLOAT32_ROPE = ("cohere", "ernie4_5")
@@ -62,7 +67,8 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
     module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
     prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite", "phi": "Phi",
               "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
-              "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4"}[model_type]  # fmt: skip
+              "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
+              "persimmon": "Persimmon"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -159,16 +165,21 @@ def test_a_bad_sliding_window_in_the_config_is_refused_by_its_field() -> None:
         ssm.MultiHeadAttention.from_hf(layer)
 
 
-@pytest.mark.parametrize("case", ["phi-partial-rotary", "cohere-interleaved", "glm-partial-interleaved"])
+@pytest.mark.parametrize(
+    "case", ["phi-partial-rotary", "cohere-interleaved", "glm-partial-interleaved", "gpt_neox-partial-fused"]
+)
 def test_to_hf_round_trips_partial_and_interleaved_rope(case: str) -> None:
     """from_hf then to_hf gives a layer computing what the original computes (Phi's dense written back as
-    dense); the same module is refused for a config whose RoPE rotates another part or pairs otherwise."""
+    dense, GPT-NeoX's q/k/v fused back per head); the same module is refused for a config whose RoPE rotates
+    another part or pairs otherwise."""
     layer, rotary = _layer(case, "sdpa")
     ours = ssm.MultiHeadAttention.from_hf(layer)
     back = ours.to_hf(layer.config).to(torch.float64).eval()
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    if hasattr(layer, "query_key_value"):  # the fused weight itself, row for row
+        assert torch.equal(back.query_key_value.weight, layer.query_key_value.weight)
     full = ssm.MultiHeadAttention(
         32, 4, ours.num_kv_heads, d_head=8, rope_theta=ours.rope_theta, rope_interleaved=ours.rope_interleaved
     )

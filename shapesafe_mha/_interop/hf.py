@@ -11,6 +11,7 @@ a `ConfigError` naming the config field, never a silently different layer.
 
 import importlib
 import inspect
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -174,13 +175,37 @@ def _head_dim(config: Any) -> int:
 
 # The output projection's names: Llama's o_proj, Phi's dense.
 _OUTPUT_NAMES = ("o_proj", "dense")
-_LOADED = ("q_proj", "k_proj", "v_proj", *_OUTPUT_NAMES, "q_norm", "k_norm")
+_LOADED = ("q_proj", "k_proj", "v_proj", "query_key_value", *_OUTPUT_NAMES, "q_norm", "k_norm")
 # Config fields of layers that compute a variant we do not (each is None or False where they do not).
 _UNSUPPORTED_FIELDS = {
     "clip_qkv": "queries, keys and values clipped (OLMo)",
     "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
     "use_qk_norm": "QK-norm over every head (Cohere)",
 }
+
+
+def per_head_fused(layer: nn.Module) -> nn.Linear | None:
+    """GPT-NeoX's and Persimmon's `query_key_value`, each head's rows `[q_h; k_h; v_h]` together, or None."""
+    fused = getattr(layer, "query_key_value", None)
+    if not isinstance(fused, nn.Linear) or isinstance(getattr(layer, "q_proj", None), nn.Module):
+        return None
+    return fused
+
+
+def _split_per_head(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
+    """The q/k/v projections a per-head fused `query_key_value` holds, as `(weight, bias)` pairs (views of it)."""
+    if getattr(config, "multi_query", False) or getattr(config, "new_decoder_architecture", False):
+        why = "a query_key_value fused for multi-query or grouped heads (Falcon) is not loaded"
+        raise _refuse("query_key_value", type(layer).__name__, why)
+    heads = config.num_attention_heads
+    if tuple(fused.weight.shape) != (3 * heads * head_dim, config.hidden_size):
+        why = f"the config's sizes make a per-head fused [q; k; v] of {(3 * heads * head_dim, config.hidden_size)}"
+        raise _refuse("query_key_value.weight", tuple(fused.weight.shape), why)
+    weight = fused.weight.detach().unflatten(0, (heads, 3, head_dim))
+    bias = None if fused.bias is None else fused.bias.detach().unflatten(0, (heads, 3, head_dim))
+    rows = {name: weight[:, i].flatten(0, 1) for i, name in enumerate(("q_proj", "k_proj", "v_proj"))}
+    biases = {name: None if bias is None else bias[:, i].flatten(0, 1) for i, name in enumerate(rows)}
+    return {name: SimpleNamespace(weight=rows[name], bias=biases[name]) for name in rows}
 
 
 def projection_names(layer: nn.Module) -> dict[str, str]:
@@ -225,20 +250,23 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
         )
     names = projection_names(attention)
     projections: dict[str, Any] = {ours: getattr(attention, theirs, None) for ours, theirs in names.items()}
-    missing = [names[name] for name, proj in projections.items() if not isinstance(proj, nn.Linear)]
+    head_dim = _head_dim(config)
+    fused = per_head_fused(attention)
+    if fused is not None:  # GPT-NeoX, Persimmon: every head has its own key and value (MHA)
+        projections.update(_split_per_head(attention, fused, config, head_dim))
+    missing = [names[name] for name, proj in projections.items() if not isinstance(proj, nn.Linear | SimpleNamespace)]
     if missing:
         raise ConfigError(
             f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
-            "(Llama, Mistral, Qwen2; Phi's dense as o_proj) is supported."
+            "(Llama, Mistral, Qwen2; Phi's dense as o_proj) and GPT-NeoX's per-head query_key_value are supported."
         )
-    head_dim = _head_dim(config)
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
     theta, scaling = rope_of(config)
     if theta is not None:
         options["rope_dim"], options["rope_interleaved"] = rope_layout_of(attention, config, head_dim)
     num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    num_kv_heads = (getattr(config, "num_key_value_heads", None) or num_heads) if fused is None else num_heads
     q_proj = projections["q_proj"]
     module = cls(
         config.hidden_size,
@@ -337,7 +365,7 @@ def _hf_outputs(
     cache_word = "cache" if "cache" in mask_parameters else "past_key_values"
     parameters = inspect.signature(layer.forward).parameters
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    layer_cache_word = "cache" if "cache" in parameters else "past_key_values"
+    layer_cache_word = next((w for w in _CACHE_WORDS if w in parameters), "past_key_values")
     rotary = _rotary_for(layer, config) if "position_embeddings" in parameters else None
     if rotary is not None:
         rotary = rotary.to(x.device)
@@ -368,6 +396,9 @@ def _hf_outputs(
         outputs = {probe.FORWARD: call(prompt, 0, cache)}
         outputs[probe.DECODING] = call(step, probe.PROMPT, cache)
     return outputs
+
+
+_CACHE_WORDS = ("cache", "past_key_values", "past_key_value", "layer_past")  # GPT-NeoX: layer_past
 
 
 def _run_source(owner: str, layer: nn.Module, x: Tensor, decode: bool = True) -> probe.Outputs:
@@ -445,6 +476,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     }
     found = {k: getattr(config, k, None) for k in wanted}
     found.update(
+        num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=_head_dim(config),
         rope_theta=theta,
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
@@ -475,7 +507,12 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         if module.qk_norm:
             for name in ("q_norm", "k_norm"):
                 getattr(theirs, name).weight.copy_(module._modules[name].weight)
+        fused = per_head_fused(theirs)
+        if fused is not None:
+            _write_per_head(module, fused, layer_cls.__name__)
         for name, their_name in projection_names(theirs).items():
+            if fused is not None and name != "o_proj":
+                continue
             mine: Any = module._modules[name]
             other = getattr(theirs, their_name)
             if (mine.bias is None) != (other.bias is None):
@@ -490,6 +527,20 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     if verify:
         verify_against_hf("MultiHeadAttention.to_hf()", module, theirs)
     return theirs
+
+
+def _write_per_head(module: Any, fused: nn.Linear, layer_name: str) -> None:
+    """Our q/k/v projections into a per-head fused `query_key_value`, each head's rows `[q_h; k_h; v_h]`."""
+    projections = [module._modules[name] for name in ("q_proj", "k_proj", "v_proj")]
+    if len({p.bias is None for p in projections} | {fused.bias is None}) > 1:
+        raise ConfigError(
+            f"MultiHeadAttention.to_hf(): q/k/v_proj have biases {[p.bias is not None for p in projections]} here, "
+            f"but {layer_name}'s query_key_value has bias={fused.bias is not None} (config.attention_bias?)."
+        )
+    heads, d_head = module.num_heads, module.d_head
+    fused.weight.copy_(torch.stack([p.weight.unflatten(0, (heads, d_head)) for p in projections], 1).flatten(0, 2))
+    if fused.bias is not None:
+        fused.bias.copy_(torch.stack([p.bias.unflatten(0, (heads, d_head)) for p in projections], 1).flatten(0, 2))
 
 
 def _scaling(parameters: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
 from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
-from .hf import projection_names
+from .hf import per_head_fused, projection_names
 from .hf_backend import layer_name, refuse_unknown
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
@@ -63,7 +63,8 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
     projection modules it held, its QK-norm weights), so an optimizer built before still holds them.
 
     A module is left as it was, and named with why, where `from_hf` refuses it (a variant it does not
-    compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), where
+    compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), where its
+    projections are fused per head (GPT-NeoX: the replacement would hold copies, not the model's), where
     its forward takes an argument the replacement would not pass on, or where the model's `DynamicCache`
     keeps it as a kind of layer the replacement does not read (linear attention).
 
@@ -132,6 +133,11 @@ def _why_left(module: nn.Module) -> str | None:
         named = [f"{n} {kind.replace('_', ' ')[:-1]}" + ("s" if n > 1 else "") for kind, n in hooks.items()]
         listed = ", ".join(named) or "an accelerate hook"
         return f"it has hooks ({listed}), which the replacement would not run; remove them first, or keep the layer"
+    if per_head_fused(module) is not None:
+        return (
+            "its query_key_value fuses each head's query, key and value rows, which from_hf loads as copies: the "
+            "replacement would not hold the model's own parameters"
+        )
     try:
         parameters = inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):

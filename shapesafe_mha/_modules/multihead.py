@@ -704,10 +704,12 @@ class MultiHeadAttention(nn.Module):
     def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "MultiHeadAttention":
         """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
 
-        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike), configured by
-        `attention.config`: sizes, GQA, biases per projection, dropout, RoPE (default or llama3
-        scaling; tables computed as transformers computes them), and the variants: sliding window,
-        QK-norm, logit softcapping, `query_pre_attn_scalar`. Call it `is_causal=True`; positions
+        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike; Phi's `dense` as
+        o_proj; GPT-NeoX's per-head fused `query_key_value` as q/k/v_proj), configured by `attention.config`:
+        sizes, GQA, biases per projection, dropout, RoPE (default or llama3 scaling; tables computed as
+        transformers computes them; partial rotary from `partial_rotary_factor`, interleaved pairs read
+        from the model's own rotary parts), and the variants: sliding window, QK-norm, logit softcapping,
+        `query_pre_attn_scalar`. Call it `is_causal=True`; positions
         default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
         the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
 
@@ -728,9 +730,9 @@ class MultiHeadAttention(nn.Module):
               ...
 
         Raises:
-            ConfigError: a variant computed differently here (another RoPE scaling, partial rotary,
-                a QK-norm other than RMSNorm, latent attention), named by its config field or the
-                submodule; or the converted layer differs from `attention` on the probe.
+            ConfigError: a variant computed differently here (another RoPE scaling, a QK-norm other
+                than RMSNorm, latent attention), named by its config field or the submodule; or the
+                converted layer differs from `attention` on the probe.
         """
         from .._interop.hf import from_hf
 
