@@ -56,8 +56,6 @@ REFUSED = {
     "olmo clip_qkv": ("olmo", {"clip_qkv": 0.05}, r"config.clip_qkv=0.05: queries, keys and values clipped"),
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
     "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),
-    "olmo2 full-width q_norm": ("olmo2", {}, r"q_norm='Olmo2RMSNorm': it normalises features \(32,\)"),
-    "olmo3 full-width q_norm": ("olmo3", {}, r"q_norm='Olmo3RMSNorm': it normalises features \(32,\)"),
     "cohere use_qk_norm": ("cohere", {"use_qk_norm": True}, r"q_norm='CohereLayerNorm'"),
     "gpt_oss sinks": ("gpt_oss", {}, r"parameters=\['sinks'\]: the layer holds parameters of its own"),
 }

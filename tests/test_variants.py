@@ -21,6 +21,7 @@ def variants(draw: Any) -> dict[str, Any]:
     """Options of the variants, each on or off, values small enough to matter at the drawn sizes."""
     return {
         "qk_norm": draw(st.booleans(), label="qk_norm"),
+        "qk_norm_over": draw(st.sampled_from(["head", "all"]), label="qk_norm_over"),
         "window": draw(st.one_of(st.none(), st.integers(1, 12)), label="window"),
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
@@ -62,7 +63,8 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():  # learned norm weights, not the ones they start at
             for norm in (module.q_norm, module.k_norm):
-                norm.weight.copy_(torch.rand(config.d_head, generator=generator, dtype=torch.float64) + 0.5)
+                width = norm.weight.shape[0]  # d_head, or every head's features (qk_norm_over="all")
+                norm.weight.copy_(torch.rand(width, generator=generator, dtype=torch.float64) + 0.5)
     return module
 
 
@@ -73,7 +75,8 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         x, x, x, module.weights(), num_heads=module.num_heads, num_kv_heads=module.num_kv_heads,
         rope_theta=module.rope_theta, qk_norm=norms, window=options["window"],
         logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5,
-        rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half", **kwargs,
+        rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half",
+        qk_norm_over=options.get("qk_norm_over", "head"), **kwargs,
     )  # fmt: skip
 
 
@@ -222,6 +225,7 @@ def test_reset_of_a_window_cache_that_slid_starts_over() -> None:
         ({"rope_theta": 1e4, "rope_dim": 6}, r"rope_dim=6, but the rotary part of a head must be an even int in"),
         ({"rope_theta": 1e4, "rope_dim": 2.0}, r"rope_dim=2.0, but the rotary part"),
         ({"rope_theta": 1e4, "rope_interleaved": 1}, r"rope_interleaved must be True or False, but got 1"),
+        ({"qk_norm": True, "qk_norm_over": "rows"}, r"qk_norm_over must be 'head' .* or 'all' .* but got 'rows'"),
     ],
 )
 def test_bad_variant_options_are_config_errors(kwargs: dict[str, Any], message: str) -> None:
@@ -258,6 +262,32 @@ def test_qk_norm_normalises_each_head_before_rope() -> None:
     torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 4, 5), atol=1e-4, rtol=1e-4)
 
 
+def test_qk_norm_over_every_head_normalises_the_projection_before_the_split() -> None:
+    """qk_norm_over="all" (OLMo-2): with unit weights the RMS over every head's features together is 1, not each
+    head's; the weights are num_heads * d_head and num_kv_heads * d_head wide; a head-parallel split is refused."""
+    module = ssm.MultiHeadAttention(32, 4, 2, qk_norm=True, qk_norm_over="all", norm_eps=0.0, rope_theta=10000.0)
+    assert module.q_norm.weight.shape == (32,) and module.k_norm.weight.shape == (16,)
+    seen: list[torch.Tensor] = []
+    module.q_norm.register_forward_hook(lambda _module, _args, out: seen.append(out))
+    module(torch.randn(2, 5, 32) * 1000)
+    (q,) = seen
+    assert q.shape == (2, 5, 32)  # before the head split
+    torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 5), atol=1e-4, rtol=1e-4)
+    assert "qk_norm_over='all'" in repr(module)
+    config = ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4, qk_norm=True, qk_norm_over="all", tp=2)
+    with pytest.raises(ssm.ConfigError, match=r"qk_norm_over='all' normalises every head's features together"):
+        ssm.trace_forward(config)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_qk_norm_over_every_head_is_proven_for_every_batch_and_seq(decode: bool) -> None:
+    module = ssm.MultiHeadAttention(64, 8, 2, qk_norm=True, qk_norm_over="all", rope_theta=1e4)
+    proof = ssm.prove(module, is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+    rows = {name: (named, symbolic) for name, named, symbolic in proof.stages}
+    assert rows["k_norm"] == ("batch new num_kv_heads*d_head", "(batch, 1, 16)" if decode else "(batch, seq, 16)")
+
+
 def test_public_attention_takes_window_and_softcap() -> None:
     """`scaled_dot_product_attention(window=, softcap=)` == the probabilities computed by hand, then @ v."""
     torch.manual_seed(1)
@@ -274,6 +304,7 @@ def test_public_attention_takes_window_and_softcap() -> None:
 
 COMPILED_VARIANTS = {
     "qk_norm": {"qk_norm": True},
+    "qk_norm over every head": {"qk_norm": True, "qk_norm_over": "all"},
     "window": {"window": 3},
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
     "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
@@ -315,7 +346,10 @@ def test_gqa_and_mqa_stay_zero_copy_in_every_variant(options: dict[str, Any], nu
         stages = ssm.trace_forward(config).stages
         kv = [s for s in stages if s.name in ("split_k", "split_v", "k_norm", "rotary_k", "cache_k", "cache_v")]
         assert ("rotary_k" in {s.name for s in stages}) == ("rope_theta" in options)
-        assert kv and all(s.shape[1] == num_kv_heads for s in kv)
+        per_head = [s for s in kv if s.named_shape.startswith("batch num_kv_heads")]
+        assert kv and all(s.shape[1] == num_kv_heads for s in per_head)
+        # a norm over every head's features sees the keys before the split: num_kv_heads * d_head wide
+        assert all(s.shape[-1] == num_kv_heads * 8 for s in kv if s not in per_head)
         assert all(s.allocated_bytes < 8 * 13 * 8 * 2 for s in stages if s.name in ("cache_k", "cache_v"))
 
 

@@ -3,6 +3,7 @@ than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternatin
 rotary (Phi, StableLM, Nemotron), interleaved RoPE (Cohere, Helium, ERNIE 4.5) and both (GLM, GLM-4), loaded
 with `MultiHeadAttention.from_hf` and computed as the HF model computes them, full forward and decoding."""
 
+import inspect
 from typing import Any
 
 import pytest
@@ -58,6 +59,13 @@ CASES = {
         "gpt_neox", 0, {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, {"rope_dim": 4},
     ),
     "persimmon-partial-fused": ("persimmon", 0, {"qk_layernorm": False}, {"rope_dim": 4, "num_kv_heads": 4}),
+    # QK-norm over every head's features at once, before the head split (weights num_heads * head_dim wide)
+    "olmo2-qk-norm-all": ("olmo2", 0, {"num_key_value_heads": 2}, {"qk_norm": True, "qk_norm_over": "all"}),
+    "olmoe-qk-norm-all": ("olmoe", 0, {"num_key_value_heads": 1}, {"qk_norm": True, "qk_norm_over": "all"}),
+    # rope_parameters kept per layer type, and a sliding layer
+    "olmo3-qk-norm-all-sliding": (
+        "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
+    ),
 }  # fmt: skip
 # transformers' Cohere and ERNIE 4.5 rotate in float32 inside apply_rotary_pos_emb, whatever the dtype
 FLOAT32_ROPE = ("cohere", "ernie4_5")
@@ -68,7 +76,7 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
     prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite", "phi": "Phi",
               "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
               "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
-              "persimmon": "Persimmon"}[model_type]  # fmt: skip
+              "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -93,7 +101,9 @@ def _layer(case: str, implementation: str) -> tuple[Any, Any]:
 def _hf_forward(layer: Any, rotary: Any, x: torch.Tensor) -> torch.Tensor:
     """Called as the HF model calls it: its rotary tables, and transformers' own (sliding-window) causal mask."""
     positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
-    cos, sin = rotary(x, positions)
+    types = getattr(layer.config, "layer_types", None)
+    by_type = "layer_type" in inspect.signature(rotary.forward).parameters  # RoPE kept per layer type (OLMo 3)
+    cos, sin = rotary(x, positions, *([types[layer.layer_idx]] if by_type and types else []))
     sliding = getattr(layer, "sliding_window", None) or (
         layer.config.model_type == "mistral" and layer.config.sliding_window is not None
     )
@@ -224,3 +234,17 @@ def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_
     monkeypatch.setattr(kernels, kernel, bug)
     with pytest.raises(ssm.ConfigError, match=r"differs from \w+Attention by .* Known to differ here: the rotary"):
         ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_a_qk_norm_over_every_head_and_names_a_per_head_one() -> None:
+    """OLMo-2: from_hf then to_hf computes what the layer computes; a module whose QK-norm is per head is
+    refused for its config, naming qk_norm_over."""
+    layer, rotary = _layer("olmo2-qk-norm-all", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    per_head = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, qk_norm=True, rope_theta=ours.rope_theta)
+    with pytest.raises(ssm.ConfigError, match=r"another variant: qk_norm_over='all' \(module: 'head'\)"):
+        per_head.to_hf(layer.config)

@@ -32,9 +32,25 @@ def _refuse(field: str, value: Any, why: str) -> ConfigError:
     )
 
 
-def rope_of(config: Any) -> tuple[float | None, dict[str, Any] | None]:
-    """`(rope_theta, scaling)` of a transformers config (`rope_parameters` in transformers 5, else `rope_theta`)."""
+def _rope_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
+    """The config's `rope_parameters` (`rope_scaling` before transformers 5); those of `layer_type` where a set is
+    kept per layer type (Gemma 3, OLMo 3), or the one set they all share."""
     parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    sets = {kind: value for kind, value in parameters.items() if isinstance(value, dict)}
+    if not sets or len(sets) != len(parameters):
+        return dict(parameters)
+    if layer_type in sets:
+        return dict(sets[layer_type])
+    first = next(iter(sets.values()))
+    if all(value == first for value in sets.values()):
+        return dict(first)
+    raise _refuse("rope_parameters", sorted(sets), "RoPE parameters differ by layer type, and the layer's is not known")
+
+
+def rope_of(config: Any, layer_type: str | None = None) -> tuple[float | None, dict[str, Any] | None]:
+    """`(rope_theta, scaling)` of a transformers config (`rope_parameters` in transformers 5, else `rope_theta`);
+    a layer of `layer_type` where the config keeps them per layer type."""
+    parameters = _rope_parameters(config, layer_type)
     theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind not in SUPPORTED_SCALING:
@@ -43,10 +59,10 @@ def rope_of(config: Any) -> tuple[float | None, dict[str, Any] | None]:
     return theta, (scaling if kind != "default" else None)
 
 
-def rope_dim_of(config: Any, head_dim: int) -> int | None:
+def rope_dim_of(config: Any, head_dim: int, layer_type: str | None = None) -> int | None:
     """The rotated features of each head, `int(head_dim * partial_rotary_factor)` as transformers' rotary classes
     compute it (the factor in `rope_parameters` in transformers 5, on the config before); None: every feature."""
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    parameters = _rope_parameters(config, layer_type)
     found = [
         (field, value)
         for field, value in (
@@ -98,7 +114,7 @@ def rope_interleaved(modeling: Any, cos: Tensor, sin: Tensor) -> bool:
 
 def rope_layout_of(layer: nn.Module, config: Any, head_dim: int) -> tuple[int | None, bool]:
     """`(rope_dim, interleaved)` of a transformers attention layer with RoPE: the rotated part, and its pairing."""
-    rope_dim = rope_dim_of(config, head_dim)
+    rope_dim = rope_dim_of(config, head_dim, _layer_type(layer, config))
     rotary = _rotary_for(layer, config)
     interleaved = bool(getattr(config, "rope_interleave", False))
     if rotary is not None and not interleaved:
@@ -126,6 +142,7 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     if any(norm is not None for norm in norms):
         options["qk_norm"] = True
         options["norm_eps"] = _norm_eps(norms[0])
+        options["qk_norm_over"] = _norm_over(norms[0], config)
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         options["logit_softcap"] = float(softcap)
@@ -147,6 +164,14 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     if not getattr(attention, "is_causal", True):
         raise _refuse("is_causal", False, "only causal (decoder) attention layers are supported")
     return options
+
+
+def _norm_over(norm: Any, config: Any) -> str:
+    """"head" for a QK-norm of each head's d_head features, "all" for one of every head's together (OLMo-2)."""
+    weight = getattr(norm, "weight", None)
+    head_dim = _head_dim(config)
+    width = weight.shape[-1] if isinstance(weight, Tensor) and weight.dim() == 1 else None
+    return "all" if width not in (None, head_dim) and width == config.num_attention_heads * head_dim else "head"
 
 
 def _norm_eps(norm: Any) -> float:
@@ -225,12 +250,19 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
         if name not in _LOADED and any(True for _ in child.parameters()):
             why = f"the layer holds a submodule with parameters ({type(child).__name__}) that is not loaded"
             raise _refuse(name, type(child).__name__, why)
+    heads = config.num_attention_heads
+    every = {"q_norm": heads * d_head, "k_norm": (getattr(config, "num_key_value_heads", None) or heads) * d_head}
+    over = _norm_over(getattr(attention, "q_norm", None), config)
     for name in ("q_norm", "k_norm"):
         norm = getattr(attention, name, None)
         weight = getattr(norm, "weight", None)
-        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != (d_head,)):
+        width = d_head if over == "head" else every[name]
+        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != (width,)):
             shape = None if not isinstance(weight, Tensor) else tuple(weight.shape)
-            why = f"it normalises features {shape}, not each head's d_head={d_head} (a full-width or per-head norm)"
+            why = (
+                f"it normalises features {shape}, neither each head's d_head={d_head} nor every head's "
+                f"together ({every[name]}), as q_norm does"
+            )
             raise _refuse(name, type(norm).__name__, why)
     for field, what in _UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, None)
@@ -262,7 +294,7 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
         )
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
-    theta, scaling = rope_of(config)
+    theta, scaling = rope_of(config, _layer_type(attention, config))
     if theta is not None:
         options["rope_dim"], options["rope_interleaved"] = rope_layout_of(attention, config, head_dim)
     num_heads = config.num_attention_heads
@@ -463,7 +495,8 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         raise ConfigError(
             f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
         ) from None
-    theta, scaling = rope_of(config)
+    first_type = (getattr(config, "layer_types", None) or [None])[0]  # to_hf builds layer 0
+    theta, scaling = rope_of(config, first_type)
     wanted = {
         "hidden_size": module.d_model,
         "num_attention_heads": module.num_heads,
@@ -482,7 +515,8 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
     )
     found["rope_parameters (scaling)"] = _scaling(scaling) if module.rotary is not None else None
-    found["partial rotary (rope_dim)"] = rope_dim_of(config, _head_dim(config)) if theta is not None else None
+    partial = rope_dim_of(config, _head_dim(config), first_type) if theta is not None else None
+    found["partial rotary (rope_dim)"] = partial
     different = {k: (found[k], v) for k, v in wanted.items() if found[k] != v}
     if different:
         listed = ", ".join(f"{k}={theirs!r} (module: {ours!r})" for k, (theirs, ours) in different.items())
@@ -496,6 +530,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "rope_interleaved": module.rope_interleaved or None,
         "window": module.window,
         "qk_norm": module.qk_norm or None,
+        "qk_norm_over": module.qk_norm_over if module.qk_norm else None,
         "logit_softcap": module.logit_softcap,
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
     }

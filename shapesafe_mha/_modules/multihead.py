@@ -262,6 +262,9 @@ class MultiHeadAttention(nn.Module):
             of Llama's `rotate_half` (Cohere, GLM, ERNIE).
         qk_norm: RMS-normalise each head's query and key over `d_head` before RoPE, with learned
             weights (`q_norm`, `k_norm` submodules), as Qwen3 and Gemma 3 do.
+        qk_norm_over: "head" (default): each head's `d_head` features, weights `(d_head,)`; "all": every
+            head's features together, before the head split (OLMo-2), weights `(num_heads * d_head,)` for
+            the queries and `(num_kv_heads * d_head,)` for the keys.
         norm_eps: the epsilon of QK-norm.
         window: sliding-window attention: a query sees only the `window` most recent keys,
             itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
@@ -294,6 +297,7 @@ class MultiHeadAttention(nn.Module):
         rope_dim: int | None = None,
         rope_interleaved: bool = False,
         qk_norm: bool = False,
+        qk_norm_over: str = "head",
         norm_eps: float = 1e-6,
         window: int | None = None,
         logit_softcap: float | None = None,
@@ -344,9 +348,16 @@ class MultiHeadAttention(nn.Module):
             self.rotary = RotaryEmbedding(self.rope_dim or d_head, rope_theta, rope_scaling, rope_interleaved)
             self.rotary.to(device=device)
         self.qk_norm = bool(qk_norm)
+        if qk_norm_over not in ("head", "all"):
+            raise ConfigError(
+                f"{owner}: qk_norm_over must be 'head' (each head's d_head features) or 'all' (every head's "
+                f"together, OLMo-2), but got {qk_norm_over!r}."
+            )
+        self.qk_norm_over = qk_norm_over
         if qk_norm:
-            self.q_norm = nn.RMSNorm(d_head, eps=norm_eps, **factory)
-            self.k_norm = nn.RMSNorm(d_head, eps=norm_eps, **factory)
+            every = qk_norm_over == "all"
+            self.q_norm = nn.RMSNorm(num_heads * d_head if every else d_head, eps=norm_eps, **factory)
+            self.k_norm = nn.RMSNorm(num_kv_heads * d_head if every else d_head, eps=norm_eps, **factory)
         self.window = window
         self.logit_softcap = logit_softcap
         self.query_pre_attn_scalar = query_pre_attn_scalar
@@ -397,6 +408,7 @@ class MultiHeadAttention(nn.Module):
             + (f", rope_dim={self.rope_dim}" if self.rope_dim not in (None, self.d_head) else "")
             + (", rope_interleaved=True" if self.rope_interleaved else "")
             + (", qk_norm=True" if self.qk_norm else "")
+            + (", qk_norm_over='all'" if self.qk_norm and self.qk_norm_over == "all" else "")
             + (f", window={self.window}" if self.window is not None else "")
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
@@ -623,10 +635,13 @@ class MultiHeadAttention(nn.Module):
             q = s.project_query(q_proj, query)
             k = s.project_key(k_proj, key)
             v = s.project_value(v_proj, value)
+        every = self.qk_norm and self.qk_norm_over == "all"
+        if every:  # the statistic of every head's features together, before they are split
+            q, k = s.normalize_qk_inner(modules["q_norm"], modules["k_norm"], q, k)
         q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)
-        if self.qk_norm:
+        if self.qk_norm and not every:
             q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
         rotary = modules.get("rotary")
         if rotary is not None:

@@ -37,6 +37,11 @@ class DType(StrEnum):
     bfloat16 = "bfloat16"
 
 
+class NormOver(StrEnum):
+    head = "head"
+    all = "all"
+
+
 class Format(StrEnum):
     table = "table"
     json = "json"
@@ -221,6 +226,9 @@ def trace(
     rope_interleaved: Annotated[
         bool, typer.Option("--rope-interleaved/--rope-halves", help="RoPE on adjacent pairs (Cohere, GLM)")
     ] = False,
+    qk_norm_over: Annotated[
+        NormOver, typer.Option(help="QK-norm over each head's features, or all heads' at once (OLMo-2)")
+    ] = NormOver.head,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -263,7 +271,7 @@ def trace(
         else:
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
-                qk_norm, window, logit_softcap, rope_dim, rope_interleaved,
+                qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

@@ -8,7 +8,7 @@ import torch
 from .._compute.fastpath import choose_path
 from .._core.trace import Stage, tracing
 from .._modules.multihead import MultiHeadAttention
-from .._modules.parallel import plan_heads
+from .._modules.parallel import plan_heads, refuse_unsharded_norm
 
 DTYPES = {
     "float32": torch.float32,
@@ -38,6 +38,7 @@ class TraceConfig:
     logit_softcap: float | None = None  # softcapped scores (Gemma 2)
     rope_dim: int | None = None  # partial rotary: the rotated features of each head (Phi, GLM)
     rope_interleaved: bool = False  # RoPE on adjacent pairs (Cohere, GLM)
+    qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2)
 
 
 @dataclass
@@ -92,6 +93,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "rope_dim": config.rope_dim,
         "rope_interleaved": config.rope_interleaved,
         "qk_norm": config.qk_norm,
+        "qk_norm_over": config.qk_norm_over,
         "window": config.window,
         "logit_softcap": config.logit_softcap,
         "device": device,
@@ -100,6 +102,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     full = MultiHeadAttention(config.d_model, config.num_heads, config.num_kv_heads, d_head=config.d_head, **options)
     module, shards = full.eval(), []
     if config.tp != 1:
+        refuse_unsharded_norm(full, "trace_forward()")
         shards = [plan_heads(full.num_heads, full.num_kv_heads, config.tp, rank) for rank in range(config.tp)]
         local = shards[0].local_heads, shards[0].local_kv_heads
         module = MultiHeadAttention(full.d_model, *local, d_head=full.d_head, **options).eval()
