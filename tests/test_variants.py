@@ -22,6 +22,7 @@ def variants(draw: Any) -> dict[str, Any]:
     return {
         "qk_norm": draw(st.booleans(), label="qk_norm"),
         "qk_norm_over": draw(st.sampled_from(["head", "all"]), label="qk_norm_over"),
+        "qk_norm_offset": draw(st.sampled_from([0.0, 1.0]), label="qk_norm_offset"),  # 1.0: Gemma 3's 1 + weight
         "window": draw(st.one_of(st.none(), st.integers(1, 12)), label="window"),
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
@@ -69,7 +70,8 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
 
 
 def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[str, Any], **kwargs: Any) -> torch.Tensor:
-    norms = (module.q_norm.weight, module.k_norm.weight) if options["qk_norm"] else None
+    offset = options.get("qk_norm_offset", 0.0)  # the reference's RMSNorm scales by its weights: offset + weight
+    norms = (offset + module.q_norm.weight, offset + module.k_norm.weight) if options["qk_norm"] else None
     scalar = options["query_pre_attn_scalar"]
     return per_head_attention(
         x, x, x, module.weights(), num_heads=module.num_heads, num_kv_heads=module.num_kv_heads,
@@ -226,6 +228,8 @@ def test_reset_of_a_window_cache_that_slid_starts_over() -> None:
         ({"rope_theta": 1e4, "rope_dim": 2.0}, r"rope_dim=2.0, but the rotary part"),
         ({"rope_theta": 1e4, "rope_interleaved": 1}, r"rope_interleaved must be True or False, but got 1"),
         ({"qk_norm": True, "qk_norm_over": "rows"}, r"qk_norm_over must be 'head' .* or 'all' .* but got 'rows'"),
+        ({"qk_norm": True, "qk_norm_offset": float("nan")}, r"qk_norm_offset must be a finite number .* got nan"),
+        ({"qk_norm": True, "qk_norm_offset": "1"}, r"qk_norm_offset must be a finite number \(Gemma 3: 1.0\)"),
     ],
 )
 def test_bad_variant_options_are_config_errors(kwargs: dict[str, Any], message: str) -> None:
@@ -288,6 +292,17 @@ def test_qk_norm_over_every_head_is_proven_for_every_batch_and_seq(decode: bool)
     assert rows["k_norm"] == ("batch new num_kv_heads*d_head", "(batch, 1, 16)" if decode else "(batch, seq, 16)")
 
 
+def test_a_qk_norm_offset_of_one_scales_by_one_plus_weight_and_starts_at_a_scale_of_one() -> None:
+    """qk_norm_offset=1.0 (Gemma 3): the norms are OffsetRMSNorms whose weights start at 0 (scale 1, as Gemma's
+    checkpoints store them) and scale by 1 + weight."""
+    module = ssm.MultiHeadAttention(32, 4, 2, qk_norm=True, qk_norm_offset=1.0, norm_eps=0.0, rope_theta=1e4)
+    assert torch.equal(module.q_norm.weight, torch.zeros(8)) and "qk_norm_offset=1.0" in repr(module)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        module.q_norm.weight.fill_(0.5)
+    torch.testing.assert_close(module.q_norm(x), 1.5 * x / x.pow(2).mean(-1, keepdim=True).sqrt())
+
+
 def test_public_attention_takes_window_and_softcap() -> None:
     """`scaled_dot_product_attention(window=, softcap=)` == the probabilities computed by hand, then @ v."""
     torch.manual_seed(1)
@@ -305,6 +320,7 @@ def test_public_attention_takes_window_and_softcap() -> None:
 COMPILED_VARIANTS = {
     "qk_norm": {"qk_norm": True},
     "qk_norm over every head": {"qk_norm": True, "qk_norm_over": "all"},
+    "qk_norm of 1 + weight": {"qk_norm": True, "qk_norm_offset": 1.0},
     "window": {"window": 3},
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
     "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},

@@ -138,18 +138,70 @@ def test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding(case: s
             assert ours.window < SEQ and cache.kept <= ours.window
 
 
-def test_a_qk_norm_other_than_rmsnorm_is_refused_by_its_field() -> None:
-    """Gemma 3 scales by (1 + weight): found on a probe, refused naming q_norm, never loaded as if it were Qwen3's."""
+def _gemma3(layer_idx: int) -> Any:
     gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
     config = transformers.Gemma3TextConfig(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
-        query_pre_attn_scalar=8,
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=6,
+        query_pre_attn_scalar=8, sliding_window=3,
     )  # fmt: skip
-    layer = gemma3.Gemma3Attention(config, layer_idx=1)
-    with torch.no_grad():
-        layer.q_norm.weight.uniform_(0.1, 0.5)
-    with pytest.raises(ssm.ConfigError, match=r"q_norm='Gemma3RMSNorm'"):
+    return gemma3, gemma3.Gemma3Attention(config, layer_idx=layer_idx)
+
+
+def test_a_qk_norm_other_than_both_rmsnorms_is_refused_by_its_field() -> None:
+    """A norm scaling by neither weight nor 1 + weight (Gemma 3's with its mean square taken twice): found on a
+    probe, refused naming q_norm, never loaded as if it were Qwen3's or Gemma 3's."""
+    gemma3, layer = _gemma3(1)
+
+    class Squared(gemma3.Gemma3RMSNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(super().forward(x))
+
+    for name in ("q_norm", "k_norm"):
+        setattr(layer, name, Squared(8, eps=1e-6))
+        with torch.no_grad():
+            getattr(layer, name).weight.uniform_(0.1, 0.5)
+    with pytest.raises(ssm.ConfigError, match=r"q_norm='Squared': it computes neither weight \* x / rms\(x\) nor"):
         ssm.MultiHeadAttention.from_hf(layer)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("layer_idx", [0, 5])
+def test_gemma3_loads_its_one_plus_weight_qk_norm_window_and_rope_of_its_layer_type(
+    implementation: str, layer_idx: int
+) -> None:
+    """Gemma 3: QK-norm scaling by 1 + weight (qk_norm_offset=1.0), sliding layers of window 3 with their own
+    RoPE base (10000) and full layers with theirs (1e6), query_pre_attn_scalar; equal to the layer in float64,
+    forward and decoding step by step, to 1e-5 (its norm computes in float32); to_hf round-trips layer 0."""
+    _, layer = _gemma3(layer_idx)
+    layer.config._attn_implementation = implementation
+    layer = layer.to(torch.float64).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.6, 0.6)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    sliding = layer_idx == 0
+    assert (ours.qk_norm_offset, ours.window, ours.rope_theta) == (1.0, 3 if sliding else None, 1e4 if sliding else 1e6)
+    rotary = _classes_of(layer).Gemma3RotaryEmbedding(layer.config)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    tol = {"atol": 1e-5, "rtol": 1e-5}
+    with torch.no_grad():
+        expected = _hf_forward(layer, rotary, x)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        cache = ours.new_cache(batch=2, capacity=ours.window or SEQ)
+        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
+        if sliding:
+            back = ours.to_hf(layer.config).to(torch.float64).eval()
+            torch.testing.assert_close(_hf_forward(back, rotary, x), expected, atol=1e-12, rtol=0)
+            plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, qk_norm=True, window=3, rope_theta=1e4,
+                                           query_pre_attn_scalar=8)  # fmt: skip
+            with pytest.raises(ssm.ConfigError, match=r"qk_norm_offset=1.0 \(module: 0.0\)"):
+                plain.to_hf(layer.config)
+
+
+def _classes_of(layer: Any) -> Any:
+    return __import__(type(layer).__module__, fromlist=["_"])
 
 
 def test_to_hf_round_trips_the_variants_and_refuses_a_config_of_another() -> None:

@@ -302,6 +302,16 @@ MUTANTS: list[Mutant] = [
       '    return "head"', "from_hf takes OLMo-2's norm over every head for a per-head one", VARIANTS_HF),
     M("_interop/hf.py", "    theta, scaling = rope_of(config, _layer_type(attention, config))", "    theta, scaling = rope_of(config)",
       "from_hf ignores rope_parameters kept per layer type (OLMo 3: no RoPE at all)", VARIANTS_HF),
+    # --- Gemma 3's QK-norm, 1 + weight ---
+    M("_compute/norms.py", "        return F.rms_norm(x, (x.shape[-1],), None, self.eps) * (self.offset + self.weight)",
+      "        return F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight",
+      "Gemma's QK-norm scales by weight, not offset + weight", VARIANTS, VARIANTS_HF),
+    M("_modules/multihead.py", "            if offset:\n", "            if False:\n", "qk_norm_offset ignored: a plain RMSNorm", VARIANTS),
+    M("_interop/hf.py", "        for offset in (0.0, 1.0):\n", "        for offset in (0.0,):\n",
+      "from_hf does not know Gemma 3's 1 + weight norm", VARIANTS_HF),
+    M("_interop/hf.py", "        layer_cls = named or getattr(modeling, f\"{kind.removesuffix('Text')}Attention\")",
+      "        layer_cls = named or getattr(modeling, f\"{kind}Attention\")",
+      "to_hf finds no attention class for Gemma3TextConfig", VARIANTS_HF),
     M("_interop/hf.py", "            if theirs.bias is None:\n                ours.register_parameter", "            if False:\n                ours.register_parameter",
       "from_hf gives Qwen2 an output bias it does not have", ROPE),
     # --- attention variants ---

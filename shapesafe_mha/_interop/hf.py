@@ -143,6 +143,7 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["qk_norm"] = True
         options["norm_eps"] = _norm_eps(norms[0])
         options["qk_norm_over"] = _norm_over(norms[0], config)
+        options["qk_norm_offset"] = _norm_offset(norms[0])
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         options["logit_softcap"] = float(softcap)
@@ -174,6 +175,23 @@ def _norm_over(norm: Any, config: Any) -> str:
     return "all" if width not in (None, head_dim) and width == config.num_attention_heads * head_dim else "head"
 
 
+def _norm_offset(norm: Any) -> float:
+    """0.0 for an RMSNorm scaling by `weight`, 1.0 for one scaling by `1 + weight` (Gemma 3), shown on a probe of
+    the norm with its own weights; any other norm is 0.0 here, and refused by `load_norms`'s probe."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.device.type == "meta":
+        return 0.0
+    eps = _norm_eps(norm)
+    x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        got = norm(x)
+        normed = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+        for offset in (0.0, 1.0):
+            if got.shape == x.shape and torch.allclose(got, normed * (offset + weight), rtol=1e-3, atol=1e-5):
+                return offset
+    return 0.0
+
+
 def _norm_eps(norm: Any) -> float:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(eps, float):
@@ -190,7 +208,7 @@ def load_norms(module: Any, attention: nn.Module) -> None:
             probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
             probe = probe.to(device=ours.weight.device, dtype=ours.weight.dtype)
             if not torch.allclose(theirs(probe), ours(probe), rtol=1e-3, atol=1e-5):
-                why = "it computes something other than weight * x / rms(x) (Gemma 3's 1 + weight?)"
+                why = "it computes neither weight * x / rms(x) nor (1 + weight) * x / rms(x) (Gemma 3's)"
                 raise _refuse(name, type(theirs).__name__, why)
 
 
@@ -488,9 +506,10 @@ def _suspects(ours: Any, theirs: nn.Module, x: Tensor) -> list[str]:
 def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     """The transformers attention layer of `config`'s model type, holding `module`'s weights."""
     kind = type(config).__name__.removesuffix("Config")
-    try:
-        modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-        layer_cls = getattr(modeling, f"{kind}Attention")
+    try:  # the modeling module beside the config's (Gemma3TextConfig's is gemma3's, with Gemma3Attention)
+        modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+        named = getattr(modeling, f"{kind}Attention", None)
+        layer_cls = named or getattr(modeling, f"{kind.removesuffix('Text')}Attention")
     except (ImportError, AttributeError):
         raise ConfigError(
             f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
@@ -531,6 +550,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "window": module.window,
         "qk_norm": module.qk_norm or None,
         "qk_norm_over": module.qk_norm_over if module.qk_norm else None,
+        "qk_norm_offset": module.qk_norm_offset if module.qk_norm else None,
         "logit_softcap": module.logit_softcap,
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
     }

@@ -1,6 +1,7 @@
 """`MultiHeadAttention`: the module, for MHA, GQA and MQA, composed of checked stages."""
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from .._compute import kernels as K
 from .._compute.cache import KVCache
 from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state
+from .._compute.norms import OffsetRMSNorm
 from .._compute.rotary import (
     RotaryEmbedding,
     apply_partial_rotary,
@@ -265,6 +267,8 @@ class MultiHeadAttention(nn.Module):
         qk_norm_over: "head" (default): each head's `d_head` features, weights `(d_head,)`; "all": every
             head's features together, before the head split (OLMo-2), weights `(num_heads * d_head,)` for
             the queries and `(num_kv_heads * d_head,)` for the keys.
+        qk_norm_offset: the QK-norm scales by `qk_norm_offset + weight` (Gemma 3, whose checkpoints store
+            the scale's offset from 1: `1.0`; the norms are then `OffsetRMSNorm`s); default 0, `nn.RMSNorm`.
         norm_eps: the epsilon of QK-norm.
         window: sliding-window attention: a query sees only the `window` most recent keys,
             itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
@@ -298,6 +302,7 @@ class MultiHeadAttention(nn.Module):
         rope_interleaved: bool = False,
         qk_norm: bool = False,
         qk_norm_over: str = "head",
+        qk_norm_offset: float = 0.0,
         norm_eps: float = 1e-6,
         window: int | None = None,
         logit_softcap: float | None = None,
@@ -354,10 +359,19 @@ class MultiHeadAttention(nn.Module):
                 f"together, OLMo-2), but got {qk_norm_over!r}."
             )
         self.qk_norm_over = qk_norm_over
+        offset = qk_norm_offset
+        if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
+            raise ConfigError(f"{owner}: qk_norm_offset must be a finite number (Gemma 3: 1.0), but got {offset!r}.")
+        self.qk_norm_offset = float(offset)
         if qk_norm:
             every = qk_norm_over == "all"
-            self.q_norm = nn.RMSNorm(num_heads * d_head if every else d_head, eps=norm_eps, **factory)
-            self.k_norm = nn.RMSNorm(num_kv_heads * d_head if every else d_head, eps=norm_eps, **factory)
+            widths = (num_heads * d_head, num_kv_heads * d_head) if every else (d_head, d_head)
+            if offset:
+                self.q_norm = OffsetRMSNorm(widths[0], norm_eps, float(offset), **factory)
+                self.k_norm = OffsetRMSNorm(widths[1], norm_eps, float(offset), **factory)
+            else:
+                self.q_norm = nn.RMSNorm(widths[0], eps=norm_eps, **factory)
+                self.k_norm = nn.RMSNorm(widths[1], eps=norm_eps, **factory)
         self.window = window
         self.logit_softcap = logit_softcap
         self.query_pre_attn_scalar = query_pre_attn_scalar
@@ -409,6 +423,7 @@ class MultiHeadAttention(nn.Module):
             + (", rope_interleaved=True" if self.rope_interleaved else "")
             + (", qk_norm=True" if self.qk_norm else "")
             + (", qk_norm_over='all'" if self.qk_norm and self.qk_norm_over == "all" else "")
+            + (f", qk_norm_offset={self.qk_norm_offset}" if self.qk_norm and self.qk_norm_offset else "")
             + (f", window={self.window}" if self.window is not None else "")
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")

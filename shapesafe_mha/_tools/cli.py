@@ -229,6 +229,9 @@ def trace(
     qk_norm_over: Annotated[
         NormOver, typer.Option(help="QK-norm over each head's features, or all heads' at once (OLMo-2)")
     ] = NormOver.head,
+    qk_norm_offset: Annotated[
+        float, typer.Option(metavar="FLOAT", help="the QK-norm scales by FLOAT + weight (Gemma 3: 1)")
+    ] = 0.0,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -272,6 +275,7 @@ def trace(
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
+                qk_norm_offset,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

@@ -39,6 +39,7 @@ class TraceConfig:
     rope_dim: int | None = None  # partial rotary: the rotated features of each head (Phi, GLM)
     rope_interleaved: bool = False  # RoPE on adjacent pairs (Cohere, GLM)
     qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2)
+    qk_norm_offset: float = 0.0  # 1.0: the QK-norm scales by 1 + weight (Gemma 3)
 
 
 @dataclass
@@ -94,6 +95,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "rope_interleaved": config.rope_interleaved,
         "qk_norm": config.qk_norm,
         "qk_norm_over": config.qk_norm_over,
+        "qk_norm_offset": config.qk_norm_offset,
         "window": config.window,
         "logit_softcap": config.logit_softcap,
         "device": device,
