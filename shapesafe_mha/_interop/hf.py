@@ -85,17 +85,19 @@ def rope_dim_of(config: Any, head_dim: int, layer_type: str | None = None) -> in
     return width
 
 
-def rope_interleaved(modeling: Any, cos: Tensor, sin: Tensor) -> bool:
+def rope_interleaved(modeling: Any, cos: Tensor, sin: Tensor, width: int | None = None) -> bool:
     """Whether a model's RoPE turns adjacent pairs `(2i, 2i+1)` rather than halves, shown on its own parts.
 
-    `cos`, `sin` are its rotary class's tables `(batch, seq, width)` for positions `0, 1, ...`: a table with each
-    angle twice in a row (Cohere's) says pairs. A table in halves may still be applied to pairs (GLM and ERNIE
-    interleave it inside `apply_rotary_pos_emb`): the modeling module's own function on a probe tells. A function
-    that matches neither is taken as halves, and the conversion's probe then names the difference.
+    `cos`, `sin` are its rotary class's tables `(batch, seq, features)` for positions `0, 1, ...`, for `width`
+    rotated features (default: the tables' width; gpt-oss keeps one angle per pair, a table half as wide). A
+    table with each angle twice in a row (Cohere's) says pairs. A table in halves may still be applied to pairs
+    (GLM and ERNIE interleave it inside `apply_rotary_pos_emb`): the modeling module's own function on a probe
+    tells. A function that matches neither is taken as halves, and the probe of a conversion (or the check of
+    a class) then names the difference.
     """
-    width = cos.shape[-1]
+    width = cos.shape[-1] if width is None else width
     row = cos[0, -1]
-    if width > 2 and torch.equal(row[0::2], row[1::2]):
+    if cos.shape[-1] == width and width > 2 and torch.equal(row[0::2], row[1::2]):
         return True
     apply = getattr(modeling, "apply_rotary_pos_emb", None)
     if apply is None or width <= 2:  # two features: halves and pairs are one rotation
@@ -107,9 +109,10 @@ def rope_interleaved(modeling: Any, cos: Tensor, sin: Tensor) -> bool:
         turned = apply(q, q, cos, sin)[0]
     except Exception:  # another signature: the probe of the conversion decides
         return False
-    half = width // 2
-    paired = K.rotate(q, cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True)
-    return turned.shape == q.shape and bool(torch.allclose(turned.double(), paired, atol=1e-6))
+    angles = width // 2 if cos.shape[-1] == width else cos.shape[-1]  # one angle per pair, first in the table
+    cos, sin = cos[..., :angles].repeat_interleave(2, -1), sin[..., :angles].repeat_interleave(2, -1)
+    paired = K.rotate(q, cos, sin, True)
+    return turned.shape == q.shape and bool(torch.allclose(turned.double(), paired, atol=1e-5))
 
 
 def rope_layout_of(layer: nn.Module, config: Any, head_dim: int) -> tuple[int | None, bool]:
