@@ -141,6 +141,50 @@ def test_a_prompt_under_inference_mode_then_decoding_outside_it_equals_one_causa
         torch.testing.assert_close(torch.cat([o.clone() for o in outs], 1), module(x, is_causal=True), **F64)
 
 
+@pytest.mark.parametrize("kind", ["mha", "llama3-scaled", "latent"])
+def test_a_module_made_on_meta_then_to_empty_and_loaded_equals_the_original(kind: str) -> None:
+    """How large models are built: made on the meta device, `to_empty()`, then `load_state_dict`. The rotary
+    frequencies are no part of the state_dict, so they are computed again on load (they were uninitialized
+    memory, silently: 0.36 off), and by `reset_parameters()` after `to_empty()` alone."""
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
+
+    def make() -> Any:
+        if kind == "latent":
+            return ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=8, d_rope=4, d_value=8, dtype=torch.float64)
+        return _module(rope_theta=500000.0, rope_scaling=scaling if kind == "llama3-scaled" else None)
+
+    original = make()
+    with torch.device("meta"):
+        built = make()
+    built = built.to_empty(device="cpu")
+    built.load_state_dict(original.state_dict())
+    x = _x()
+    with torch.no_grad():
+        torch.testing.assert_close(built(x, is_causal=True), original(x, is_causal=True), **F64)
+    with torch.device("meta"):
+        empty = make()
+    empty = empty.to_empty(device="cpu")
+    rotary = next(m for m in empty.modules() if isinstance(m, ssm.RotaryEmbedding))
+    rotary.reset_parameters()
+    expected = next(m for m in original.modules() if isinstance(m, ssm.RotaryEmbedding))
+    assert torch.equal(rotary.inv_freq, expected.inv_freq)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_module_cast_to_half_precision_keeps_its_rope_frequencies(dtype: torch.dtype) -> None:
+    """`module.to(torch.bfloat16)` casts every floating buffer, the rotary frequencies too; rounded, they put a
+    cosine at position 4000 off by up to 1.97. The tables are those of float32 frequencies, in `dtype`."""
+    module = _module(dtype=torch.float32, rope_theta=500000.0)
+    positions = torch.tensor([[1, 100, 4000, 30000]])
+    expected = module.rotary(positions, torch.float32)
+    half = copy.deepcopy(module).to(dtype)
+    assert half.rotary.inv_freq.dtype == dtype  # torch cast it, as it casts any buffer
+    for got, want in zip(half.rotary(positions, dtype), expected, strict=True):
+        torch.testing.assert_close(got, want.to(dtype))
+
+
 def test_dynamic_quantization_stays_close_to_float() -> None:
     module, x = _module(dtype=torch.float32), _x(dtype=torch.float32)
     with torch.no_grad():

@@ -142,7 +142,6 @@ class FusedQKV:
     """The q/k/v weights (and biases) concatenated, and what they were made from."""
 
     sources: tuple[Tensor | None, ...]
-    ids: tuple[int, ...]  # of `sources`, which this holds: equal ids are the same tensors
     stamps: tuple[int, ...]
     weight: Tensor
     bias: Tensor | None
@@ -158,14 +157,20 @@ def _stamps(sources: tuple[Tensor | None, ...]) -> tuple[int, ...]:
     return tuple(stamps)
 
 
+def _same(held: tuple[Tensor | None, ...], sources: tuple[Tensor | None, ...]) -> bool:
+    """Whether the six tensors are the ones `held` (by identity, unrolled: this runs on every inference call)."""
+    a, b, c, d, e, f = held
+    s0, s1, s2, s3, s4, s5 = sources
+    return a is s0 and b is s1 and c is s2 and d is s3 and e is s4 and f is s5
+
+
 def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None) -> FusedQKV | None:
     """The concatenated projection of three plain linears, reusing `cached` while it is current; else None."""
     if not (plain_linear(q) and plain_linear(k) and plain_linear(v)) or global_hooks():
         return None
     qp, kp, vp = q._parameters, k._parameters, v._parameters
     sources = (qp["weight"], kp["weight"], vp["weight"], qp["bias"], kp["bias"], vp["bias"])
-    ids = tuple(map(id, sources))
-    if cached is not None and cached.ids == ids and cached.stamps == _stamps(sources):
+    if cached is not None and _same(cached.sources, sources) and cached.stamps == _stamps(sources):
         return cached
     weights, biases = sources[:3], sources[3:]
     first = qp["weight"]
@@ -176,7 +181,7 @@ def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None) -> FusedQKV | Non
     with torch.no_grad():
         weight = torch.cat([w for w in weights if w is not None])
         bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
-    return FusedQKV(sources, ids, _stamps(sources), weight, bias)
+    return FusedQKV(sources, _stamps(sources), weight, bias)
 
 
 def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> bool:
