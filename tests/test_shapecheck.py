@@ -573,3 +573,23 @@ def test_string_annotations_are_read_from_the_module_and_a_local_name_is_a_confi
     assert line == "scale(): t has num_heads=3 (axis 0), but q set num_heads=4."
     with pytest.raises(ssm.ConfigError, match=r"^shapecheck: make_local.<locals>.Local.forward's annotations cannot"):
         future_user.make_local()
+
+
+@ssm.shapecheck
+def first_of_many(x: Float[Tensor, " d"], parts: tuple[Float[Tensor, " d"], ...]) -> Float[Tensor, " d"]:
+    return x
+
+
+@ssm.shapecheck
+def first_of_list(x: Float[Tensor, " d"], parts: list[Float[Tensor, " d"]]) -> Float[Tensor, " d"]:
+    return x
+
+
+@pytest.mark.parametrize("call", [first_of_many, first_of_list], ids=["tuple[X, ...]", "list[X]"])
+def test_every_item_of_a_variadic_tuple_or_list_is_checked_every_time(call: Callable[..., Any]) -> None:
+    """beartype checks one item of a `tuple[X, ...]` or `list[X]`, drawn at random: one wrong item of two passed
+    about half the time, and a tuple's verdict, once remembered, admitted it for good. Every item is checked."""
+    kind = tuple if call is first_of_many else list
+    for _ in range(20):
+        line = first_line(lambda: call(torch.ones(3), kind([torch.ones(3), torch.ones(4)])))
+        assert line == f"{call.__name__}(): parts[1] has d=4 (axis 0), but x set d=3."

@@ -217,6 +217,9 @@ MUTANTS: list[Mutant] = [
       "a tuple's unknown part hidden in its signature: remembered", "tests/test_shapecheck.py"),
     M("_core/shapecheck.py", "== [torch.Tensor]", "!= []",
       "a verdict for an nn.Parameter admits a plain tensor", "tests/test_shapecheck.py"),
+    M("_core/messages.py", "            return all(bearable(item, parts[0]) for item in value)\n        if origin is list",
+      "            return is_bearable(value, hint)\n        if origin is list",
+      "a tuple[X, ...]'s items checked by beartype's one random draw", "tests/test_shapecheck.py"),
     # --- messages ---
     M("_core/messages.py", "        if axis.broadcast and size == 1:\n            continue", "        if size == 1:\n            continue",
       "the explainer lets any size-1 axis pass", ERRORS),

@@ -22,11 +22,10 @@ from types import SimpleNamespace
 from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
-from beartype.door import is_bearable
 from jaxtyping import jaxtyped
 
 from .errors import ConfigError
-from .messages import ExplainedError, Memo, arrays_of, bind, explain, shape_error
+from .messages import ExplainedError, Memo, arrays_of, bearable, bind, explain, shape_error
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -300,7 +299,7 @@ class Session:
         """Check one value against its annotation in this session's memo: None, or why it fails."""
         if hint is None or not self.check:  # only observing: nothing to bind (sizes may be symbolic)
             return None
-        if not is_bearable(value, hint):
+        if not bearable(value, hint):
             return explain(label, value, hint, self.memo) or ExplainedError(
                 f"{label} does not satisfy its annotation {hint}.", arg=label
             )

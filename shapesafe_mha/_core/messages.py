@@ -87,6 +87,22 @@ def arrays_of(hint: Any) -> list[Any]:
     return []
 
 
+def bearable(value: Any, hint: Any) -> bool:
+    """`beartype.door.is_bearable`, but every item of a `tuple[X, ...]` or `list[X]` checked: beartype checks
+    one item, drawn at random (its O(1) strategy; the linear one is not implemented), so a wrong item among
+    right ones passed now and then, and a tuple's verdict, once remembered, admitted it for good."""
+    origin = typing.get_origin(hint)
+    if (origin is tuple or origin is list) and isinstance(value, origin):
+        parts = typing.get_args(hint)
+        if origin is tuple and len(parts) == 2 and parts[1] is ...:
+            return all(bearable(item, parts[0]) for item in value)
+        if origin is list and len(parts) == 1:
+            return all(bearable(item, parts[0]) for item in value)
+        if origin is tuple and len(parts) == len(value) and ... not in parts:
+            return all(bearable(item, part) for item, part in zip(value, parts, strict=True))
+    return is_bearable(value, hint)
+
+
 def accepts_none(hint: Any) -> bool:
     return hint is None or hint is type(None) or type(None) in typing.get_args(hint)
 
@@ -162,15 +178,16 @@ def explain(name: str, value: Any, hint: Any, memo: Memo) -> ExplainedError | No
     if value is None and accepts_none(hint):
         return None
     arrays = arrays_of(hint)
-    if typing.get_origin(hint) is tuple and isinstance(value, tuple):  # the first part that fails, by its index
+    origin = typing.get_origin(hint)
+    if origin in (tuple, list) and isinstance(value, origin):  # the first part that fails, by its index
         parts = typing.get_args(hint)
-        if len(parts) == 2 and parts[1] is ...:
-            parts = (parts[0],) * len(value)
+        if origin is list or (len(parts) == 2 and parts[1] is ...):
+            parts = parts[:1] * len(value)
         if len(parts) != len(value):
             return ExplainedError(f"{name} must be a tuple of {len(parts)}, but got a tuple of {len(value)}.", arg=name)
         # an array part is explained against the call's dimensions; any other only where it fails alone
         pairs = enumerate(zip(value, parts, strict=True))
-        suspects = [(i, v, h) for i, (v, h) in pairs if arrays_of(h) or not is_bearable(v, h)]
+        suspects = [(i, v, h) for i, (v, h) in pairs if arrays_of(h) or not bearable(v, h)]
         return next((f for i, v, h in suspects if (f := explain(f"{name}[{i}]", v, h, memo))), None)
     if not arrays:
         if accepts_none(hint) and len(typing.get_args(hint)) == 2:
