@@ -281,17 +281,18 @@ def test_a_chunk_that_exactly_fills_a_window_cache_stays_in_it() -> None:
 
 
 def test_a_chunk_longer_than_a_window_cache_then_decoding_equals_one_causal_forward() -> None:
-    """Capacity 4, window 4: a prefill of 3, a chunk of 6 (longer than the buffer: attended in passing, then the
-    window's last 3 kept), then 2 decoding steps == one causal windowed forward over the 11 positions."""
+    """Capacity 6, window 4: a prefill of 5, a chunk of 6 (more than the buffer holds beside the 3 kept: attended
+    in passing, then the window's last 3 kept), then 2 decoding steps == one causal windowed forward over the 13
+    positions, and len() counts all 13."""
     torch.manual_seed(0)
     module = ssm.MultiHeadAttention(8, 2, window=4).double()
-    x = torch.randn(1, 11, 8, dtype=torch.float64)
-    cache = module.new_cache(1, 4)
-    outs = [module(x[:, :3], is_causal=True, kv_cache=cache), module(x[:, 3:9], is_causal=True, kv_cache=cache)]
-    assert len(cache) == 9 and cache.kept == 3
-    outs += [module(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in (9, 10)]
+    x = torch.randn(1, 13, 8, dtype=torch.float64)
+    cache = module.new_cache(1, 6)
+    outs = [module(x[:, :5], is_causal=True, kv_cache=cache), module(x[:, 5:11], is_causal=True, kv_cache=cache)]
+    assert len(cache) == 11 and cache.kept == 3
+    outs += [module(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in (11, 12)]
     torch.testing.assert_close(torch.cat(outs, 1), module(x, is_causal=True), **F64)
-    assert len(cache) == 11
+    assert len(cache) == 13
 
 
 def test_the_repr_gives_the_sizes_what_is_held_and_with_a_window_what_was_seen() -> None:
