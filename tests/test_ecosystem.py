@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.export import Dim, export
+from torch.utils.checkpoint import checkpoint
 
 import shapesafe_mha as ssm
 from shapesafe_mha.reference import per_head_attention
@@ -69,6 +70,119 @@ def test_a_hook_that_changes_a_projection_is_honoured() -> None:
         plain = module(x)
         module.v_proj.register_forward_hook(lambda m, i, o: 2 * o)
         torch.testing.assert_close(module(x), 2 * plain, **F64)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_an_accelerate_hook_on_a_projection_runs_on_every_path(grad: bool) -> None:
+    """accelerate's hooks replace a module's `forward` on the instance (no torch hook to see): the projection
+    is still called, so what the hook does is what the module computes (here: doubling v_proj's output)."""
+    hooks = pytest.importorskip("accelerate.hooks")  # installed with peft
+
+    class Doubling(hooks.ModelHook):
+        def post_forward(self, module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+            return 2 * output
+
+    module, x = _module(bias=False), _x()
+    with torch.no_grad():
+        plain = module(x)
+    hooks.add_hook_to_module(module.v_proj, Doubling())
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(module(x), 2 * plain, **F64)
+        torch.testing.assert_close(module(x, is_causal=True, kv_cache=module.new_cache(2, 5)).shape, plain.shape)
+    hooks.add_hook_to_module(module.o_proj, Doubling())
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(module(x), 4 * plain, **F64)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["mha", "rope", "latent"])
+def test_activation_checkpointing_gives_the_gradients_of_the_plain_forward(kind: str, reentrant: bool) -> None:
+    """torch.utils.checkpoint recomputes the forward in backward; the non-reentrant kind (torch's default and
+    transformers') stops that recomputation early with an exception of its own, which must pass through a
+    remembered call as raised, not be run again checked (it once was: an AssertionError inside torch)."""
+    torch.manual_seed(0)
+    if kind == "latent":
+        sizes = {"kv_lora_rank": 8, "d_nope": 8, "d_rope": 4, "d_value": 8}
+        module: nn.Module = ssm.LatentAttention(32, 4, dtype=torch.float64, **sizes)
+    else:
+        module = _module(rope_theta=10000.0 if kind == "rope" else None)
+    x = _x().requires_grad_()
+    module(x, is_causal=True)  # the verdict remembered: the recomputation runs unchecked
+    out = checkpoint(lambda t: module(t, is_causal=True), x, use_reentrant=reentrant)
+    out.pow(2).sum().backward()
+    checkpointed = [p.grad.clone() for p in module.parameters() if p.grad is not None] + [x.grad.clone()]
+    module.zero_grad()
+    x.grad = None
+    module(x, is_causal=True).pow(2).sum().backward()
+    plain = [p.grad for p in module.parameters() if p.grad is not None] + [x.grad]
+    assert len(checkpointed) == len(plain)
+    for a, b in zip(checkpointed, plain, strict=True):
+        torch.testing.assert_close(a, b, **F64)
+
+
+@pytest.mark.parametrize("kind", ["mha", "window", "latent"])
+def test_a_prompt_under_inference_mode_then_decoding_outside_it_equals_one_causal_forward(kind: str) -> None:
+    """torch.inference_mode makes the cache's buffers inference tensors, which torch lets no one write in place
+    outside that mode: decoding after it (under no_grad, or with grad) continues as one causal forward would."""
+    torch.manual_seed(0)
+    if kind == "latent":
+        sizes = {"kv_lora_rank": 8, "d_nope": 8, "d_rope": 4, "d_value": 8}
+        module: Any = ssm.LatentAttention(32, 4, dtype=torch.float64, **sizes)
+    else:
+        module = _module(rope_theta=10000.0, window=3 if kind == "window" else None)
+    x = _x(seq=7)
+    with torch.inference_mode():  # the cache made and filled there, as a prompt would be
+        cache = module.new_cache(2, 5 if kind == "window" else 7)
+        outs = [module(x[:, :4], is_causal=True, kv_cache=cache)]
+    with torch.no_grad():
+        outs.append(module(x[:, 4:5], is_causal=True, kv_cache=cache))
+    outs += [module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in (5, 6)]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([o.clone() for o in outs], 1), module(x, is_causal=True), **F64)
+
+
+@pytest.mark.parametrize("kind", ["mha", "llama3-scaled", "latent"])
+def test_a_module_made_on_meta_then_to_empty_and_loaded_equals_the_original(kind: str) -> None:
+    """How large models are built: made on the meta device, `to_empty()`, then `load_state_dict`. The rotary
+    frequencies are no part of the state_dict, so they are computed again on load (they were uninitialized
+    memory, silently: 0.36 off), and by `reset_parameters()` after `to_empty()` alone."""
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
+
+    def make() -> Any:
+        if kind == "latent":
+            return ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=8, d_rope=4, d_value=8, dtype=torch.float64)
+        return _module(rope_theta=500000.0, rope_scaling=scaling if kind == "llama3-scaled" else None)
+
+    original = make()
+    with torch.device("meta"):
+        built = make()
+    built = built.to_empty(device="cpu")
+    built.load_state_dict(original.state_dict())
+    x = _x()
+    with torch.no_grad():
+        torch.testing.assert_close(built(x, is_causal=True), original(x, is_causal=True), **F64)
+    with torch.device("meta"):
+        empty = make()
+    empty = empty.to_empty(device="cpu")
+    rotary = next(m for m in empty.modules() if isinstance(m, ssm.RotaryEmbedding))
+    rotary.reset_parameters()
+    expected = next(m for m in original.modules() if isinstance(m, ssm.RotaryEmbedding))
+    assert torch.equal(rotary.inv_freq, expected.inv_freq)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_module_cast_to_half_precision_keeps_its_rope_frequencies(dtype: torch.dtype) -> None:
+    """`module.to(torch.bfloat16)` casts every floating buffer, the rotary frequencies too; rounded, they put a
+    cosine at position 4000 off by up to 1.97. The tables are those of float32 frequencies, in `dtype`."""
+    module = _module(dtype=torch.float32, rope_theta=500000.0)
+    positions = torch.tensor([[1, 100, 4000, 30000]])
+    expected = module.rotary(positions, torch.float32)
+    half = copy.deepcopy(module).to(dtype)
+    assert half.rotary.inv_freq.dtype == dtype  # torch cast it, as it casts any buffer
+    for got, want in zip(half.rotary(positions, dtype), expected, strict=True):
+        torch.testing.assert_close(got, want.to(dtype))
 
 
 def test_dynamic_quantization_stays_close_to_float() -> None:

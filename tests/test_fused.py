@@ -99,6 +99,23 @@ def test_a_weight_assigned_through_data_is_used_by_the_next_no_grad_forward() ->
     assert _uses_fused_path(module, x)
 
 
+def test_a_parameter_replaced_by_another_view_of_its_storage_rebuilds_the_fused_weight() -> None:
+    """A new Parameter over the same storage (same data pointer, same version counter) read another way (its
+    transpose) holds other values: the fused weight is keyed on which tensors it was made from, not only their
+    stamps."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, dtype=torch.float64)
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        module(x)  # builds the fused weight
+    old = module.k_proj.weight.detach()
+    module.k_proj.weight = nn.Parameter(old.as_strided(old.shape, (1, old.shape[0])))
+    assert module.k_proj.weight.data_ptr() == old.data_ptr() and module.k_proj.weight._version == old._version
+    with torch.no_grad():
+        out = module(x)
+    torch.testing.assert_close(out, per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4), **F64)
+
+
 def test_state_dict_tensors_do_not_share_storage() -> None:
     """Saved q/k/v weights are tensors of their own (safetensors refuses shared storage); loading refills the fusion."""
     module = ssm.MultiHeadAttention(16, 4, 2)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from jaxtyping import Bool, Float
@@ -198,6 +199,71 @@ def test_a_remembered_verdict_still_rejects_a_new_wrong_call() -> None:
         apply_temperature(q, torch.randn(6))
     assert "log_temp has num_heads=3" in first_line(lambda: apply_temperature(q, torch.randn(3)))
 
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        pytest.param(lambda: (np.ones((2, 6, 5, 8), dtype=np.float32), torch.randn(6)), id="a numpy array"),
+        pytest.param(lambda: (torch.randn(2, 6, 5, 8), None), id="None"),
+        pytest.param(lambda: (torch.randn(2, 6, 5, 8).long(), torch.randn(6)), id="an int tensor"),
+        pytest.param(lambda: (torch.randn(2, 6, 5, 8), torch.randn(6, 1)), id="another rank"),
+    ],
+)
+def test_a_remembered_verdict_admits_only_tensors_of_the_same_shapes_and_dtypes(wrong: Callable[[], Any]) -> None:
+    """A function of tensors only is keyed on its tensors' shapes and dtypes: after a right call is remembered,
+    a value of the same shape that is no tensor, a missing one, another dtype or rank is still checked."""
+    q = torch.randn(2, 6, 5, 8)
+    for _ in range(2):
+        apply_temperature(q, torch.randn(6))
+    with pytest.raises(ssm.ShapeError, match=r"^apply_temperature\(\): (q|log_temp) "):
+        apply_temperature(*wrong())
+
+
+@ssm.shapecheck
+def with_pair(x: Float[Tensor, " d"], pair: tuple[Float[Tensor, " d"], int]) -> Float[Tensor, " d"]:
+    return x * pair[1]
+
+
+@ssm.shapecheck
+def with_array(x: Float[Tensor, " d"], pair: tuple[Float[np.ndarray, " d"], int]) -> Float[Tensor, " d"]:
+    return x
+
+
+@pytest.mark.parametrize(
+    ("pair", "message"),
+    [
+        ((torch.ones(4), 2), "pair[0] has d=4 (axis 0), but x set d=3."),
+        ((torch.ones(3), "2"), "pair[1] must be int, but got str '2'."),
+        ((torch.ones(3),), "pair must be a tuple of 2, but got a tuple of 1."),
+    ],
+)
+def test_a_tuple_argument_is_explained_by_the_part_that_fails(pair: tuple[Any, ...], message: str) -> None:
+    """A tuple annotation is explained part by part: the index, and the dimension against the call's."""
+    with_pair(torch.ones(3), (torch.ones(3), 2))
+    assert first_line(lambda: with_pair(torch.ones(3), pair)) == f"with_pair(): {message}"
+
+
+def test_a_value_whose_signature_is_unknown_inside_a_tuple_is_checked_every_call() -> None:
+    """A numpy array inside a tuple has no signature of ours: the call is never remembered, so a wrong one after
+    right ones is still caught (a tuple's unknown part once hid inside its signature, and was remembered)."""
+    for _ in range(2):
+        with_array(torch.ones(3), (np.ones(3, dtype=np.float32), 1))
+    with pytest.raises(ssm.ShapeError, match=r"^with_array\(\): pair does not satisfy"):
+        with_array(torch.ones(3), (np.ones(4, dtype=np.float32), 1))
+
+
+@ssm.shapecheck
+def double_parameter(weight: Float[nn.Parameter, "d_out d_in"]) -> Float[Tensor, "d_out d_in"]:
+    return weight * 2
+
+
+def test_a_remembered_verdict_for_a_parameter_admits_no_plain_tensor() -> None:
+    """An annotation over a Tensor subclass reads the value's type: a verdict for an `nn.Parameter` is no
+    verdict for a plain tensor of the same shape."""
+    for _ in range(2):
+        double_parameter(nn.Parameter(torch.ones(3, 4)))
+    assert "weight does not satisfy" in first_line(lambda: double_parameter(torch.ones(3, 4)))
 
 # --- sizes bound before any tensor -----------------------------------------------------------------------
 

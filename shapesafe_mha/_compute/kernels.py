@@ -131,23 +131,30 @@ NATIVE_GQA_SINCE: dict[str, tuple[int, int]] = {"cpu": (2, 13)}
 NATIVE_DECODE_MAX = 1 << 16  # measured ties: (1, 4, 2048, 16) at 1.03, (1, 8, 128, 64) at 1.00
 TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])  # "2.13.0+cpu": (2, 13)
 NATIVE_GQA_DEVICES = frozenset(d for d, since in NATIVE_GQA_SINCE.items() if TORCH_RELEASE >= since)
+_NATIVE_ON_CPU = "cpu" in NATIVE_GQA_DEVICES
+
+
+def on_native_device(t: Tensor) -> bool:
+    """Whether `t`'s device is one of `NATIVE_GQA_DEVICES`; `is_cpu` first (`device.type` costs 0.2 us a call)."""
+    return _NATIVE_ON_CPU if t.is_cpu else t.device.type in NATIVE_GQA_DEVICES
 
 
 def zeroes_empty_rows(q: Tensor, dropout_p: float) -> bool:
     """Whether torch's kernel itself gives a query with no key to attend to zeros, in outputs and gradients:
     the CPU flash kernel (the devices of `NATIVE_GQA_SINCE`, no dropout), so no row need be opened and zeroed."""
-    return dropout_p == 0.0 and q.device.type in NATIVE_GQA_DEVICES and not torch.compiler.is_compiling()
+    return dropout_p == 0.0 and on_native_device(q) and not torch.compiler.is_compiling()
 
 
 def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
     """Whether torch's own GQA computes this attention without copying K/V, and faster than the fold (see
     `NATIVE_GQA_SINCE`). MHA: always (there is nothing to expand)."""
-    if q.shape[1] == k.shape[1]:
+    shape = q.shape
+    if shape[1] == k.shape[1]:
         return True
-    if torch.compiler.is_compiling() or dropout_p > 0.0 or q.device.type not in NATIVE_GQA_DEVICES:
+    if torch.compiler.is_compiling() or dropout_p > 0.0 or not on_native_device(q):
         return False
-    if q.shape[2] == 1:  # decoding: the folded group is a view, faster against many keys
-        return native_decodes(q.shape[0], q.shape[1], k.shape[2], q.shape[3])
+    if shape[2] == 1:  # decoding: the folded group is a view, faster against many keys
+        return native_decodes(shape[0], shape[1], k.shape[2], shape[3])
     return True
 
 

@@ -66,6 +66,9 @@ def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | 
     return torch.where(between, smoothed, scaled)
 
 
+_ROUNDING = (torch.float16, torch.bfloat16)  # dtypes that cannot hold the frequencies (float32 is computed)
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin tables of rotary position embeddings for given positions.
 
@@ -87,6 +90,15 @@ class RotaryEmbedding(nn.Module):
         self.d_head, self.theta = d_head, theta
         self.scaling = dict(scaling) if scaling else None
         self.register_buffer("inv_freq", inverse_frequencies(d_head, theta, scaling), persistent=False)
+        # Not in the state_dict: computed again after every load, so a module made on the meta device, then
+        # `to_empty()` and loaded (how large models are built), has frequencies and not uninitialized memory.
+        self.register_load_state_dict_post_hook(_frequencies_again)
+
+    def reset_parameters(self) -> None:
+        """Compute `inv_freq` again, in place (after `to_empty()` it is uninitialized memory)."""
+        inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
+        with torch.no_grad():
+            inv_freq.copy_(inverse_frequencies(self.d_head, self.theta, self.scaling))
 
     def extra_repr(self) -> str:
         return f"d_head={self.d_head}, theta={self.theta}" + (f", scaling={self.scaling}" if self.scaling else "")
@@ -94,9 +106,16 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin, `(batch, seq, d_head)` in `dtype`, for integer `positions` `(batch, seq)`."""
         inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
+        if inv_freq.dtype in _ROUNDING:  # `module.to(torch.bfloat16)` rounds buffers: angles off by radians at 4k
+            inv_freq = inverse_frequencies(self.d_head, self.theta, self.scaling)
         angles = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _frequencies_again(module: nn.Module, incompatible_keys: Any) -> None:
+    if isinstance(module, RotaryEmbedding):
+        module.reset_parameters()
 
 
 def _validate_rotary(arguments: dict[str, Any], dims: dict[str, int]) -> None:

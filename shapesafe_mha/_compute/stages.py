@@ -46,6 +46,7 @@ from .._core.errors import ConfigError
 from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from . import kernels as K
 from .cache import KVCache
+from .fastpath import project as call_projection
 
 # --- what annotations cannot say --------------------------------------------------------------------
 
@@ -399,11 +400,11 @@ def attention_weights(
 
 @stage(name="q_proj", public=("query",))
 def project_query(proj: nn.Module, query: Tokens) -> QueryInner:
-    return proj(query)
+    return call_projection(proj, query)
 
 
 def _project_kv(proj: nn.Module, x: KVTokens) -> NewKVInner:
-    return proj(x)
+    return call_projection(proj, x)
 
 
 project_key = stage(name="k_proj")(_project_kv)
@@ -418,7 +419,7 @@ def project_qkv(query: Tokens, weight: Tensor, bias: Tensor | None) -> FusedInne
 
 @stage(name="unfuse", trace=("q_proj", "k_proj", "v_proj"))
 def unfuse(qkv: FusedInner, q_width: int, kv_width: int) -> tuple[QueryInner, NewKVInner, NewKVInner]:
-    q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+    q, k, v = qkv.split_with_sizes([q_width, kv_width, kv_width], dim=-1)  # Tensor.split is a Python wrapper
     return q, k, v
 
 
@@ -628,7 +629,7 @@ def merge(x: Heads) -> QueryInner:
 
 @stage(name="o_proj")
 def project_output(proj: nn.Module, x: QueryInner) -> Tokens:
-    return proj(x)
+    return call_projection(proj, x)
 
 
 @stage(name="attention", public=("query",))

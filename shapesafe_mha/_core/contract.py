@@ -53,17 +53,21 @@ def parse_switch(value: str) -> bool:
     )
 
 
-_OFF_BY_ENV = parse_switch(os.environ.get(ENV_VAR, ""))
-# The session of an open `shape_scope`: our public stages and users' decorated calls inside it share it.
-scope: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("shapesafe_mha_scope", default=None)
-_off: contextvars.ContextVar[bool] = contextvars.ContextVar("shapesafe_mha_unchecked", default=False)
+OFF_BY_ENV = parse_switch(os.environ.get(ENV_VAR, ""))
+
+
+class _Off:
+    def __repr__(self) -> str:
+        return "OFF"
+
+
+OFF = _Off()
+# What the checks do now, in one context variable (a remembered call reads one): None, the usual; OFF inside
+# `unchecked()` (or everywhere, under SHAPESAFE_MHA_UNCHECKED); or the session of an open `shape_scope`, which
+# our public stages and users' decorated calls inside it share.
+mode: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_mode", default=OFF if OFF_BY_ENV else None)
 
 MAX_VERDICTS = 4096
-
-
-def switched_off() -> bool:
-    """Whether `unchecked()` or `SHAPESAFE_MHA_UNCHECKED` turned the checks off (compiling aside)."""
-    return _OFF_BY_ENV or _off.get()
 
 
 def checks_enabled() -> bool:
@@ -76,7 +80,7 @@ def checks_enabled() -> bool:
         False
     """
     # is_compiling first: dynamo folds it to a constant and never traces the ContextVar.
-    return not (torch.compiler.is_compiling() or _OFF_BY_ENV or _off.get())
+    return not (torch.compiler.is_compiling() or mode.get() is OFF)
 
 
 @contextlib.contextmanager
@@ -94,11 +98,11 @@ def unchecked() -> Iterator[None]:
         ...     print(ssm.split_heads(torch.zeros(1, 3, 8), 2).shape)
         torch.Size([1, 2, 3, 4])
     """
-    token = _off.set(True)
+    token = mode.set(OFF)
     try:
         yield
     finally:
-        _off.reset(token)
+        mode.reset(token)
 
 
 class Verdicts:
@@ -178,11 +182,13 @@ class Stage(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Called on its own (a public stage): checked on first sight of each exact signature."""
-        if not checks_enabled():
+        if compiling():  # checks_enabled(), spelled out: this runs on every call
             return self.fn(*args, **kwargs)
-        shared = scope.get()
-        if shared is not None:  # inside a shape_scope: checked in its dimensions, every time
-            with shared.calling(f"{self.name}()"):
+        shared = mode.get()
+        if shared is not None:
+            if shared is OFF:
+                return self.fn(*args, **kwargs)
+            with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
                 return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
         if key in self.verdicts.exact:  # Verdicts.known, inlined: a stage has no relations key
@@ -357,6 +363,12 @@ class Session:
                 self.observer(trace_name, arrays[0].dim_str if arrays else "", value)
 
 
+# What torch raises for a shape, dtype or device that does not fit: only these are run again checked to be
+# explained (`recheck`). Anything else passes through as raised: a hook's own error, and the exceptions torch
+# uses for control flow, such as the one non-reentrant activation checkpointing stops its recomputation with.
+SHAPE_FAILURES = (RuntimeError, ValueError, IndexError, TypeError)
+
+
 def recheck(checked: Callable[[], Any], failure: BaseException) -> None:
     """A call whose verdict was remembered failed unchecked: run it `checked()` to explain it, as a fresh
     module would (something it depends on changed that its key did not hold, such as a parameter
@@ -396,24 +408,33 @@ def signature_of(value: Any) -> Any:
     if kind is bool or kind is float:
         return (kind, value)  # True == 1 == 1.0 would collide with the int
     if kind is tuple:
-        return (kind, tuple(signature_of(v) for v in value))
+        parts = tuple(signature_of(v) for v in value)
+        return _UNCACHEABLE if _UNCACHEABLE in parts else (kind, parts)  # seen by `remember`, not hidden inside
     return _UNCACHEABLE
 
 
 def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The exact signature of a call, keyword names included: `signature_of` each value, tensors inlined
-    (this runs on every remembered call of a stage or a decorated function)."""
-    key = []
+    """The exact signature of a call, keyword names included: `signature_of` each value, a tensor's three
+    parts inlined into one flat tuple (this runs on every remembered call of a stage). Flat is unambiguous:
+    only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable)."""
+    key: list[Any] = []
     for value in args:
-        key.append((value.shape, value.dtype, value.device) if isinstance(value, _Tensor) else signature_of(value))
+        if isinstance(value, _Tensor):
+            key += (value.shape, value.dtype, value.device)
+        else:
+            key.append(signature_of(value))
     if kwargs:
         for name, value in kwargs.items():
             key.append(name)
-            key.append((value.shape, value.dtype, value.device) if isinstance(value, _Tensor) else signature_of(value))
+            if isinstance(value, _Tensor):
+                key += (value.shape, value.dtype, value.device)
+            else:
+                key.append(signature_of(value))
     return tuple(key)
 
 
 _Tensor = torch.Tensor
+compiling = torch.compiler.is_compiling  # dynamo folds it to a constant, by identity
 
 
 def relational(sizes: tuple[int, ...], constants: frozenset[int]) -> tuple[int, ...]:
@@ -477,8 +498,8 @@ def remembered_forward(
         if not check and observer is None:
             try:
                 return run()
-            except Exception as failure:
-                if keys is None:  # checks off: torch's error as it is
+            except SHAPE_FAILURES as failure:
+                if keys is None or isinstance(failure, torch.OutOfMemoryError):  # torch's error as it is
                     raise
                 if state is not None and cache is not None:
                     cache.restore(state)

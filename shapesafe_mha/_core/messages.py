@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from beartype.door import is_bearable
 from jaxtyping import AbstractArray
 
 from .errors import ShapeError
@@ -161,12 +162,24 @@ def explain(name: str, value: Any, hint: Any, memo: Memo) -> ExplainedError | No
     if value is None and accepts_none(hint):
         return None
     arrays = arrays_of(hint)
+    if typing.get_origin(hint) is tuple and isinstance(value, tuple):  # the first part that fails, by its index
+        parts = typing.get_args(hint)
+        if len(parts) == 2 and parts[1] is ...:
+            parts = (parts[0],) * len(value)
+        if len(parts) != len(value):
+            return ExplainedError(f"{name} must be a tuple of {len(parts)}, but got a tuple of {len(value)}.", arg=name)
+        # an array part is explained against the call's dimensions; any other only where it fails alone
+        pairs = enumerate(zip(value, parts, strict=True))
+        suspects = [(i, v, h) for i, (v, h) in pairs if arrays_of(h) or not is_bearable(v, h)]
+        return next((f for i, v, h in suspects if (f := explain(f"{name}[{i}]", v, h, memo))), None)
     if not arrays:
         if accepts_none(hint) and len(typing.get_args(hint)) == 2:
             hint = next(a for a in typing.get_args(hint) if a is not type(None))
         shown_type = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
         return ExplainedError(f"{name} must be {shown_type}, but got {type(value).__name__} {value!r}.", arg=name)
     if not isinstance(value, torch.Tensor):
+        if any(isinstance(value, a.array_type) for a in arrays if isinstance(a.array_type, type)):
+            return None  # another library's array (numpy): no reason of ours to give
         kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
         return ExplainedError(
             f"{name} must be a torch.Tensor, but got {kind}; convert it with torch.as_tensor({name}).", arg=name

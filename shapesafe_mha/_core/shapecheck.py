@@ -22,7 +22,16 @@ from jaxtyping import AnnotationError, Shaped
 from torch import nn
 
 from . import trace as _trace
-from .contract import Session, Verdicts, checks_enabled, scope, signature_key, switched_off, witness
+from .contract import (
+    OFF,
+    Session,
+    Verdicts,
+    checks_enabled,
+    compiling,
+    mode,
+    signature_of,
+    witness,
+)
 from .errors import ConfigError
 from .messages import ExplainedError, arrays_of, axes
 
@@ -72,6 +81,56 @@ def _seed(session: Session, sizes: dict[str, tuple[int, str]], owner: str) -> No
         session.seed(_sizes_hint(tuple(names)), witness(tuple(sizes[n][0] for n in names)), source)
 
 
+_Tensor = torch.Tensor
+
+
+def annotation_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What an annotation reads of a call's values, exactly: a tensor's type, shape and dtype (no jaxtyping
+    annotation reads a device), a plain value's `signature_of`; keyword names included. Flat, and built
+    inline: this runs on every remembered call of a decorated function."""
+    key: list[Any] = []
+    for value in args:
+        if isinstance(value, _Tensor):
+            key += (type(value), value.shape, value.dtype)
+        else:
+            key.append(signature_of(value))
+    if kwargs:
+        for name, value in kwargs.items():
+            key.append(name)
+            if isinstance(value, _Tensor):
+                key += (type(value), value.shape, value.dtype)
+            else:
+                key.append(signature_of(value))
+    return tuple(key)
+
+
+def _arrays1(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    (a,) = args
+    return (a.shape, a.dtype)
+
+
+def _arrays2(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    a, b = args
+    return (a.shape, a.dtype, b.shape, b.dtype)
+
+
+def _arrays3(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    a, b, c = args
+    return (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype)
+
+
+def _arrays4(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    a, b, c, d = args
+    return (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype, d.shape, d.dtype)
+
+
+# The key of a call of 1-4 tensors to a function whose every parameter is annotated `X[Tensor, ...]`,
+# unrolled: what those annotations read is each value's shape and dtype, and `isinstance(value, Tensor)`.
+# The type is left out: a value that is no tensor but has a shape and a dtype (a numpy array) fails the
+# check, so it is never remembered, and its dtype equals no torch dtype. Anything else falls to `annotation_key`.
+_ARRAYS_KEY = {1: _arrays1, 2: _arrays2, 3: _arrays3, 4: _arrays4}
+
+
 def _is_size(value: Any) -> typing.TypeGuard[int]:
     return type(value) is int and value >= 0
 
@@ -98,15 +157,22 @@ class _Checked:
         self.method = bool(parameters) and parameters[0].name == "self"
         self.self_dims = tuple(sorted(names)) if self.method else ()
         self.variadic = {p.name: p.kind for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        # every parameter a torch array (a jaxtyping class over Tensor, not a union), passed positionally
+        plain = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        arrays_only = len(plain) == len(parameters) and all(
+            isinstance(hints.get(p.name), type) and [a.array_type for a in arrays_of(hints[p.name])] == [torch.Tensor]
+            for p in plain
+        )
+        self.arity = len(plain) if arrays_only and not self.method and len(plain) in _ARRAYS_KEY else -1
         self.verdicts = Verdicts()
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """What the check reads, exactly: the arguments' signatures, and a method's sizes on `self`."""
         if not self.method or not args:
-            return signature_key(args, kwargs)
+            return annotation_key(args, kwargs)
         owner = args[0]
         held = tuple(getattr(owner, name, None) for name in self.self_dims)
-        return (type(owner), *(h if type(h) is int else None for h in held), *signature_key(args[1:], kwargs))
+        return (type(owner), *(h if type(h) is int else None for h in held), *annotation_key(args[1:], kwargs))
 
     def sizes(self, bound: inspect.BoundArguments) -> dict[str, tuple[int, str]]:
         """Sizes known before any tensor: int arguments named like a dimension, then int attributes of `self`."""
@@ -257,20 +323,32 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
         return type(fn)(shapecheck(fn.__func__))  # type: ignore[return-value]
     contract = _Checked(fn)
     verdicts, run, owner = contract.verdicts, contract.run, contract.owner
-    key_of = contract.key if contract.method else signature_key  # a method's key holds its sizes on self
+    key_of = contract.key if contract.method else annotation_key  # a method's key holds its sizes on self
+    arity, arrays_key, exact = contract.arity, _ARRAYS_KEY.get(contract.arity), verdicts.exact
+
+    def unchecked_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _trace._active:  # prove() or a trace: the call reports its annotated values instead
+            return contract.report(args, kwargs)
+        return fn(*args, **kwargs)
 
     @functools.wraps(fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
         # checks_enabled(), spelled out: this runs on every call (is_compiling folds to a constant under dynamo)
-        if torch.compiler.is_compiling() or switched_off():
-            if _trace._active:  # prove() or a trace: the call reports its annotated values instead
-                return contract.report(args, kwargs)
-            return fn(*args, **kwargs)
-        shared = scope.get()
+        if compiling():  # first: dynamo folds it to a constant and never traces the ContextVar
+            return unchecked_call(args, kwargs)
+        shared = mode.get()
         if shared is not None:
-            return run(shared, args, kwargs, True)
-        key = key_of(args, kwargs)
-        expects = verdicts.exact.get(key)  # remembered: whether the checked call made expectations
+            return unchecked_call(args, kwargs) if shared is OFF else run(shared, args, kwargs, True)
+        if arrays_key is not None and len(args) == arity:  # all arrays by their annotations
+            try:
+                key = arrays_key(args)
+                expects = exact.get(key)
+            except (AttributeError, TypeError):  # not arrays after all: the general key says why
+                key = key_of(args, kwargs)
+                expects = exact.get(key)
+        else:
+            key = key_of(args, kwargs)
+            expects = exact.get(key)  # remembered: whether the checked call made expectations
         if expects is False:
             return fn(*args, **kwargs)
         if expects:  # they held for these shapes too: `expect` inside skips its check
@@ -316,7 +394,7 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
         return tensor
     hint = _shape_hint(shape) if isinstance(shape, str) else shape
     if session is None:
-        key = (id(hint), *signature_key((tensor,), {}))
+        key = (id(hint), *annotation_key((tensor,), {}))
         if hint in _alone and key in _alone[hint]:
             return tensor
         with Session("expect()") as alone:
@@ -367,9 +445,9 @@ def shape_scope(**sizes: int) -> Iterator[None]:
         return
     with Session("shape_scope()") as session:
         _seed(session, {d: (s, "shape_scope") for d, s in sizes.items()}, "shape_scope()")
-        tokens = scope.set(session), _current.set(session)
+        tokens = mode.set(session), _current.set(session)
         try:
             yield
         finally:
             _current.reset(tokens[1])
-            scope.reset(tokens[0])
+            mode.reset(tokens[0])

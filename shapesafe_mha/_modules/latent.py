@@ -176,6 +176,8 @@ class LatentCache:
         tracked = torch.is_grad_enabled() and (
             latent.requires_grad or k_rope.requires_grad or self.buffer.requires_grad
         )
+        if self.buffer.is_inference() and not torch.is_inference_mode_enabled():
+            self.buffer = self.buffer.clone()  # filled under torch.inference_mode: no in-place write outside it
         if tracked:  # out of place: earlier steps' graphs keep the buffer they saw
             entry = torch.cat((latent, k_rope[:, 0]), dim=-1)
             self.buffer = torch.slice_scatter(self.buffer, entry, dim=1, start=start, end=end)

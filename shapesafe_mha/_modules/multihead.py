@@ -135,20 +135,24 @@ def forward_key(
 ) -> CallKey:
     """What the verdict of a `MultiHeadAttention` call depends on: its structure (kinds, ranks, dtypes, devices,
     flags, path, submodules) and its sizes; these exactly, for a lookup that costs one hash."""
-    kv_len = key.shape[1]
+    shape = query.shape
+    key_shape = shape if key is query else key.shape
+    kv_len = key_shape[1]
     cache_kind = buffer_shape = kept = None
     if kv_cache is not None:
         kv_len += len(kv_cache)
         buffer = kv_cache.keys_buffer
         cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache.window), buffer.shape
         if kv_cache.window is not None:
-            kept = (kv_cache.kept, kv_cache.kept + key.shape[1])
+            kept = (kv_cache.kept, kv_cache.kept + key_shape[1])
     masked = attn_mask is not None or key_padding_mask is not None
+    device = query.device
+    modules = module._modules.values()
     structure = (
         path,
         type(query),
         query.dtype,
-        query.device,
+        device,
         None if key is query else (type(key), key.dtype, key.device),
         None if value is key else (type(value), value.dtype, value.device),
         None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device),
@@ -159,16 +163,16 @@ def forward_key(
         is_causal,
         type(need_weights),
         need_weights,
-        query.shape[1] > kv_len,  # some rows have nothing to attend to
-        query.shape[1] == 1 and K.native_decodes(query.shape[0], module.num_heads, kv_len, module.d_head),
+        shape[1] > kv_len,  # some rows have nothing to attend to
+        shape[1] == 1 and K.native_decodes(shape[0], module.num_heads, kv_len, module.d_head),
         module.training,
-        autocast_on() and autocast_dtype(query.device),
-        *module._modules.values(),  # a projection replaced is another module (compared by identity)
-        module_state(module._modules.values()),  # hooks added, parameters replaced or re-typed
+        autocast_on() and autocast_dtype(device),
+        *modules,  # a projection replaced is another module (compared by identity)
+        module_state(modules),  # hooks added, parameters replaced or re-typed
     )
     shapes = (
-        query.shape,
-        None if key is query else key.shape,
+        shape,
+        None if key is query else key_shape,
         None if value is key else value.shape,
         None if attn_mask is None else attn_mask.shape,
         None if key_padding_mask is None else key_padding_mask.shape,
@@ -186,7 +190,8 @@ class MultiHeadAttention(nn.Module):
     `o_proj(merge_heads(attention(split_heads(q_proj(x)), split_heads(k_proj(x)), split_heads(v_proj(x)))))`.
     The four projections are `nn.Linear` submodules named `q_proj, k_proj, v_proj, o_proj`, so
     checkpoints in that common layout load directly, and they are called as submodules: LoRA
-    adapters, hooks, quantized or parametrized layers in those slots work. The first call of each
+    adapters, hooks (torch's or accelerate's), quantized or parametrized layers in those slots work
+    (a plain `nn.Linear` with none is computed as its forward would, without nn.Module's call). The first call of each
     kind runs every stage checked against one set of named dimensions (see `forward`); the verdict
     is remembered for calls whose sizes relate the same way, which then run the stages unchecked.
 
