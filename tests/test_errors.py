@@ -401,3 +401,49 @@ def test_a_width_that_does_not_split_lists_eight_head_counts_that_would() -> Non
         "split_heads(): x has width 720 (axis 2), which does not split into num_heads=7 equal heads; "
         "num_heads must divide it (one of {1, 2, 3, 4, 5, 6, 8, 9, ...})."
     )
+
+
+@ssm.shapecheck
+def _with_pair(x: Float[Tensor, " d"], pair: tuple[Float[Tensor, " d"], int]) -> Float[Tensor, " d"]:
+    return x * pair[1]
+
+
+@ssm.shapecheck
+def _with_parts(x: Float[Tensor, " d"], parts: tuple[Float[Tensor, " d"], ...]) -> Float[Tensor, " d"]:
+    return x
+
+
+# A tuple argument's mistake -> the first line, whole: the part that fails by its index, or the tuple's length;
+# a tuple where a tensor belongs is told it is not a tensor.
+TUPLE_MISTAKES = {
+    "a part of another size": (
+        lambda: _with_pair(_z(3), (_z(4), 2)),
+        "_with_pair(): pair[0] has d=4 (axis 0), but x set d=3.",
+    ),
+    "a part of another kind": (
+        lambda: _with_pair(_z(3), (_z(3), "2")),  # type: ignore[arg-type]
+        "_with_pair(): pair[1] must be int, but got str '2'.",
+    ),
+    "a tuple too short": (
+        lambda: _with_pair(_z(3), (_z(3),)),  # type: ignore[arg-type]
+        "_with_pair(): pair must be a tuple of 2, but got a tuple of 1.",
+    ),
+    "the second part of a tuple of any length": (
+        lambda: _with_parts(_z(3), (_z(3), _z(4))),
+        "_with_parts(): parts[1] has d=4 (axis 0), but x set d=3.",
+    ),
+    "the first part of a tuple of any length": (
+        lambda: _with_parts(_z(3), (_z(2),)),
+        "_with_parts(): parts[0] has d=2 (axis 0), but x set d=3.",
+    ),
+    "a tuple for a tensor": (
+        lambda: _with_pair((_z(3), _z(3)), (_z(3), 2)),  # type: ignore[arg-type]
+        "_with_pair(): x must be a torch.Tensor, but got tuple; convert it with torch.as_tensor(x).",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TUPLE_MISTAKES)
+def test_a_tuple_argument_is_explained_by_its_part_or_its_length(case: str) -> None:
+    call, first_line = TUPLE_MISTAKES[case]
+    assert _message(call).splitlines()[0] == first_line
