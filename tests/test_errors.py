@@ -3,6 +3,7 @@
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from error_catalogue import CATALOGUE, PAGE, PRELUDE, SEQ_FIRST, SEQ_FIRST_CAUGHT, Entry, run
@@ -428,9 +429,9 @@ TUPLE_MISTAKES = {
         lambda: _with_pair(_z(3), (_z(3),)),  # type: ignore[arg-type]
         "_with_pair(): pair must be a tuple of 2, but got a tuple of 1.",
     ),
-    "the second part of a tuple of any length": (
-        lambda: _with_parts(_z(3), (_z(3), _z(4))),
-        "_with_parts(): parts[1] has d=4 (axis 0), but x set d=3.",
+    "every part of a tuple of any length (beartype samples one part of it: each must be wrong to be seen)": (
+        lambda: _with_parts(_z(3), (_z(4), _z(4))),
+        "_with_parts(): parts[0] has d=4 (axis 0), but x set d=3.",
     ),
     "the first part of a tuple of any length": (
         lambda: _with_parts(_z(3), (_z(2),)),
@@ -447,3 +448,14 @@ TUPLE_MISTAKES = {
 def test_a_tuple_argument_is_explained_by_its_part_or_its_length(case: str) -> None:
     call, first_line = TUPLE_MISTAKES[case]
     assert _message(call).splitlines()[0] == first_line
+
+
+@ssm.shapecheck
+def _with_array(x: Float[Tensor, " d"], pair: tuple[Float[np.ndarray, " d"], int]) -> Float[Tensor, " d"]:
+    return x
+
+
+def test_a_tuple_whose_failing_part_is_another_librarys_array_gets_the_annotation() -> None:
+    """No reason of ours for a numpy part: the tuple is named with its annotation (not a crash while explaining)."""
+    first = _message(lambda: _with_array(_z(3), (np.ones(4, dtype=np.float32), 1))).splitlines()[0]
+    assert first == "_with_array(): pair does not satisfy its annotation tuple[jaxtyping.Float[ndarray, 'd'], int]."
