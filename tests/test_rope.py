@@ -347,3 +347,14 @@ def test_a_rotary_submodule_giving_tables_of_another_dtype_is_refused_at_apply_r
     assert str(raised.value).splitlines()[0] == (
         "MultiHeadAttention.forward(): at apply_rotary, cos has dtype torch.float32, but q has torch.float64."
     )
+
+
+def test_a_bfloat16_module_with_llama3_scaling_makes_the_float32_modules_tables() -> None:
+    """Frequencies rounded to bfloat16 are computed again for the tables, with the module's scaling (unscaled, the
+    cosines differ by up to 2)."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling |= {"original_max_position_embeddings": 64}
+    positions = torch.arange(0, 4096, 97)[None]
+    expected = ssm.RotaryEmbedding(16, scaling=scaling)(positions, torch.float32)
+    rounded = ssm.RotaryEmbedding(16, scaling=scaling).to(torch.bfloat16)(positions, torch.float32)
+    torch.testing.assert_close(rounded, expected, atol=0, rtol=0)
