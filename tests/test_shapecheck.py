@@ -397,6 +397,33 @@ def test_decorating_what_has_no_shape_to_check_is_a_config_error() -> None:
         ssm.shapecheck(plain)
 
 
+def test_decorating_an_async_or_generator_function_is_a_config_error() -> None:
+    """Their call returns a coroutine or a generator before the body runs: there is no result to check, and
+    checking one would blame the user for a coroutine that is no tensor."""
+
+    async def attend_later(x: Tokens) -> Tokens:
+        return x
+
+    def attend_each(x: Tokens) -> Tokens:
+        yield x
+
+    with pytest.raises(ssm.ConfigError, match=r"^shapecheck: .*attend_later is an async function, whose call"):
+        ssm.shapecheck(attend_later)
+    with pytest.raises(ssm.ConfigError, match=r"^shapecheck: .*attend_each is a generator function, whose call"):
+        ssm.shapecheck(attend_each)
+
+
+@ssm.shapecheck
+def forgets_to_unpack(x: Tokens) -> Tokens:
+    return (x,)
+
+
+def test_a_result_that_is_no_tensor_is_named_without_a_conversion_to_suggest() -> None:
+    """A result of the wrong kind is the function's own doing: no `torch.as_tensor(the result)` to suggest."""
+    line = first_line(lambda: forgets_to_unpack(torch.ones(1, 2, 8)))
+    assert line == "forgets_to_unpack(): the result must be a torch.Tensor, but got tuple."
+
+
 def test_the_switch_turns_the_checks_off() -> None:
     wrong = (torch.randn(2, 6, 5, 8), torch.randn(2))
     with ssm.unchecked():
@@ -505,3 +532,44 @@ def test_prove_names_the_users_function_and_dimension_of_a_size_specific_bug(bug
     proof = ssm.prove(ProvenAttention(bug), batch=(1, 8), seq=(1, 64))
     assert not proof.ok
     assert any(re.match(message, failure) for failure in proof.failures), proof.failures
+
+
+USER_MODULE_WITH_FUTURE_ANNOTATIONS = '''
+from __future__ import annotations
+
+from jaxtyping import Float
+from torch import Tensor, nn
+
+import shapesafe_mha as ssm
+from shapesafe_mha.dims import Heads
+
+
+@ssm.shapecheck
+def scale(q: Heads, t: Float[Tensor, " num_heads"]) -> Heads:
+    return q * t[:, None, None]
+
+
+def make_local() -> type:
+    class Local(nn.Module):
+        @ssm.shapecheck
+        def forward(self, q: Heads) -> Local:
+            return self
+
+    return Local
+'''
+
+
+def test_string_annotations_are_read_from_the_module_and_a_local_name_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `from __future__ import annotations` every annotation is a string, read from the module's globals:
+    they check as any other; one naming a class local to a function cannot be read, and says so at decoration."""
+    (tmp_path / "future_user.py").write_text(USER_MODULE_WITH_FUTURE_ANNOTATIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import future_user  # pyright: ignore[reportMissingImports]
+
+    assert future_user.scale(torch.ones(1, 4, 2, 3), torch.ones(4)).shape == (1, 4, 2, 3)
+    line = first_line(lambda: future_user.scale(torch.ones(1, 4, 2, 3), torch.ones(3)))
+    assert line == "scale(): t has num_heads=3 (axis 0), but q set num_heads=4."
+    with pytest.raises(ssm.ConfigError, match=r"^shapecheck: make_local.<locals>.Local.forward's annotations cannot"):
+        future_user.make_local()

@@ -209,6 +209,8 @@ MUTANTS: list[Mutant] = [
       "torch's checkpoint stop rechecked: non-reentrant activation checkpointing breaks", "tests/test_ecosystem.py"),
     M("_core/contract.py", "token = mode.set(OFF)",
       "token = mode.set(None)", "unchecked() does not turn the checks off", "tests/test_switch.py"),
+    M("_core/shapecheck.py", "        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):",
+      "        if False:", "an async or generator function decorated: its coroutine blamed as a wrong result", "tests/test_shapecheck.py"),
     M("_core/shapecheck.py", "    return (a.shape, a.dtype, b.shape, b.dtype)\n", "    return (a.shape, b.shape)\n",
       "a decorated function's remembered verdict blind to dtypes", "tests/test_shapecheck.py"),
     M("_core/contract.py", "return _UNCACHEABLE if _UNCACHEABLE in parts else (kind, parts)", "return (kind, parts)",

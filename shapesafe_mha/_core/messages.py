@@ -181,9 +181,8 @@ def explain(name: str, value: Any, hint: Any, memo: Memo) -> ExplainedError | No
         if any(isinstance(value, a.array_type) for a in arrays if isinstance(a.array_type, type)):
             return None  # another library's array (numpy): no reason of ours to give
         kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-        return ExplainedError(
-            f"{name} must be a torch.Tensor, but got {kind}; convert it with torch.as_tensor({name}).", arg=name
-        )
+        fix = "" if name.startswith("the result") else f"; convert it with torch.as_tensor({name})"
+        return ExplainedError(f"{name} must be a torch.Tensor, but got {kind}{fix}.", arg=name)
     misfits = [m for m in (_misfit(name, value, a, memo) for a in arrays)]
     if any(m is None for m in misfits):
         return None

@@ -141,7 +141,21 @@ class _Checked:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.owner = f"{fn.__qualname__}()"
-        hints = typing.get_type_hints(fn, include_extras=True)
+        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            kind = "a generator" if inspect.isgeneratorfunction(fn) else "an async"
+            raise ConfigError(
+                f"shapecheck: {fn.__qualname__} is {kind} function, whose call returns before its body runs, so its "
+                "result cannot be checked; decorate the function that computes the tensors, or check them inside "
+                "with shapesafe_mha.expect()."
+            )
+        try:
+            hints = typing.get_type_hints(fn, include_extras=True)
+        except NameError as failure:  # a string annotation (`from __future__ import annotations`) naming a local
+            raise ConfigError(
+                f"shapecheck: {fn.__qualname__}'s annotations cannot be read at decoration ({failure}): an annotation "
+                "that is a string (as under `from __future__ import annotations`) is looked up in the module's "
+                "globals, so every name it uses must be defined at module level when the function is decorated."
+            ) from None
         self.returns = hints.pop("return", None)
         self.hints = hints
         self.signature = inspect.signature(fn)
