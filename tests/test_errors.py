@@ -286,6 +286,11 @@ def _int_or_list(x: Float[Tensor, " n"], k: int | list[Any]) -> Float[Tensor, " 
     return x
 
 
+@ssm.shapecheck
+def _listed(x: Float[Tensor, " n"]) -> Float[Tensor, " n"]:
+    return x.tolist()  # type: ignore[return-value]
+
+
 def _z(*shape: int) -> torch.Tensor:
     return torch.zeros(*shape)
 
@@ -349,6 +354,11 @@ WHOLE_MESSAGES = {
     "a union of two types, not optional": (
         lambda: _int_or_str(_z(3), 2.5),  # type: ignore[arg-type]
         "_int_or_str(): k must be int | str, but got float 2.5.\nCalled with:\n  x: f32[n=3]\nBound so far: n=3 (x)",
+    ),
+    "a result that is no tensor (no conversion is suggested: the function's own code makes it)": (
+        lambda: _listed(_z(3)),
+        "_listed(): the result must be a torch.Tensor, but got list.\n"
+        "Called with:\n  x: f32[n=3]\nBound so far: n=3 (x)",
     ),
     "a union naming a typing form, shown without its module": (
         lambda: _int_or_list(_z(3), 2.5),  # type: ignore[arg-type]
