@@ -7,6 +7,7 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._compute.cache import KVCache as KVCache
     from ._compute.flex import flex_attention as flex_attention
     from ._compute.rotary import RotaryEmbedding as RotaryEmbedding
+    from ._compute.rotary import apply_partial_rotary as apply_partial_rotary
     from ._compute.rotary import apply_rotary as apply_rotary
     from ._compute.rotary import inverse_frequencies as inverse_frequencies
     from ._compute.stages import attention_weights as attention_weights
@@ -56,6 +57,7 @@ _WHERE = {
     "trace_forward": "_tools.report",
     "trace_latent": "_tools.report",
     "RotaryEmbedding": "_compute.rotary",
+    "apply_partial_rotary": "_compute.rotary",
     "apply_rotary": "_compute.rotary",
     "inverse_frequencies": "_compute.rotary",
     "expect": "_core.shapecheck",
@@ -104,6 +106,7 @@ __all__ = [
     "ShapesafeError",
     "TraceConfig",
     "TraceReport",
+    "apply_partial_rotary",
     "apply_rotary",
     "attention_weights",
     "checks_enabled",

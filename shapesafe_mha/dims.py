@@ -27,6 +27,7 @@ from ._core.dims import Memory as Memory
 from ._core.dims import NewKVHeads as NewKVHeads
 from ._core.dims import NewKVInner as NewKVInner
 from ._core.dims import PaddingMask as PaddingMask
+from ._core.dims import PartialRotaryTable as PartialRotaryTable
 from ._core.dims import Positions as Positions
 from ._core.dims import Probabilities as Probabilities
 from ._core.dims import QueryInner as QueryInner
@@ -51,6 +52,7 @@ __all__ = [
     "NewKVHeads",
     "NewKVInner",
     "PaddingMask",
+    "PartialRotaryTable",
     "Positions",
     "Probabilities",
     "QueryInner",

@@ -49,19 +49,13 @@ def _ours_equal_theirs(ours: nn.Module, layer: nn.Module) -> float:
     return max(float((full - theirs).abs().max()), float((torch.cat(steps, 1) - theirs).abs().max()))
 
 
-_ROPE = r"the converted layer differs from {}Attention by .* Known to differ here: the rotary embeddings"
 # model type, config keywords, what the ConfigError's first line must say
 REFUSED = {
-    "glm (partial rotary in rope_parameters)": ("glm", {}, r"rope_parameters\['partial_rotary_factor'\]=0.5"),
-    "glm4 (partial rotary in rope_parameters)": ("glm4", {}, r"rope_parameters\['partial_rotary_factor'\]=0.5"),
-    "cohere (interleaved RoPE)": ("cohere", {}, _ROPE.format("Cohere")),
-    "ernie4_5 (interleaved RoPE)": ("ernie4_5", {}, _ROPE.format("Ernie4_5")),
-    "helium (interleaved RoPE)": ("helium", {}, _ROPE.format("Helium")),
+    "persimmon qk_layernorm": ("persimmon", {}, r"q_layernorm='LayerNorm': the layer holds a submodule"),
+    "gptj (q/k/v/out_proj, RoPE inside)": ("gptj", {}, r"GPTJAttention has no nn.Linear o_proj"),
     "olmo clip_qkv": ("olmo", {"clip_qkv": 0.05}, r"config.clip_qkv=0.05: queries, keys and values clipped"),
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
     "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),
-    "olmo2 full-width q_norm": ("olmo2", {}, r"q_norm='Olmo2RMSNorm': it normalises features \(32,\)"),
-    "olmo3 full-width q_norm": ("olmo3", {}, r"q_norm='Olmo3RMSNorm': it normalises features \(32,\)"),
     "cohere use_qk_norm": ("cohere", {"use_qk_norm": True}, r"q_norm='CohereLayerNorm'"),
     "gpt_oss sinks": ("gpt_oss", {}, r"parameters=\['sinks'\]: the layer holds parameters of its own"),
 }

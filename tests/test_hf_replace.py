@@ -31,6 +31,14 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = 
     "mistral (sliding window 3)": ("MistralConfig", {"sliding_window": 3}, "sdpa", torch.float64, 1e-10),
     # transformers' RMSNorm (QK-norm here) computes in float32 inside
     "qwen3 (QK-norm)": ("Qwen3Config", {}, "sdpa", torch.float64, 1e-6),
+    # partial rotary, with Phi's output projection named dense
+    "phi (partial rotary)": ("PhiConfig", {}, "sdpa", torch.float64, 1e-10),
+    # interleaved RoPE, computed in float32 inside by transformers' Cohere
+    "cohere (interleaved RoPE)": ("CohereConfig", {}, "sdpa", torch.float64, 1e-6),
+    "glm (partial, interleaved RoPE)": ("GlmConfig", {}, "sdpa", torch.float64, 1e-10),
+    # QK-norm over every head (OLMo-2), of 1 + weight with sliding layers (Gemma 3): RMSNorms in float32 inside
+    "olmo2 (QK-norm over every head)": ("Olmo2Config", {}, "sdpa", torch.float64, 1e-6),
+    "gemma3 (1 + weight QK-norm, window 3)": ("Gemma3TextConfig", {"sliding_window": 3}, "sdpa", torch.float64, 1e-6),
     # eager's additive masks: its float64 padding rows are NaN in transformers itself, so float32
     "gemma2 (eager: softcap, window 3)": (
         "Gemma2Config", {"sliding_window": 3, "attn_logit_softcapping": 5.0}, "eager", torch.float32, 1e-5,
@@ -168,13 +176,36 @@ def test_the_replaced_layers_share_one_rotary_embedding_whose_tables_follow_the_
     assert rotary(positions.clone(), torch.float64) is not moved
 
 
-def test_a_float32_layer_that_differs_by_less_than_float32s_tolerance_is_left() -> None:
-    """Cohere's interleaved RoPE differs from ours by about 2e-4 of the output: under the probe's float32
-    tolerance, so the conversion is verified on a float64 copy, which tells them apart."""
-    config = transformers.CohereConfig(**SIZES)
+def test_a_float32_layer_that_differs_by_less_than_float32s_tolerance_is_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Llama whose RoPE scales its queries by 1.03 differs from ours by about 4e-6 at its init's weights: under
+    the probe's float32 tolerance, so the conversion is verified on a float64 copy, which tells them apart."""
+    from transformers.models.llama import modeling_llama
+
+    honest = modeling_llama.apply_rotary_pos_emb
+
+    def slightly_off(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        q, k = honest(q, k, *args, **kwargs)
+        return q * 1.03, k
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", slightly_off)
+    config = transformers.LlamaConfig(**SIZES)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     done = shapesafe_mha.hf.replace_attention(model)
     assert not done.replaced and list(done.left) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert "the converted layer differs from CohereAttention by" in done.left["model.layers.0.self_attn"]
+    assert "the converted layer differs from LlamaAttention by" in done.left["model.layers.0.self_attn"]
     assert all(param.dtype == torch.float32 for param in model.parameters())  # the copy was the probe's
+    with torch.no_grad():  # in float32 itself the difference is under the probe's tolerance
+        assert ssm.MultiHeadAttention.from_hf(model.model.layers[0].self_attn).rope_theta is not None
+
+
+def test_a_per_head_fused_layer_is_left_named_with_why() -> None:
+    """GPT-NeoX converts with from_hf, but its q/k/v would be copies of its fused query_key_value: a replacement
+    would not train the model's own parameters, so the layer is left, and why is said."""
+    config = transformers.GPTNeoXConfig(**SIZES)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    done = shapesafe_mha.hf.replace_attention(model)
+    assert not done.replaced and list(done.left) == ["gpt_neox.layers.0.attention", "gpt_neox.layers.1.attention"]
+    assert "query_key_value fuses each head's query, key and value rows" in done.left["gpt_neox.layers.0.attention"]
+    assert ssm.MultiHeadAttention.from_hf(model.gpt_neox.layers[0].attention).rope_dim == 2

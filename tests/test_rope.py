@@ -77,13 +77,20 @@ def test_a_left_padded_batch_gives_its_own_positions() -> None:
     torch.testing.assert_close(out[:, 3:], module(tokens, is_causal=True), **F64)
 
 
-def test_a_rope_module_fit_for_torchs_fused_kernel_still_rotates_without_grad() -> None:
+@pytest.mark.parametrize(("rope_dim", "interleaved"), [(None, False), (4, False), (None, True), (2, True)])
+def test_a_rope_module_fit_for_torchs_fused_kernel_still_rotates_without_grad(
+    rope_dim: int | None, interleaved: bool
+) -> None:
     """Biased MHA whose heads tile d_model, in eval, not causal, under no_grad: everything torch's fused MHA kernel
-    needs, but that kernel has no RoPE, so the no-grad output is still the grad-mode one and the reference's."""
+    needs, but that kernel has no RoPE, so the no-grad output is still the grad-mode one and the reference's,
+    full or partial rotary, halves or adjacent pairs."""
     torch.manual_seed(0)
-    module = ssm.MultiHeadAttention(32, 4, bias=True, rope_theta=10000.0, dtype=torch.float64).eval()
+    module = ssm.MultiHeadAttention(32, 4, bias=True, rope_theta=10000.0, rope_dim=rope_dim,
+                                    rope_interleaved=interleaved, dtype=torch.float64).eval()  # fmt: skip
     x = torch.randn(2, 7, 32, dtype=torch.float64)
-    expected = per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4, rope_theta=10000.0)
+    style = "interleaved" if interleaved else "half"
+    expected = per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4, rope_theta=10000.0,
+                                  rotary_dim=rope_dim, rope_style=style)  # fmt: skip
     with_grad = module(x)
     with torch.no_grad():
         without_grad = module(x)
@@ -169,6 +176,80 @@ def test_the_trace_shows_the_rotary_stage_and_gqa_stays_zero_copy() -> None:
     assert stages["rotary_q"].named_shape == "batch num_heads seq d_head"
     assert stages["rotary_k"].named_shape == "batch num_kv_heads seq d_head"
     assert stages["group_queries"].aliases == "rotary_q"  # grouping the rotated queries is a view
+
+
+def test_the_trace_and_the_cli_show_the_partial_rotary_tables_by_d_rope() -> None:
+    """Partial rotary: the tables are d_rope wide (rope_dim, named in the trace), the rotated heads d_head."""
+    config = ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4, rope_theta=1e4, rope_dim=4,
+                             rope_interleaved=True)  # fmt: skip
+    stages = {s.name: s for s in ssm.trace_forward(config).stages}
+    assert (stages["rotary_cos"].named_shape, stages["rotary_cos"].shape) == ("#batch seq d_rope", (1, 4, 4))
+    assert stages["rotary_q"].shape == (1, 8, 4, 8) and stages["rotary_k"].shape == (1, 2, 4, 8)
+    from typer.testing import CliRunner
+
+    from shapesafe_mha._tools.cli import app
+
+    args = ["trace", "--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2", "--seq", "4", "--rope-theta",
+            "10000", "--rope-dim", "4", "--rope-interleaved", "--format", "json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert '"rope_dim": 4' in result.output and '"rope_interleaved": true' in result.output
+    assert '"named_shape": "#batch seq d_rope"' in result.output
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_partial_interleaved_rope_is_proven_for_every_batch_and_seq(decode: bool) -> None:
+    """prove(): d_rope is the module's rope_dim, every stage's shape holds symbolically, prefill and decoding."""
+    module = ssm.MultiHeadAttention(64, 8, 2, rope_theta=1e4, rope_dim=4, rope_interleaved=True)
+    proof = ssm.prove(module, is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+    rows = {name: (named, symbolic) for name, named, symbolic in proof.stages}
+    assert rows["rotary_cos"][0] == "#batch seq d_rope" and rows["rotary_cos"][1].endswith(", 4)")
+    heads = "(batch, 8, 1, 8)" if decode else "(batch, 8, seq, 8)"
+    assert rows["rotary_q"] == ("batch num_heads seq d_head", heads)
+
+
+def test_partial_rotary_rotates_the_first_rope_dim_features_and_passes_the_rest() -> None:
+    """By hand: features rope_dim.. are the unrotated ones; the first rope_dim are those RotaryEmbedding(rope_dim)
+    turns, in halves or adjacent pairs."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8, dtype=torch.float64), torch.randn(2, 2, 5, 8, dtype=torch.float64)
+    for interleaved in (False, True):
+        cos, sin = ssm.RotaryEmbedding(4, interleaved=interleaved)(torch.arange(5)[None], dtype=torch.float64)
+        rq, rk = ssm.apply_partial_rotary(q, k, cos, sin, interleaved=interleaved)
+        assert torch.equal(rq[..., 4:], q[..., 4:]) and torch.equal(rk[..., 4:], k[..., 4:])
+        head, _ = ssm.apply_rotary(q[..., :4], k[..., :4], cos, sin, interleaved=interleaved)
+        assert torch.equal(rq[..., :4], head)
+        pairs = (0, 1) if interleaved else (0, 2)  # the features the first angle turns together
+        angle = torch.arange(5, dtype=torch.float64)  # inv_freq[0] = 1
+        x, y = q[..., pairs[0]], q[..., pairs[1]]
+        torch.testing.assert_close(rq[..., pairs[0]], x * angle.cos() - y * angle.sin(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(rq[..., pairs[1]], y * angle.cos() + x * angle.sin(), atol=1e-6, rtol=1e-6)
+
+
+def test_partial_rotary_errors_name_the_table_and_d_rope() -> None:
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    wide = ssm.RotaryEmbedding(10)(torch.arange(5)[None], dtype=torch.float32)
+    with pytest.raises(ssm.ShapeError, match=r"cos has d_rope=10 features .* at most d_head=8") as raised:
+        ssm.apply_partial_rotary(q, k, *wide)
+    assert str(raised.value).startswith("apply_partial_rotary(): ")
+    odd = torch.ones(1, 5, 3), torch.zeros(1, 5, 3)
+    with pytest.raises(ssm.ShapeError, match=r"cos has d_rope=3 features .* an even number"):
+        ssm.apply_partial_rotary(q, k, *odd)
+    cos, sin = ssm.RotaryEmbedding(4)(torch.arange(5)[None], dtype=torch.float64)
+    with pytest.raises(ssm.ShapeError, match=r"sin has dtype torch.float64, but q has torch.float32\."):
+        ssm.apply_partial_rotary(q, k, cos.float(), sin)
+    with pytest.raises(ssm.ShapeError, match=r"sin has d_rope=2"):
+        ssm.apply_partial_rotary(q, k, cos.float(), sin.float()[..., :2])
+
+
+def test_partial_rotary_module_reports_its_options() -> None:
+    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=4, rope_interleaved=True)
+    assert "rope_dim=4, rope_interleaved=True" in repr(module)
+    assert "RotaryEmbedding(d_head=4, theta=10000.0, interleaved=True)" in repr(module)
+    full = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=8)
+    assert full.rope_dim == 8 and "rope_dim" not in repr(full)  # every feature: the default, not shown
+    assert ssm.MultiHeadAttention(32, 4, 2).rope_dim is None
 
 
 # --- Hugging Face ---------------------------------------------------------------------------------------
@@ -292,10 +373,38 @@ def test_unsupported_variants_are_refused_by_their_config_field() -> None:
     )
     with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['rope_type'\]='linear'"):
         ssm.MultiHeadAttention.from_hf(LlamaAttention(linear, layer_idx=0))
-    partial = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4)
-    partial.partial_rotary_factor = 0.5
-    with pytest.raises(ssm.ConfigError, match=r"partial_rotary_factor=0.5"):
-        ssm.MultiHeadAttention.from_hf(LlamaAttention(partial, layer_idx=0))
+    odd = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4)
+    odd.rope_parameters = {**odd.rope_parameters, "partial_rotary_factor": 0.375}  # 3 of 8 features: no pairs
+    with pytest.raises(ssm.ConfigError, match=r"partial_rotary_factor'\]=0.375: it rotates 3 of head_dim=8"):
+        ssm.MultiHeadAttention.from_hf(LlamaAttention(odd, layer_idx=0))
+
+
+def test_a_partial_rotary_field_the_layer_does_not_read_is_refused_by_the_probe() -> None:
+    """transformers 5 reads the rotated share from rope_parameters: a stale `config.partial_rotary_factor` beside
+    it is loaded as partial rotary, and the probe, where the layer rotates every feature, refuses it naming RoPE."""
+    stale = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4)
+    stale.partial_rotary_factor = 0.5
+    with pytest.raises(ssm.ConfigError, match=r"differs from LlamaAttention .* Known to differ here: the rotary"):
+        ssm.MultiHeadAttention.from_hf(LlamaAttention(stale, layer_idx=0))
+
+
+@pytest.mark.parametrize(("name", "interleaved"), [("phi", False), ("cohere", True), ("glm", False)])
+def test_our_tables_are_the_models_own_for_its_rotated_part(name: str, interleaved: bool) -> None:
+    """RotaryEmbedding(rope_dim, interleaved=...) makes the tables the model's rotary class makes, bit for bit:
+    Phi's (partial, halves), Cohere's (each angle twice in a row); GLM's tables are halves (it interleaves them
+    inside apply_rotary_pos_emb, which from_hf reads on a probe)."""
+    prefix = {"phi": "Phi", "cohere": "Cohere", "glm": "Glm"}[name]
+    modeling = __import__(f"transformers.models.{name}.modeling_{name}", fromlist=["_"])
+    config = getattr(transformers, f"{prefix}Config")(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                                       head_dim=8)  # fmt: skip
+    rotary = getattr(modeling, f"{prefix}RotaryEmbedding")(config)
+    rope_dim = {"phi": 4, "cohere": 8, "glm": 4}[name]
+    theta = config.rope_parameters["rope_theta"]
+    positions = torch.arange(300)[None]
+    theirs = rotary(torch.zeros(1, 300, 8, dtype=torch.float64), positions)
+    ours = ssm.RotaryEmbedding(rope_dim, theta, interleaved=interleaved)(positions, torch.float64)
+    for got, want in zip(ours, theirs, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_rope_compiles_fullgraph_with_no_graph_breaks() -> None:

@@ -1,5 +1,6 @@
-"""QK-norm, sliding windows, softcapping and a custom query scale: the module equals the per-head reference,
-decoding equals one causal forward, and a sliding-window cache keeps only what the window still sees."""
+"""QK-norm, sliding windows, softcapping, a custom query scale, partial rotary and interleaved RoPE: the module
+equals the per-head reference, decoding equals one causal forward, and a sliding-window cache keeps only what the
+window still sees."""
 
 from typing import Any
 
@@ -20,10 +21,28 @@ def variants(draw: Any) -> dict[str, Any]:
     """Options of the variants, each on or off, values small enough to matter at the drawn sizes."""
     return {
         "qk_norm": draw(st.booleans(), label="qk_norm"),
+        "qk_norm_over": draw(st.sampled_from(["head", "all"]), label="qk_norm_over"),
+        "qk_norm_offset": draw(st.sampled_from([0.0, 1.0]), label="qk_norm_offset"),  # 1.0: Gemma 3's 1 + weight
         "window": draw(st.one_of(st.none(), st.integers(1, 12)), label="window"),
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
+        # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
+        "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
+        "rope_interleaved": draw(st.booleans(), label="rope_interleaved"),
     }
+
+
+def _rope_options(config: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The module's RoPE options of a drawn variant: only where the config has RoPE."""
+    if config.rope_theta is None:
+        return {}
+    share = options.get("rope_share")
+    rope_dim = None if share is None else 2 * max(1, round(share * config.d_head / 2))
+    return {"rope_dim": rope_dim, "rope_interleaved": options.get("rope_interleaved", False)}
+
+
+def _module_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in ("rope_share", "rope_interleaved")}
 
 
 def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.MultiHeadAttention:
@@ -36,7 +55,8 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
         bias=config.bias,
         rope_theta=config.rope_theta,
         dtype=torch.float64,
-        **options,
+        **_module_options(options),
+        **_rope_options(config, options),
     )
     module.load_state_dict(base.state_dict(), strict=False)
     if options["qk_norm"]:
@@ -44,24 +64,29 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():  # learned norm weights, not the ones they start at
             for norm in (module.q_norm, module.k_norm):
-                norm.weight.copy_(torch.rand(config.d_head, generator=generator, dtype=torch.float64) + 0.5)
+                width = norm.weight.shape[0]  # d_head, or every head's features (qk_norm_over="all")
+                norm.weight.copy_(torch.rand(width, generator=generator, dtype=torch.float64) + 0.5)
     return module
 
 
 def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[str, Any], **kwargs: Any) -> torch.Tensor:
-    norms = (module.q_norm.weight, module.k_norm.weight) if options["qk_norm"] else None
+    offset = options.get("qk_norm_offset", 0.0)  # the reference's RMSNorm scales by its weights: offset + weight
+    norms = (offset + module.q_norm.weight, offset + module.k_norm.weight) if options["qk_norm"] else None
     scalar = options["query_pre_attn_scalar"]
     return per_head_attention(
         x, x, x, module.weights(), num_heads=module.num_heads, num_kv_heads=module.num_kv_heads,
         rope_theta=module.rope_theta, qk_norm=norms, window=options["window"],
-        logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5, **kwargs,
+        logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5,
+        rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half",
+        qk_norm_over=options.get("qk_norm_over", "head"), **kwargs,
     )  # fmt: skip
 
 
 @given(data=st.data(), options=variants())
 def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
-    """Any mix of QK-norm, window, softcap and query scale, with or without RoPE, causal or not, padded or not,
-    MHA/GQA/MQA: the module (with and without grad, so every path) equals the reference, head by head."""
+    """Any mix of QK-norm, window, softcap and query scale, with or without RoPE (full or partial, halves or
+    adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the module (with and without grad, so every
+    path) equals the reference, head by head."""
     rope = data.draw(st.booleans(), label="rope")
     config = data.draw(attention_configs(cross=False, max_seq=24, rope=rope), label="config")
     module = _module(config, options, data)
@@ -196,6 +221,15 @@ def test_reset_of_a_window_cache_that_slid_starts_over() -> None:
         ({"window": 2.5}, "window must be a positive int"),
         ({"logit_softcap": -1.0}, "logit softcap must be a finite positive number"),
         ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a finite positive number"),
+        ({"rope_dim": 2}, r"rope_dim was given, but the module has no rotary embeddings \(rope_theta=None\)"),
+        ({"rope_interleaved": True}, r"rope_interleaved was given, but the module has no rotary embeddings"),
+        ({"rope_theta": 1e4, "rope_dim": 3}, r"rope_dim=3, but .* an even int in \[2, d_head=4\] \(for example 2\)"),
+        ({"rope_theta": 1e4, "rope_dim": 6}, r"rope_dim=6, but the rotary part of a head must be an even int in"),
+        ({"rope_theta": 1e4, "rope_dim": 2.0}, r"rope_dim=2.0, but the rotary part"),
+        ({"rope_theta": 1e4, "rope_interleaved": 1}, r"rope_interleaved must be True or False, but got 1"),
+        ({"qk_norm": True, "qk_norm_over": "rows"}, r"qk_norm_over must be 'head' .* or 'all' .* but got 'rows'"),
+        ({"qk_norm": True, "qk_norm_offset": float("nan")}, r"qk_norm_offset must be a finite number .* got nan"),
+        ({"qk_norm": True, "qk_norm_offset": "1"}, r"qk_norm_offset must be a finite number \(Gemma 3: 1.0\)"),
     ],
 )
 def test_bad_variant_options_are_config_errors(kwargs: dict[str, Any], message: str) -> None:
@@ -232,6 +266,43 @@ def test_qk_norm_normalises_each_head_before_rope() -> None:
     torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 4, 5), atol=1e-4, rtol=1e-4)
 
 
+def test_qk_norm_over_every_head_normalises_the_projection_before_the_split() -> None:
+    """qk_norm_over="all" (OLMo-2): with unit weights the RMS over every head's features together is 1, not each
+    head's; the weights are num_heads * d_head and num_kv_heads * d_head wide; a head-parallel split is refused."""
+    module = ssm.MultiHeadAttention(32, 4, 2, qk_norm=True, qk_norm_over="all", norm_eps=0.0, rope_theta=10000.0)
+    assert module.q_norm.weight.shape == (32,) and module.k_norm.weight.shape == (16,)
+    seen: list[torch.Tensor] = []
+    module.q_norm.register_forward_hook(lambda _module, _args, out: seen.append(out))
+    module(torch.randn(2, 5, 32) * 1000)
+    (q,) = seen
+    assert q.shape == (2, 5, 32)  # before the head split
+    torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 5), atol=1e-4, rtol=1e-4)
+    assert "qk_norm_over='all'" in repr(module)
+    config = ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4, qk_norm=True, qk_norm_over="all", tp=2)
+    with pytest.raises(ssm.ConfigError, match=r"qk_norm_over='all' normalises every head's features together"):
+        ssm.trace_forward(config)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_qk_norm_over_every_head_is_proven_for_every_batch_and_seq(decode: bool) -> None:
+    module = ssm.MultiHeadAttention(64, 8, 2, qk_norm=True, qk_norm_over="all", rope_theta=1e4)
+    proof = ssm.prove(module, is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+    rows = {name: (named, symbolic) for name, named, symbolic in proof.stages}
+    assert rows["k_norm"] == ("batch new num_kv_heads*d_head", "(batch, 1, 16)" if decode else "(batch, seq, 16)")
+
+
+def test_a_qk_norm_offset_of_one_scales_by_one_plus_weight_and_starts_at_a_scale_of_one() -> None:
+    """qk_norm_offset=1.0 (Gemma 3): the norms are OffsetRMSNorms whose weights start at 0 (scale 1, as Gemma's
+    checkpoints store them) and scale by 1 + weight."""
+    module = ssm.MultiHeadAttention(32, 4, 2, qk_norm=True, qk_norm_offset=1.0, norm_eps=0.0, rope_theta=1e4)
+    assert torch.equal(module.q_norm.weight, torch.zeros(8)) and "qk_norm_offset=1.0" in repr(module)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        module.q_norm.weight.fill_(0.5)
+    torch.testing.assert_close(module.q_norm(x), 1.5 * x / x.pow(2).mean(-1, keepdim=True).sqrt())
+
+
 def test_public_attention_takes_window_and_softcap() -> None:
     """`scaled_dot_product_attention(window=, softcap=)` == the probabilities computed by hand, then @ v."""
     torch.manual_seed(1)
@@ -248,8 +319,13 @@ def test_public_attention_takes_window_and_softcap() -> None:
 
 COMPILED_VARIANTS = {
     "qk_norm": {"qk_norm": True},
+    "qk_norm over every head": {"qk_norm": True, "qk_norm_over": "all"},
+    "qk_norm of 1 + weight": {"qk_norm": True, "qk_norm_offset": 1.0},
     "window": {"window": 3},
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
+    "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
+    "interleaved RoPE": {"rope_theta": 10000.0, "rope_interleaved": True},
+    "partial, interleaved RoPE": {"rope_theta": 10000.0, "rope_dim": 2, "rope_interleaved": True},
 }
 
 
@@ -257,7 +333,7 @@ COMPILED_VARIANTS = {
 def test_each_variant_compiles_fullgraph_with_no_graph_breaks(options: dict[str, Any]) -> None:
     import torch._dynamo
 
-    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=10000.0, **options).eval()
+    module = ssm.MultiHeadAttention(32, 4, 2, **{"rope_theta": 10000.0, **options}).eval()
     x = torch.randn(2, 6, 32)
     explanation = torch._dynamo.explain(lambda t: module(t, is_causal=True))(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -285,7 +361,11 @@ def test_gqa_and_mqa_stay_zero_copy_in_every_variant(options: dict[str, Any], nu
         config = ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=num_kv_heads, seq=6, decode=decode, **traced)
         stages = ssm.trace_forward(config).stages
         kv = [s for s in stages if s.name in ("split_k", "split_v", "k_norm", "rotary_k", "cache_k", "cache_v")]
-        assert kv and all(s.shape[1] == num_kv_heads for s in kv)
+        assert ("rotary_k" in {s.name for s in stages}) == ("rope_theta" in options)
+        per_head = [s for s in kv if s.named_shape.startswith("batch num_kv_heads")]
+        assert kv and all(s.shape[1] == num_kv_heads for s in per_head)
+        # a norm over every head's features sees the keys before the split: num_kv_heads * d_head wide
+        assert all(s.shape[-1] == num_kv_heads * 8 for s in kv if s not in per_head)
         assert all(s.allocated_bytes < 8 * 13 * 8 * 2 for s in stages if s.name in ("cache_k", "cache_v"))
 
 

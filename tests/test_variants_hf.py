@@ -1,7 +1,9 @@
 """The variants against the real transformers layers: Qwen3 (QK-norm), Mistral with a sliding window shorter
-than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternating sliding layers), loaded
+than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternating sliding layers), partial
+rotary (Phi, StableLM, Nemotron), interleaved RoPE (Cohere, Helium, ERNIE 4.5) and both (GLM, GLM-4), loaded
 with `MultiHeadAttention.from_hf` and computed as the HF model computes them, full forward and decoding."""
 
+import inspect
 from typing import Any
 
 import pytest
@@ -35,12 +37,46 @@ CASES = {
     "granite-attention-multiplier": (
         "granite", 0, {"num_key_value_heads": 2, "attention_multiplier": 0.25}, {"query_pre_attn_scalar": 16.0},
     ),
+    # partial rotary: partial_rotary_factor * head_dim features of each head, from rope_parameters (transformers 5)
+    "phi-partial-rotary": ("phi", 0, {"num_key_value_heads": 2}, {"rope_dim": 4, "rope_interleaved": False}),
+    "stablelm-partial-rotary": (
+        "stablelm", 0, {"num_key_value_heads": 2, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        {"rope_dim": 4, "rope_interleaved": False},
+    ),
+    "nemotron-partial-rotary": ("nemotron", 0, {"num_key_value_heads": 2}, {"rope_dim": 4, "rope_interleaved": False}),
+    # interleaved RoPE: adjacent pairs, shown by the rotary table (Cohere) or apply_rotary_pos_emb (the others)
+    "cohere-interleaved": ("cohere", 0, {"num_key_value_heads": 2}, {"rope_dim": 8, "rope_interleaved": True}),
+    "helium-interleaved": ("helium", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
+    "ernie4_5-interleaved": ("ernie4_5", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
+    "glm-partial-interleaved": (
+        "glm", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_dim": 4, "rope_interleaved": True},
+    ),
+    "glm4-partial-interleaved": (
+        "glm4", 0, {"num_key_value_heads": 1, "head_dim": 8}, {"rope_dim": 4, "rope_interleaved": True},
+    ),
+    # partial rotary behind a per-head fused query_key_value ([q_h; k_h; v_h] for each head), loaded as q/k/v_proj
+    "gpt_neox-partial-fused": (
+        "gpt_neox", 0, {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, {"rope_dim": 4},
+    ),
+    "persimmon-partial-fused": ("persimmon", 0, {"qk_layernorm": False}, {"rope_dim": 4, "num_kv_heads": 4}),
+    # QK-norm over every head's features at once, before the head split (weights num_heads * head_dim wide)
+    "olmo2-qk-norm-all": ("olmo2", 0, {"num_key_value_heads": 2}, {"qk_norm": True, "qk_norm_over": "all"}),
+    "olmoe-qk-norm-all": ("olmoe", 0, {"num_key_value_heads": 1}, {"qk_norm": True, "qk_norm_over": "all"}),
+    # rope_parameters kept per layer type, and a sliding layer
+    "olmo3-qk-norm-all-sliding": (
+        "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
+    ),
 }  # fmt: skip
+# transformers' Cohere and ERNIE 4.5 rotate in float32 inside apply_rotary_pos_emb, whatever the dtype
+FLOAT32_ROPE = ("cohere", "ernie4_5")
 
 
 def _classes(model_type: str) -> tuple[Any, Any, Any]:
     module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
-    prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite"}[model_type]
+    prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite", "phi": "Phi",
+              "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
+              "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
+              "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -65,7 +101,9 @@ def _layer(case: str, implementation: str) -> tuple[Any, Any]:
 def _hf_forward(layer: Any, rotary: Any, x: torch.Tensor) -> torch.Tensor:
     """Called as the HF model calls it: its rotary tables, and transformers' own (sliding-window) causal mask."""
     positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
-    cos, sin = rotary(x, positions)
+    types = getattr(layer.config, "layer_types", None)
+    by_type = "layer_type" in inspect.signature(rotary.forward).parameters  # RoPE kept per layer type (OLMo 3)
+    cos, sin = rotary(x, positions, *([types[layer.layer_idx]] if by_type and types else []))
     sliding = getattr(layer, "sliding_window", None) or (
         layer.config.model_type == "mistral" and layer.config.sliding_window is not None
     )
@@ -80,13 +118,13 @@ RUNS = [(case, impl) for case in CASES for impl in ("eager", "sdpa") if impl == 
 
 @pytest.mark.parametrize(("case", "implementation"), RUNS)
 def test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding(case: str, implementation: str) -> None:
-    """float64. HF computes the eager softmax and Qwen3's RMSNorm in float32, so 1e-5 there; else 1e-10.
-    Decoding runs through our cache as small as the window allows (capacity = window)."""
+    """float64. HF computes the eager softmax, Qwen3's RMSNorm and Cohere's and ERNIE's RoPE in float32, so 1e-5
+    there; else 1e-10. Decoding runs through our cache as small as the window allows (capacity = window)."""
     layer, rotary = _layer(case, implementation)
     ours = ssm.MultiHeadAttention.from_hf(layer)
     for option, value in CASES[case][3].items():
         assert getattr(ours, option) == value, option
-    float32_inside = implementation == "eager" or ours.qk_norm
+    float32_inside = implementation == "eager" or ours.qk_norm or CASES[case][0] in FLOAT32_ROPE
     tol = {"atol": 1e-5, "rtol": 1e-5} if float32_inside else {"atol": 1e-10, "rtol": 1e-8}
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
     with torch.no_grad():
@@ -100,18 +138,70 @@ def test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding(case: s
             assert ours.window < SEQ and cache.kept <= ours.window
 
 
-def test_a_qk_norm_other_than_rmsnorm_is_refused_by_its_field() -> None:
-    """Gemma 3 scales by (1 + weight): found on a probe, refused naming q_norm, never loaded as if it were Qwen3's."""
+def _gemma3(layer_idx: int) -> Any:
     gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
     config = transformers.Gemma3TextConfig(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
-        query_pre_attn_scalar=8,
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=6,
+        query_pre_attn_scalar=8, sliding_window=3,
     )  # fmt: skip
-    layer = gemma3.Gemma3Attention(config, layer_idx=1)
-    with torch.no_grad():
-        layer.q_norm.weight.uniform_(0.1, 0.5)
-    with pytest.raises(ssm.ConfigError, match=r"q_norm='Gemma3RMSNorm'"):
+    return gemma3, gemma3.Gemma3Attention(config, layer_idx=layer_idx)
+
+
+def test_a_qk_norm_other_than_both_rmsnorms_is_refused_by_its_field() -> None:
+    """A norm scaling by neither weight nor 1 + weight (Gemma 3's with its mean square taken twice): found on a
+    probe, refused naming q_norm, never loaded as if it were Qwen3's or Gemma 3's."""
+    gemma3, layer = _gemma3(1)
+
+    class Squared(gemma3.Gemma3RMSNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(super().forward(x))
+
+    for name in ("q_norm", "k_norm"):
+        setattr(layer, name, Squared(8, eps=1e-6))
+        with torch.no_grad():
+            getattr(layer, name).weight.uniform_(0.1, 0.5)
+    with pytest.raises(ssm.ConfigError, match=r"q_norm='Squared': it computes neither weight \* x / rms\(x\) nor"):
         ssm.MultiHeadAttention.from_hf(layer)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("layer_idx", [0, 5])
+def test_gemma3_loads_its_one_plus_weight_qk_norm_window_and_rope_of_its_layer_type(
+    implementation: str, layer_idx: int
+) -> None:
+    """Gemma 3: QK-norm scaling by 1 + weight (qk_norm_offset=1.0), sliding layers of window 3 with their own
+    RoPE base (10000) and full layers with theirs (1e6), query_pre_attn_scalar; equal to the layer in float64,
+    forward and decoding step by step, to 1e-5 (its norm computes in float32); to_hf round-trips layer 0."""
+    _, layer = _gemma3(layer_idx)
+    layer.config._attn_implementation = implementation
+    layer = layer.to(torch.float64).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.6, 0.6)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    sliding = layer_idx == 0
+    assert (ours.qk_norm_offset, ours.window, ours.rope_theta) == (1.0, 3 if sliding else None, 1e4 if sliding else 1e6)
+    rotary = _classes_of(layer).Gemma3RotaryEmbedding(layer.config)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    tol = {"atol": 1e-5, "rtol": 1e-5}
+    with torch.no_grad():
+        expected = _hf_forward(layer, rotary, x)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        cache = ours.new_cache(batch=2, capacity=ours.window or SEQ)
+        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
+        if sliding:
+            back = ours.to_hf(layer.config).to(torch.float64).eval()
+            torch.testing.assert_close(_hf_forward(back, rotary, x), expected, atol=1e-12, rtol=0)
+            plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, qk_norm=True, window=3, rope_theta=1e4,
+                                           query_pre_attn_scalar=8)  # fmt: skip
+            with pytest.raises(ssm.ConfigError, match=r"qk_norm_offset=1.0 \(module: 0.0\)"):
+                plain.to_hf(layer.config)
+
+
+def _classes_of(layer: Any) -> Any:
+    return __import__(type(layer).__module__, fromlist=["_"])
 
 
 def test_to_hf_round_trips_the_variants_and_refuses_a_config_of_another() -> None:
@@ -135,3 +225,78 @@ def test_a_bad_sliding_window_in_the_config_is_refused_by_its_field() -> None:
     layer.config.sliding_window = 0
     with pytest.raises(ssm.ConfigError, match=r"sliding_window=0"):
         ssm.MultiHeadAttention.from_hf(layer)
+
+
+@pytest.mark.parametrize(
+    "case", ["phi-partial-rotary", "cohere-interleaved", "glm-partial-interleaved", "gpt_neox-partial-fused"]
+)
+def test_to_hf_round_trips_partial_and_interleaved_rope(case: str) -> None:
+    """from_hf then to_hf gives a layer computing what the original computes (Phi's dense written back as
+    dense, GPT-NeoX's q/k/v fused back per head); the same module is refused for a config whose RoPE rotates
+    another part or pairs otherwise."""
+    layer, rotary = _layer(case, "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    if hasattr(layer, "query_key_value"):  # the fused weight itself, row for row
+        assert torch.equal(back.query_key_value.weight, layer.query_key_value.weight)
+    full = ssm.MultiHeadAttention(
+        32, 4, ours.num_kv_heads, d_head=8, rope_theta=ours.rope_theta, rope_interleaved=ours.rope_interleaved
+    )
+    if ours.rope_dim != ours.d_head:
+        with pytest.raises(ssm.ConfigError, match=rf"partial rotary \(rope_dim\)={ours.rope_dim} \(module: None\)"):
+            full.to_hf(layer.config)
+    halves = ssm.MultiHeadAttention(32, 4, ours.num_kv_heads, d_head=8, rope_theta=ours.rope_theta,
+                                    rope_dim=ours.rope_dim, bias=False)  # fmt: skip
+    if ours.rope_interleaved:
+        with pytest.raises(ssm.ConfigError, match=r"another variant: rope_interleaved=True \(module: None\)"):
+            halves.to_hf(layer.config)
+
+
+def _last_features_rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> Any:
+    from shapesafe_mha._compute import kernels
+
+    width = x.shape[-1] - cos.shape[-1]
+    return torch.cat((x[..., :width], kernels.rotate(x[..., width:], cos, sin, interleaved)), dim=-1)
+
+
+def _pairs_turned_the_wrong_way(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((x[..., 1::2], -x[..., 0::2]), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize(
+    ("case", "kernel", "bug"),
+    [
+        ("phi-partial-rotary", "rotate_part", _last_features_rotated),
+        ("glm-partial-interleaved", "rotate_part", _last_features_rotated),
+        ("cohere-interleaved", "rotate_pairs", _pairs_turned_the_wrong_way),
+        ("helium-interleaved", "rotate_pairs", _pairs_turned_the_wrong_way),
+    ],
+)
+def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_rotary_embeddings(
+    case: str, kernel: str, bug: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our kernel rotating a head's last rope_dim features, or turning adjacent pairs the wrong way: from_hf's
+    probe refuses the conversion, and the second probe (every position at 0) names RoPE as what differs."""
+    from shapesafe_mha._compute import kernels
+
+    layer, _ = _layer(case, "sdpa")
+    monkeypatch.setattr(kernels, kernel, bug)
+    with pytest.raises(ssm.ConfigError, match=r"differs from \w+Attention by .* Known to differ here: the rotary"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_a_qk_norm_over_every_head_and_names_a_per_head_one() -> None:
+    """OLMo-2: from_hf then to_hf computes what the layer computes; a module whose QK-norm is per head is
+    refused for its config, naming qk_norm_over."""
+    layer, rotary = _layer("olmo2-qk-norm-all", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    per_head = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, qk_norm=True, rope_theta=ours.rope_theta)
+    with pytest.raises(ssm.ConfigError, match=r"another variant: qk_norm_over='all' \(module: 'head'\)"):
+        per_head.to_hf(layer.config)

@@ -222,7 +222,8 @@ class KVCache:
         refuse_under_vmap(k, owner)
         self._check_room(new, owner)
         tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.keys_buffer.requires_grad)
-        if self.keys_buffer.is_inference() and not torch.is_inference_mode_enabled():
+        inference = not torch.compiler.is_compiling() and self.keys_buffer.is_inference()  # (dynamo warns on it)
+        if inference and not torch.is_inference_mode_enabled():
             # filled under torch.inference_mode, written outside it: torch allows no in-place write of those
             self.keys_buffer, self.values_buffer = self.keys_buffer.clone(), self.values_buffer.clone()
         if self.window is not None and self._length + new > self.capacity:

@@ -42,11 +42,25 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of per-head `x` `(batch, heads, seq, d_head)`; tables `(seq, d)` or `(batch, seq, d)`."""
+def rotate_pairs(x: Tensor) -> Tensor:
+    """`(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)`: each adjacent pair turned a quarter (interleaved RoPE)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """Rotary embedding of per-head `x` `(batch, heads, seq, d_head)`; tables `(seq, d)` or `(batch, seq, d)`.
+
+    Halves (`rotate_half`, tables `cat(angles, angles)`), or adjacent pairs where `interleaved` (tables with
+    each angle twice in a row, as transformers' Cohere makes them)."""
     if cos.ndim == 3:
         cos, sin = cos[:, None], sin[:, None]  # the same rotation for every head
-    return x * cos + rotate_half(x) * sin
+    return x * cos + (rotate_pairs(x) if interleaved else rotate_half(x)) * sin
+
+
+def rotate_part(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """`rotate` on the first `cos.shape[-1]` features of each head (partial rotary); the rest pass unrotated."""
+    width = cos.shape[-1]
+    return torch.cat((rotate(x[..., :width], cos, sin, interleaved), x[..., width:]), dim=-1)
 
 
 def combine_masks(

@@ -1,7 +1,9 @@
 """Rotary position embeddings (RoPE): the frequency tables, and the rotation as a typed stage.
 
 Query and key features are rotated in pairs `(i, i + d_head/2)` by the angle `position * inv_freq[i]`,
-so the score between two positions depends only on their distance. Tables are computed as
+so the score between two positions depends only on their distance; interleaved RoPE (Cohere, GLM) pairs
+`(2i, 2i+1)` instead, and partial rotary (Phi, StableLM, GLM) rotates only each head's first `d_rope`
+features, passing the rest unrotated. Tables are computed as
 transformers computes them (frequencies and angles in float32, then cast), so a layer loaded with
 `MultiHeadAttention.from_hf` computes what the Hugging Face layer computes.
 """
@@ -14,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.contract import stage
-from .._core.dims import Heads, Positions, RotaryTable, SameSeqKVHeads
+from .._core.dims import Heads, PartialRotaryTable, Positions, RotaryTable, SameSeqKVHeads
 from .._core.errors import ConfigError
 from .._core.messages import mismatch
 from . import kernels as K
@@ -80,14 +82,18 @@ class RotaryEmbedding(nn.Module):
         torch.Size([1, 5, 8])
 
     Arguments:
-        d_head: the width of one head (even).
+        d_head: the width of the rotated features (even): a head's, or its rotary part's (partial rotary).
         theta: the base of the frequencies (`rope_theta`).
         scaling: transformers' `rope_parameters`/`rope_scaling` dict; "default" and "llama3" types.
+        interleaved: tables for adjacent pairs, each angle twice in a row (`apply_rotary(..., interleaved=True)`),
+            instead of `cat(angles, angles)` for halves.
     """
 
-    def __init__(self, d_head: int, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, d_head: int, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None, interleaved: bool = False
+    ) -> None:
         super().__init__()
-        self.d_head, self.theta = d_head, theta
+        self.d_head, self.theta, self.interleaved = d_head, theta, bool(interleaved)
         self.scaling = dict(scaling) if scaling else None
         self.register_buffer("inv_freq", inverse_frequencies(d_head, theta, scaling), persistent=False)
         # Not in the state_dict: computed again after every load, so a module made on the meta device, then
@@ -101,7 +107,11 @@ class RotaryEmbedding(nn.Module):
             inv_freq.copy_(inverse_frequencies(self.d_head, self.theta, self.scaling))
 
     def extra_repr(self) -> str:
-        return f"d_head={self.d_head}, theta={self.theta}" + (f", scaling={self.scaling}" if self.scaling else "")
+        return (
+            f"d_head={self.d_head}, theta={self.theta}"
+            + (f", scaling={self.scaling}" if self.scaling else "")
+            + (", interleaved=True" if self.interleaved else "")
+        )
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin, `(batch, seq, d_head)` in `dtype`, for integer `positions` `(batch, seq)`."""
@@ -109,7 +119,10 @@ class RotaryEmbedding(nn.Module):
         if inv_freq.dtype in _ROUNDING:  # `module.to(torch.bfloat16)` rounds buffers: angles off by radians at 4k
             inv_freq = inverse_frequencies(self.d_head, self.theta, self.scaling)
         angles = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
-        angles = torch.cat((angles, angles), dim=-1)
+        if self.interleaved:  # each pair's angle twice in a row, for features (2i, 2i+1)
+            angles = angles.repeat_interleave(2, dim=-1)
+        else:
+            angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -130,11 +143,15 @@ def _validate_rotary(arguments: dict[str, Any], dims: dict[str, int]) -> None:
 
 
 @stage(validate=_validate_rotary, trace=("rotary_q", "rotary_k"))
-def apply_rotary(q: Heads, k: SameSeqKVHeads, cos: RotaryTable, sin: RotaryTable) -> tuple[Heads, SameSeqKVHeads]:
+def apply_rotary(
+    q: Heads, k: SameSeqKVHeads, cos: RotaryTable, sin: RotaryTable, interleaved: bool = False
+) -> tuple[Heads, SameSeqKVHeads]:
     """Rotate queries and keys by their positions: `x * cos + rotate_half(x) * sin` (transformers' layout).
 
-    `rotate_half` pairs feature `i` with feature `i + d_head/2` (not `2i` with `2i+1`), as Llama,
-    Mistral and Qwen do. Keys must be at the queries' positions (self-attention, before caching).
+    `rotate_half` pairs feature `i` with feature `i + d_head/2`, as Llama, Mistral and Qwen do;
+    `interleaved=True` pairs `2i` with `2i+1` (`(x0, x1) -> (-x1, x0)`, Cohere, GLM, ERNIE), with tables
+    from `RotaryEmbedding(..., interleaved=True)`. Keys must be at the queries' positions (self-attention,
+    before caching).
 
     Example:
         >>> import torch, shapesafe_mha as ssm
@@ -147,6 +164,7 @@ def apply_rotary(q: Heads, k: SameSeqKVHeads, cos: RotaryTable, sin: RotaryTable
         q: `(batch, num_heads, seq, d_head)`.
         k: `(batch, num_kv_heads, seq, d_head)`.
         cos, sin: `(seq, d_head)` or `(#batch, seq, d_head)`, from `RotaryEmbedding`.
+        interleaved: adjacent pairs instead of halves.
 
     Returns:
         The rotated `(q, k)`, same shapes.
@@ -154,12 +172,67 @@ def apply_rotary(q: Heads, k: SameSeqKVHeads, cos: RotaryTable, sin: RotaryTable
     Raises:
         ShapeError: the shapes disagree, or `d_head` is odd.
     """
-    return K.rotate(q, cos, sin), K.rotate(k, cos, sin)
+    return K.rotate(q, cos, sin, interleaved), K.rotate(k, cos, sin, interleaved)
+
+
+def _validate_partial_rotary(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    width, d_head = dims["d_rope"], dims["d_head"]
+    if width % 2 or width > d_head:
+        raise mismatch(
+            f"cos has d_rope={width} features (axis -1), but the rotary part of a head must be an even number of "
+            f"features at most d_head={d_head}; rotary embeddings rotate pairs of features.",
+            arg="cos",
+            dim="d_rope",
+        )
+    for name in ("cos", "sin"):
+        table = arguments[name]
+        if table.dtype != arguments["q"].dtype:
+            raise mismatch(f"{name} has dtype {table.dtype}, but q has {arguments['q'].dtype}.", arg=name)
+
+
+@stage(validate=_validate_partial_rotary, trace=("rotary_q", "rotary_k"))
+def apply_partial_rotary(
+    q: Heads, k: SameSeqKVHeads, cos: PartialRotaryTable, sin: PartialRotaryTable, interleaved: bool = False
+) -> tuple[Heads, SameSeqKVHeads]:
+    """Rotate the first `d_rope` features of each query and key head (partial rotary); the rest pass unrotated.
+
+    `concat(rotate(x[..., :d_rope]), x[..., d_rope:])`, as Phi, StableLM, Nemotron and GLM compute it: the
+    frequencies are spaced over the rotated part (`RotaryEmbedding(d_rope, ...)`), pairs within it are halves
+    or, `interleaved`, adjacent features.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> cos, sin = ssm.RotaryEmbedding(4)(torch.arange(5)[None], dtype=torch.float32)
+        >>> q, k = ssm.apply_partial_rotary(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), cos, sin)
+        >>> q.shape, k.shape
+        (torch.Size([1, 4, 5, 8]), torch.Size([1, 2, 5, 8]))
+
+    Arguments:
+        q: `(batch, num_heads, seq, d_head)`.
+        k: `(batch, num_kv_heads, seq, d_head)`.
+        cos, sin: `(seq, d_rope)` or `(#batch, seq, d_rope)`, from `RotaryEmbedding(d_rope, ...)`.
+        interleaved: adjacent pairs instead of halves, within the rotated part.
+
+    Returns:
+        The rotated `(q, k)`, same shapes.
+
+    Raises:
+        ShapeError: the shapes disagree, or `d_rope` is odd or more than `d_head`.
+    """
+    return K.rotate_part(q, cos, sin, interleaved), K.rotate_part(k, cos, sin, interleaved)
 
 
 @stage(name="rotary", trace=("", ""), public=("positions",))
 def rotary_tables(rotary: nn.Module, positions: Positions, q: Heads) -> tuple[RotaryTable, RotaryTable]:
     """cos and sin for the positions of this call's queries, in q's dtype."""
+    return rotary(positions, q.dtype)
+
+
+@stage(name="rotary", trace=("rotary_cos", "rotary_sin"), public=("positions",))
+def partial_rotary_tables(
+    rotary: nn.Module, positions: Positions, q: Heads
+) -> tuple[PartialRotaryTable, PartialRotaryTable]:
+    """cos and sin of the rotated part (`d_rope` wide) for the positions of this call's queries, in q's dtype."""
     return rotary(positions, q.dtype)
 
 

@@ -442,6 +442,15 @@ def normalize_qk(q_norm: nn.Module, k_norm: nn.Module, q: Heads, k: NewKVHeads) 
     return q_norm(q), k_norm(k)
 
 
+@stage(name="qk_norm", trace=("q_norm", "k_norm"))
+def normalize_qk_inner(
+    q_norm: nn.Module, k_norm: nn.Module, q: QueryInner, k: NewKVInner
+) -> tuple[QueryInner, NewKVInner]:
+    """QK-norm over every head at once (OLMo-2): the projected queries RMS-normalised over `num_heads * d_head`
+    features, the keys over `num_kv_heads * d_head`, before the head split (so before RoPE)."""
+    return q_norm(q), k_norm(k)
+
+
 @stage(name="keys", trace=("", ""), sources={"result": "key"})
 def attend_to_new(k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
     """Without a cache the keys attended over are the new ones (`kv_seq` is `new`)."""
@@ -653,6 +662,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "split_key": split_key,
     "split_value": split_value,
     "normalize_qk": normalize_qk,
+    "normalize_qk_inner": normalize_qk_inner,
     "attend_to_new": attend_to_new,
     "append_to_cache": append_to_cache,
     "visible_masks": visible_masks,

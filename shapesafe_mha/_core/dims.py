@@ -28,7 +28,8 @@ DIMS: dict[str, str] = {
     "q_lora_rank": "latent attention: width of the queries' low-rank bottleneck",
     "kv_lora_rank": "latent attention: width of the shared key/value latent (cached)",
     "d_nope": "latent attention: the part of a query/key head without RoPE",
-    "d_rope": "latent attention: the rotary part of a query/key head; one rotary key shared by all heads",
+    "d_rope": "the rotary part of a query/key head (partial rotary: the first `d_rope` of `d_head`; latent "
+    "attention: one rotary key shared by all heads)",
     "d_value": "latent attention: width of a value head (may differ from `d_nope + d_rope`)",
 }
 __doc__ = (__doc__ or "") + "\n| name | meaning |\n|---|---|\n" + "\n".join(f"| `{n}` | {m} |" for n, m in DIMS.items())
@@ -65,6 +66,9 @@ FoldedProbabilities = Float[Tensor, "batch num_kv_heads group*seq kv_seq"]
 # Rotary position embeddings: integer positions of the queries, and their cos/sin tables.
 Positions = Int[Tensor, "batch seq"]
 RotaryTable = Float[Tensor, "seq d_head"] | Float[Tensor, "#batch seq d_head"]
+# Partial rotary (Phi, StableLM, GLM): the tables of the rotated part only, and its width, fixed by the module.
+PartialRotaryTable = Float[Tensor, "#batch seq d_rope"] | Float[Tensor, "seq d_rope"]
+RotarySizes = Shaped[Tensor, " d_rope"]
 
 # Masks. Boolean: True = may attend. Float: added to the scores. Only batch and heads broadcast.
 AttnMask = (

@@ -1,20 +1,23 @@
 """Hugging Face interop: load a transformers attention layer (Llama, Mistral, Qwen2/3, Gemma 2 layout), and back.
 
 transformers is an optional dependency (`pip install "shapesafe_mha[hf]"`); it is imported only
-when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping, `query_pre_attn_scalar` and
-Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier**-2`) become the
-module's options; a variant it does not compute (partial RoPE, RoPE scaling other than llama3, a
-QK-norm other than RMSNorm) is a `ConfigError` naming the config field, never a silently different
-layer.
+when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping, `query_pre_attn_scalar`,
+Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier**-2`), partial rotary
+(`partial_rotary_factor`, in `rope_parameters` since transformers 5) and interleaved RoPE (shown on the
+model's own rotary tables and `apply_rotary_pos_emb`, which no config field names) become the module's
+options; a variant it does not compute (RoPE scaling other than llama3, a QK-norm other than RMSNorm) is
+a `ConfigError` naming the config field, never a silently different layer.
 """
 
 import importlib
 import inspect
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .._compute import kernels as K
 from .._compute.cache import KVCache
 from .._compute.rotary import SUPPORTED_SCALING
 from .._core import probe
@@ -29,21 +32,102 @@ def _refuse(field: str, value: Any, why: str) -> ConfigError:
     )
 
 
-def rope_of(config: Any) -> tuple[float | None, dict[str, Any] | None]:
-    """`(rope_theta, scaling)` of a transformers config (`rope_parameters` in transformers 5, else `rope_theta`)."""
+def _rope_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
+    """The config's `rope_parameters` (`rope_scaling` before transformers 5); those of `layer_type` where a set is
+    kept per layer type (Gemma 3, OLMo 3), or the one set they all share."""
     parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    sets = {kind: value for kind, value in parameters.items() if isinstance(value, dict)}
+    if not sets or len(sets) != len(parameters):
+        return dict(parameters)
+    if layer_type in sets:
+        return dict(sets[layer_type])
+    first = next(iter(sets.values()))
+    if all(value == first for value in sets.values()):
+        return dict(first)
+    raise _refuse("rope_parameters", sorted(sets), "RoPE parameters differ by layer type, and the layer's is not known")
+
+
+def rope_of(config: Any, layer_type: str | None = None) -> tuple[float | None, dict[str, Any] | None]:
+    """`(rope_theta, scaling)` of a transformers config (`rope_parameters` in transformers 5, else `rope_theta`);
+    a layer of `layer_type` where the config keeps them per layer type."""
+    parameters = _rope_parameters(config, layer_type)
     theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind not in SUPPORTED_SCALING:
         raise _refuse("rope_parameters['rope_type']", kind, f"only {', '.join(SUPPORTED_SCALING)} RoPE is supported")
-    # transformers 5 keeps it in rope_parameters; earlier releases (and some configs) on the config itself
-    for field, partial in (
-        ("rope_parameters['partial_rotary_factor']", parameters.get("partial_rotary_factor")),
-        ("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)),
-    ):
-        if partial not in (None, 1.0, 1):
-            raise _refuse(field, partial, "only full-width RoPE is supported")
-    return theta, (dict(parameters) if kind != "default" else None)
+    scaling = {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
+    return theta, (scaling if kind != "default" else None)
+
+
+def rope_dim_of(config: Any, head_dim: int, layer_type: str | None = None) -> int | None:
+    """The rotated features of each head, `int(head_dim * partial_rotary_factor)` as transformers' rotary classes
+    compute it (the factor in `rope_parameters` in transformers 5, on the config before); None: every feature."""
+    parameters = _rope_parameters(config, layer_type)
+    found = [
+        (field, value)
+        for field, value in (
+            ("rope_parameters['partial_rotary_factor']", parameters.get("partial_rotary_factor")),
+            ("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)),
+            ("rotary_pct", getattr(config, "rotary_pct", None)),
+        )
+        if value is not None
+    ]
+    if not found:
+        return None
+    field, factor = found[0]
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise _refuse(field, factor, "the rotated share of a head must be a number in (0, 1]")
+    width = int(head_dim * factor)
+    if width == head_dim:
+        return None
+    if width < 2 or width % 2:
+        raise _refuse(field, factor, f"it rotates {width} of head_dim={head_dim} features, not an even number")
+    return width
+
+
+def rope_interleaved(modeling: Any, cos: Tensor, sin: Tensor, width: int | None = None) -> bool:
+    """Whether a model's RoPE turns adjacent pairs `(2i, 2i+1)` rather than halves, shown on its own parts.
+
+    `cos`, `sin` are its rotary class's tables `(batch, seq, features)` for positions `0, 1, ...`, for `width`
+    rotated features (default: the tables' width; gpt-oss keeps one angle per pair, a table half as wide). A
+    table with each angle twice in a row (Cohere's) says pairs. A table in halves may still be applied to pairs
+    (GLM and ERNIE interleave it inside `apply_rotary_pos_emb`): the modeling module's own function on a probe
+    tells. A function that matches neither is taken as halves, and the probe of a conversion (or the check of
+    a class) then names the difference.
+    """
+    width = cos.shape[-1] if width is None else width
+    row = cos[0, -1]
+    if cos.shape[-1] == width and width > 2 and torch.equal(row[0::2], row[1::2]):
+        return True
+    apply = getattr(modeling, "apply_rotary_pos_emb", None)
+    if apply is None or width <= 2:  # two features: halves and pairs are one rotation
+        return False
+    cos, sin = cos.detach().double(), sin.detach().double()
+    q = torch.randn(1, 1, cos.shape[1], width, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    q = q.to(cos.device)
+    try:
+        turned = apply(q, q, cos, sin)[0]
+    except Exception:  # another signature: the probe of the conversion decides
+        return False
+    angles = width // 2 if cos.shape[-1] == width else cos.shape[-1]  # one angle per pair, first in the table
+    cos, sin = cos[..., :angles].repeat_interleave(2, -1), sin[..., :angles].repeat_interleave(2, -1)
+    paired = K.rotate(q, cos, sin, True)
+    return turned.shape == q.shape and bool(torch.allclose(turned.double(), paired, atol=1e-5))
+
+
+def rope_layout_of(layer: nn.Module, config: Any, head_dim: int) -> tuple[int | None, bool]:
+    """`(rope_dim, interleaved)` of a transformers attention layer with RoPE: the rotated part, and its pairing."""
+    rope_dim = rope_dim_of(config, head_dim, _layer_type(layer, config))
+    rotary = _rotary_for(layer, config)
+    interleaved = bool(getattr(config, "rope_interleave", False))
+    if rotary is not None and not interleaved:
+        positions = torch.arange(4)[None]
+        dummy = torch.zeros(1, 4, 8)
+        takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        with torch.no_grad():
+            cos, sin = rotary(dummy, positions, *([_layer_type(layer, config)] if takes_type else []))
+        interleaved = rope_interleaved(_modeling(layer), cos, sin)
+    return rope_dim, interleaved
 
 
 def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
@@ -61,6 +145,8 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     if any(norm is not None for norm in norms):
         options["qk_norm"] = True
         options["norm_eps"] = _norm_eps(norms[0])
+        options["qk_norm_over"] = _norm_over(norms[0], config)
+        options["qk_norm_offset"] = _norm_offset(norms[0])
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         options["logit_softcap"] = float(softcap)
@@ -84,6 +170,31 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     return options
 
 
+def _norm_over(norm: Any, config: Any) -> str:
+    """"head" for a QK-norm of each head's d_head features, "all" for one of every head's together (OLMo-2)."""
+    weight = getattr(norm, "weight", None)
+    head_dim = _head_dim(config)
+    width = weight.shape[-1] if isinstance(weight, Tensor) and weight.dim() == 1 else None
+    return "all" if width not in (None, head_dim) and width == config.num_attention_heads * head_dim else "head"
+
+
+def _norm_offset(norm: Any) -> float:
+    """0.0 for an RMSNorm scaling by `weight`, 1.0 for one scaling by `1 + weight` (Gemma 3), shown on a probe of
+    the norm with its own weights; any other norm is 0.0 here, and refused by `load_norms`'s probe."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.device.type == "meta":
+        return 0.0
+    eps = _norm_eps(norm)
+    x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        got = norm(x)
+        normed = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+        for offset in (0.0, 1.0):
+            if got.shape == x.shape and torch.allclose(got, normed * (offset + weight), rtol=1e-3, atol=1e-5):
+                return offset
+    return 0.0
+
+
 def _norm_eps(norm: Any) -> float:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(eps, float):
@@ -100,7 +211,7 @@ def load_norms(module: Any, attention: nn.Module) -> None:
             probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
             probe = probe.to(device=ours.weight.device, dtype=ours.weight.dtype)
             if not torch.allclose(theirs(probe), ours(probe), rtol=1e-3, atol=1e-5):
-                why = "it computes something other than weight * x / rms(x) (Gemma 3's 1 + weight?)"
+                why = "it computes neither weight * x / rms(x) nor (1 + weight) * x / rms(x) (Gemma 3's)"
                 raise _refuse(name, type(theirs).__name__, why)
 
 
@@ -108,14 +219,45 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-_LOADED = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+# The output projection's names: Llama's o_proj, Phi's dense.
+_OUTPUT_NAMES = ("o_proj", "dense")
+_LOADED = ("q_proj", "k_proj", "v_proj", "query_key_value", *_OUTPUT_NAMES, "q_norm", "k_norm")
 # Config fields of layers that compute a variant we do not (each is None or False where they do not).
 _UNSUPPORTED_FIELDS = {
     "clip_qkv": "queries, keys and values clipped (OLMo)",
-    "qk_layernorm": "QK LayerNorm (StableLM)",
+    "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
     "use_qk_norm": "QK-norm over every head (Cohere)",
-    "rope_interleave": "interleaved RoPE pairs",
 }
+
+
+def per_head_fused(layer: nn.Module) -> nn.Linear | None:
+    """GPT-NeoX's and Persimmon's `query_key_value`, each head's rows `[q_h; k_h; v_h]` together, or None."""
+    fused = getattr(layer, "query_key_value", None)
+    if not isinstance(fused, nn.Linear) or isinstance(getattr(layer, "q_proj", None), nn.Module):
+        return None
+    return fused
+
+
+def _split_per_head(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
+    """The q/k/v projections a per-head fused `query_key_value` holds, as `(weight, bias)` pairs (views of it)."""
+    if getattr(config, "multi_query", False) or getattr(config, "new_decoder_architecture", False):
+        why = "a query_key_value fused for multi-query or grouped heads (Falcon) is not loaded"
+        raise _refuse("query_key_value", type(layer).__name__, why)
+    heads = config.num_attention_heads
+    if tuple(fused.weight.shape) != (3 * heads * head_dim, config.hidden_size):
+        why = f"the config's sizes make a per-head fused [q; k; v] of {(3 * heads * head_dim, config.hidden_size)}"
+        raise _refuse("query_key_value.weight", tuple(fused.weight.shape), why)
+    weight = fused.weight.detach().unflatten(0, (heads, 3, head_dim))
+    bias = None if fused.bias is None else fused.bias.detach().unflatten(0, (heads, 3, head_dim))
+    rows = {name: weight[:, i].flatten(0, 1) for i, name in enumerate(("q_proj", "k_proj", "v_proj"))}
+    biases = {name: None if bias is None else bias[:, i].flatten(0, 1) for i, name in enumerate(rows)}
+    return {name: SimpleNamespace(weight=rows[name], bias=biases[name]) for name in rows}
+
+
+def projection_names(layer: nn.Module) -> dict[str, str]:
+    """Our projection's name -> the layer's (`o_proj` is Phi's `dense`)."""
+    output = next((n for n in _OUTPUT_NAMES if isinstance(getattr(layer, n, None), nn.Linear)), "o_proj")
+    return {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": output}
 
 
 def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
@@ -129,12 +271,19 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
         if name not in _LOADED and any(True for _ in child.parameters()):
             why = f"the layer holds a submodule with parameters ({type(child).__name__}) that is not loaded"
             raise _refuse(name, type(child).__name__, why)
+    heads = config.num_attention_heads
+    every = {"q_norm": heads * d_head, "k_norm": (getattr(config, "num_key_value_heads", None) or heads) * d_head}
+    over = _norm_over(getattr(attention, "q_norm", None), config)
     for name in ("q_norm", "k_norm"):
         norm = getattr(attention, name, None)
         weight = getattr(norm, "weight", None)
-        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != (d_head,)):
+        width = d_head if over == "head" else every[name]
+        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != (width,)):
             shape = None if not isinstance(weight, Tensor) else tuple(weight.shape)
-            why = f"it normalises features {shape}, not each head's d_head={d_head} (a full-width or per-head norm)"
+            why = (
+                f"it normalises features {shape}, neither each head's d_head={d_head} nor every head's "
+                f"together ({every[name]}), as q_norm does"
+            )
             raise _refuse(name, type(norm).__name__, why)
     for field, what in _UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, None)
@@ -152,21 +301,25 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
             f"{_OWNER}: {type(attention).__name__} is multi-head latent attention (kv_a_proj_with_mqa); "
             "load it with shapesafe_mha.LatentAttention.from_hf(layer)."
         )
-    projections: dict[str, Any] = {
-        name: getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")
-    }
-    missing = [name for name, proj in projections.items() if not isinstance(proj, nn.Linear)]
+    names = projection_names(attention)
+    projections: dict[str, Any] = {ours: getattr(attention, theirs, None) for ours, theirs in names.items()}
+    head_dim = _head_dim(config)
+    fused = per_head_fused(attention)
+    if fused is not None:  # GPT-NeoX, Persimmon: every head has its own key and value (MHA)
+        projections.update(_split_per_head(attention, fused, config, head_dim))
+    missing = [names[name] for name, proj in projections.items() if not isinstance(proj, nn.Linear | SimpleNamespace)]
     if missing:
         raise ConfigError(
             f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
-            "(Llama, Mistral, Qwen2) is supported."
+            "(Llama, Mistral, Qwen2; Phi's dense as o_proj) and GPT-NeoX's per-head query_key_value are supported."
         )
-    head_dim = _head_dim(config)
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
-    theta, scaling = rope_of(config)
+    theta, scaling = rope_of(config, _layer_type(attention, config))
+    if theta is not None:
+        options["rope_dim"], options["rope_interleaved"] = rope_layout_of(attention, config, head_dim)
     num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    num_kv_heads = (getattr(config, "num_key_value_heads", None) or num_heads) if fused is None else num_heads
     q_proj = projections["q_proj"]
     module = cls(
         config.hidden_size,
@@ -265,7 +418,7 @@ def _hf_outputs(
     cache_word = "cache" if "cache" in mask_parameters else "past_key_values"
     parameters = inspect.signature(layer.forward).parameters
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    layer_cache_word = "cache" if "cache" in parameters else "past_key_values"
+    layer_cache_word = next((w for w in _CACHE_WORDS if w in parameters), "past_key_values")
     rotary = _rotary_for(layer, config) if "position_embeddings" in parameters else None
     if rotary is not None:
         rotary = rotary.to(x.device)
@@ -296,6 +449,9 @@ def _hf_outputs(
         outputs = {probe.FORWARD: call(prompt, 0, cache)}
         outputs[probe.DECODING] = call(step, probe.PROMPT, cache)
     return outputs
+
+
+_CACHE_WORDS = ("cache", "past_key_values", "past_key_value", "layer_past")  # GPT-NeoX: layer_past
 
 
 def _run_source(owner: str, layer: nn.Module, x: Tensor, decode: bool = True) -> probe.Outputs:
@@ -353,14 +509,16 @@ def _suspects(ours: Any, theirs: nn.Module, x: Tensor) -> list[str]:
 def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     """The transformers attention layer of `config`'s model type, holding `module`'s weights."""
     kind = type(config).__name__.removesuffix("Config")
-    try:
-        modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-        layer_cls = getattr(modeling, f"{kind}Attention")
+    try:  # the modeling module beside the config's (Gemma3TextConfig's is gemma3's, with Gemma3Attention)
+        modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+        named = getattr(modeling, f"{kind}Attention", None)
+        layer_cls = named or getattr(modeling, f"{kind.removesuffix('Text')}Attention")
     except (ImportError, AttributeError):
         raise ConfigError(
             f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
         ) from None
-    theta, scaling = rope_of(config)
+    first_type = (getattr(config, "layer_types", None) or [None])[0]  # to_hf builds layer 0
+    theta, scaling = rope_of(config, first_type)
     wanted = {
         "hidden_size": module.d_model,
         "num_attention_heads": module.num_heads,
@@ -368,15 +526,19 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "head_dim": module.d_head,
         "rope_theta": module.rope_theta,
         "rope_parameters (scaling)": None if module.rotary is None else _scaling(module.rotary.scaling),
+        "partial rotary (rope_dim)": None if module.rope_dim == module.d_head else module.rope_dim,
         "attention_dropout": float(module.dropout),
     }
     found = {k: getattr(config, k, None) for k in wanted}
     found.update(
+        num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=_head_dim(config),
         rope_theta=theta,
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
     )
     found["rope_parameters (scaling)"] = _scaling(scaling) if module.rotary is not None else None
+    partial = rope_dim_of(config, _head_dim(config), first_type) if theta is not None else None
+    found["partial rotary (rope_dim)"] = partial
     different = {k: (found[k], v) for k, v in wanted.items() if found[k] != v}
     if different:
         listed = ", ".join(f"{k}={theirs!r} (module: {ours!r})" for k, (theirs, ours) in different.items())
@@ -384,9 +546,14 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     weight = module.q_proj.weight
     theirs = layer_cls(config, layer_idx=0).to(device=weight.device, dtype=weight.dtype)
     options = variant_options(theirs, config)
+    if theta is not None:
+        options["rope_interleaved"] = rope_layout_of(theirs, config, _head_dim(config))[1] or None
     ours = {
+        "rope_interleaved": module.rope_interleaved or None,
         "window": module.window,
         "qk_norm": module.qk_norm or None,
+        "qk_norm_over": module.qk_norm_over if module.qk_norm else None,
+        "qk_norm_offset": module.qk_norm_offset if module.qk_norm else None,
         "logit_softcap": module.logit_softcap,
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
     }
@@ -398,9 +565,14 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         if module.qk_norm:
             for name in ("q_norm", "k_norm"):
                 getattr(theirs, name).weight.copy_(module._modules[name].weight)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        fused = per_head_fused(theirs)
+        if fused is not None:
+            _write_per_head(module, fused, layer_cls.__name__)
+        for name, their_name in projection_names(theirs).items():
+            if fused is not None and name != "o_proj":
+                continue
             mine: Any = module._modules[name]
-            other = getattr(theirs, name)
+            other = getattr(theirs, their_name)
             if (mine.bias is None) != (other.bias is None):
                 raise ConfigError(
                     f"MultiHeadAttention.to_hf(): {name} has bias={mine.bias is not None} here but "
@@ -413,6 +585,20 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     if verify:
         verify_against_hf("MultiHeadAttention.to_hf()", module, theirs)
     return theirs
+
+
+def _write_per_head(module: Any, fused: nn.Linear, layer_name: str) -> None:
+    """Our q/k/v projections into a per-head fused `query_key_value`, each head's rows `[q_h; k_h; v_h]`."""
+    projections = [module._modules[name] for name in ("q_proj", "k_proj", "v_proj")]
+    if len({p.bias is None for p in projections} | {fused.bias is None}) > 1:
+        raise ConfigError(
+            f"MultiHeadAttention.to_hf(): q/k/v_proj have biases {[p.bias is not None for p in projections]} here, "
+            f"but {layer_name}'s query_key_value has bias={fused.bias is not None} (config.attention_bias?)."
+        )
+    heads, d_head = module.num_heads, module.d_head
+    fused.weight.copy_(torch.stack([p.weight.unflatten(0, (heads, d_head)) for p in projections], 1).flatten(0, 2))
+    if fused.bias is not None:
+        fused.bias.copy_(torch.stack([p.bias.unflatten(0, (heads, d_head)) for p in projections], 1).flatten(0, 2))
 
 
 def _scaling(parameters: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
 from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
+from .hf import per_head_fused, projection_names
 from .hf_backend import layer_name, refuse_unknown
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
@@ -62,7 +63,8 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
     projection modules it held, its QK-norm weights), so an optimizer built before still holds them.
 
     A module is left as it was, and named with why, where `from_hf` refuses it (a variant it does not
-    compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), where
+    compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), where its
+    projections are fused per head (GPT-NeoX: the replacement would hold copies, not the model's), where
     its forward takes an argument the replacement would not pass on, or where the model's `DynamicCache`
     keeps it as a kind of layer the replacement does not read (linear attention).
 
@@ -131,6 +133,11 @@ def _why_left(module: nn.Module) -> str | None:
         named = [f"{n} {kind.replace('_', ' ')[:-1]}" + ("s" if n > 1 else "") for kind, n in hooks.items()]
         listed = ", ".join(named) or "an accelerate hook"
         return f"it has hooks ({listed}), which the replacement would not run; remove them first, or keep the layer"
+    if per_head_fused(module) is not None:
+        return (
+            "its query_key_value fuses each head's query, key and value rows, which from_hf loads as copies: the "
+            "replacement would not hold the model's own parameters"
+        )
     try:
         parameters = inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):
@@ -184,15 +191,15 @@ def _why_not_cached(module: nn.Module, cache_layers: list[Any] | None) -> str | 
 def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[Any, RotaryEmbedding]) -> "HFAttention":
     """`ours` holding the model's own parameters (the projection modules, the norms' weights), as an HFAttention;
     its rotary embedding the one `shared` holds for its frequencies (made from its own, the first time)."""
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        setattr(ours, name, getattr(theirs, name))
+    for name, their_name in projection_names(theirs).items():
+        setattr(ours, name, getattr(theirs, their_name))
     if ours.qk_norm:
         for name in ("q_norm", "k_norm"):
             ours._modules[name].weight = getattr(theirs, name).weight  # pyright: ignore[reportOptionalMemberAccess]
     rotary = ours.rotary
     if rotary is not None:
         inv_freq: Any = rotary.inv_freq
-        kind = (rotary.d_head, rotary.theta, repr(rotary.scaling), inv_freq.dtype, inv_freq.device)
+        kind = (rotary.d_head, rotary.theta, repr(rotary.scaling), rotary.interleaved, inv_freq.dtype, inv_freq.device)
         kind = (*kind, () if inv_freq.device.type == "meta" else tuple(inv_freq.tolist()))  # meta holds no values
         if kind not in shared:
             rotary.__class__ = SharedRotary

@@ -176,7 +176,7 @@ class LatentCache:
         tracked = torch.is_grad_enabled() and (
             latent.requires_grad or k_rope.requires_grad or self.buffer.requires_grad
         )
-        if self.buffer.is_inference() and not torch.is_inference_mode_enabled():
+        if not torch.compiler.is_compiling() and self.buffer.is_inference() and not torch.is_inference_mode_enabled():
             self.buffer = self.buffer.clone()  # filled under torch.inference_mode: no in-place write outside it
         if tracked:  # out of place: earlier steps' graphs keep the buffer they saw
             entry = torch.cat((latent, k_rope[:, 0]), dim=-1)

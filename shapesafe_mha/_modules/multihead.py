@@ -1,6 +1,7 @@
 """`MultiHeadAttention`: the module, for MHA, GQA and MQA, composed of checked stages."""
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -11,7 +12,16 @@ from torch import Tensor, nn
 from .._compute import kernels as K
 from .._compute.cache import KVCache
 from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state
-from .._compute.rotary import RotaryEmbedding, apply_rotary, check_rotary_width, default_positions, rotary_tables
+from .._compute.norms import OffsetRMSNorm
+from .._compute.rotary import (
+    RotaryEmbedding,
+    apply_partial_rotary,
+    apply_rotary,
+    check_rotary_width,
+    default_positions,
+    partial_rotary_tables,
+    rotary_tables,
+)
 from .._compute.stages import (
     FORWARD_STAGES,
     autocast_dtype,
@@ -23,13 +33,28 @@ from .._compute.stages import (
     positive_count,
 )
 from .._core.contract import CallKey, Session, Stage, Verdicts, raw, remembered_forward, witness
-from .._core.dims import AttnMask, KVTokens, Memory, ModuleSizes, PaddingMask, Positions, Probabilities, Tokens
+from .._core.dims import (
+    AttnMask,
+    KVTokens,
+    Memory,
+    ModuleSizes,
+    PaddingMask,
+    Positions,
+    Probabilities,
+    RotarySizes,
+    Tokens,
+)
 from .._core.errors import ConfigError
 from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
 
-_STAGES = FORWARD_STAGES | {"rotary_tables": rotary_tables, "apply_rotary": apply_rotary}
+_STAGES = FORWARD_STAGES | {
+    "rotary_tables": rotary_tables,
+    "apply_rotary": apply_rotary,
+    "partial_rotary_tables": partial_rotary_tables,
+    "apply_partial_rotary": apply_partial_rotary,
+}
 _RAW = raw(**_STAGES)
 
 
@@ -101,6 +126,31 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
                 f"move one of them ({name}.to('{device}') or module.to('{tensor.device}')).",
                 arg=name,
             )
+
+
+def _rope_dim(owner: str, theta: float | None, rope_dim: Any, interleaved: Any, d_head: int) -> int | None:
+    """The rotated width of each head (None without RoPE); `ConfigError` for one RoPE options cannot use."""
+    if theta is None:
+        if rope_dim is not None or interleaved:
+            given = "rope_dim" if rope_dim is not None else "rope_interleaved"
+            raise ConfigError(
+                f"{owner}: {given} was given, but the module has no rotary embeddings (rope_theta=None): nothing "
+                f"would use it. Pass rope_theta=... (Llama: 10000.0), or drop {given}."
+            )
+        return None
+    if not isinstance(interleaved, bool):
+        raise ConfigError(f"{owner}: rope_interleaved must be True or False, but got {interleaved!r}.")
+    if rope_dim is None:
+        return d_head
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 2 <= rope_dim <= d_head or rope_dim % 2:
+        near = (rope_dim - 1, rope_dim + 1) if isinstance(rope_dim, int) and not isinstance(rope_dim, bool) else ()
+        even = [w for w in near if 2 <= w <= d_head and w % 2 == 0]
+        suggestion = f" (for example {even[0]})" if even else ""
+        raise ConfigError(
+            f"{owner}: rope_dim={rope_dim!r}, but the rotary part of a head must be an even int in [2, d_head={d_head}]"
+            f"{suggestion}: rotary embeddings rotate pairs of a head's features."
+        )
+    return rope_dim
 
 
 def _kind(tensor: Tensor) -> tuple[Any, ...]:
@@ -211,8 +261,19 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention probabilities, in training mode.
         rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
         rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3"), or None.
+        rope_dim: partial rotary: rotate only the first `rope_dim` features of each query and key head
+            (even, at most `d_head`), the rest passed through, with the frequencies spaced over those
+            `rope_dim` (Phi, StableLM, GLM: transformers' `partial_rotary_factor * head_dim`); default
+            `d_head`, every feature.
+        rope_interleaved: RoPE pairs adjacent features `(2i, 2i+1)` instead of the halves `(i, i + rope_dim/2)`
+            of Llama's `rotate_half` (Cohere, GLM, ERNIE).
         qk_norm: RMS-normalise each head's query and key over `d_head` before RoPE, with learned
             weights (`q_norm`, `k_norm` submodules), as Qwen3 and Gemma 3 do.
+        qk_norm_over: "head" (default): each head's `d_head` features, weights `(d_head,)`; "all": every
+            head's features together, before the head split (OLMo-2), weights `(num_heads * d_head,)` for
+            the queries and `(num_kv_heads * d_head,)` for the keys.
+        qk_norm_offset: the QK-norm scales by `qk_norm_offset + weight` (Gemma 3, whose checkpoints store
+            the scale's offset from 1: `1.0`; the norms are then `OffsetRMSNorm`s); default 0, `nn.RMSNorm`.
         norm_eps: the epsilon of QK-norm.
         window: sliding-window attention: a query sees only the `window` most recent keys,
             itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
@@ -226,8 +287,9 @@ class MultiHeadAttention(nn.Module):
     Raises:
         ConfigError: the sizes are not positive ints, `num_kv_heads` does not divide `num_heads`,
             `d_head` is not given and `num_heads` does not divide `d_model`, `dropout` is not a
-            number in [0, 1), `window` is not a positive int, or `logit_softcap` /
-            `query_pre_attn_scalar` not a positive number.
+            number in [0, 1), `window` is not a positive int, `logit_softcap` /
+            `query_pre_attn_scalar` not a positive number, or `rope_dim` / `rope_interleaved` are given
+            without `rope_theta` or `rope_dim` is not an even int in `[2, d_head]`.
     """
 
     def __init__(
@@ -241,7 +303,11 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rope_theta: float | None = None,
         rope_scaling: Mapping[str, Any] | None = None,
+        rope_dim: int | None = None,
+        rope_interleaved: bool = False,
         qk_norm: bool = False,
+        qk_norm_over: str = "head",
+        qk_norm_offset: float = 0.0,
         norm_eps: float = 1e-6,
         window: int | None = None,
         logit_softcap: float | None = None,
@@ -283,14 +349,34 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
         self.rope_theta = rope_theta
+        self.rope_dim = _rope_dim(owner, rope_theta, rope_dim, rope_interleaved, d_head)
+        self.rope_interleaved = bool(rope_interleaved)
         self.rotary: RotaryEmbedding | None = None
         if rope_theta is not None:
-            check_rotary_width(d_head, owner)
-            self.rotary = RotaryEmbedding(d_head, rope_theta, rope_scaling).to(device=device)
+            if self.rope_dim == d_head:
+                check_rotary_width(d_head, owner)
+            self.rotary = RotaryEmbedding(self.rope_dim or d_head, rope_theta, rope_scaling, rope_interleaved)
+            self.rotary.to(device=device)
         self.qk_norm = bool(qk_norm)
+        if qk_norm_over not in ("head", "all"):
+            raise ConfigError(
+                f"{owner}: qk_norm_over must be 'head' (each head's d_head features) or 'all' (every head's "
+                f"together, OLMo-2), but got {qk_norm_over!r}."
+            )
+        self.qk_norm_over = qk_norm_over
+        offset = qk_norm_offset
+        if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
+            raise ConfigError(f"{owner}: qk_norm_offset must be a finite number (Gemma 3: 1.0), but got {offset!r}.")
+        self.qk_norm_offset = float(offset)
         if qk_norm:
-            self.q_norm = nn.RMSNorm(d_head, eps=norm_eps, **factory)
-            self.k_norm = nn.RMSNorm(d_head, eps=norm_eps, **factory)
+            every = qk_norm_over == "all"
+            widths = (num_heads * d_head, num_kv_heads * d_head) if every else (d_head, d_head)
+            if offset:
+                self.q_norm = OffsetRMSNorm(widths[0], norm_eps, float(offset), **factory)
+                self.k_norm = OffsetRMSNorm(widths[1], norm_eps, float(offset), **factory)
+            else:
+                self.q_norm = nn.RMSNorm(widths[0], eps=norm_eps, **factory)
+                self.k_norm = nn.RMSNorm(widths[1], eps=norm_eps, **factory)
         self.window = window
         self.logit_softcap = logit_softcap
         self.query_pre_attn_scalar = query_pre_attn_scalar
@@ -303,6 +389,7 @@ class MultiHeadAttention(nn.Module):
         self._constants = frozenset(
             {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
             | ({window} if window is not None else set())
+            | ({self.rope_dim} if self.rope_dim is not None else set())
         )
         self._forget()
 
@@ -337,7 +424,11 @@ class MultiHeadAttention(nn.Module):
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"d_head={self.d_head}, dropout={self.dropout}"
             + (f", rope_theta={self.rope_theta}" if self.rope_theta is not None else "")
+            + (f", rope_dim={self.rope_dim}" if self.rope_dim not in (None, self.d_head) else "")
+            + (", rope_interleaved=True" if self.rope_interleaved else "")
             + (", qk_norm=True" if self.qk_norm else "")
+            + (", qk_norm_over='all'" if self.qk_norm and self.qk_norm_over == "all" else "")
+            + (f", qk_norm_offset={self.qk_norm_offset}" if self.qk_norm and self.qk_norm_offset else "")
             + (f", window={self.window}" if self.window is not None else "")
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
@@ -511,6 +602,8 @@ class MultiHeadAttention(nn.Module):
         with Session("MultiHeadAttention.forward()", check=check, observer=observer) as session:
             sizes = (self.d_model, self.num_heads, self.num_kv_heads, self.d_head, self.group)
             session.seed(ModuleSizes, witness(sizes), "the module")
+            if self.rope_dim is not None and self.rope_dim != self.d_head:
+                session.seed(RotarySizes, witness((self.rope_dim,)), "the module")
             session.check_arguments(
                 _FORWARD,
                 (self, query, key, value),
@@ -562,17 +655,24 @@ class MultiHeadAttention(nn.Module):
             q = s.project_query(q_proj, query)
             k = s.project_key(k_proj, key)
             v = s.project_value(v_proj, value)
+        every = self.qk_norm and self.qk_norm_over == "all"
+        if every:  # the statistic of every head's features together, before they are split
+            q, k = s.normalize_qk_inner(modules["q_norm"], modules["k_norm"], q, k)
         q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)
-        if self.qk_norm:
+        if self.qk_norm and not every:
             q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
         rotary = modules.get("rotary")
         if rotary is not None:
             if positions is None:
                 positions = default_positions(query, 0 if kv_cache is None else kv_cache.seen)
-            cos, sin = s.rotary_tables(rotary, positions, q)
-            q, k = s.apply_rotary(q, k, cos, sin)
+            if self.rope_dim == d_head:
+                cos, sin = s.rotary_tables(rotary, positions, q)
+                q, k = s.apply_rotary(q, k, cos, sin, self.rope_interleaved)
+            else:  # partial rotary: the tables and the rotation of the first rope_dim features only
+                cos, sin = s.partial_rotary_tables(rotary, positions, q)
+                q, k = s.apply_partial_rotary(q, k, cos, sin, self.rope_interleaved)
         if kv_cache is None:
             k, v = s.attend_to_new(k, v)
         else:
@@ -639,10 +739,12 @@ class MultiHeadAttention(nn.Module):
     def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "MultiHeadAttention":
         """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
 
-        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike), configured by
-        `attention.config`: sizes, GQA, biases per projection, dropout, RoPE (default or llama3
-        scaling; tables computed as transformers computes them), and the variants: sliding window,
-        QK-norm, logit softcapping, `query_pre_attn_scalar`. Call it `is_causal=True`; positions
+        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike; Phi's `dense` as
+        o_proj; GPT-NeoX's per-head fused `query_key_value` as q/k/v_proj), configured by `attention.config`:
+        sizes, GQA, biases per projection, dropout, RoPE (default or llama3 scaling; tables computed as
+        transformers computes them; partial rotary from `partial_rotary_factor`, interleaved pairs read
+        from the model's own rotary parts), and the variants: sliding window, QK-norm, logit softcapping,
+        `query_pre_attn_scalar`. Call it `is_causal=True`; positions
         default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
         the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
 
@@ -663,9 +765,9 @@ class MultiHeadAttention(nn.Module):
               ...
 
         Raises:
-            ConfigError: a variant computed differently here (another RoPE scaling, partial rotary,
-                a QK-norm other than RMSNorm, latent attention), named by its config field or the
-                submodule; or the converted layer differs from `attention` on the probe.
+            ConfigError: a variant computed differently here (another RoPE scaling, a QK-norm other
+                than RMSNorm, latent attention), named by its config field or the submodule; or the
+                converted layer differs from `attention` on the probe.
         """
         from .._interop.hf import from_hf
 

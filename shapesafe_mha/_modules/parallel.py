@@ -92,6 +92,15 @@ def plan_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) ->
     return HeadShard(rank, world_size, num_heads, num_kv_heads, q_heads, range(kv_head, kv_head + 1), True)
 
 
+def refuse_unsharded_norm(module: MultiHeadAttention, owner: str) -> None:
+    """Raise `ConfigError` for a QK-norm over every head at once: a rank holding some heads cannot compute it."""
+    if module.qk_norm and module.qk_norm_over == "all":
+        raise ConfigError(
+            f"{owner}: qk_norm_over='all' normalises every head's features together (OLMo-2), so a rank holding "
+            "some of the heads cannot compute it; only a per-head QK-norm (qk_norm_over='head') is split by heads."
+        )
+
+
 def _rows(heads: range, d_head: int) -> slice:
     return slice(heads.start * d_head, heads.stop * d_head)
 
@@ -109,7 +118,10 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         dropout=module.dropout,
         rope_theta=module.rope_theta,
         rope_scaling=None if rotary is None else rotary.scaling,
+        rope_dim=module.rope_dim if rotary is not None else None,
+        rope_interleaved=module.rope_interleaved,
         qk_norm=module.qk_norm,
+        qk_norm_offset=module.qk_norm_offset,
         norm_eps=module.q_norm.eps if module.qk_norm else 1e-6,  # pyright: ignore[reportArgumentType]
         window=module.window,
         logit_softcap=module.logit_softcap,
@@ -234,6 +246,7 @@ class HeadParallelAttention(nn.Module):
                 "HeadParallelAttention.from_module(): torch.distributed is not initialised; "
                 "call torch.distributed.init_process_group first (torchrun sets the environment for it)."
             )
+        refuse_unsharded_norm(module, "HeadParallelAttention.from_module()")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         shard = plan_heads(module.num_heads, module.num_kv_heads, world, rank)
         local, out_bias = _local_share(module, shard)

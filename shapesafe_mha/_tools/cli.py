@@ -37,6 +37,11 @@ class DType(StrEnum):
     bfloat16 = "bfloat16"
 
 
+class NormOver(StrEnum):
+    head = "head"
+    all = "all"
+
+
 class Format(StrEnum):
     table = "table"
     json = "json"
@@ -215,6 +220,18 @@ def trace(
     ] = False,
     window: Annotated[int | None, typer.Option(min=1, metavar="INT", help="sliding-window attention (Mistral)")] = None,
     logit_softcap: Annotated[float | None, typer.Option(metavar="FLOAT", help="softcapped scores (Gemma 2)")] = None,
+    rope_dim: Annotated[
+        int | None, typer.Option(min=2, metavar="INT", help="partial rotary: rotate a head's first INT features (Phi)")
+    ] = None,
+    rope_interleaved: Annotated[
+        bool, typer.Option("--rope-interleaved/--rope-halves", help="RoPE on adjacent pairs (Cohere, GLM)")
+    ] = False,
+    qk_norm_over: Annotated[
+        NormOver, typer.Option(help="QK-norm over each head's features, or all heads' at once (OLMo-2)")
+    ] = NormOver.head,
+    qk_norm_offset: Annotated[
+        float, typer.Option(metavar="FLOAT", help="the QK-norm scales by FLOAT + weight (Gemma 3: 1)")
+    ] = 0.0,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -257,7 +274,8 @@ def trace(
         else:
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
-                qk_norm, window, logit_softcap,
+                qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
+                qk_norm_offset,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

@@ -247,6 +247,9 @@ def _module_sizes(module: nn.Module) -> dict[str, Any]:
         value = getattr(module, name, None)
         if isinstance(value, int):
             sizes[name] = sympy.Integer(value)
+    rope_dim = getattr(module, "rope_dim", None)  # partial rotary: the rotated part of a head is its d_rope
+    if isinstance(rope_dim, int):
+        sizes["d_rope"] = sympy.Integer(rope_dim)
     return sizes
 
 

@@ -8,7 +8,7 @@ import torch
 from .._compute.fastpath import choose_path
 from .._core.trace import Stage, tracing
 from .._modules.multihead import MultiHeadAttention
-from .._modules.parallel import plan_heads
+from .._modules.parallel import plan_heads, refuse_unsharded_norm
 
 DTYPES = {
     "float32": torch.float32,
@@ -36,6 +36,10 @@ class TraceConfig:
     qk_norm: bool = False  # RMS-normalise each head's query and key (Qwen3)
     window: int | None = None  # sliding-window attention (Mistral)
     logit_softcap: float | None = None  # softcapped scores (Gemma 2)
+    rope_dim: int | None = None  # partial rotary: the rotated features of each head (Phi, GLM)
+    rope_interleaved: bool = False  # RoPE on adjacent pairs (Cohere, GLM)
+    qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2)
+    qk_norm_offset: float = 0.0  # 1.0: the QK-norm scales by 1 + weight (Gemma 3)
 
 
 @dataclass
@@ -87,7 +91,11 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     device = torch.device(config.device)
     options: dict[str, Any] = {
         "rope_theta": config.rope_theta,
+        "rope_dim": config.rope_dim,
+        "rope_interleaved": config.rope_interleaved,
         "qk_norm": config.qk_norm,
+        "qk_norm_over": config.qk_norm_over,
+        "qk_norm_offset": config.qk_norm_offset,
         "window": config.window,
         "logit_softcap": config.logit_softcap,
         "device": device,
@@ -96,6 +104,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     full = MultiHeadAttention(config.d_model, config.num_heads, config.num_kv_heads, d_head=config.d_head, **options)
     module, shards = full.eval(), []
     if config.tp != 1:
+        refuse_unsharded_norm(full, "trace_forward()")
         shards = [plan_heads(full.num_heads, full.num_kv_heads, config.tp, rank) for rank in range(config.tp)]
         local = shards[0].local_heads, shards[0].local_kv_heads
         module = MultiHeadAttention(full.d_model, *local, d_head=full.d_head, **options).eval()

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._compute.reference import NormKind, NormOver, RopeStyle, _layer_norm, _rotate_pairs
+from .._compute.reference import NormKind, NormOver, RopeStyle, _layer_norm
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
 from .._interop.adapters import NAMES, load_weights
+from .._interop.hf import rope_interleaved
 
 OWNER = "check_hf_attention()"
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -190,35 +191,20 @@ def _rotary_factor(config: Any, name: str, layer_type: str | None) -> float:
 
 
 def _rope_style(
-    attention_cls: type[nn.Module], rotary: nn.Module, config: Any, width: int, name: str, layer_type: str | None
+    attention_cls: type[nn.Module], rotary: nn.Module, width: int, name: str, layer_type: str | None
 ) -> RopeStyle:
-    """How the model pairs features: halves (rotate_half) or adjacent pairs (interleaved).
-
-    A rotary table that repeats each angle for adjacent features (Cohere's) says pairs. A table in halves
-    may still be applied to pairs (GLM and ERNIE interleave it inside `apply_rotary_pos_emb`): then the
-    model's own function on a probe tells, not its attention's forward (which is what is checked); a
-    function that matches neither (a wrong sign, say) is taken as halves, so the check reports it.
-    """
+    """How the model pairs features: halves (rotate_half) or adjacent pairs (interleaved), read as `from_hf`
+    reads it (`rope_interleaved`: its rotary table, else its own `apply_rotary_pos_emb` on a probe, not its
+    attention's forward, which is what is checked); a function that matches neither (a wrong sign, say) is
+    taken as halves, so the check reports it."""
     positions = torch.arange(4)[None]
     cos, sin = tables(rotary, torch.zeros(1, 4, 8), positions, layer_type)
     if cos.shape[-1] not in (width, width // 2):  # gpt-oss keeps one angle per pair: a table half as wide
         raise refuse(name, f"a rotary table {cos.shape[-1]} wide where the config rotates {width} features")
     if cos.ndim != 3:
         raise refuse(name, f"a rotary table of shape {tuple(cos.shape)}, not (batch, seq, features)")
-    row = cos[0, 2]
-    if cos.shape[-1] == width and width > 2 and torch.equal(row[0::2], row[1::2]):
-        return "interleaved"
-    apply = getattr(importlib.import_module(attention_cls.__module__), "apply_rotary_pos_emb", None)
-    theta = rope_parameters(config, layer_type).get("rope_theta")
-    if apply is None or theta is None:
-        return "half"
-    q = torch.randn(1, 1, 4, width, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    try:
-        turned = apply(q, q, cos.double(), sin.double())[0]
-    except Exception:
-        return "half"
-    interleaved = _rotate_pairs(q, positions, float(theta), "interleaved")
-    return "interleaved" if torch.allclose(turned.double(), interleaved, atol=1e-5) else "half"
+    modeling = importlib.import_module(attention_cls.__module__)
+    return "interleaved" if rope_interleaved(modeling, cos, sin, width) else "half"
 
 
 def _norm_of(norm: nn.Module, width: int, name: str, label: str) -> tuple[NormKind, float, float]:
@@ -325,7 +311,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             width = int(d_head * factor)
             if width % 2 or width < 2:
                 raise refuse(name, f"a rotary part of {width} features")
-            style = _rope_style(attention_cls, rotary_cls(config), config, width, name, layers[0][1])
+            style = _rope_style(attention_cls, rotary_cls(config), width, name, layers[0][1])
         fused = _layout(module, name, config)
         tied = _widths(module, name, config, fused)
         norm = _qk_norm(module, name, config)
