@@ -467,3 +467,29 @@ def test_a_bfloat16_module_with_llama3_scaling_makes_the_float32_modules_tables(
     expected = ssm.RotaryEmbedding(16, scaling=scaling)(positions, torch.float32)
     rounded = ssm.RotaryEmbedding(16, scaling=scaling).to(torch.bfloat16)(positions, torch.float32)
     torch.testing.assert_close(rounded, expected, atol=0, rtol=0)
+
+
+def test_partial_rotary_over_every_feature_is_rotary() -> None:
+    """d_rope == d_head is allowed (at most d_head), and rotates as apply_rotary does."""
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], torch.float32)
+    partial, full = ssm.apply_partial_rotary(q, k, cos, sin), ssm.apply_rotary(q, k, cos, sin)
+    assert torch.equal(partial[0], full[0]) and torch.equal(partial[1], full[1])
+
+
+def test_a_rotary_submodule_giving_tables_of_another_dtype_is_refused_at_apply_partial_rotary() -> None:
+    """As for full rotary: a partial-rotary module whose rotary submodule returns float32 tables to float64
+    queries names the stage, the table and both dtypes."""
+    module = ssm.MultiHeadAttention(32, 4, rope_theta=1e4, rope_dim=4).double()
+    rotary = module.rotary
+
+    class Float32Tables(torch.nn.Module):
+        def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+            return rotary(positions, torch.float32)
+
+    module.rotary = Float32Tables()
+    with pytest.raises(ssm.ShapeError) as raised:
+        module(torch.randn(1, 3, 32, dtype=torch.float64))
+    assert str(raised.value).splitlines()[0] == (
+        "MultiHeadAttention.forward(): at apply_partial_rotary, cos has dtype torch.float32, but q has torch.float64."
+    )
