@@ -148,9 +148,18 @@ EQUIVALENT: dict[str, str] = {
         "the hooks counted down instead of up: states are only compared for equality, and -n is as distinct as n"
     ),
     # --- rotary ---
-    f"{_R}xǁRotaryEmbeddingǁ__init____mutmut_9": (
+    f"{_R}xǁRotaryEmbeddingǁ__init____mutmut_11": (
         "persistent=None for False: torch's register_buffer tests it for truth, so the buffer is non-persistent alike"
     ),
+    **{
+        f"{_R}x__validate_partial_rotary__mutmut_{n}": (
+            "the width refusal's arg dropped or renamed, or its dim: no explain hook reads them (the stage has none), "
+            "a top-level call is never prefixed, and a module's nested call never reaches the refusal: the tables' "
+            "d_rope is the module's rope_dim (checked where the rotary stage returns), which its constructor checked "
+            "even and at most d_head"
+        )
+        for n in (11, 12, 14, 15, 16, 17, 18, 19)
+    },
     f"{_R}x_check_rotary_width__mutmut_11": (
         "d_head > 2 for d_head > 1: they differ only at d_head == 2, which is even and never reaches the message"
     ),
