@@ -173,3 +173,150 @@ def test_to_converts_both_buffers_and_keeps_what_they_hold() -> None:
     moved = cache.to(torch.float64, "cpu")
     assert moved.keys_buffer.dtype == moved.values_buffer.dtype == moved.dtype == torch.float64
     assert torch.equal(moved.keys(), k.double()) and torch.equal(moved.values(), 2 * k.double()) and len(moved) == 3
+
+
+# --- pinned from surviving generated mutants (mutmut) ---------------------------------------------------------
+
+
+def _cache(**kwargs: object) -> ssm.KVCache:
+    return ssm.KVCache(2, 2, 8, 4, dtype=torch.float32, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("k", "v", "first_line"),
+    [
+        (
+            torch.zeros(2, 2, 3, 4, dtype=torch.float64),
+            torch.zeros(2, 2, 3, 4, dtype=torch.float64),
+            "KVCache.append(): k has dtype float64, but the cache holds float32; cast it with k.to(torch.float32) "
+            "or the cache with kv_cache.to(torch.float64).",
+        ),
+        (
+            torch.zeros(2, 2, 3, 4, device="meta"),
+            torch.zeros(2, 2, 3, 4, device="meta"),
+            "KVCache.append(): k is on meta, but the cache is on cpu.",
+        ),
+        (  # v's dtype is read even though k is not a tensor
+            [[1.0]],
+            torch.zeros(2, 2, 3, 4, dtype=torch.float64),
+            "KVCache.append(): v has dtype float64, but the cache holds float32; cast it with v.to(torch.float32) "
+            "or the cache with kv_cache.to(torch.float64).",
+        ),
+    ],
+)
+def test_an_append_of_another_dtype_or_device_is_refused_with_the_cast_to_make(
+    k: object, v: object, first_line: str
+) -> None:
+    cache = _cache()
+    with pytest.raises(ssm.ShapeError) as raised:
+        cache.append(k, v)  # type: ignore[arg-type]
+    assert str(raised.value).splitlines()[0] == first_line
+    assert len(cache) == 0
+
+
+def test_an_append_of_known_shapes_is_not_checked_again() -> None:
+    """The verdict of an append is remembered: the same shapes again open no checking session."""
+    from unittest import mock
+
+    from shapesafe_mha._compute import cache as cache_module
+
+    cache = _cache()
+    with mock.patch.object(cache_module, "Session", wraps=cache_module.Session) as session:
+        for _ in range(3):
+            cache.append(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
+    assert session.call_count == 1
+
+
+def test_to_a_device_moves_both_buffers() -> None:
+    cache = _cache().to(device="meta")
+    assert cache.device.type == "meta"
+    assert cache.keys_buffer.device.type == cache.values_buffer.device.type == "meta"
+
+
+def test_without_autograd_an_append_writes_into_the_same_buffers() -> None:
+    """Nothing requires grad: the new positions are written in place, no buffer is copied (grad mode on or off)."""
+    cache = _cache()
+    keys, values = storage_id(cache.keys_buffer), storage_id(cache.values_buffer)
+    cache.append(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4))
+    with torch.no_grad():
+        cache.append(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
+    assert (storage_id(cache.keys_buffer), storage_id(cache.values_buffer)) == (keys, values)
+
+
+@pytest.mark.parametrize("grad", ["k", "v"])
+def test_gradients_flow_through_every_step_when_only_keys_or_only_values_require_grad(grad: str) -> None:
+    """Decoding three steps with only k (or only v) requiring grad: the gradients equal those of attending the
+    concatenated keys and values directly (in-place writes would break the earlier steps' graphs)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 1, 4, dtype=torch.float64)
+    ks = [torch.randn(1, 2, 1, 4, dtype=torch.float64, requires_grad=grad == "k") for _ in range(3)]
+    vs = [torch.randn(1, 2, 1, 4, dtype=torch.float64, requires_grad=grad == "v") for _ in range(3)]
+    leaves = ks if grad == "k" else vs
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float64)
+    loss = sum(ssm.scaled_dot_product_attention(q, *cache.append(k, v)).sum() for k, v in zip(ks, vs, strict=True))
+    cached = torch.autograd.grad(loss, leaves)
+    direct = sum(
+        ssm.scaled_dot_product_attention(q, torch.cat(ks[: t + 1], 2), torch.cat(vs[: t + 1], 2)).sum()
+        for t in range(3)
+    )
+    torch.testing.assert_close(cached, torch.autograd.grad(direct, leaves), **F64)
+
+
+def test_reset_drops_the_graph_when_only_the_values_carried_one() -> None:
+    cache = _cache()
+    cache.append(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4, requires_grad=True))
+    assert cache.values_buffer.requires_grad and not cache.keys_buffer.requires_grad
+    cache.reset()
+    assert not cache.values_buffer.requires_grad and len(cache) == 0
+
+
+def test_a_chunk_that_exactly_fills_a_window_cache_stays_in_it() -> None:
+    """Capacity 8, window 4, 6 positions held: a chunk of 5 keeps the last 3 and writes after them, filling the
+    buffer exactly; every kept position stays readable."""
+    cache = ssm.KVCache(1, 1, 8, 1, window=4, dtype=torch.float32)
+    cache.append(torch.arange(6.0).view(1, 1, 6, 1), torch.zeros(1, 1, 6, 1))
+    cache.append(torch.arange(6.0, 11.0).view(1, 1, 5, 1), torch.zeros(1, 1, 5, 1))
+    assert cache.keys()[0, 0, :, 0].tolist() == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    assert len(cache) == 11
+
+
+def test_a_chunk_longer_than_a_window_cache_then_decoding_equals_one_causal_forward() -> None:
+    """Capacity 6, window 4: a prefill of 5, a chunk of 6 (more than the buffer holds beside the 3 kept: attended
+    in passing, then the window's last 3 kept), then 2 decoding steps == one causal windowed forward over the 13
+    positions, and len() counts all 13."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(8, 2, window=4).double()
+    x = torch.randn(1, 13, 8, dtype=torch.float64)
+    cache = module.new_cache(1, 6)
+    outs = [module(x[:, :5], is_causal=True, kv_cache=cache), module(x[:, 5:11], is_causal=True, kv_cache=cache)]
+    assert len(cache) == 11 and cache.kept == 3
+    outs += [module(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in (11, 12)]
+    torch.testing.assert_close(torch.cat(outs, 1), module(x, is_causal=True), **F64)
+    assert len(cache) == 13
+
+
+def test_the_repr_gives_the_sizes_what_is_held_and_with_a_window_what_was_seen() -> None:
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float32)
+    cache.append(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    assert repr(cache) == (
+        "KVCache(batch=1, num_kv_heads=2, capacity=8, d_head=4, dtype=torch.float32, device=cpu, filled=3)"
+    )
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float32, window=4)
+    for _ in range(10):
+        cache.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    assert repr(cache) == (
+        "KVCache(batch=1, num_kv_heads=2, capacity=8, d_head=4, dtype=torch.float32, device=cpu, filled=5, "
+        "window=4, seen=10)"
+    )
+
+
+def test_a_module_writing_its_cache_under_vmap_is_named_in_the_refusal() -> None:
+    """The module's call is what the user wrote: the refusal names MultiHeadAttention.forward(), not KVCache.append(),
+    without a verdict and after one (where only the cache's write refuses)."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    for _ in range(2):
+        cache = module.new_cache(1, 8)
+        with pytest.raises(ssm.ShapeError) as raised:
+            torch.vmap(lambda x, c=cache: module(x, kv_cache=c))(torch.randn(3, 1, 2, 16))
+        assert str(raised.value).startswith("MultiHeadAttention.forward(): kv_cache cannot be written under torch.vmap")
+        module(torch.randn(1, 2, 16), kv_cache=module.new_cache(1, 8))  # a verdict for that call's shapes

@@ -1,12 +1,16 @@
 """Every shape, dtype, device and config mistake gets the library's error with a one-line, specific message."""
 
 import re
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from error_catalogue import CATALOGUE, PAGE, PRELUDE, SEQ_FIRST, SEQ_FIRST_CAUGHT, Entry, run
 from hypothesis import given
 from hypothesis import strategies as st
+from jaxtyping import Float, Int
+from torch import Tensor
 
 import shapesafe_mha as ssm
 
@@ -211,3 +215,257 @@ def test_a_detail_line_shows_a_value_as_a_named_shape_or_its_type() -> None:
     assert named_shape(torch.zeros(2, 5, 3, dtype=torch.bfloat16), Tokens) == "bf16[batch=2, seq=5, d_model=3]"
     assert named_shape(torch.zeros(2, 5), Tokens) == "f32[2, 5]"
     assert named_shape(3) == "int" and named_shape(None) == "NoneType"
+
+
+# --- whole messages: the wording, the sources and the detail lines (pinned from surviving generated mutants) ---
+
+
+def _message(call: Any) -> str:
+    with pytest.raises(ssm.ShapeError) as raised:
+        call()
+    return str(raised.value)
+
+
+@ssm.shapecheck
+def _integers(x: Int[Tensor, " n"]) -> Int[Tensor, " n"]:
+    return x
+
+
+@ssm.shapecheck
+def _square(x: Float[Tensor, "n n"]) -> Float[Tensor, " n"]:
+    return x[0]
+
+
+@ssm.shapecheck
+def _doubled(x: Float[Tensor, " N"], y: Float[Tensor, " 2*N"]) -> Float[Tensor, " N"]:
+    return x
+
+
+@ssm.shapecheck
+def _product(x: Float[Tensor, " a"], y: Float[Tensor, " b"], z: Float[Tensor, " a*b"]) -> Float[Tensor, " a"]:
+    return x
+
+
+@ssm.shapecheck
+def _literal_rows(x: Float[Tensor, "3 n"]) -> Float[Tensor, " n"]:
+    return x[0]
+
+
+@ssm.shapecheck
+def _anything_first(x: Float[Tensor, "_ n m"], y: Float[Tensor, " n"]) -> Float[Tensor, " n"]:
+    return y
+
+
+@ssm.shapecheck
+def _broadcast_first(x: Float[Tensor, " #n"], y: Float[Tensor, " n"]) -> Float[Tensor, " n"]:
+    return y
+
+
+@ssm.shapecheck
+def _broadcast_second(x: Float[Tensor, " n"], y: Float[Tensor, " #n"]) -> Float[Tensor, " n"]:
+    return x
+
+
+@ssm.shapecheck
+def _vector_or_matrix(x: Float[Tensor, " n"] | Float[Tensor, "m n"], y: Float[Tensor, " m"]) -> Float[Tensor, "..."]:
+    return x
+
+
+@ssm.shapecheck
+def _capital(x: Float[Tensor, " Xa"], y: Float[Tensor, " Xa"]) -> Float[Tensor, " Xa"]:
+    return x
+
+
+@ssm.shapecheck
+def _int_or_str(x: Float[Tensor, " n"], k: int | str) -> Float[Tensor, " n"]:
+    return x
+
+
+@ssm.shapecheck
+def _int_or_list(x: Float[Tensor, " n"], k: int | list[Any]) -> Float[Tensor, " n"]:
+    return x
+
+
+@ssm.shapecheck
+def _listed(x: Float[Tensor, " n"]) -> Float[Tensor, " n"]:
+    return x.tolist()  # type: ignore[return-value]
+
+
+def _z(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape)
+
+
+# A user's decorated function called wrongly -> its whole message. Each names the argument, the dimension, the
+# axis, both sizes and who set the expected one; the detail lines list the call's named shapes and the bound dims.
+WHOLE_MESSAGES = {
+    "an integer annotation given floats (every integer dtype it accepts)": (
+        lambda: _integers(_z(3)),
+        "_integers(): x has dtype float32, but it must be int16 or int2 or int32 or int4 or int64 or int8.\n"
+        "Called with:\n  x: f32[n=3]",
+    ),
+    "a dimension repeated in one annotation": (
+        lambda: _square(_z(3, 4)),
+        "_square(): x has n=4 (axis 1), but x set n=3.\nCalled with:\n  x: f32[n=3, n=4]",
+    ),
+    "arithmetic over a capitalised name": (
+        lambda: _doubled(_z(3), _z(5)),
+        "_doubled(): y has 2*N=5 (axis 0), but x (N=3) set 2*N=6.\n"
+        "Called with:\n  x: f32[N=3]\n  y: f32[2*N=5]\nBound so far: N=3 (x)",
+    ),
+    "arithmetic over names two arguments set": (
+        lambda: _product(_z(2), _z(3), _z(7)),
+        "_product(): z has a*b=7 (axis 0), but x and y (a=2, b=3) set a*b=6.\n"
+        "Called with:\n  x: f32[a=2]\n  y: f32[b=3]\n  z: f32[a*b=7]\nBound so far: a=2 (x), b=3 (y)",
+    ),
+    "a size written in the annotation": (
+        lambda: _literal_rows(_z(4, 2)),
+        "_literal_rows(): x has 3=4 (axis 0), but the annotation set 3=3.\nCalled with:\n  x: f32[3=4, n=2]",
+    ),
+    "an anonymous axis binds nothing": (
+        lambda: _anything_first(_z(5, 2, 3), _z(4)),
+        "_anything_first(): y has n=4 (axis 0), but x set n=2.\n"
+        "Called with:\n  x: f32[_=5, n=2, m=3]\n  y: f32[n=4]\nBound so far: n=2 (x), m=3 (x)",
+    ),
+    "a broadcastable axis of size 3 binds its name": (
+        lambda: _broadcast_first(_z(3), _z(4)),
+        "_broadcast_first(): y has n=4 (axis 0), but x set n=3.\n"
+        "Called with:\n  x: f32[n=3]\n  y: f32[n=4]\nBound so far: n=3 (x)",
+    ),
+    "a broadcastable axis of size 2 binds its name": (
+        lambda: _broadcast_first(_z(2), _z(4)),
+        "_broadcast_first(): y has n=4 (axis 0), but x set n=2.\n"
+        "Called with:\n  x: f32[n=2]\n  y: f32[n=4]\nBound so far: n=2 (x)",
+    ),
+    "a broadcastable axis of the wrong size may also be 1": (
+        lambda: _broadcast_second(_z(3), _z(4)),
+        "_broadcast_second(): y has n=4 (axis 0), but x set n=3 (or 1, to broadcast).\n"
+        "Called with:\n  x: f32[n=3]\n  y: f32[n=4]\nBound so far: n=3 (x)",
+    ),
+    "the second alternative of a union binds its names": (
+        lambda: _vector_or_matrix(_z(2, 3), _z(4)),
+        "_vector_or_matrix(): y has m=4 (axis 0), but x set m=2.\n"
+        "Called with:\n  x: f32[m=2, n=3]\n  y: f32[m=4]\nBound so far: m=2 (x), n=3 (x)",
+    ),
+    "a name that starts with X": (
+        lambda: _capital(_z(3), _z(4)),
+        "_capital(): y has Xa=4 (axis 0), but x set Xa=3.\n"
+        "Called with:\n  x: f32[Xa=3]\n  y: f32[Xa=4]\nBound so far: Xa=3 (x)",
+    ),
+    "a union of two types, not optional": (
+        lambda: _int_or_str(_z(3), 2.5),  # type: ignore[arg-type]
+        "_int_or_str(): k must be int | str, but got float 2.5.\nCalled with:\n  x: f32[n=3]\nBound so far: n=3 (x)",
+    ),
+    "a result that is no tensor (no conversion is suggested: the function's own code makes it)": (
+        lambda: _listed(_z(3)),
+        "_listed(): the result must be a torch.Tensor, but got list.\n"
+        "Called with:\n  x: f32[n=3]\nBound so far: n=3 (x)",
+    ),
+    "a union naming a typing form, shown without its module": (
+        lambda: _int_or_list(_z(3), 2.5),  # type: ignore[arg-type]
+        "_int_or_list(): k must be int | list[Any], but got float 2.5.\n"
+        "Called with:\n  x: f32[n=3]\nBound so far: n=3 (x)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WHOLE_MESSAGES)
+def test_a_decorated_functions_mistake_gets_its_whole_message(case: str) -> None:
+    call, message = WHOLE_MESSAGES[case]
+    assert _message(call) == message
+
+
+_X = torch.randn(2, 6, 16)
+# A key_padding_mask mistake -> the first line, whole: what is wrong, then what a key_padding_mask is.
+_PADDING = " key_padding_mask is (batch, kv_seq) bool, True = padding."
+PADDING_MISTAKES = {
+    "float": (
+        {"key_padding_mask": torch.zeros(2, 6)},
+        "key_padding_mask has dtype float32, but it must be bool.",
+    ),
+    "3-D": (
+        {"key_padding_mask": torch.zeros(2, 6, 6, dtype=torch.bool)},
+        "key_padding_mask must be 2-D (batch kv_seq), but it is 3-D with shape (2, 6, 6).",
+    ),
+    "a list": (
+        {"key_padding_mask": [[True]]},
+        "key_padding_mask must be a torch.Tensor, but got list; convert it with torch.as_tensor(key_padding_mask).",
+    ),
+    "on another device": (
+        {"key_padding_mask": torch.zeros(2, 6, dtype=torch.bool, device="meta")},
+        "key_padding_mask is on meta, but the module's parameters are on cpu.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PADDING_MISTAKES)
+def test_a_padding_mask_mistake_says_what_a_padding_mask_is(case: str) -> None:
+    kwargs, sentence = PADDING_MISTAKES[case]
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    first = _message(lambda: module(_X, **kwargs)).splitlines()[0]
+    assert first == f"MultiHeadAttention.forward(): {sentence}{_PADDING}"
+
+
+def test_a_width_that_does_not_split_lists_eight_head_counts_that_would() -> None:
+    """720 has 30 divisors: the suggestion shows the first eight, then an ellipsis."""
+    first = _message(lambda: ssm.split_heads(_z(1, 2, 720), 7)).splitlines()[0]
+    assert first == (
+        "split_heads(): x has width 720 (axis 2), which does not split into num_heads=7 equal heads; "
+        "num_heads must divide it (one of {1, 2, 3, 4, 5, 6, 8, 9, ...})."
+    )
+
+
+@ssm.shapecheck
+def _with_pair(x: Float[Tensor, " d"], pair: tuple[Float[Tensor, " d"], int]) -> Float[Tensor, " d"]:
+    return x * pair[1]
+
+
+@ssm.shapecheck
+def _with_parts(x: Float[Tensor, " d"], parts: tuple[Float[Tensor, " d"], ...]) -> Float[Tensor, " d"]:
+    return x
+
+
+# A tuple argument's mistake -> the first line, whole: the part that fails by its index, or the tuple's length;
+# a tuple where a tensor belongs is told it is not a tensor.
+TUPLE_MISTAKES = {
+    "a part of another size": (
+        lambda: _with_pair(_z(3), (_z(4), 2)),
+        "_with_pair(): pair[0] has d=4 (axis 0), but x set d=3.",
+    ),
+    "a part of another kind": (
+        lambda: _with_pair(_z(3), (_z(3), "2")),  # type: ignore[arg-type]
+        "_with_pair(): pair[1] must be int, but got str '2'.",
+    ),
+    "a tuple too short": (
+        lambda: _with_pair(_z(3), (_z(3),)),  # type: ignore[arg-type]
+        "_with_pair(): pair must be a tuple of 2, but got a tuple of 1.",
+    ),
+    "every part of a tuple of any length (beartype samples one part of it: each must be wrong to be seen)": (
+        lambda: _with_parts(_z(3), (_z(4), _z(4))),
+        "_with_parts(): parts[0] has d=4 (axis 0), but x set d=3.",
+    ),
+    "the first part of a tuple of any length": (
+        lambda: _with_parts(_z(3), (_z(2),)),
+        "_with_parts(): parts[0] has d=2 (axis 0), but x set d=3.",
+    ),
+    "a tuple for a tensor": (
+        lambda: _with_pair((_z(3), _z(3)), (_z(3), 2)),  # type: ignore[arg-type]
+        "_with_pair(): x must be a torch.Tensor, but got tuple; convert it with torch.as_tensor(x).",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TUPLE_MISTAKES)
+def test_a_tuple_argument_is_explained_by_its_part_or_its_length(case: str) -> None:
+    call, first_line = TUPLE_MISTAKES[case]
+    assert _message(call).splitlines()[0] == first_line
+
+
+@ssm.shapecheck
+def _with_array(x: Float[Tensor, " d"], pair: tuple[Float[np.ndarray, " d"], int]) -> Float[Tensor, " d"]:
+    return x
+
+
+def test_a_tuple_whose_failing_part_is_another_librarys_array_gets_the_annotation() -> None:
+    """No reason of ours for a numpy part: the tuple is named with its annotation (not a crash while explaining)."""
+    first = _message(lambda: _with_array(_z(3), (np.ones(4, dtype=np.float32), 1))).splitlines()[0]
+    assert first == "_with_array(): pair does not satisfy its annotation tuple[jaxtyping.Float[ndarray, 'd'], int]."

@@ -2,6 +2,7 @@
 
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -142,3 +143,101 @@ def test_torch_fused_kernel_path_equals_reference(data: st.DataObject, device: s
     assert calls, "torch's fused MHA kernel did not run"
     expected = per_head_attention(x, x, x, weights, num_heads=config.num_heads, num_kv_heads=config.num_heads)
     torch.testing.assert_close(out, expected, **F64)
+
+
+# --- pinned from surviving generated mutants (mutmut) ---------------------------------------------------------
+
+
+def _native_fit(**kwargs: object) -> ssm.MultiHeadAttention:
+    """MHA with biases, heads tiling d_model, no RoPE: what torch's fused MHA kernel can compute."""
+    torch.manual_seed(0)
+    return ssm.MultiHeadAttention(16, 4, **kwargs).double().eval()  # type: ignore[arg-type]
+
+
+def _kernel_calls(module: ssm.MultiHeadAttention, x: torch.Tensor) -> int:
+    calls = []
+    kernel = torch._native_multi_head_attention  # pyright: ignore[reportPrivateImportUsage]
+    with (
+        torch.no_grad(),
+        mock.patch.object(torch, "_native_multi_head_attention", lambda *a: calls.append(1) or kernel(*a)),
+    ):
+        module(x)
+    return len(calls)
+
+
+def test_torch_fused_kernel_runs_up_to_128_positions_and_in_eval_mode_with_dropout() -> None:
+    """The kernel's limits: 128 positions run it, 129 do not; dropout configured but in eval mode runs it."""
+    assert _kernel_calls(_native_fit(), torch.randn(1, 128, 16, dtype=torch.float64)) == 1
+    assert _kernel_calls(_native_fit(), torch.randn(1, 129, 16, dtype=torch.float64)) == 0
+    assert _kernel_calls(_native_fit(dropout=0.1), torch.randn(1, 5, 16, dtype=torch.float64)) == 1
+
+
+def test_torch_fused_kernel_path_is_exactly_nn_multihead_attentions_inference() -> None:
+    """The same weights in nn.MultiheadAttention: its inference fast path and ours give the same bits."""
+    module = _native_fit()
+    torch_mha = nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64).eval()
+    with torch.no_grad():
+        torch_mha.in_proj_weight.copy_(torch.cat([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight]))
+        torch_mha.in_proj_bias.copy_(torch.cat([module.q_proj.bias, module.k_proj.bias, module.v_proj.bias]))
+        torch_mha.out_proj.weight.copy_(module.o_proj.weight)
+        torch_mha.out_proj.bias.copy_(module.o_proj.bias)
+        x = torch.randn(2, 7, 16, dtype=torch.float64)
+        assert torch.equal(module(x), torch_mha(x, x, x, need_weights=False)[0])
+
+
+def _both_modes(module: ssm.MultiHeadAttention, *args: torch.Tensor, **kwargs: object) -> None:
+    """The call under no_grad (where the fast paths run) == the same call with autograd (separate projections)."""
+    with torch.no_grad():
+        fast = module(*args, **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(fast, module(*args, **kwargs), **F64)  # type: ignore[arg-type]
+
+
+def test_without_grad_a_key_or_value_other_than_the_query_is_projected_on_its_own() -> None:
+    """module(x, x, y) and module(x, y, x): not self-attention, so no fused Q/K/V projection of x alone."""
+    module = _native_fit()
+    x, y = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 5, 16, dtype=torch.float64)
+    _both_modes(module, x, x, y)
+    _both_modes(module, x, y, x)
+
+
+def test_without_grad_a_module_fit_for_torchs_kernel_still_applies_masks_and_the_cache() -> None:
+    """torch's kernel takes no mask here and no cache: with either, the fused path runs, and computes the call."""
+    module = _native_fit()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    _both_modes(module, x, key_padding_mask=padding)
+    _both_modes(module, x, attn_mask=torch.rand(5, 5) > 0.3)
+    _both_modes(module, x, attn_mask=torch.rand(5, 5) > 0.3, key_padding_mask=padding)
+    with torch.no_grad():
+        cache = module.new_cache(2, 8)
+        module(x[:, :2], kv_cache=cache)
+        fast = module(x[:, 2:], kv_cache=cache)
+    cache = module.new_cache(2, 8)
+    module(x[:, :2], kv_cache=cache)
+    torch.testing.assert_close(fast, module(x[:, 2:], kv_cache=cache), **F64)
+
+
+def test_projections_of_different_dtypes_get_the_same_outcome_without_grad() -> None:
+    """k_proj (or v_proj) in float32 beside float64 ones: no fused weight of mixed dtypes is made, so the call fails
+    under no_grad exactly as with autograd (torch's own dtype error, from that projection)."""
+    for name in ("k_proj", "v_proj"):
+        module = _native_fit()
+        getattr(module, name).float()
+        x = torch.randn(2, 5, 16, dtype=torch.float64)
+        outcomes = []
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad), pytest.raises(Exception) as raised:
+                module(x)
+            outcomes.append((type(raised.value), str(raised.value).splitlines()[0]))
+        assert outcomes[0] == outcomes[1]
+
+
+def test_the_fused_weight_is_built_once_for_calls_that_change_nothing() -> None:
+    """It is a cache: a second inference call reuses the concatenation the first one made."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        module(x)
+        fused = module._fused
+        module(x)
+    assert fused is not None and module._fused is fused

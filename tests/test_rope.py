@@ -416,3 +416,80 @@ def test_rope_compiles_fullgraph_with_no_graph_breaks() -> None:
     assert explanation.graph_break_count == 0, explanation.break_reasons
     compiled = torch.compile(lambda t: module(t, is_causal=True), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), module(x, is_causal=True))
+
+
+def test_the_default_theta_is_llamas_ten_thousand() -> None:
+    """RotaryEmbedding(d_head) rotates pair i at 10000 ** (-2i / d_head), as Llama and GPT-NeoX do."""
+    rotary = ssm.RotaryEmbedding(8)
+    expected = 1.0 / 10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    torch.testing.assert_close(rotary.inv_freq, expected.float(), atol=0, rtol=0)
+
+
+def test_the_tables_are_made_on_the_positions_device() -> None:
+    """Positions on another device than the module's (meta here): the tables follow the positions."""
+    cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5, device="meta")[None], torch.float32)
+    assert cos.device.type == sin.device.type == "meta" and cos.shape == (1, 5, 8)
+
+
+def test_the_repr_gives_d_head_theta_and_the_scaling_where_there_is_one() -> None:
+    assert repr(ssm.RotaryEmbedding(8)) == "RotaryEmbedding(d_head=8, theta=10000.0)"
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling |= {"original_max_position_embeddings": 8192}
+    assert repr(ssm.RotaryEmbedding(8, theta=500000.0, scaling=scaling)) == (
+        f"RotaryEmbedding(d_head=8, theta=500000.0, scaling={scaling})"
+    )
+
+
+def test_a_rotary_submodule_giving_tables_of_another_dtype_is_refused_at_apply_rotary() -> None:
+    """A user's rotary submodule returning float32 tables to a float64 module: the stage that refuses them is named,
+    and the table, and both dtypes."""
+    module = ssm.MultiHeadAttention(16, 4, rope_theta=10000.0).double()
+    rotary = module.rotary
+
+    class Float32Tables(torch.nn.Module):
+        def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+            return rotary(positions, torch.float32)
+
+    module.rotary = Float32Tables()
+    with pytest.raises(ssm.ShapeError) as raised:
+        module(torch.randn(1, 3, 16, dtype=torch.float64))
+    assert str(raised.value).splitlines()[0] == (
+        "MultiHeadAttention.forward(): at apply_rotary, cos has dtype torch.float32, but q has torch.float64."
+    )
+
+
+def test_a_bfloat16_module_with_llama3_scaling_makes_the_float32_modules_tables() -> None:
+    """Frequencies rounded to bfloat16 are computed again for the tables, with the module's scaling (unscaled, the
+    cosines differ by up to 2)."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling |= {"original_max_position_embeddings": 64}
+    positions = torch.arange(0, 4096, 97)[None]
+    expected = ssm.RotaryEmbedding(16, scaling=scaling)(positions, torch.float32)
+    rounded = ssm.RotaryEmbedding(16, scaling=scaling).to(torch.bfloat16)(positions, torch.float32)
+    torch.testing.assert_close(rounded, expected, atol=0, rtol=0)
+
+
+def test_partial_rotary_over_every_feature_is_rotary() -> None:
+    """d_rope == d_head is allowed (at most d_head), and rotates as apply_rotary does."""
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], torch.float32)
+    partial, full = ssm.apply_partial_rotary(q, k, cos, sin), ssm.apply_rotary(q, k, cos, sin)
+    assert torch.equal(partial[0], full[0]) and torch.equal(partial[1], full[1])
+
+
+def test_a_rotary_submodule_giving_tables_of_another_dtype_is_refused_at_apply_partial_rotary() -> None:
+    """As for full rotary: a partial-rotary module whose rotary submodule returns float32 tables to float64
+    queries names the stage, the table and both dtypes."""
+    module = ssm.MultiHeadAttention(32, 4, rope_theta=1e4, rope_dim=4).double()
+    rotary = module.rotary
+
+    class Float32Tables(torch.nn.Module):
+        def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+            return rotary(positions, torch.float32)
+
+    module.rotary = Float32Tables()
+    with pytest.raises(ssm.ShapeError) as raised:
+        module(torch.randn(1, 3, 32, dtype=torch.float64))
+    assert str(raised.value).splitlines()[0] == (
+        "MultiHeadAttention.forward(): at apply_partial_rotary, cos has dtype torch.float32, but q has torch.float64."
+    )

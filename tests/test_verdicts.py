@@ -362,3 +362,140 @@ def test_a_cache_appended_under_vmap_says_why_and_what_to_do_instead() -> None:
         "first axis)."
     )
     assert len(cache) == 0
+
+
+# --- pinned from surviving generated mutants (mutmut) ---------------------------------------------------------
+
+
+def _cut_marked_input(module: nn.Module, args: tuple[Any, ...]) -> Any:
+    return (args[0][:, :-1],) if getattr(module, "cut", False) else None
+
+
+def test_a_module_wide_pre_hook_that_torch_would_not_catch_is_checked_after_a_verdict() -> None:
+    """A module-wide forward pre-hook dropping o_proj's last position makes no torch op fail: the verdict's key
+    counts module-wide pre-hooks too, so the call is checked."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 6, 16)
+    module(x, is_causal=True)
+    module.o_proj.cut = True
+    handle = register_module_forward_pre_hook(_cut_marked_input)
+    try:
+        with pytest.raises(ssm.ShapeError, match=r"o_proj returned a wrong value: the result has seq=5"):
+            module(x, is_causal=True)
+    finally:
+        handle.remove()
+
+
+def test_a_module_wide_hook_beside_a_submodules_own_hook_is_checked_after_a_verdict() -> None:
+    """o_proj has a hook of its own when the verdict is made; a module-wide hook added later is still seen."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 6, 16)
+    module.o_proj.register_forward_hook(lambda m, i, o: o)
+    module(x, is_causal=True)
+    module.o_proj.cut = True
+    handle = register_module_forward_hook(lambda m, i, o: o[..., :-1] if getattr(m, "cut", False) else o)
+    try:
+        with pytest.raises(ssm.ShapeError, match="o_proj returned a wrong value"):
+            module(x, is_causal=True)
+    finally:
+        handle.remove()
+
+
+def test_a_hook_replaced_by_another_after_a_verdict_is_checked() -> None:
+    """One hook removed and another added (as many as before): the newest handle moved, so the call is checked."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 6, 16)
+    handle = module.o_proj.register_forward_hook(lambda m, i, o: o)
+    module(x, is_causal=True)
+    handle.remove()
+    module.o_proj.register_forward_hook(lambda m, i, o: o[..., :-1])
+    with pytest.raises(ssm.ShapeError, match="o_proj returned a wrong value"):
+        module(x, is_causal=True)
+
+
+def test_an_output_projection_of_another_width_after_a_verdict_is_checked() -> None:
+    """o_proj.weight replaced by one of 15 rows (no bias): torch computes a 15-wide output silently; the verdict's
+    key holds the projections' weight shapes, so the call is checked."""
+    module = ssm.MultiHeadAttention(16, 4, 2, bias=False)
+    x = torch.randn(2, 6, 16)
+    module(x)
+    module.o_proj.weight = nn.Parameter(torch.randn(15, 16))
+    with pytest.raises(ssm.ShapeError, match=r"o_proj returned a wrong value: the result has d_model=15"):
+        module(x)
+
+
+@pytest.mark.parametrize("kind", ["a hook on a projection", "rope"])
+def test_a_hooked_or_rotary_module_remembers_its_verdicts(kind: str) -> None:
+    """The same call again is not checked again, with a hook on q_proj or a rotary submodule (no weight) too."""
+    from unittest import mock
+
+    module = ssm.MultiHeadAttention(16, 4, 2, rope_theta=10000.0 if kind == "rope" else None)
+    if kind != "rope":
+        module.q_proj.register_forward_hook(lambda m, i, o: o)
+    x = torch.randn(2, 6, 16)
+    with mock.patch.object(ssm.MultiHeadAttention, "_checked", autospec=True, side_effect=module._checked.__func__):
+        checked = ssm.MultiHeadAttention._checked
+        for _ in range(3):
+            module(x, is_causal=True)
+        assert checked.call_count == 1  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_module_state_changes_with_every_hook_added_or_removed_and_every_weight_shape() -> None:
+    """What a verdict reads of the submodules: a hook added or removed in any table (theirs, or module-wide
+    forward and pre-forward) and a weight of another shape each give another state."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from shapesafe_mha._compute.fastpath import module_state
+
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    states = [module_state([first, second])]
+    handles = [first.register_forward_hook(lambda m, i, o: o)]
+    states.append(module_state([first, second]))
+    handles.append(second.register_forward_pre_hook(lambda m, i: None))
+    states.append(module_state([first, second]))
+    handles.append(register_module_forward_hook(lambda m, i, o: o))
+    states.append(module_state([first, second]))
+    handles.append(register_module_forward_pre_hook(lambda m, i: None))
+    try:
+        states.append(module_state([first, second]))
+        for handle in handles[:-1]:
+            handle.remove()
+            states.append(module_state([first, second]))
+    finally:
+        handles[-1].remove()
+    states.append(module_state([first, second]))
+    second.weight = nn.Parameter(torch.randn(5, 4))
+    states.append(module_state([first, second]))
+    assert len(set(states[1:-2])) == len(states[1:-2]), states
+    assert states[-2] == states[0] and states[-1] != states[0]
+
+
+def test_a_module_wide_hook_raising_after_forward_leaves_the_cache_as_it_was() -> None:
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 4, 16)
+    cache = module.new_cache(2, 8)
+    module(x[:, :1], is_causal=True, kv_cache=cache)
+
+    def fails(m: nn.Module, i: Any, o: Any) -> None:
+        if m is module:
+            raise RuntimeError("a hook failed")
+
+    handle = register_module_forward_hook(fails)
+    try:
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            module(x[:, 1:], is_causal=True, kv_cache=cache)
+    finally:
+        handle.remove()
+    assert len(cache) == 1
+
+
+def test_with_a_hook_on_the_module_decoding_still_equals_one_causal_forward() -> None:
+    """The hook makes the call go through the cache-restoring wrapper: the keyword arguments reach forward."""
+    module = ssm.MultiHeadAttention(16, 4, 2).double()
+    module.register_forward_hook(lambda m, i, o: o)
+    x = torch.randn(2, 4, 16, dtype=torch.float64)
+    cache = module.new_cache(2, 8)
+    steps = [module(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(4)]
+    torch.testing.assert_close(torch.cat(steps, 1), module(x, is_causal=True), atol=1e-10, rtol=1e-8)

@@ -1,7 +1,7 @@
 """The generated mutation run's score per module, from mutmut's own results (docs/contributors.md).
 
-    mutmut run --max-children 2                 # hours on 2 cores: [tool.mutmut] in pyproject.toml
-    python -m tools.mutmut_scores [--record]    # the table; --record writes docs/mutmut-scores.json
+    OMP_NUM_THREADS=1 mutmut run --max-children 2   # hours on 2 cores: [tool.mutmut] in pyproject.toml
+    python -m tools.mutmut_scores [--record]        # the table; --record writes docs/mutmut-scores.json
 
 A survivor is triaged one of two ways: a test that kills it (then it is killed at the next run), or an
 entry of `EQUIVALENT` below saying why no test can (the mutant computes what the original computes).
@@ -29,9 +29,140 @@ _EDGE = (
     "context / factor exactly in float32, which no (theta, d_head) reaches; transformers compares the same way"
 )
 _ROTARY = "shapesafe_mha._compute.rotary.x_inverse_frequencies__mutmut_"
+
+_M = "shapesafe_mha._core.messages."
+_C = "shapesafe_mha._compute.cache."
+_F = "shapesafe_mha._compute.fastpath."
+_R = "shapesafe_mha._compute.rotary."
+_STRICT = "zip's strictness: the lengths are equal already (the rank was compared, or the value fits that alternative)"
+_UNREAD_SOURCE = "the source returned beside None is never read: callers look at the size first, and None means free"
+_EVAL_GLOBALS = (
+    "eval's globals: the expression is arithmetic over names that are all in its locals (the bound sizes), so no "
+    "builtin is ever looked up; jaxtyping evaluates the same text"
+)
+_UNREAD_TRIAL = (
+    "binds a symbolic axis or `_` in the local trial memo, which nothing reads: a symbolic axis is looked up by its "
+    "identifier parts, and `_` is answered before any lookup"
+)
+_WRONG_KIND_ARG = (
+    "drops `arg` from the wrong-kind (not an array) message: its readers are explain hooks, which look only at "
+    "tensor arguments, and the `at <stage>,` prefix of nested stages, which receive only values their caller made or "
+    "checked: a wrong kind reaches only a top-level stage call or a decorated function, neither ever prefixed"
+)
+_OWN_SESSION = (
+    "drops `arg` from KVCache.append's dtype/device refusal: append is always checked in a session of its own (top "
+    "level: never prefixed) and its stage has no explain hook, the only readers of `arg`"
+)
+_NO_NONE_SUBMODULE = (
+    "continue -> break at a None submodule: module_state is given MultiHeadAttention's and LatentAttention's "
+    "submodules only, and none of them is ever None"
+)
 EQUIVALENT: dict[str, str] = {
     **{f"{_ROTARY}{n}": _ARANGE for n in (22, 26, 30)},
     **{f"{_ROTARY}{n}": _EDGE for n in (84, 102, 105)},
+    # --- messages ---
+    f"{_M}x__expected__mutmut_5": (
+        "`_` compared with another text: it then falls to the plain-name lookup, which finds nothing, since nothing "
+        "binds `_` (bind and _misfit skip it): (None, '') either way"
+    ),
+    **{f"{_M}x__expected__mutmut_{n}": _UNREAD_SOURCE for n in (6, 12, 24)},
+    **{f"{_M}x__expected__mutmut_{n}": _EVAL_GLOBALS for n in (33, 34)},
+    **{f"{_M}x__misfit__mutmut_{n}": _STRICT for n in (39, 42, 43)},
+    **{f"{_M}x_bind__mutmut_{n}": _STRICT for n in (15, 18, 20)},
+    **{f"{_M}x_named_shape__mutmut_{n}": _STRICT for n in (20, 23, 24)},
+    **{f"{_M}x__misfit__mutmut_{n}": _UNREAD_TRIAL for n in (54, 57)},
+    f"{_M}x__misfit__mutmut_72": (
+        "every axis mismatch ranked one higher: ranks are only ordered against each other and compared with 0 "
+        "(dtype) and 1 (rank), which stay below"
+    ),
+    f"{_M}x_accepts_none__mutmut_2": (
+        "differs only for a hint that is None or NoneType: fits() never explains hint None, a None value is bearable "
+        "as NoneType (never explained), and the other use needs a union of two"
+    ),
+    f"{_M}x_bind__mutmut_3": "the name is used only in the misfit's message, which bind never reads (only `is None`)",
+    f"{_M}x_divisors__mutmut_7": (
+        "range's end one further: n % (n + 1) == 0 only for n == 0, and divisors is only asked of sizes already "
+        "checked positive"
+    ),
+    **{
+        f"{_M}x_kind_of__mutmut_{n}": (
+            "the 'any dtype' branch is unreachable: kind_of is called only on array types with a dtype list (the "
+            "guard in _misfit), or when every alternative failed on its dtype list"
+        )
+        for n in (3, 4)
+    },
+    **{f"{_M}x_explain__mutmut_{n}": _WRONG_KIND_ARG for n in (79, 81)},
+    **{
+        f"{_M}x_explain__mutmut_{n}": (
+            "drops `arg` from a tuple's length refusal: no stage of ours takes a tuple, and a decorated function's "
+            "messages have neither an explain hook nor an `at <stage>,` prefix, the only readers of `arg`"
+        )
+        for n in (21, 23)
+    },
+    **{f"{_M}x_explain__mutmut_{n}": _STRICT for n in (28, 31, 32)},
+    f"{_M}x_explain__mutmut_35": (
+        "a tuple's array parts made suspects only where they fail is_bearable alone: that check runs in the call's "
+        "jaxtyping memo, which holds every size bound so far (arguments, int sizes, shape_scope), so a part that "
+        "disagrees with the call fails it too; the arrays_of test only spares that call (tests/test_shapecheck.py "
+        "and tests/test_errors.py pass on the mutant)"
+    ),
+    f"{_M}xǁExplainedErrorǁ__init____mutmut_1": (
+        "str() of an ExplainedError is never read: it is internal, and its one catcher (Session.check_arguments) "
+        "reads .sentence"
+    ),
+    # --- cache ---
+    **{f"{_C}x__precheck_append__mutmut_{n}": _OWN_SESSION for n in (13, 15, 20, 22)},
+    f"{_C}xǁKVCacheǁcheck_append__mutmut_3": "signature_key tests its kwargs for truthiness only: None and {} alike",
+    f"{_C}xǁKVCacheǁ_pass_through__mutmut_22": (
+        "`window or 1` -> `window or 2`: a chunk passes through only a cache with a window (>= 1), so the fallback "
+        "is never taken"
+    ),
+    # --- fast paths ---
+    f"{_F}x_fused_qkv__mutmut_56": (
+        "biases[1] for biases[0]: the line above returns unless all three biases are None or none is, so they agree"
+    ),
+    **{
+        f"{_F}x_native_kernel__mutmut_{n}": (
+            "need_weights left to its default or True: the kernel's first result, the output, is the same bits "
+            "(tests/test_fused.py compares it with nn.MultiheadAttention's); the flag only adds averaged weights"
+        )
+        for n in (25, 26)
+    },
+    f"{_F}x_module_state__mutmut_2": (
+        "count and newest start at 1: the count is one more in every state (compared only for equality), and the "
+        "newest differs only while every hook's handle id is 0 or 1 (the first two hooks of the process)"
+    ),
+    f"{_F}x_module_state__mutmut_13": _NO_NONE_SUBMODULE,
+    **{
+        f"{_F}x_project__mutmut_{n}": (
+            "the shortcut not taken: the plain nn.Linear is then called through nn.Module's call, which with no hook "
+            "anywhere runs Linear.forward, the same F.linear(x, weight, bias) (about 1.5 us slower)"
+        )
+        for n in (2, 5)
+    },
+    f"{_F}x_project__mutmut_8": (
+        "`weight is None` for `is not None`: a real weight then goes through nn.Module's call (Linear.forward: the "
+        "same F.linear), and a None weight to F.linear directly, which fails as Linear.forward's own F.linear does"
+    ),
+    f"{_F}x_module_state__mutmut_26": (
+        "the hooks counted down instead of up: states are only compared for equality, and -n is as distinct as n"
+    ),
+    # --- rotary ---
+    f"{_R}xǁRotaryEmbeddingǁ__init____mutmut_11": (
+        "persistent=None for False: torch's register_buffer tests it for truth, so the buffer is non-persistent alike"
+    ),
+    **{
+        f"{_R}x__validate_partial_rotary__mutmut_{n}": (
+            "the width refusal's arg dropped or renamed, or its dim: no explain hook reads them (the stage has none), "
+            "a top-level call is never prefixed, and a module's nested call never reaches the refusal: the tables' "
+            "d_rope is the module's rope_dim (checked where the rotary stage returns), which its constructor checked "
+            "even and at most d_head"
+        )
+        for n in (11, 12, 14, 15, 16, 17, 18, 19)
+    },
+    f"{_R}x_check_rotary_width__mutmut_11": (
+        "d_head > 2 for d_head > 1: they differ only at d_head == 2, which is even and never reaches the message"
+    ),
 }
 
 KILLED, TIMEOUT, SURVIVED, NO_TESTS = "killed", "timeout", "survived", "no tests"
