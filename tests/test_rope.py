@@ -574,3 +574,23 @@ def test_llama3_fields_are_checked_by_name() -> None:
     parameters = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 64}
     with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['high_freq_factor'\] must be a positive finite"):
         ssm.inverse_frequencies(16, 10000.0, parameters)
+
+
+def test_yarn_kept_per_layer_type_is_truncated_as_transformers_reads_it() -> None:
+    """transformers reads `truncate` from the top level of `rope_parameters`, so with a set per layer type
+    (Gemma 3) it truncates whatever the set says: from_hf's scaling does too, and the frequencies are
+    transformers' own (the set's own truncate=False would give others: gpt-oss's sizes, where it matters)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shapesafe_mha._interop.hf import rope_of
+
+    untruncated = {**YARN_TABLES["gpt-oss-untruncated"][1]}
+    config = transformers.Gemma3TextConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=131072,
+        rope_parameters={"full_attention": dict(untruncated), "sliding_attention": dict(untruncated)},
+    )  # fmt: skip
+    theirs, _ = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu", layer_type="full_attention")
+    theta, scaling = rope_of(config, "full_attention")
+    assert scaling is not None and scaling["truncate"] is True
+    assert torch.equal(ssm.inverse_frequencies(64, theta, scaling), theirs)
+    assert not torch.equal(ssm.inverse_frequencies(64, theta, untruncated), theirs)
