@@ -419,10 +419,12 @@ def test_our_tables_are_the_models_own_for_its_rotated_part(name: str, interleav
         assert torch.equal(got, want)
 
 
-def test_rope_compiles_fullgraph_with_no_graph_breaks() -> None:
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["default", "yarn"])
+def test_rope_compiles_fullgraph_with_no_graph_breaks(scaling: dict[str, Any] | None) -> None:
+    """Default RoPE and YaRN's scaled tables (its attention factor a Python float) trace without a break."""
     import torch._dynamo
 
-    module = ssm.MultiHeadAttention(64, 8, 2, rope_theta=10000.0).eval()
+    module = ssm.MultiHeadAttention(64, 8, 2, rope_theta=10000.0, rope_scaling=scaling).eval()
     x = torch.randn(2, 6, 64)
     explanation = torch._dynamo.explain(lambda t: module(t, is_causal=True))(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -594,3 +596,15 @@ def test_yarn_kept_per_layer_type_is_truncated_as_transformers_reads_it() -> Non
     assert scaling is not None and scaling["truncate"] is True
     assert torch.equal(ssm.inverse_frequencies(64, theta, scaling), theirs)
     assert not torch.equal(ssm.inverse_frequencies(64, theta, untruncated), theirs)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_a_yarn_module_is_proven_for_every_batch_and_seq(decode: bool) -> None:
+    """prove() holds for every batch and seq with YaRN's scaled tables, prefill and decoding, the rotated queries
+    shaped as with default RoPE."""
+    module = ssm.MultiHeadAttention(64, 8, 2, rope_theta=1e4, rope_scaling=YARN_MSCALE)
+    proof = ssm.prove(module, is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+    rows = {name: (named, symbolic) for name, named, symbolic in proof.stages}
+    heads = "(batch, 8, 1, 8)" if decode else "(batch, 8, seq, 8)"
+    assert rows["rotary_q"] == ("batch num_heads seq d_head", heads)
