@@ -1,5 +1,7 @@
 """Rotary position embeddings as a typed stage, and Hugging Face layers loaded and computed as written."""
 
+import math
+import re
 from typing import Any
 
 import pytest
@@ -109,7 +111,9 @@ def test_rotary_errors_name_what_is_wrong() -> None:
         ssm.MultiHeadAttention(20, 4, rope_theta=10000.0)
     with pytest.raises(ssm.ConfigError, match="positions were given, but this module has no rotary embeddings"):
         ssm.MultiHeadAttention(32, 4)(x, positions=torch.zeros(2, 5, dtype=torch.long))
-    with pytest.raises(ssm.ConfigError, match="rope_type='yarn' is not supported"):
+    with pytest.raises(ssm.ConfigError, match="rope_type='longrope' is not supported"):
+        ssm.RotaryEmbedding(8, 10000.0, {"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['original_max_position_embeddings'\] must be"):
         ssm.RotaryEmbedding(8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
     cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], dtype=torch.float32)
     with pytest.raises(ssm.ShapeError, match=r"k has seq=6 \(axis 2\), but q set seq=5"):
@@ -126,9 +130,9 @@ def test_rotary_messages_suggest_the_fix_and_name_the_table() -> None:
     with pytest.raises(ssm.ConfigError, match=r"d_head=1 is odd, .*\(for example 2\)\.$"):
         ssm.RotaryEmbedding(1)
     with pytest.raises(ssm.ConfigError) as raised:
-        ssm.RotaryEmbedding(8, 10000.0, {"type": "yarn", "factor": 4.0})
+        ssm.RotaryEmbedding(8, 10000.0, {"type": "longrope", "factor": 4.0})
     assert str(raised.value) == (
-        "RotaryEmbedding(): rope_type='yarn' is not supported (only default, llama3); "
+        "RotaryEmbedding(): rope_type='longrope' is not supported (only default, llama3, yarn); "
         "its positions would differ from the model's."
     )
     cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], dtype=torch.float64)
@@ -266,6 +270,10 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+# Over 16 original positions at d_head 8, YaRN keeps pair 0, slows pairs 1-3 by the factor, and scales the
+# tables by its attention factor (0.1 * log(4) + 1 here; mscale 1.0 / mscale_all_dim 0.5 in the second).
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+YARN_MSCALE = {**YARN, "rope_theta": 500.0, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 8, "truncate": False}
 LLAMA = (LlamaAttention, LlamaRotaryEmbedding, "LlamaConfig")
 HF_CASES = {
     # name: (attention class, rotary class, config class name, config keywords)
@@ -274,7 +282,11 @@ HF_CASES = {
     "llama-gqa-llama3-scaling": (*LLAMA, {"num_key_value_heads": 2, "rope_parameters": LLAMA3}),
     "llama-bias-head4": (*LLAMA, {"num_key_value_heads": 2, "head_dim": 4, "attention_bias": True}),
     "qwen2-mqa-qkv-bias": (Qwen2Attention, Qwen2RotaryEmbedding, "Qwen2Config", {"num_key_value_heads": 1}),
-}
+    "qwen2-gqa-yarn": (Qwen2Attention, Qwen2RotaryEmbedding, "Qwen2Config",
+                       {"num_key_value_heads": 2, "max_position_embeddings": 64, "rope_parameters": YARN}),
+    "llama-gqa-yarn-mscale": (*LLAMA, {"num_key_value_heads": 2, "max_position_embeddings": 64,
+                                       "rope_parameters": YARN_MSCALE}),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(("low", "high", "bands"), [(1.0, 4.0, (29, 29, 6)), (2.0, 8.0, (25, 32, 7))])
@@ -407,10 +419,12 @@ def test_our_tables_are_the_models_own_for_its_rotated_part(name: str, interleav
         assert torch.equal(got, want)
 
 
-def test_rope_compiles_fullgraph_with_no_graph_breaks() -> None:
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["default", "yarn"])
+def test_rope_compiles_fullgraph_with_no_graph_breaks(scaling: dict[str, Any] | None) -> None:
+    """Default RoPE and YaRN's scaled tables (its attention factor a Python float) trace without a break."""
     import torch._dynamo
 
-    module = ssm.MultiHeadAttention(64, 8, 2, rope_theta=10000.0).eval()
+    module = ssm.MultiHeadAttention(64, 8, 2, rope_theta=10000.0, rope_scaling=scaling).eval()
     x = torch.randn(2, 6, 64)
     explanation = torch._dynamo.explain(lambda t: module(t, is_causal=True))(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -493,3 +507,181 @@ def test_a_rotary_submodule_giving_tables_of_another_dtype_is_refused_at_apply_p
     assert str(raised.value).splitlines()[0] == (
         "MultiHeadAttention.forward(): at apply_partial_rotary, cos has dtype torch.float32, but q has torch.float64."
     )
+
+
+# --- YaRN ------------------------------------------------------------------------------------------------
+
+YARN_TABLES = {
+    # name: (head_dim, rope_parameters); each against transformers' own ROPE_INIT_FUNCTIONS["yarn"]
+    "qwen-long-context": (128, {**YARN, "rope_theta": 1e6, "original_max_position_embeddings": 32768}),
+    "gpt-oss-untruncated": (64, {**YARN, "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+    "deepseek-mscale-equal": (64, {**YARN, "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                   "original_max_position_embeddings": 4096}),
+    "deepseek-mscale-differ": (64, {**YARN, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+                                    "original_max_position_embeddings": 4096}),
+    "mscale-without-all-dim": (32, {**YARN, "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0}),
+    "attention-factor-given": (16, {**YARN, "rope_theta": 500.0, "attention_factor": 1.3, "beta_fast": 4,
+                                    "beta_slow": 2}),
+    "small-probe-untruncated": (8, {**YARN_MSCALE}),
+    "ramp-of-width-zero": (8, {**YARN, "original_max_position_embeddings": 1, "truncate": False}),
+    "factor-one": (32, {**YARN, "factor": 1.0}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", YARN_TABLES)
+def test_yarn_tables_equal_transformers(case: str) -> None:
+    """Frequencies, attention factor and the cos/sin tables (float32 angles scaled by the factor, then cast to
+    float64) are bit for bit transformers' own, over DeepSeek's mscale pair, a given attention_factor, truncate
+    False, other betas, a ramp of width 0 and factor 1 (attention factor 1)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, parameters = YARN_TABLES[case]
+    config = transformers.LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, rope_parameters=dict(parameters),
+        max_position_embeddings=int(parameters["factor"] * parameters["original_max_position_embeddings"]),
+    )  # fmt: skip
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    rope = ssm.RotaryEmbedding(head_dim, parameters["rope_theta"], parameters)
+    assert torch.equal(rope.inv_freq, theirs)
+    assert rope.attention_factor == factor
+    positions = torch.arange(0, 5000, 7)[None]
+    x = torch.zeros(1, positions.shape[1], 4 * head_dim, dtype=torch.float64)
+    for ours, want in zip(rope(positions, torch.float64), LlamaRotaryEmbedding(config)(x, positions), strict=True):
+        assert torch.equal(ours, want)
+
+
+@given(data=st.data())
+def test_module_with_yarn_equals_the_per_head_reference(data: st.DataObject) -> None:
+    """A YaRN module (factor, betas, mscale and truncate drawn) == the reference rotating each head by
+    transformers' own YaRN frequencies with cos and sin scaled by its attention factor; prefill and decoding."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = _rope_config(data)
+    parameters = {
+        **YARN,
+        "rope_theta": config.rope_theta,
+        "factor": data.draw(st.sampled_from([2.0, 4.0, 16.0]), label="factor"),
+        "original_max_position_embeddings": (context := data.draw(st.sampled_from([4, 16, 64]), label="context")),
+        "beta_fast": data.draw(st.sampled_from([32, 8]), label="beta_fast"),
+        "truncate": data.draw(st.booleans(), label="truncate"),
+        **data.draw(st.sampled_from([{}, {"mscale": 1.0, "mscale_all_dim": 0.5}]), label="mscale"),
+    }
+    d_head = config.d_head
+    hf = transformers.LlamaConfig(hidden_size=config.num_heads * d_head, num_attention_heads=config.num_heads,
+                                  head_dim=d_head,
+                                  rope_parameters=dict(parameters),
+                                  max_position_embeddings=int(parameters["factor"]) * context)  # fmt: skip
+    frequencies = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    weights = data.draw(projection_weights(config))
+    x = data.draw(attention_inputs(config)).query
+    module = ssm.MultiHeadAttention.from_weights(
+        weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, rope_theta=config.rope_theta,
+        rope_scaling=parameters,
+    )  # fmt: skip
+    expected = per_head_attention(
+        x, x, x, weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, is_causal=True,
+        rope_theta=config.rope_theta, rope_frequencies=frequencies,
+    )  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(module(x, is_causal=True), expected, **F64)
+        cache = module.new_cache(batch=x.shape[0], capacity=x.shape[1])
+        steps = [module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(x.shape[1])]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **F64)
+
+
+def test_a_yarn_module_without_its_attention_factor_is_caught() -> None:
+    """Planted bug: the tables left unscaled (attention factor 1) differ from the HF layer by far more than the
+    tolerance of the from_hf comparison, so that comparison catches it."""
+    layer, rotary = _hf_layer("qwen2-gqa-yarn", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.rotary is not None and ours.rotary.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _hf_forward(layer, rotary, x, torch.arange(9).expand(2, 9))
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **F64)
+        ours.rotary.attention_factor = 1.0
+        assert (ours(x, is_causal=True) - expected).abs().max() > 1e-3
+
+
+def test_to_hf_carries_yarn_and_a_factor_left_out_is_the_context_ratio() -> None:
+    """A YaRN module goes to a config with the same rope_parameters and back, computing the same; a config whose
+    factor is None (DeepSeek-V3) loads with factor max_position_embeddings / original_max_position_embeddings,
+    as transformers computes it; another scaling in the config is named."""
+    ours = ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=500.0, rope_scaling=YARN_MSCALE, dtype=torch.float64)
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, rope_parameters=dict(YARN_MSCALE),
+                                      attn_implementation="sdpa")  # fmt: skip
+    back = ours.to_hf(config).to(torch.float64).eval()
+    x = torch.randn(1, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _hf_forward(back, LlamaRotaryEmbedding(config), x, torch.arange(7)[None]), ours(x, is_causal=True), **F64
+        )
+    with pytest.raises(ssm.ConfigError, match=r"rope_parameters \(scaling\)=\{'rope_type': 'yarn', 'factor': 4.0"):
+        ours.to_hf(transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                            rope_parameters={**YARN, "rope_theta": 500.0}))  # fmt: skip
+    derived = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
+                                       rope_parameters={**YARN, "factor": None})  # fmt: skip
+    loaded = ssm.MultiHeadAttention.from_hf(LlamaAttention(derived, layer_idx=0))
+    assert loaded.rotary is not None and loaded.rotary.scaling is not None
+    assert loaded.rotary.scaling["factor"] == 4.0
+    assert loaded.rotary.attention_factor == LlamaRotaryEmbedding(derived).attention_scaling
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "wanted"),
+    [
+        ("factor", None, "a positive finite number"),
+        ("factor", 0.0, "a positive finite number"),
+        ("original_max_position_embeddings", "4k", "a positive finite number"),
+        ("beta_fast", -1.0, "a positive finite number"),
+        ("beta_slow", float("nan"), "a positive finite number"),
+        ("mscale", True, "a finite number"),
+        ("attention_factor", 0, "a positive finite number"),
+        ("truncate", "yes", "True or False"),
+    ],
+)
+def test_yarn_fields_are_checked_by_name(field: str, value: Any, wanted: str) -> None:
+    parameters = {**YARN, field: value}
+    with pytest.raises(ssm.ConfigError, match=rf"^RotaryEmbedding\(\): rope_parameters\['{field}'\] must be {wanted} "
+                       rf"for rope_type='yarn', but got {re.escape(repr(value))}\.$"):  # fmt: skip
+        ssm.RotaryEmbedding(8, 10000.0, parameters)
+
+
+def test_llama3_fields_are_checked_by_name() -> None:
+    parameters = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 64}
+    with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['high_freq_factor'\] must be a positive finite"):
+        ssm.inverse_frequencies(16, 10000.0, parameters)
+
+
+def test_yarn_kept_per_layer_type_is_truncated_as_transformers_reads_it() -> None:
+    """transformers reads `truncate` from the top level of `rope_parameters`, so with a set per layer type
+    (Gemma 3) it truncates whatever the set says: from_hf's scaling does too, and the frequencies are
+    transformers' own (the set's own truncate=False would give others: gpt-oss's sizes, where it matters)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shapesafe_mha._interop.hf import rope_of
+
+    untruncated = {**YARN_TABLES["gpt-oss-untruncated"][1]}
+    config = transformers.Gemma3TextConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=131072,
+        rope_parameters={"full_attention": dict(untruncated), "sliding_attention": dict(untruncated)},
+    )  # fmt: skip
+    theirs, _ = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu", layer_type="full_attention")
+    theta, scaling = rope_of(config, "full_attention")
+    assert scaling is not None and scaling["truncate"] is True
+    assert torch.equal(ssm.inverse_frequencies(64, theta, scaling), theirs)
+    assert not torch.equal(ssm.inverse_frequencies(64, theta, untruncated), theirs)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_a_yarn_module_is_proven_for_every_batch_and_seq(decode: bool) -> None:
+    """prove() holds for every batch and seq with YaRN's scaled tables, prefill and decoding, the rotated queries
+    shaped as with default RoPE."""
+    module = ssm.MultiHeadAttention(64, 8, 2, rope_theta=1e4, rope_scaling=YARN_MSCALE)
+    proof = ssm.prove(module, is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+    rows = {name: (named, symbolic) for name, named, symbolic in proof.stages}
+    heads = "(batch, 8, 1, 8)" if decode else "(batch, 8, seq, 8)"
+    assert rows["rotary_q"] == ("batch num_heads seq d_head", heads)

@@ -62,6 +62,11 @@ CASES = {
     # QK-norm over every head's features at once, before the head split (weights num_heads * head_dim wide)
     "olmo2-qk-norm-all": ("olmo2", 0, {"num_key_value_heads": 2}, {"qk_norm": True, "qk_norm_over": "all"}),
     "olmoe-qk-norm-all": ("olmoe", 0, {"num_key_value_heads": 1}, {"qk_norm": True, "qk_norm_over": "all"}),
+    # YaRN RoPE scaling (the tables from the model's rotary class, scaled by its attention factor) with QK-norm
+    "qwen3-qk-norm-yarn": ("qwen3", 0, {"num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+                                        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                            "original_max_position_embeddings": 16}},
+                           {"qk_norm": True}),
     # rope_parameters kept per layer type, and a sliding layer
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},

@@ -58,6 +58,11 @@ VARIANTS = "tests/test_variants.py"
 VARIANTS_HF = "tests/test_variants_hf.py"
 LATENT = "tests/test_latent.py"
 VERDICTS = "tests/test_verdicts.py"
+YARN_TABLES = "tests/test_rope.py::test_yarn_tables_equal_transformers"
+YARN_CAUGHT = "tests/test_rope.py::test_a_yarn_module_without_its_attention_factor_is_caught"
+YARN_TO_HF = "tests/test_rope.py::test_to_hf_carries_yarn_and_a_factor_left_out_is_the_context_ratio"
+YARN_BY_TYPE = "tests/test_rope.py::test_yarn_kept_per_layer_type_is_truncated_as_transformers_reads_it"
+YARN_MODULE = "tests/test_rope.py::test_module_with_yarn_equals_the_per_head_reference"
 MODS = "tests/test_mods.py"
 FLEX = "tests/test_flex.py"
 
@@ -285,6 +290,26 @@ MUTANTS: list[Mutant] = [
     # --- RoPE and Hugging Face ---
     M("_compute/rotary.py", "    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)", "    scaled = inv_freq",
       "llama3 RoPE scaling ignored", ROPE),
+    # --- YaRN RoPE scaling ---
+    M("_compute/rotary.py", "        if self.attention_factor != 1.0:", "        if False:",
+      "YaRN cos/sin tables not multiplied by the attention factor", YARN_TABLES, YARN_CAUGHT),
+    M("_compute/rotary.py", "    if mscale and mscale_all_dim:", "    if False:",
+      "YaRN attention factor ignores DeepSeek's mscale and mscale_all_dim", YARN_TABLES),
+    M("_compute/rotary.py", "    if given is not None:\n        return given", "    if False:\n        return given",
+      "YaRN attention factor given in the config ignored", YARN_TABLES),
+    M("_compute/rotary.py", "    if truncate:\n", "    if True:\n", "YaRN ramp ends rounded even with truncate=False", YARN_TABLES),
+    M("_compute/rotary.py", "    kept = 1 - ramp", "    kept = ramp", "YaRN slows the fast frequencies and keeps the slow ones", YARN_TABLES),
+    M("_compute/rotary.py", "    beta_fast = _number(scaling, \"beta_fast\", required=False) or 32",
+      "    beta_fast = _number(scaling, \"beta_fast\", required=False) or 16", "YaRN beta_fast defaults to 16, not 32", YARN_TABLES),
+    M("_compute/rotary.py", "    if kind == \"yarn\":\n        return _yarn(d_head, theta, scaling)\n", "",
+      "YaRN frequencies computed as llama3's", YARN_TABLES),
+    M("_interop/hf.py", "        scaling.update(_yarn_as_computed(config, scaling))\n", "",
+      "from_hf leaves a YaRN factor of None (DeepSeek-V3) instead of the context ratio", YARN_TO_HF),
+    M("_interop/hf.py", "        found[\"truncate\"] = top.get(\"truncate\", True)\n", "",
+      "from_hf takes YaRN's truncate from a layer type's set (transformers reads the top level)", YARN_BY_TYPE),
+    M("_interop/torch_nn.py", "            options[\"rope_frequencies\"] = (frequencies, rotary.attention_factor)",
+      "            options[\"rope_frequencies\"] = (frequencies, 1.0)",
+      "from_weights verifies a YaRN module against unscaled tables (and refuses it)", YARN_MODULE),
     M("_compute/rotary.py", '    if dims["d_head"] % 2:', "    if False:", "apply_rotary accepts an odd head width", PINS),
     M("_interop/hf.py", "    if window is not None:\n", "    if False:\n", "from_hf loads a sliding-window layer as full attention", VARIANTS_HF),
     # --- partial rotary and interleaved RoPE ---

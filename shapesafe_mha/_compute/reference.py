@@ -37,6 +37,7 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
 KVHeads = Literal["grouped", "interleaved"]
 RopeStyle = Literal["half", "interleaved"]
 NormOver = Literal["head", "all"]
+RopeFrequencies = tuple[Tensor, float] | None  # (inv_freq, attention_factor) of scaled RoPE
 NormKind = Literal["rms", "layer"]
 # FlexAttention's signatures (torch.nn.attention.flex_attention): `score_mod(score, b, h, q_idx, kv_idx)`
 # returns the modified score; `mask_mod(b, h, q_idx, kv_idx)` returns True where the query may attend.
@@ -63,17 +64,22 @@ def _score_mod(scores: Tensor, score_mod: ScoreMod | None, head: int) -> Tensor:
     return score_mod(scores, *_indices(batch, head, seq, kv_seq, scores)).expand_as(scores)
 
 
-def _rotate_pairs(x: Tensor, positions: Tensor, theta: float, style: RopeStyle = "half") -> Tensor:
+def _rotate_pairs(
+    x: Tensor, positions: Tensor, theta: float, style: RopeStyle = "half", frequencies: RopeFrequencies = None
+) -> Tensor:
     """One head's features, each pair turned by the angle `position * theta**(-2i/d_head)`.
+
+    With `frequencies=(inv_freq, factor)` (scaled RoPE), pair `i` turns by `position * inv_freq[i]` instead,
+    and cos and sin are multiplied by `factor` (YaRN's attention factor) before the cast.
 
     Pair `i` is features `(i, i + d_head/2)` in the "half" style (Llama, Mistral, Qwen: rotate_half),
     features `(2i, 2i+1)` in the "interleaved" style (GPT-J, the RoFormer paper).
     """
     half = x.shape[-1] // 2
     exponents = torch.arange(half, dtype=torch.float32) * 2 / x.shape[-1]
-    frequency = 1.0 / theta**exponents
-    angle = positions.to(torch.float32)[..., None] * frequency
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    frequency, factor = (1.0 / theta**exponents, 1.0) if frequencies is None else frequencies
+    angle = positions.to(torch.float32)[..., None] * frequency.to(torch.float32)
+    cos, sin = (angle.cos() * factor).to(x.dtype), (angle.sin() * factor).to(x.dtype)
     if style == "interleaved":
         first, second = x[..., 0::2], x[..., 1::2]
         turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
@@ -82,11 +88,19 @@ def _rotate_pairs(x: Tensor, positions: Tensor, theta: float, style: RopeStyle =
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
-def _rotate_part(x: Tensor, positions: Tensor, theta: float, style: RopeStyle, rotary_dim: int | None) -> Tensor:
+def _rotate_part(
+    x: Tensor,
+    positions: Tensor,
+    theta: float,
+    style: RopeStyle,
+    rotary_dim: int | None,
+    frequencies: RopeFrequencies = None,
+) -> Tensor:
     """RoPE on the first `rotary_dim` features of one head (all of them where None); the rest pass unrotated."""
     if rotary_dim is None or rotary_dim == x.shape[-1]:
-        return _rotate_pairs(x, positions, theta, style)
-    return torch.cat((_rotate_pairs(x[..., :rotary_dim], positions, theta, style), x[..., rotary_dim:]), dim=-1)
+        return _rotate_pairs(x, positions, theta, style, frequencies)
+    turned = _rotate_pairs(x[..., :rotary_dim], positions, theta, style, frequencies)
+    return torch.cat((turned, x[..., rotary_dim:]), dim=-1)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -157,6 +171,7 @@ def per_head_attention(
     key_positions: Tensor | None = None,
     rope_style: RopeStyle = "half",
     rotary_dim: int | None = None,
+    rope_frequencies: RopeFrequencies = None,
     kv_heads: KVHeads = "grouped",
     qk_norm: tuple[Tensor, Tensor] | None = None,
     norm_eps: float = 1e-6,
@@ -205,6 +220,9 @@ def per_head_attention(
             "interleaved" pairs `2i` with `2i+1` (GPT-J).
         rotary_dim: rotate only each head's first `rotary_dim` features (partial rotary: Phi,
             StableLM, GPT-NeoX), pairing them within that part; default all `d_head`.
+        rope_frequencies: `(inv_freq, attention_factor)` of scaled RoPE (llama3, YaRN; transformers'
+            `ROPE_INIT_FUNCTIONS` return them): pair `i` turns by `position * inv_freq[i]`, and cos and sin
+            are multiplied by `attention_factor`; default `theta`'s frequencies, factor 1.
         kv_heads: which KV head query head `h` reads: "grouped" `h // group` (transformers'
             repeat_kv, torch's enable_gqa), "interleaved" `h % num_kv_heads` (x-transformers).
         qk_norm: `(q_weight, k_weight)`, each `(d_head,)`: RMS-normalise every head's query and
@@ -255,8 +273,8 @@ def per_head_attention(
         elif qk_norm is not None and not qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         if rope_theta is not None:
-            q = _rotate_part(q, where, rope_theta, rope_style, rotary_dim)
-            k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim)
+            q = _rotate_part(q, where, rope_theta, rope_style, rotary_dim, rope_frequencies)
+            k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim, rope_frequencies)
         if qk_norm is not None and qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))

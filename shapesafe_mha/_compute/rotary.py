@@ -21,7 +21,7 @@ from .._core.errors import ConfigError
 from .._core.messages import mismatch
 from . import kernels as K
 
-SUPPORTED_SCALING = ("default", "llama3")
+SUPPORTED_SCALING = ("default", "llama3", "yarn")
 
 
 def check_rotary_width(d_head: int, owner: str, name: str = "d_head") -> None:
@@ -33,8 +33,92 @@ def check_rotary_width(d_head: int, owner: str, name: str = "d_head") -> None:
         )
 
 
+def _kind(scaling: Mapping[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def _number(scaling: Mapping[str, Any], field: str, *, required: bool = True, positive: bool = True) -> Any:
+    """`scaling[field]`, a finite number (positive unless told), or None where it may be left out."""
+    value = scaling.get(field)
+    if value is None and not required:
+        return None
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or (positive and value <= 0)
+    ):
+        kind = "a positive finite number" if positive else "a finite number"
+        raise ConfigError(
+            f"RotaryEmbedding(): rope_parameters[{field!r}] must be {kind} for rope_type={_kind(scaling)!r}, "
+            f"but got {value!r}."
+        )
+    return value
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(scaling: Mapping[str, Any] | None = None) -> float:
+    """The factor the cos/sin tables are multiplied by: 1 but for YaRN, whose `attention_factor` is given or is
+    `0.1 * log(factor) + 1` (with DeepSeek's `mscale`/`mscale_all_dim`, the ratio of two such terms).
+
+    Example:
+        >>> import shapesafe_mha as ssm
+        >>> yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+        >>> round(ssm.RotaryEmbedding(8, 10000.0, yarn).attention_factor, 4)
+        1.1386
+
+    Raises:
+        ConfigError: a YaRN field is missing or not a number (named).
+    """
+    if scaling is None or _kind(scaling) != "yarn":
+        return 1.0
+    given = _number(scaling, "attention_factor", required=False)
+    if given is not None:
+        return given
+    factor = _number(scaling, "factor")
+    mscale = _number(scaling, "mscale", required=False, positive=False)
+    mscale_all_dim = _number(scaling, "mscale_all_dim", required=False, positive=False)
+    if mscale and mscale_all_dim:  # as transformers tests them: 0 and None alike mean "not given"
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn(d_head: int, theta: float, scaling: Mapping[str, Any]) -> Tensor:
+    """YaRN: frequencies of few rotations over the original context are slowed by `factor`, those of many kept,
+    the ones between ramped linearly (the ramp's ends rounded outwards unless `truncate=False`)."""
+    factor = _number(scaling, "factor")
+    context = _number(scaling, "original_max_position_embeddings")
+    # `or`, as transformers reads them: a 0 is the default too.
+    beta_fast = _number(scaling, "beta_fast", required=False) or 32
+    beta_slow = _number(scaling, "beta_slow", required=False) or 1
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(
+            f"RotaryEmbedding(): rope_parameters['truncate'] must be True or False for rope_type='yarn', "
+            f"but got {truncate!r}."
+        )
+
+    def dimension(rotations: float) -> float:  # the pair index that turns `rotations` times over the context
+        return (d_head * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d_head - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a ramp of width 0
+    ramp = torch.clamp((torch.arange(d_head // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    # As transformers computes it: from the powers of theta, not from inv_freq (the last bit differs).
+    powers = theta ** (torch.arange(0, d_head, 2).to(dtype=torch.float) / d_head)
+    return (1.0 / (factor * powers)) * (1 - kept) + (1.0 / powers) * kept
+
+
 def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | None = None) -> Tensor:
-    """`1 / theta ** (2i / d_head)` for each pair `i`, in float32; llama3-style scaling if asked for.
+    """`1 / theta ** (2i / d_head)` for each pair `i`, in float32; llama3- or YaRN-style scaling if asked for.
 
     Example:
         >>> from shapesafe_mha import inverse_frequencies
@@ -42,23 +126,25 @@ def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | 
         tensor([1.0000, 0.1000, 0.0100, 0.0010])
 
     Raises:
-        ConfigError: `d_head` is odd, `theta` is not positive, or `scaling` asks for a RoPE type
-            other than "default" and "llama3".
+        ConfigError: `d_head` is odd, `theta` is not positive, `scaling` asks for a RoPE type other than
+            "default", "llama3" and "yarn", or one of its fields is missing or not a number (named).
     """
     check_rotary_width(d_head, "RotaryEmbedding()")
     if not isinstance(theta, int | float) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
         raise ConfigError(f"RotaryEmbedding(): rope_theta must be a positive finite number, but got {theta!r}.")
     inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, dtype=torch.int64).to(dtype=torch.float) / d_head))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = _kind(scaling)
     if kind == "default":
         return inv_freq
-    if kind != "llama3" or scaling is None:
+    if kind not in SUPPORTED_SCALING or scaling is None:
         raise ConfigError(
             f"RotaryEmbedding(): rope_type={kind!r} is not supported (only {', '.join(SUPPORTED_SCALING)}); "
             "its positions would differ from the model's."
         )
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    context = scaling["original_max_position_embeddings"]
+    if kind == "yarn":
+        return _yarn(d_head, theta, scaling)
+    factor, low, high = (_number(scaling, f) for f in ("factor", "low_freq_factor", "high_freq_factor"))
+    context = _number(scaling, "original_max_position_embeddings")
     wavelength = 2 * math.pi / inv_freq
     # Long wavelengths are slowed by `factor`, short ones kept, the ones between interpolated.
     scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
@@ -84,7 +170,8 @@ class RotaryEmbedding(nn.Module):
     Arguments:
         d_head: the width of the rotated features (even): a head's, or its rotary part's (partial rotary).
         theta: the base of the frequencies (`rope_theta`).
-        scaling: transformers' `rope_parameters`/`rope_scaling` dict; "default" and "llama3" types.
+        scaling: transformers' `rope_parameters`/`rope_scaling` dict; "default", "llama3" and "yarn" types
+            (YaRN's tables are multiplied by its `attention_factor`, as transformers' rotary classes do).
         interleaved: tables for adjacent pairs, each angle twice in a row (`apply_rotary(..., interleaved=True)`),
             instead of `cat(angles, angles)` for halves.
     """
@@ -96,6 +183,7 @@ class RotaryEmbedding(nn.Module):
         self.d_head, self.theta, self.interleaved = d_head, theta, bool(interleaved)
         self.scaling = dict(scaling) if scaling else None
         self.register_buffer("inv_freq", inverse_frequencies(d_head, theta, scaling), persistent=False)
+        self.attention_factor = attention_factor(scaling)
         # Not in the state_dict: computed again after every load, so a module made on the meta device, then
         # `to_empty()` and loaded (how large models are built), has frequencies and not uninitialized memory.
         self.register_load_state_dict_post_hook(_frequencies_again)
@@ -123,7 +211,10 @@ class RotaryEmbedding(nn.Module):
             angles = angles.repeat_interleave(2, dim=-1)
         else:
             angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:  # YaRN: in float32, before the cast, as transformers multiplies
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _frequencies_again(module: nn.Module, incompatible_keys: Any) -> None:

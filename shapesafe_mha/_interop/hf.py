@@ -5,7 +5,7 @@ when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping, `query_pre_a
 Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier**-2`), partial rotary
 (`partial_rotary_factor`, in `rope_parameters` since transformers 5) and interleaved RoPE (shown on the
 model's own rotary tables and `apply_rotary_pos_emb`, which no config field names) become the module's
-options; a variant it does not compute (RoPE scaling other than llama3, a QK-norm other than RMSNorm) is
+options; a variant it does not compute (RoPE scaling other than llama3 and YaRN, a QK-norm other than RMSNorm) is
 a `ConfigError` naming the config field, never a silently different layer.
 """
 
@@ -56,7 +56,22 @@ def rope_of(config: Any, layer_type: str | None = None) -> tuple[float | None, d
     if kind not in SUPPORTED_SCALING:
         raise _refuse("rope_parameters['rope_type']", kind, f"only {', '.join(SUPPORTED_SCALING)} RoPE is supported")
     scaling = {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
+    if kind == "yarn":
+        scaling.update(_yarn_as_computed(config, scaling))
     return theta, (scaling if kind != "default" else None)
+
+
+def _yarn_as_computed(config: Any, scaling: dict[str, Any]) -> dict[str, Any]:
+    """The YaRN fields transformers' `_compute_yarn_parameters` reads from elsewhere than the layer's set: a
+    missing `factor` is `max_position_embeddings / original_max_position_embeddings` (DeepSeek-V3), and
+    `truncate` is read from the top level of `rope_parameters` (with sets per layer type: always True)."""
+    found: dict[str, Any] = {}
+    if scaling.get("factor") is None and scaling.get("original_max_position_embeddings"):
+        found["factor"] = config.max_position_embeddings / scaling["original_max_position_embeddings"]
+    top = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if top.get("truncate", True) != scaling.get("truncate", True):
+        found["truncate"] = top.get("truncate", True)
+    return found
 
 
 def rope_dim_of(config: Any, head_dim: int, layer_type: str | None = None) -> int | None:

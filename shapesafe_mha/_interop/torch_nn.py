@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compute.reference import per_head_attention
+from .._compute.rotary import inverse_frequencies
 from .._core import probe
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
@@ -88,16 +89,17 @@ def verify_weights(module: Any, weights: AttentionWeights) -> None:
         cast: dict[str, Any] = {name: None if t is None else t.detach().to(dtype) for name, t in vars(weights).items()}
         held = AttentionWeights(**cast)
         x = probe.probe_tokens(module.d_model, held.w_q.device, dtype)
-        scaled = module.rotary is not None and module.rotary.scaling is not None  # the reference rotates unscaled
         options: dict[str, Any] = {"num_heads": module.num_heads, "num_kv_heads": module.num_kv_heads}
-        if module.rope_theta is not None and not scaled:
+        rotary = module.rotary
+        if module.rope_theta is not None:
             options["rope_theta"] = module.rope_theta
+        if rotary is not None and rotary.scaling is not None:  # scaled RoPE: the reference takes its frequencies
+            frequencies = inverse_frequencies(rotary.d_head, rotary.theta, rotary.scaling)
+            options["rope_frequencies"] = (frequencies, rotary.attention_factor)
         with torch.no_grad():  # the first rows of a causal forward are the causal forward of the prompt
             whole = per_head_attention(x, x, x, held, is_causal=True, **options)
-        theirs = {probe.FORWARD: whole[:, : probe.PROMPT]}
-        if not scaled:  # with scaled RoPE, the reference and ours compare unrotated, in one forward
-            theirs[probe.DECODING] = whole[:, probe.PROMPT :]
-        ours = probe.our_outputs(ours_probed, x, decode=not scaled, unrotated=scaled)
+        theirs = {probe.FORWARD: whole[:, : probe.PROMPT], probe.DECODING: whole[:, probe.PROMPT :]}
+        ours = probe.our_outputs(ours_probed, x)
         probe.verify(owner, ours, theirs, source="the per-head reference of these weights")
 
 

@@ -260,7 +260,7 @@ class MultiHeadAttention(nn.Module):
         bias: biases on all four projections.
         dropout: dropout on the attention probabilities, in training mode.
         rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
-        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3"), or None.
+        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3", "yarn"), or None.
         rope_dim: partial rotary: rotate only the first `rope_dim` features of each query and key head
             (even, at most `d_head`), the rest passed through, with the frequencies spaced over those
             `rope_dim` (Phi, StableLM, GLM: transformers' `partial_rotary_factor * head_dim`); default
@@ -741,7 +741,7 @@ class MultiHeadAttention(nn.Module):
 
         For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike; Phi's `dense` as
         o_proj; GPT-NeoX's per-head fused `query_key_value` as q/k/v_proj), configured by `attention.config`:
-        sizes, GQA, biases per projection, dropout, RoPE (default or llama3 scaling; tables computed as
+        sizes, GQA, biases per projection, dropout, RoPE (default, llama3 or YaRN scaling; tables computed as
         transformers computes them; partial rotary from `partial_rotary_factor`, interleaved pairs read
         from the model's own rotary parts), and the variants: sliding window, QK-norm, logit softcapping,
         `query_pre_attn_scalar`. Call it `is_causal=True`; positions
