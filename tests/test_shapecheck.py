@@ -593,3 +593,20 @@ def test_every_item_of_a_variadic_tuple_or_list_is_checked_every_time(call: Call
     for _ in range(20):
         line = first_line(lambda: call(torch.ones(3), kind([torch.ones(3), torch.ones(4)])))
         assert line == f"{call.__name__}(): parts[1] has d=4 (axis 0), but x set d=3."
+
+
+@ssm.shapecheck
+def first_of_one(x: Float[Tensor, " d"], parts: tuple[Float[Tensor, " d"]]) -> Float[Tensor, " d"]:
+    return x
+
+
+def test_right_variadic_tuples_and_lists_pass_and_a_tuple_of_one_takes_one() -> None:
+    """The other side of checking every item: right ones pass (of any length, again once remembered), and a
+    `tuple[X]` is a tuple of exactly one."""
+    for _ in range(2):
+        for n in (0, 1, 3):
+            assert first_of_many(torch.ones(3), tuple(torch.ones(3) for _ in range(n))).shape == (3,)
+            assert first_of_list(torch.ones(3), [torch.ones(3) for _ in range(n)]).shape == (3,)
+        assert first_of_one(torch.ones(3), (torch.ones(3),)).shape == (3,)
+    line = first_line(lambda: first_of_one(torch.ones(3), (torch.ones(3), torch.ones(3))))
+    assert line == "first_of_one(): parts must be a tuple of 1, but got a tuple of 2."

@@ -91,17 +91,17 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (3, 4)
     },
-    **{f"{_M}x_explain__mutmut_{n}": _WRONG_KIND_ARG for n in (79, 81)},
+    **{f"{_M}x_explain__mutmut_{n}": _WRONG_KIND_ARG for n in (82, 84)},
     **{
         f"{_M}x_explain__mutmut_{n}": (
             "drops `arg` from a tuple's length refusal: no stage of ours takes a tuple, and a decorated function's "
             "messages have neither an explain hook nor an `at <stage>,` prefix, the only readers of `arg`"
         )
-        for n in (21, 23)
+        for n in (24, 26)
     },
-    **{f"{_M}x_explain__mutmut_{n}": _STRICT for n in (28, 31, 32)},
-    f"{_M}x_explain__mutmut_35": (
-        "a tuple's array parts made suspects only where they fail is_bearable alone: that check runs in the call's "
+    **{f"{_M}x_explain__mutmut_{n}": _STRICT for n in (31, 34, 35)},
+    f"{_M}x_explain__mutmut_38": (
+        "a tuple's array parts made suspects only where they fail bearable() alone: that check runs in the call's "
         "jaxtyping memo, which holds every size bound so far (arguments, int sizes, shape_scope), so a part that "
         "disagrees with the call fails it too; the arrays_of test only spares that call (tests/test_shapecheck.py "
         "and tests/test_errors.py pass on the mutant)"

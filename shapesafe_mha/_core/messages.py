@@ -98,9 +98,7 @@ def bearable(value: Any, hint: Any) -> bool:
             return all(bearable(item, parts[0]) for item in value)
         if origin is list and len(parts) == 1:
             return all(bearable(item, parts[0]) for item in value)
-        if origin is tuple and len(parts) == len(value) and ... not in parts:
-            return all(bearable(item, part) for item, part in zip(value, parts, strict=True))
-    return is_bearable(value, hint)
+    return is_bearable(value, hint)  # a tuple of fixed length: beartype checks each of its items
 
 
 def accepts_none(hint: Any) -> bool:
