@@ -1,5 +1,6 @@
 """Shared fixtures: hypothesis profiles and the devices every test runs on."""
 
+import functools
 import os
 import sys
 from typing import Any
@@ -33,18 +34,32 @@ def any_device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def _stages() -> list[Any]:
-    """Every stage object of the package (public and the module's), whose verdicts live as long as the process."""
+@functools.cache
+def _remembering() -> list[Any]:
+    """Every verdict memo a test may leave behind: our stages' (public and the module's) and those of the
+    `shapecheck`ed functions and methods of our package, the tests, the examples and the benchmarks. Listed
+    once, at the first test: collection has imported every test module by then."""
     from shapesafe_mha._core.contract import Stage
 
-    found = {id(v): v for name, m in list(sys.modules.items()) if name.startswith("shapesafe_mha.")
-             for v in vars(m).values() if isinstance(v, Stage)}  # fmt: skip
+    found: dict[int, Any] = {}
+    roots = ("shapesafe_mha", "test", "examples", "benchmarks")
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(roots) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            for member in [value, *(vars(value).values() if isinstance(value, type) else ())]:
+                if isinstance(member, Stage):
+                    found[id(member)] = member.verdicts
+                contract = getattr(member, "__shapecheck__", None)
+                if contract is not None and hasattr(contract, "verdicts"):
+                    found[id(contract)] = contract.verdicts
     return list(found.values())
 
 
 @pytest.fixture(autouse=True)
-def _fresh_stage_verdicts() -> None:
-    """Each test sees our stages as a fresh process does: a call a test makes is checked, whatever earlier tests
-    remembered (or, under mutmut, what its parent process remembered before forking the worker that runs it)."""
-    for stage in _stages():
-        stage.verdicts.forget()
+def _fresh_verdicts() -> None:
+    """Each test sees our stages and the decorated functions as a fresh process does: a call a test makes is
+    checked, whatever earlier tests remembered (or, under mutmut, what its parent process remembered before
+    forking the worker that runs it)."""
+    for verdicts in _remembering():
+        verdicts.forget()
