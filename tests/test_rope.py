@@ -529,6 +529,15 @@ YARN_TABLES = {
     "small-probe-untruncated": (8, {**YARN_MSCALE}),
     "ramp-of-width-zero": (8, {**YARN, "original_max_position_embeddings": 1, "truncate": False}),
     "factor-one": (32, {**YARN, "factor": 1.0}),
+    # pinned from mutmut's survivors: the betas' defaults untruncated, a high end clamped at d_head - 1 (a small
+    # theta), a ramp of width zero away from 0, a factor below 1, mscale alone, a given attention factor of 2
+    "betas-default-untruncated": (64, {**YARN, "truncate": False, "original_max_position_embeddings": 4096}),
+    "high-end-clamped": (64, {**YARN, "rope_theta": 10.0, "original_max_position_embeddings": 4096}),
+    "ramp-of-width-zero-inside": (64, {**YARN, "beta_fast": 4, "beta_slow": 4, "truncate": False,
+                                       "original_max_position_embeddings": 4096}),
+    "factor-below-one": (32, {**YARN, "factor": 0.5, "original_max_position_embeddings": 64}),
+    "mscale-2-without-all-dim": (32, {**YARN, "factor": 8.0, "mscale": 2.0}),
+    "attention-factor-two": (16, {**YARN, "attention_factor": 2.0}),
 }  # fmt: skip
 
 
@@ -688,3 +697,13 @@ def test_a_yarn_module_is_proven_for_every_batch_and_seq(decode: bool) -> None:
     rows = {name: (named, symbolic) for name, named, symbolic in proof.stages}
     heads = "(batch, 8, 1, 8)" if decode else "(batch, 8, seq, 8)"
     assert rows["rotary_q"] == ("batch num_heads seq d_head", heads)
+
+
+def test_apply_rotary_on_heads_of_odd_width_names_the_width() -> None:
+    """The public stage refuses an odd d_head with the width in the message (pairs of features are rotated)."""
+    q, table = torch.randn(1, 2, 3, 7), torch.randn(1, 3, 7)
+    with pytest.raises(ssm.ShapeError) as raised:
+        ssm.apply_rotary(q, q, table, table)
+    assert str(raised.value).splitlines()[0] == (
+        "apply_rotary(): q has d_head=7 (axis 3), which is odd; rotary embeddings rotate pairs of features."
+    )

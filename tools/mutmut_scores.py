@@ -60,6 +60,20 @@ _NO_NONE_SUBMODULE = (
 EQUIVALENT: dict[str, str] = {
     **{f"{_ROTARY}{n}": _ARANGE for n in (22, 26, 30)},
     **{f"{_ROTARY}{n}": _EDGE for n in (84, 102, 105)},
+    **{f"{_ROTARY.replace('inverse_frequencies', '_yarn')}{n}": _ARANGE for n in (91, 93, 105)},
+    f"{_ROTARY.replace('inverse_frequencies', '_yarn')}94": (
+        "arange's end d_head / 2 (a float) instead of d_head // 2: d_head is even (validated), so the same range"
+    ),
+    **{
+        f"{_ROTARY.replace('inverse_frequencies', name)}{n}": (
+            "required=None / positive=None instead of False: _number reads both for truthiness only"
+        )
+        for name, numbers in (("_yarn", (19, 31)), ("attention_factor", (11, 29, 30, 42, 43)))
+        for n in numbers
+    },
+    f"{_ROTARY.replace('inverse_frequencies', '_yarn_mscale')}5": (
+        "scale < 1 instead of <= 1: at scale 1 the other branch gives 0.1 * mscale * log(1) + 1.0 = 1.0 as well"
+    ),
     # --- messages ---
     f"{_M}x__expected__mutmut_5": (
         "`_` compared with another text: it then falls to the plain-name lookup, which finds nothing, since nothing "
