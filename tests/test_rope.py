@@ -532,7 +532,7 @@ YARN_TABLES = {
     # pinned from mutmut's survivors: the betas' defaults untruncated, a high end clamped at d_head - 1 (a small
     # theta), a ramp of width zero away from 0, a factor below 1, mscale alone, a given attention factor of 2
     "betas-default-untruncated": (64, {**YARN, "truncate": False, "original_max_position_embeddings": 4096}),
-    "high-end-clamped": (64, {**YARN, "rope_theta": 10.0, "original_max_position_embeddings": 4096}),
+    "high-end-clamped": (64, {**YARN, "rope_theta": 10.0, "original_max_position_embeddings": 1024}),
     "ramp-of-width-zero-inside": (64, {**YARN, "beta_fast": 4, "beta_slow": 4, "truncate": False,
                                        "original_max_position_embeddings": 4096}),
     "factor-below-one": (32, {**YARN, "factor": 0.5, "original_max_position_embeddings": 64}),
