@@ -454,10 +454,15 @@ def test_the_repr_gives_d_head_theta_and_the_scaling_where_there_is_one() -> Non
     )
 
 
-def test_a_rotary_submodule_giving_tables_of_another_dtype_is_refused_at_apply_rotary() -> None:
-    """A user's rotary submodule returning float32 tables to a float64 module: the stage that refuses them is named,
-    and the table, and both dtypes."""
-    module = ssm.MultiHeadAttention(16, 4, rope_theta=10000.0).double()
+@pytest.mark.parametrize(
+    ("rope_dim", "stage"), [(None, "apply_rotary"), (2, "apply_partial_rotary")], ids=["full", "partial"]
+)
+def test_tables_of_another_dtype_from_a_rotary_submodule_are_refused_at_its_stage(
+    rope_dim: int | None, stage: str
+) -> None:
+    """A user's rotary submodule returning float32 tables to a float64 module, full or partial rotary: the stage
+    that refuses them is named, and the table, and both dtypes."""
+    module = ssm.MultiHeadAttention(16, 4, rope_theta=10000.0, rope_dim=rope_dim).double()
     rotary = module.rotary
 
     class Float32Tables(torch.nn.Module):
@@ -468,7 +473,7 @@ def test_a_rotary_submodule_giving_tables_of_another_dtype_is_refused_at_apply_r
     with pytest.raises(ssm.ShapeError) as raised:
         module(torch.randn(1, 3, 16, dtype=torch.float64))
     assert str(raised.value).splitlines()[0] == (
-        "MultiHeadAttention.forward(): at apply_rotary, cos has dtype torch.float32, but q has torch.float64."
+        f"MultiHeadAttention.forward(): at {stage}, cos has dtype torch.float32, but q has torch.float64."
     )
 
 
@@ -484,32 +489,12 @@ def test_a_bfloat16_module_with_llama3_scaling_makes_the_float32_modules_tables(
 
 
 def test_partial_rotary_over_every_feature_is_rotary() -> None:
-    """d_rope == d_head is allowed (at most d_head), and rotates as apply_rotary does. The stage's verdicts are
-    forgotten first, so this call is checked whatever ran before it in the process (mutmut's forked workers
-    inherit verdicts remembered while it mapped tests to functions)."""
-    ssm.apply_partial_rotary.verdicts.forget()
+    """d_rope == d_head is allowed (at most d_head), and rotates as apply_rotary does (checked: each test starts
+    with the stages' verdicts forgotten, tests/conftest.py)."""
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
     cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], torch.float32)
     partial, full = ssm.apply_partial_rotary(q, k, cos, sin), ssm.apply_rotary(q, k, cos, sin)
     assert torch.equal(partial[0], full[0]) and torch.equal(partial[1], full[1])
-
-
-def test_a_rotary_submodule_giving_tables_of_another_dtype_is_refused_at_apply_partial_rotary() -> None:
-    """As for full rotary: a partial-rotary module whose rotary submodule returns float32 tables to float64
-    queries names the stage, the table and both dtypes."""
-    module = ssm.MultiHeadAttention(32, 4, rope_theta=1e4, rope_dim=4).double()
-    rotary = module.rotary
-
-    class Float32Tables(torch.nn.Module):
-        def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
-            return rotary(positions, torch.float32)
-
-    module.rotary = Float32Tables()
-    with pytest.raises(ssm.ShapeError) as raised:
-        module(torch.randn(1, 3, 32, dtype=torch.float64))
-    assert str(raised.value).splitlines()[0] == (
-        "MultiHeadAttention.forward(): at apply_partial_rotary, cos has dtype torch.float32, but q has torch.float64."
-    )
 
 
 # --- YaRN ------------------------------------------------------------------------------------------------
