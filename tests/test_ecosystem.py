@@ -3,10 +3,12 @@ plain, and traces, exports, shares and trains like any well-made nn.Module."""
 
 import copy
 import datetime
+import gc
 import io
 import pickle
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -329,8 +331,14 @@ def _ddp_rank(rank: int, world: int, path: str, store: str) -> None:
         ddp(shard, is_causal=True).square().mean().backward()
         if rank == 0:
             torch.save({n: p.grad for n, p in module.named_parameters()}, path)
-        dist.barrier()  # neither rank tears gloo down while the other still uses it (that aborts the process)
+        # DDP's reducer holds the process group: left alive, it outlives destroy_process_group and the
+        # group is torn down again at interpreter exit, where gloo can abort the process (seen once in CI
+        # on torch 2.14, "terminate called without an active exception"). Free it first, and prove it.
+        reducer_owner = weakref.ref(ddp)
         del ddp
+        gc.collect()
+        assert reducer_owner() is None, "the DistributedDataParallel wrapper outlived its own name"
+        dist.barrier()  # neither rank tears gloo down while the other still uses it (that aborts the process)
     finally:
         dist.destroy_process_group()
 
