@@ -29,6 +29,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "qk_norm": {"qk_norm": True},
     "scalar": {"query_pre_attn_scalar": 3.0},
     "sinks": {"attention_sinks": True},
+    "clip_qkv": {"clip_qkv": 0.3},
 }
 
 

@@ -53,7 +53,7 @@ def _ours_equal_theirs(ours: nn.Module, layer: nn.Module) -> float:
 REFUSED = {
     "persimmon qk_layernorm": ("persimmon", {}, r"q_layernorm='LayerNorm': the layer holds a submodule"),
     "gptj (q/k/v/out_proj, RoPE inside)": ("gptj", {}, r"GPTJAttention has no nn.Linear o_proj"),
-    "olmo clip_qkv": ("olmo", {"clip_qkv": 0.05}, r"config.clip_qkv=0.05: queries, keys and values clipped"),
+    "olmo clip_qkv of 0": ("olmo", {"clip_qkv": 0.0}, r"config.clip_qkv=0.0: a clip bound must be a positive number"),
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
     "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),
     "cohere use_qk_norm": ("cohere", {"use_qk_norm": True}, r"q_norm='CohereLayerNorm'"),
@@ -199,6 +199,7 @@ def test_to_hf_compares_rope_scaling_and_dropout_and_verifies_the_layer() -> Non
         {"qk_norm": True},
         {"query_pre_attn_scalar": 4.0},
         {"attention_sinks": True},
+        {"clip_qkv": 1.0},
     ],
 )
 def test_to_torch_refuses_each_variant_by_name(options: dict[str, Any]) -> None:

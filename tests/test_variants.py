@@ -27,6 +27,7 @@ def variants(draw: Any) -> dict[str, Any]:
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
         "attention_sinks": draw(st.booleans(), label="attention_sinks"),
+        "clip_qkv": draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="clip_qkv"),  # bounds the projections meet
         # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
         "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
         "rope_interleaved": draw(st.booleans(), label="rope_interleaved"),
@@ -83,13 +84,14 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         rope_theta=module.rope_theta, qk_norm=norms, window=options["window"],
         logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5,
         rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half",
-        qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, **kwargs,
+        qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, clip_qkv=options.get("clip_qkv"),
+        **kwargs,
     )  # fmt: skip
 
 
 @given(data=st.data(), options=variants())
 def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
-    """Any mix of QK-norm, window, softcap, query scale and attention sinks, with or without RoPE (full or
+    """Any mix of QK-norm, window, softcap, query scale, attention sinks and clip_qkv, with or without RoPE (full or
     partial, halves or adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the module (with and without
     grad, so every path) equals the reference, head by head."""
     rope = data.draw(st.booleans(), label="rope")
@@ -329,6 +331,7 @@ COMPILED_VARIANTS = {
     "window": {"window": 3},
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
     "attention sinks": {"attention_sinks": True},
+    "clip_qkv": {"clip_qkv": 0.5},
     "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
     "interleaved RoPE": {"rope_theta": 10000.0, "rope_interleaved": True},
     "partial, interleaved RoPE": {"rope_theta": 10000.0, "rope_dim": 2, "rope_interleaved": True},

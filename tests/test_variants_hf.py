@@ -72,6 +72,10 @@ CASES = {
                               {"sinks": "loaded", "window": 4}),
     "gpt_oss-sinks-full": ("gpt_oss", 1, {"num_key_value_heads": 1, "head_dim": 8, "sliding_window": 4},
                            {"sinks": "loaded", "window": None}),
+    # clip_qkv: the projections clamped (OLMo), after the QK-norm over every head (OLMoE); bounds they meet
+    "olmo-clip-qkv": ("olmo", 0, {"num_key_value_heads": 2, "clip_qkv": 0.4}, {"clip_qkv": 0.4}),
+    "olmoe-qk-norm-all-clip-qkv": ("olmoe", 0, {"num_key_value_heads": 1, "clip_qkv": 0.4},
+                                   {"clip_qkv": 0.4, "qk_norm_over": "all"}),
     # rope_parameters kept per layer type, and a sliding layer
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
@@ -88,7 +92,7 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
               "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
               "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
               "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
-              "gpt_oss": "GptOss"}[model_type]  # fmt: skip
+              "gpt_oss": "GptOss", "olmo": "Olmo"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -355,3 +359,31 @@ def test_to_hf_round_trips_attention_sinks_and_refuses_a_module_without_them() -
                                    rope_scaling=ours.rotary.scaling)  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"attention_sinks=True \(module: None\)"):
         plain.to_hf(layer.config)
+
+
+@pytest.mark.parametrize("case", ["olmo-clip-qkv", "olmoe-qk-norm-all-clip-qkv"])
+def test_a_conversion_that_forgets_clip_qkv_is_refused_by_its_probe(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_hf reading the config as if clip_qkv were unset (a field moved or renamed upstream): the probe of
+    OLMo's layer refuses the conversion, naming the call that differs (the forward or the decoding step)."""
+    from shapesafe_mha._interop import hf
+
+    layer, _ = _layer(case, "sdpa")
+    read = hf.variant_options
+    monkeypatch.setattr(hf, "variant_options", lambda *a: {k: v for k, v in read(*a).items() if k != "clip_qkv"})
+    differs = r"differs from Olmo\w*Attention by .* in a (causal forward|decoding step)"
+    with pytest.raises(ssm.ConfigError, match=differs):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_clip_qkv_and_refuses_another_bound() -> None:
+    """OLMo: from_hf then to_hf computes what the layer computes; a module clipping at another bound is
+    refused for its config, naming clip_qkv."""
+    layer, rotary = _layer("olmo-clip-qkv", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    other = ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=ours.rope_theta, clip_qkv=0.5)
+    with pytest.raises(ssm.ConfigError, match=r"clip_qkv=0.4 \(module: 0.5\)"):
+        other.to_hf(layer.config)

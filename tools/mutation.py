@@ -293,6 +293,9 @@ MUTANTS: list[Mutant] = [
       "each query head given another head's sink", SINKS_HF),
     M("_interop/hf_replace.py", "        ours.sinks = theirs.sinks  #", "        pass  #",
       "replace_attention trains sinks of its own, not the model's", SINKS_ADOPTED),
+    M("_compute/stages.py", "    return q.clamp(-bound, bound), k.clamp(-bound, bound), v.clamp(-bound, bound)",
+      "    return q.clamp(-bound, bound), k.clamp(-bound, bound), v", "clip_qkv leaves the values unclipped",
+      "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[olmo-clip-qkv-sdpa]"),
     # --- head-parallel ---
     M("_modules/parallel.py", "        parallel._sync_shared_norm_gradients()\n", "",
       "head-parallel QK-norm weights step on each rank's share of their gradient",

@@ -143,15 +143,17 @@ def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None
     check_variants("", arguments.get("window"), arguments.get("softcap"))
 
 
-def check_variants(owner: str, window: Any, softcap: Any, scalar: Any = None, norm_eps: Any = 0.0) -> None:
-    """Raise `ConfigError` unless a sliding window is a positive int, a softcap (query scalar) a finite positive
-    number, and a norm's epsilon a finite number >= 0."""
+def check_variants(
+    owner: str, window: Any, softcap: Any, scalar: Any = None, norm_eps: Any = 0.0, clip_qkv: Any = None
+) -> None:
+    """Raise `ConfigError` unless a sliding window is a positive int, a softcap (query scalar, clip bound) a
+    finite positive number, and a norm's epsilon a finite number >= 0."""
     if window is not None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ConfigError(
                 f"{owner}window must be a positive int (the keys a query sees, itself included), but got {window!r}."
             )
-    for name, value in (("logit softcap", softcap), ("query_pre_attn_scalar", scalar)):
+    for name, value in (("logit softcap", softcap), ("query_pre_attn_scalar", scalar), ("clip_qkv", clip_qkv)):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
@@ -452,6 +454,15 @@ def normalize_qk_inner(
     return q_norm(q), k_norm(k)
 
 
+@stage(name="clip_qkv", trace=("clip_q", "clip_k", "clip_v"))
+def clip_projections(
+    q: QueryInner, k: NewKVInner, v: NewKVInner, bound: float
+) -> tuple[QueryInner, NewKVInner, NewKVInner]:
+    """OLMo's `clip_qkv`: the projected queries, keys and values clamped to `[-bound, bound]`, before the head
+    split (after OLMoE's QK-norm over every head)."""
+    return q.clamp(-bound, bound), k.clamp(-bound, bound), v.clamp(-bound, bound)
+
+
 @stage(name="keys", trace=("", ""), sources={"result": "key"})
 def attend_to_new(k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
     """Without a cache the keys attended over are the new ones (`kv_seq` is `new`)."""
@@ -672,6 +683,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "split_value": split_value,
     "normalize_qk": normalize_qk,
     "normalize_qk_inner": normalize_qk_inner,
+    "clip_projections": clip_projections,
     "attend_to_new": attend_to_new,
     "append_to_cache": append_to_cache,
     "visible_masks": visible_masks,

@@ -182,6 +182,11 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         raise _refuse("scaling", scaling, f"only 1/sqrt(query_pre_attn_scalar or head_dim) = {expected:g} is supported")
     if not getattr(attention, "is_causal", True):
         raise _refuse("is_causal", False, "only causal (decoder) attention layers are supported")
+    clip = getattr(config, "clip_qkv", None)
+    if clip is not None:  # OLMo, OLMoE: the projections clamped before the head split
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0:
+            raise _refuse("config.clip_qkv", clip, "a clip bound must be a positive number (None: no clipping)")
+        options["clip_qkv"] = float(clip)
     if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
         options["attention_sinks"] = True
     return options
@@ -241,7 +246,6 @@ _OUTPUT_NAMES = ("o_proj", "dense")
 _LOADED = ("q_proj", "k_proj", "v_proj", "query_key_value", *_OUTPUT_NAMES, "q_norm", "k_norm")
 # Config fields of layers that compute a variant we do not (each is None or False where they do not).
 _UNSUPPORTED_FIELDS = {
-    "clip_qkv": "queries, keys and values clipped (OLMo)",
     "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
     "use_qk_norm": "QK-norm over every head (Cohere)",
 }
@@ -579,6 +583,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "qk_norm_offset": module.qk_norm_offset if module.qk_norm else None,
         "logit_softcap": module.logit_softcap,
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
+        "clip_qkv": module.clip_qkv,
         "attention_sinks": module.sinks is not None or None,
     }
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}

@@ -282,6 +282,8 @@ class MultiHeadAttention(nn.Module):
             the mask (Gemma 2).
         query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
             `d_head ** -0.5` (Gemma 2).
+        clip_qkv: clamp the projected queries, keys and values to `[-clip_qkv, clip_qkv]` before the head
+            split (OLMo, OLMoE; after a QK-norm over every head, before a per-head one).
         attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
             (zeros at first), takes part in each row's softmax and is dropped after it, so a head may give
             less than all of its weight to the keys. The scores are then computed here, not by SDPA.
@@ -315,6 +317,7 @@ class MultiHeadAttention(nn.Module):
         window: int | None = None,
         logit_softcap: float | None = None,
         query_pre_attn_scalar: float | None = None,
+        clip_qkv: float | None = None,
         attention_sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -340,7 +343,7 @@ class MultiHeadAttention(nn.Module):
         positive_count(f"{owner}: ", "d_head", d_head)
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
-        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar, norm_eps)
+        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar, norm_eps, clip_qkv)
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -391,7 +394,8 @@ class MultiHeadAttention(nn.Module):
         if attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
         variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
-        variant = variant or attention_sinks
+        self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
+        variant = variant or attention_sinks or clip_qkv is not None
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
@@ -442,6 +446,7 @@ class MultiHeadAttention(nn.Module):
             + (f", window={self.window}" if self.window is not None else "")
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
+            + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv is not None else "")
             + (", attention_sinks=True" if self.sinks is not None else "")
         )
 
@@ -669,6 +674,8 @@ class MultiHeadAttention(nn.Module):
         every = self.qk_norm and self.qk_norm_over == "all"
         if every:  # the statistic of every head's features together, before they are split
             q, k = s.normalize_qk_inner(modules["q_norm"], modules["k_norm"], q, k)
+        if self.clip_qkv is not None:
+            q, k, v = s.clip_projections(q, k, v, self.clip_qkv)
         q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)

@@ -126,6 +126,7 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         window=module.window,
         logit_softcap=module.logit_softcap,
         query_pre_attn_scalar=module.query_pre_attn_scalar,
+        clip_qkv=module.clip_qkv,
         attention_sinks=module.sinks is not None,
         device=weight.device,
         dtype=weight.dtype,
@@ -235,7 +236,7 @@ class HeadParallelAttention(nn.Module):
         """Keep this rank's share of `module`: its query heads, the KV heads they read, `o_proj`'s columns.
 
         Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
-        softcap, `query_pre_attn_scalar`, attention sinks (each rank its heads'), dropout, the biases each
+        softcap, `query_pre_attn_scalar`, `clip_qkv`, attention sinks (each rank its heads'), dropout, the biases each
         projection has). The QK-norm weights, whole on every rank, get the gradient summed over the ranks. The result is
         verified: on a float64 copy, a causal forward and a decoding step of the probe, computed
         head-parallel (collective: every rank joins), equal `module`'s (`verify=False` skips it).

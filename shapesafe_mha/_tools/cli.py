@@ -235,6 +235,9 @@ def trace(
     attention_sinks: Annotated[
         bool, typer.Option("--attention-sinks/--no-attention-sinks", help="a learned logit per head (gpt-oss)")
     ] = False,
+    clip_qkv: Annotated[
+        float | None, typer.Option(metavar="FLOAT", help="clamp the projections to [-FLOAT, FLOAT] (OLMo)")
+    ] = None,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -278,7 +281,7 @@ def trace(
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
-                qk_norm_offset, attention_sinks,
+                qk_norm_offset, attention_sinks, clip_qkv,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

@@ -41,6 +41,7 @@ class TraceConfig:
     qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2)
     qk_norm_offset: float = 0.0  # 1.0: the QK-norm scales by 1 + weight (Gemma 3)
     attention_sinks: bool = False  # a learned logit per head in each softmax, dropped after it (gpt-oss)
+    clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (OLMo)
 
 
 @dataclass
@@ -100,6 +101,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "window": config.window,
         "logit_softcap": config.logit_softcap,
         "attention_sinks": config.attention_sinks,
+        "clip_qkv": config.clip_qkv,
         "device": device,
         "dtype": dtype,
     }
