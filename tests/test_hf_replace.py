@@ -39,6 +39,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = 
     # QK-norm over every head (OLMo-2), of 1 + weight with sliding layers (Gemma 3): RMSNorms in float32 inside
     "olmo2 (QK-norm over every head)": ("Olmo2Config", {}, "sdpa", torch.float64, 1e-6),
     "gemma3 (1 + weight QK-norm, window 3)": ("Gemma3TextConfig", {"sliding_window": 3}, "sdpa", torch.float64, 1e-6),
+    # the QK-norm after RoPE (HunYuan's query_layernorm, adopted): its RMSNorm in float32 inside
+    "hunyuan (QK-norm after RoPE)": ("HunYuanDenseV1Config", {}, "sdpa", torch.float64, 1e-6),
     # eager's additive masks: its float64 padding rows are NaN in transformers itself, so float32
     "gemma2 (eager: softcap, window 3)": (
         "Gemma2Config", {"sliding_window": 3, "attn_logit_softcapping": 5.0}, "eager", torch.float32, 1e-5,

@@ -27,6 +27,7 @@ def variants(draw: Any) -> dict[str, Any]:
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
         "attention_sinks": draw(st.booleans(), label="attention_sinks"),
+        "qk_norm_after_rope": draw(st.booleans(), label="qk_norm_after_rope"),  # HunYuan, with a per-head norm
         "clip_qkv": draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="clip_qkv"),  # bounds the projections meet
         # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
         "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
@@ -43,8 +44,14 @@ def _rope_options(config: Any, options: dict[str, Any]) -> dict[str, Any]:
     return {"rope_dim": rope_dim, "rope_interleaved": options.get("rope_interleaved", False)}
 
 
+def _after_rope(options: dict[str, Any]) -> bool:
+    """The drawn QK-norm comes after RoPE: only a per-head one can (HunYuan's)."""
+    return options.get("qk_norm_after_rope", False) and options["qk_norm"] and options["qk_norm_over"] == "head"
+
+
 def _module_options(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if k not in ("rope_share", "rope_interleaved")}
+    kept = {k: v for k, v in options.items() if k not in ("rope_share", "rope_interleaved")}
+    return {**kept, "qk_norm_after_rope": _after_rope(options)}
 
 
 def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.MultiHeadAttention:
@@ -85,6 +92,7 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5,
         rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half",
         qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, clip_qkv=options.get("clip_qkv"),
+        qk_norm_after_rope=_after_rope(options),
         **kwargs,
     )  # fmt: skip
 
@@ -328,6 +336,7 @@ COMPILED_VARIANTS = {
     "qk_norm": {"qk_norm": True},
     "qk_norm over every head": {"qk_norm": True, "qk_norm_over": "all"},
     "qk_norm of 1 + weight": {"qk_norm": True, "qk_norm_offset": 1.0},
+    "qk_norm after RoPE": {"qk_norm": True, "qk_norm_after_rope": True},
     "window": {"window": 3},
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
     "attention sinks": {"attention_sinks": True},

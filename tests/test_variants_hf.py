@@ -76,6 +76,9 @@ CASES = {
     "olmo-clip-qkv": ("olmo", 0, {"num_key_value_heads": 2, "clip_qkv": 0.4}, {"clip_qkv": 0.4}),
     "olmoe-qk-norm-all-clip-qkv": ("olmoe", 0, {"num_key_value_heads": 1, "clip_qkv": 0.4},
                                    {"clip_qkv": 0.4, "qk_norm_over": "all"}),
+    # the per-head QK-norm after RoPE (HunYuan's query_layernorm and key_layernorm), the cached keys normalised
+    "hunyuan-qk-norm-after-rope": ("hunyuan_v1_dense", 0, {"num_key_value_heads": 2, "head_dim": 8},
+                                   {"qk_norm": True, "qk_norm_after_rope": True}),
     # rope_parameters kept per layer type, and a sliding layer
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
@@ -92,7 +95,7 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
               "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
               "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
               "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
-              "gpt_oss": "GptOss", "olmo": "Olmo"}[model_type]  # fmt: skip
+              "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -108,7 +111,7 @@ def _layer(case: str, implementation: str) -> tuple[Any, Any]:
     with torch.no_grad():
         for param in layer.parameters():
             param.uniform_(-0.6, 0.6)
-        for norm in (getattr(layer, "q_norm", None), getattr(layer, "k_norm", None)):
+        for norm in (getattr(layer, name, None) for name in ("q_norm", "k_norm", "query_layernorm", "key_layernorm")):
             if norm is not None:
                 norm.weight.uniform_(0.5, 1.5)
     return layer, rotary_cls(config)
@@ -387,3 +390,29 @@ def test_to_hf_round_trips_clip_qkv_and_refuses_another_bound() -> None:
     other = ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=ours.rope_theta, clip_qkv=0.5)
     with pytest.raises(ssm.ConfigError, match=r"clip_qkv=0.4 \(module: 0.5\)"):
         other.to_hf(layer.config)
+
+
+def test_to_hf_round_trips_a_qk_norm_after_rope_and_refuses_one_before_it() -> None:
+    """HunYuan: from_hf then to_hf writes the norms back as query_layernorm and key_layernorm (a layer computing
+    the same); a module normalising before RoPE is refused for its config, naming qk_norm_after_rope."""
+    layer, rotary = _layer("hunyuan-qk-norm-after-rope", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    assert torch.equal(back.query_layernorm.weight, layer.query_layernorm.weight)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    before = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta, qk_norm=True,
+                                    norm_eps=ours.q_norm.eps)  # fmt: skip
+    with pytest.raises(ssm.ConfigError, match=r"qk_norm_after_rope=True \(module: None\)"):
+        before.to_hf(layer.config)
+
+
+def test_a_conversion_that_normalises_before_rope_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_hf taking HunYuan's norms for Llama-style ones (before RoPE): the probe refuses the conversion."""
+    from shapesafe_mha._interop import hf
+
+    layer, _ = _layer("hunyuan-qk-norm-after-rope", "sdpa")
+    monkeypatch.setitem(hf._QK_NORM_NAMES, ("query_layernorm", "key_layernorm"), False)
+    with pytest.raises(ssm.ConfigError, match=r"differs from HunYuanDenseV1Attention by .* in a (causal|decoding)"):
+        ssm.MultiHeadAttention.from_hf(layer)

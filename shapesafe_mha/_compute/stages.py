@@ -441,7 +441,8 @@ split_value = stage(name="split_v")(_split_kv)
 
 @stage(name="qk_norm", trace=("q_norm", "k_norm"))
 def normalize_qk(q_norm: nn.Module, k_norm: nn.Module, q: Heads, k: NewKVHeads) -> tuple[Heads, NewKVHeads]:
-    """QK-norm (Qwen3, Gemma 3): each head's query and key RMS-normalised over `d_head`, before RoPE."""
+    """QK-norm (Qwen3, Gemma 3): each head's query and key RMS-normalised over `d_head`, before RoPE
+    (HunYuan: after it)."""
     return q_norm(q), k_norm(k)
 
 

@@ -156,12 +156,15 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
             field = "sliding_window"
             raise _refuse(field, window, "a sliding window must be a positive number of keys (None: no window)")
         options["window"] = window
-    norms = [getattr(attention, norm, None) for norm in ("q_norm", "k_norm")]
+    names, after_rope = qk_norm_names(attention)
+    norms = [getattr(attention, norm, None) for norm in names]
     if any(norm is not None for norm in norms):
         options["qk_norm"] = True
         options["norm_eps"] = _norm_eps(norms[0])
         options["qk_norm_over"] = _norm_over(norms[0], config)
         options["qk_norm_offset"] = _norm_offset(norms[0])
+        if after_rope:
+            options["qk_norm_after_rope"] = True
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         options["logit_softcap"] = float(softcap)
@@ -190,6 +193,19 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
         options["attention_sinks"] = True
     return options
+
+
+# A layer's QK-norms by their names: Llama-style q_norm/k_norm before RoPE, HunYuan's after it.
+_QK_NORM_NAMES = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True}
+
+
+def qk_norm_names(layer: nn.Module) -> tuple[tuple[str, str], bool]:
+    """The names of `layer`'s query and key norms, and whether they come after RoPE (HunYuan's do); where the
+    layer has none, Llama's names. What they compute, and where, is verified by the conversions' probe."""
+    for names, after_rope in _QK_NORM_NAMES.items():
+        if any(isinstance(getattr(layer, name, None), nn.Module) for name in names):
+            return names, after_rope
+    return ("q_norm", "k_norm"), False
 
 
 def _norm_over(norm: Any, config: Any) -> str:
@@ -226,8 +242,8 @@ def _norm_eps(norm: Any) -> float:
 
 def load_norms(module: Any, attention: nn.Module) -> None:
     """Copy QK-norm weights, after checking on a probe that their norm is an RMSNorm over `d_head` as ours is."""
-    for name in ("q_norm", "k_norm"):
-        theirs, ours = getattr(attention, name), module._modules[name]
+    for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(attention)[0], strict=True):
+        theirs, ours = getattr(attention, their_name), module._modules[name]
         with torch.no_grad():
             ours.weight.copy_(theirs.weight)
             probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
@@ -243,7 +259,7 @@ def _head_dim(config: Any) -> int:
 
 # The output projection's names: Llama's o_proj, Phi's dense.
 _OUTPUT_NAMES = ("o_proj", "dense")
-_LOADED = ("q_proj", "k_proj", "v_proj", "query_key_value", *_OUTPUT_NAMES, "q_norm", "k_norm")
+_LOADED = ("q_proj", "k_proj", "v_proj", "query_key_value", *_OUTPUT_NAMES, *(n for p in _QK_NORM_NAMES for n in p))
 # Config fields of layers that compute a variant we do not (each is None or False where they do not).
 _UNSUPPORTED_FIELDS = {
     "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
@@ -297,9 +313,10 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
             why = f"the layer holds a submodule with parameters ({type(child).__name__}) that is not loaded"
             raise _refuse(name, type(child).__name__, why)
     heads = config.num_attention_heads
-    every = {"q_norm": heads * d_head, "k_norm": (getattr(config, "num_key_value_heads", None) or heads) * d_head}
-    over = _norm_over(getattr(attention, "q_norm", None), config)
-    for name in ("q_norm", "k_norm"):
+    (q_name, k_name), _ = qk_norm_names(attention)
+    every = {q_name: heads * d_head, k_name: (getattr(config, "num_key_value_heads", None) or heads) * d_head}
+    over = _norm_over(getattr(attention, q_name, None), config)
+    for name in (q_name, k_name):
         norm = getattr(attention, name, None)
         weight = getattr(norm, "weight", None)
         width = d_head if over == "head" else every[name]
@@ -581,6 +598,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "qk_norm": module.qk_norm or None,
         "qk_norm_over": module.qk_norm_over if module.qk_norm else None,
         "qk_norm_offset": module.qk_norm_offset if module.qk_norm else None,
+        "qk_norm_after_rope": module.qk_norm_after_rope or None,
         "logit_softcap": module.logit_softcap,
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
         "clip_qkv": module.clip_qkv,
@@ -592,8 +610,8 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         raise ConfigError(f"MultiHeadAttention.to_hf(): the config's layer 0 computes another variant: {listed}.")
     with torch.no_grad():
         if module.qk_norm:
-            for name in ("q_norm", "k_norm"):
-                getattr(theirs, name).weight.copy_(module._modules[name].weight)
+            for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(theirs)[0], strict=True):
+                getattr(theirs, their_name).weight.copy_(module._modules[name].weight)
         if module.sinks is not None:
             theirs.sinks.copy_(module.sinks)
         fused = per_head_fused(theirs)

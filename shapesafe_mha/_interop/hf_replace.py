@@ -25,7 +25,7 @@ from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
 from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
-from .hf import per_head_fused, projection_names
+from .hf import per_head_fused, projection_names, qk_norm_names
 from .hf_backend import layer_name, refuse_unknown
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
@@ -194,8 +194,8 @@ def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[
     for name, their_name in projection_names(theirs).items():
         setattr(ours, name, getattr(theirs, their_name))
     if ours.qk_norm:
-        for name in ("q_norm", "k_norm"):
-            ours._modules[name].weight = getattr(theirs, name).weight  # pyright: ignore[reportOptionalMemberAccess]
+        for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(theirs)[0], strict=True):
+            ours._modules[name].weight = getattr(theirs, their_name).weight  # pyright: ignore[reportOptionalMemberAccess]
     if ours.sinks is not None:  # gpt-oss's attention sinks: the model's own parameter, trained in its place
         ours.sinks = theirs.sinks  # pyright: ignore[reportAttributeAccessIssue]  (a Parameter, as declared)
     rotary = ours.rotary

@@ -274,6 +274,8 @@ class MultiHeadAttention(nn.Module):
             the queries and `(num_kv_heads * d_head,)` for the keys.
         qk_norm_offset: the QK-norm scales by `qk_norm_offset + weight` (Gemma 3, whose checkpoints store
             the scale's offset from 1: `1.0`; the norms are then `OffsetRMSNorm`s); default 0, `nn.RMSNorm`.
+        qk_norm_after_rope: the per-head QK-norm comes after RoPE instead of before it (HunYuan), so the
+            cached keys are the normalised rotated ones.
         norm_eps: the epsilon of QK-norm.
         window: sliding-window attention: a query sees only the `window` most recent keys,
             itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
@@ -313,6 +315,7 @@ class MultiHeadAttention(nn.Module):
         qk_norm: bool = False,
         qk_norm_over: str = "head",
         qk_norm_offset: float = 0.0,
+        qk_norm_after_rope: bool = False,
         norm_eps: float = 1e-6,
         window: int | None = None,
         logit_softcap: float | None = None,
@@ -375,6 +378,12 @@ class MultiHeadAttention(nn.Module):
         if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
             raise ConfigError(f"{owner}: qk_norm_offset must be a finite number (Gemma 3: 1.0), but got {offset!r}.")
         self.qk_norm_offset = float(offset)
+        if not isinstance(qk_norm_after_rope, bool) or (qk_norm_after_rope and (not qk_norm or qk_norm_over != "head")):
+            raise ConfigError(
+                f"{owner}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head'), but got "
+                f"qk_norm_after_rope={qk_norm_after_rope!r}, qk_norm={qk_norm!r}, qk_norm_over={qk_norm_over!r}."
+            )
+        self.qk_norm_after_rope = qk_norm_after_rope
         if qk_norm:
             every = qk_norm_over == "all"
             widths = (num_heads * d_head, num_kv_heads * d_head) if every else (d_head, d_head)
@@ -443,6 +452,7 @@ class MultiHeadAttention(nn.Module):
             + (", qk_norm=True" if self.qk_norm else "")
             + (", qk_norm_over='all'" if self.qk_norm and self.qk_norm_over == "all" else "")
             + (f", qk_norm_offset={self.qk_norm_offset}" if self.qk_norm and self.qk_norm_offset else "")
+            + (", qk_norm_after_rope=True" if self.qk_norm_after_rope else "")
             + (f", window={self.window}" if self.window is not None else "")
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
@@ -679,7 +689,7 @@ class MultiHeadAttention(nn.Module):
         q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)
-        if self.qk_norm and not every:
+        if self.qk_norm and not every and not self.qk_norm_after_rope:
             q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
         rotary = modules.get("rotary")
         if rotary is not None:
@@ -691,6 +701,8 @@ class MultiHeadAttention(nn.Module):
             else:  # partial rotary: the tables and the rotation of the first rope_dim features only
                 cos, sin = s.partial_rotary_tables(rotary, positions, q)
                 q, k = s.apply_partial_rotary(q, k, cos, sin, self.rope_interleaved)
+        if self.qk_norm_after_rope:  # HunYuan: the rotated queries and keys normalised, and so cached
+            q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
         if kv_cache is None:
             k, v = s.attend_to_new(k, v)
         else:

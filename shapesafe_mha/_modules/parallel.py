@@ -122,6 +122,7 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         rope_interleaved=module.rope_interleaved,
         qk_norm=module.qk_norm,
         qk_norm_offset=module.qk_norm_offset,
+        qk_norm_after_rope=module.qk_norm_after_rope,
         norm_eps=module.q_norm.eps if module.qk_norm else 1e-6,  # pyright: ignore[reportArgumentType]
         window=module.window,
         logit_softcap=module.logit_softcap,

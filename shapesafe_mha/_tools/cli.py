@@ -238,6 +238,9 @@ def trace(
     clip_qkv: Annotated[
         float | None, typer.Option(metavar="FLOAT", help="clamp the projections to [-FLOAT, FLOAT] (OLMo)")
     ] = None,
+    qk_norm_after_rope: Annotated[
+        bool, typer.Option("--qk-norm-after-rope/--qk-norm-before-rope", help="QK-norm after RoPE (HunYuan)")
+    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -281,7 +284,7 @@ def trace(
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
-                qk_norm_offset, attention_sinks, clip_qkv,
+                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

@@ -42,6 +42,7 @@ class TraceConfig:
     qk_norm_offset: float = 0.0  # 1.0: the QK-norm scales by 1 + weight (Gemma 3)
     attention_sinks: bool = False  # a learned logit per head in each softmax, dropped after it (gpt-oss)
     clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (OLMo)
+    qk_norm_after_rope: bool = False  # the per-head QK-norm after RoPE (HunYuan)
 
 
 @dataclass
@@ -102,6 +103,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "logit_softcap": config.logit_softcap,
         "attention_sinks": config.attention_sinks,
         "clip_qkv": config.clip_qkv,
+        "qk_norm_after_rope": config.qk_norm_after_rope,
         "device": device,
         "dtype": dtype,
     }
