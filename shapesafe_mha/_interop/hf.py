@@ -5,8 +5,9 @@ when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping, `query_pre_a
 Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier**-2`), partial rotary
 (`partial_rotary_factor`, in `rope_parameters` since transformers 5) and interleaved RoPE (shown on the
 model's own rotary tables and `apply_rotary_pos_emb`, which no config field names; GPT-J's and CodeGen's RoPE of
-`rotary_dim` features, with a theta read from their own tables) become the module's options; a variant it does not compute (RoPE scaling other than llama3 and YaRN, a QK-norm other than RMSNorm) is
-a `ConfigError` naming the config field, never a silently different layer.
+`rotary_dim` features, with a theta read from their own tables) become the module's options; a variant it does
+not compute (RoPE scaling other than llama3 and YaRN, a QK-norm other than RMSNorm) is a `ConfigError` naming the
+config field, never a silently different layer.
 """
 
 import importlib
