@@ -277,7 +277,8 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         has_rope = bool(parameters) or getattr(default, "rope_theta", None) is not None
         in_layer = getattr(default, "rotary_dim", None) is not None
         if in_layer and has_rope:  # a rotary_dim beside rope_parameters: which one the layer reads is not known
-            raise refuse(name, f"RoPE on config.rotary_dim={default.rotary_dim} features, applied inside the layer")
+            what = f"RoPE on config.rotary_dim={default.rotary_dim} features beside rope_parameters (which it follows)"
+            raise refuse(name, what)
         for key, what in (("llama_4_scaling_beta", "queries scaled by position (Llama 4 scaling)"),):
             if parameters.get(key) is not None:
                 raise refuse(name, f"rope_parameters[{key!r}]={parameters[key]!r}: {what}")
