@@ -26,6 +26,7 @@ def variants(draw: Any) -> dict[str, Any]:
         "window": draw(st.one_of(st.none(), st.integers(1, 12)), label="window"),
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
+        "attention_sinks": draw(st.booleans(), label="attention_sinks"),
         # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
         "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
         "rope_interleaved": draw(st.booleans(), label="rope_interleaved"),
@@ -66,6 +67,10 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
             for norm in (module.q_norm, module.k_norm):
                 width = norm.weight.shape[0]  # d_head, or every head's features (qk_norm_over="all")
                 norm.weight.copy_(torch.rand(width, generator=generator, dtype=torch.float64) + 0.5)
+    if options.get("attention_sinks"):
+        sinks = data.draw(st.lists(st.floats(-3.0, 3.0), min_size=config.num_heads, max_size=config.num_heads))
+        with torch.no_grad():  # logits near the scores' size, where a sink takes a share of each row
+            module.sinks.copy_(torch.tensor(sinks, dtype=torch.float64))  # pyright: ignore[reportOptionalMemberAccess]
     return module
 
 
@@ -78,15 +83,15 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         rope_theta=module.rope_theta, qk_norm=norms, window=options["window"],
         logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5,
         rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half",
-        qk_norm_over=options.get("qk_norm_over", "head"), **kwargs,
+        qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, **kwargs,
     )  # fmt: skip
 
 
 @given(data=st.data(), options=variants())
 def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
-    """Any mix of QK-norm, window, softcap and query scale, with or without RoPE (full or partial, halves or
-    adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the module (with and without grad, so every
-    path) equals the reference, head by head."""
+    """Any mix of QK-norm, window, softcap, query scale and attention sinks, with or without RoPE (full or
+    partial, halves or adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the module (with and without
+    grad, so every path) equals the reference, head by head."""
     rope = data.draw(st.booleans(), label="rope")
     config = data.draw(attention_configs(cross=False, max_seq=24, rope=rope), label="config")
     module = _module(config, options, data)
@@ -323,6 +328,7 @@ COMPILED_VARIANTS = {
     "qk_norm of 1 + weight": {"qk_norm": True, "qk_norm_offset": 1.0},
     "window": {"window": 3},
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
+    "attention sinks": {"attention_sinks": True},
     "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
     "interleaved RoPE": {"rope_theta": 10000.0, "rope_interleaved": True},
     "partial, interleaved RoPE": {"rope_theta": 10000.0, "rope_dim": 2, "rope_interleaved": True},

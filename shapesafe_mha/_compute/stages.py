@@ -39,6 +39,7 @@ from .._core.dims import (
     RowsWithAKey,
     SeenAttnMask,
     SeenPaddingMask,
+    Sinks,
     Tokens,
     Weight,
 )
@@ -616,9 +617,17 @@ def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Hea
 
 @stage(name="weights_folded", trace=("",))
 def folded_weights(
-    q: FoldedQueries, k: KVHeads, mask: FoldedMask | None, scale: float | None, softcap: float | None
+    q: FoldedQueries,
+    k: KVHeads,
+    mask: FoldedMask | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: Sinks | None = None,
 ) -> FoldedProbabilities:
-    return K.probabilities(q, k, mask, scale, softcap)
+    """The probabilities of the folded queries; with `sinks` (gpt-oss) one more logit per query head takes part
+    in each row's softmax and is dropped after it."""
+    rows = None if sinks is None else K.folded_sinks(sinks, k.shape[1], q.shape[2] * k.shape[1] // sinks.shape[0])
+    return K.probabilities(q, k, mask, scale, softcap, rows)
 
 
 @stage(name="weights")

@@ -62,6 +62,7 @@ GroupedQueries = Float[Tensor, "batch num_kv_heads group seq d_head"]
 FoldedQueries = Float[Tensor, "batch num_kv_heads group*seq d_head"]  # a group's query heads end to end
 Probabilities = Float[Tensor, "batch num_heads seq kv_seq"]
 FoldedProbabilities = Float[Tensor, "batch num_kv_heads group*seq kv_seq"]
+Sinks = Float[Tensor, " num_heads"]  # attention sinks (gpt-oss): one logit per query head
 
 # Rotary position embeddings: integer positions of the queries, and their cos/sin tables.
 Positions = Int[Tensor, "batch seq"]

@@ -282,6 +282,9 @@ class MultiHeadAttention(nn.Module):
             the mask (Gemma 2).
         query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
             `d_head ** -0.5` (Gemma 2).
+        attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
+            (zeros at first), takes part in each row's softmax and is dropped after it, so a head may give
+            less than all of its weight to the keys. The scores are then computed here, not by SDPA.
         device, dtype: of the parameters.
 
     Raises:
@@ -312,6 +315,7 @@ class MultiHeadAttention(nn.Module):
         window: int | None = None,
         logit_softcap: float | None = None,
         query_pre_attn_scalar: float | None = None,
+        attention_sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -381,7 +385,13 @@ class MultiHeadAttention(nn.Module):
         self.logit_softcap = logit_softcap
         self.query_pre_attn_scalar = query_pre_attn_scalar
         self.scale = None if query_pre_attn_scalar is None else float(query_pre_attn_scalar) ** -0.5
+        if not isinstance(attention_sinks, bool):
+            raise ConfigError(f"{owner}: attention_sinks must be True or False, but got {attention_sinks!r}.")
+        self.sinks: nn.Parameter | None = None
+        if attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
         variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
+        variant = variant or attention_sinks
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
@@ -432,6 +442,7 @@ class MultiHeadAttention(nn.Module):
             + (f", window={self.window}" if self.window is not None else "")
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
+            + (", attention_sinks=True" if self.sinks is not None else "")
         )
 
     @property
@@ -680,8 +691,8 @@ class MultiHeadAttention(nn.Module):
             masked = attn_mask is not None or key_padding_mask is not None
             if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
                 attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
-        scale, softcap = self.scale, self.logit_softcap
-        explicit = need_weights or softcap is not None  # the scores computed here, not by SDPA
+        scale, softcap, sinks = self.scale, self.logit_softcap, self._parameters.get("sinks")
+        explicit = need_weights or softcap is not None or sinks is not None  # the scores computed here, not by SDPA
         dropout_p = self.dropout if self.training else 0.0
         native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
         mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window, native)
@@ -702,7 +713,7 @@ class MultiHeadAttention(nn.Module):
                 may_empty = may_empty and (explicit or not K.zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
                 folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
             if explicit:
-                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap)
+                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap, sinks)
                 if need_weights:
                     weights = s.unfold_weights(folded_weights, num_heads, rows)
                 out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)

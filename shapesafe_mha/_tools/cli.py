@@ -232,6 +232,9 @@ def trace(
     qk_norm_offset: Annotated[
         float, typer.Option(metavar="FLOAT", help="the QK-norm scales by FLOAT + weight (Gemma 3: 1)")
     ] = 0.0,
+    attention_sinks: Annotated[
+        bool, typer.Option("--attention-sinks/--no-attention-sinks", help="a learned logit per head (gpt-oss)")
+    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -275,7 +278,7 @@ def trace(
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
-                qk_norm_offset,
+                qk_norm_offset, attention_sinks,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

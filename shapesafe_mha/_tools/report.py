@@ -40,6 +40,7 @@ class TraceConfig:
     rope_interleaved: bool = False  # RoPE on adjacent pairs (Cohere, GLM)
     qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2)
     qk_norm_offset: float = 0.0  # 1.0: the QK-norm scales by 1 + weight (Gemma 3)
+    attention_sinks: bool = False  # a learned logit per head in each softmax, dropped after it (gpt-oss)
 
 
 @dataclass
@@ -98,6 +99,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "qk_norm_offset": config.qk_norm_offset,
         "window": config.window,
         "logit_softcap": config.logit_softcap,
+        "attention_sinks": config.attention_sinks,
         "device": device,
         "dtype": dtype,
     }
