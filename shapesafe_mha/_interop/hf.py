@@ -157,9 +157,10 @@ def sincos_rope(modeling: Any, rotary: nn.Module, width: int, owner: str = _OWNE
     halves; one that matches neither is taken as halves, and the conversion's probe (or the check) names the
     difference. A table of another shape, or without a sin and a cos, raises `ConfigError` naming it.
     """
-    positions = torch.arange(4)[None]
+    device = next((b.device for b in rotary.buffers()), torch.device("cpu"))  # where its table is
+    positions = torch.arange(4, device=device)[None]
     with torch.no_grad():
-        found = rotary(torch.zeros(1, 4, width, dtype=torch.float64), positions)
+        found = rotary(torch.zeros(1, 4, width, dtype=torch.float64, device=device), positions)
 
     def refused(what: str) -> ConfigError:
         return ConfigError(f"{owner}: {type(rotary).__name__} returns {what}; RoPE inside the layer is refused.")

@@ -2,13 +2,15 @@
 
 Each example builds the class from its config class with drawn sizes (GQA where the config has
 `num_key_value_heads`), loads drawn weights into its layout (`q/k/v/o_proj`, GPT-2's `Conv1D`
-`c_attn`/`c_proj`, GPT-NeoX's per-head `query_key_value`, any biases it has), and calls it the way
-the model's `forward` does: cos/sin from the model's own rotary class, the mask from transformers'
-`create_causal_mask` (or its sliding-window one), a `DynamicCache` for decoding. What the class
-computes beyond plain attention is read first (`_hf_recipe.read_recipe`: QK-norms, softcapping, other
-scales, windows, partial or interleaved RoPE, NoPE layers, sinks, an output norm) and handed to the
-per-head reference, which computes it itself; anything else is refused by name. Four properties run
-in turn, so a failure names what broke: heads, RoPE/positions, padding/mask, decoding/cache.
+`c_attn`/`c_proj`, GPT-NeoX's per-head `query_key_value`, CodeGen's `qkv_proj` in blocks of `[q; v; k]`,
+any biases it has), and calls it the way the model's `forward` does: cos/sin from the model's own rotary
+class, the mask from transformers' `create_causal_mask` (or its sliding-window one), a `DynamicCache`
+for decoding. What the class computes beyond plain attention is read first (`_hf_recipe.read_recipe`:
+QK-norms, softcapping, other scales, windows, partial or interleaved RoPE, GPT-J's and CodeGen's RoPE
+of `config.rotary_dim` features, which the check draws, with a theta read from their own tables, NoPE
+layers, sinks, an output norm) and handed to the per-head reference, which computes it itself; anything
+else is refused by name. Four properties run in turn, so a failure names what broke: heads,
+RoPE/positions, padding/mask, decoding/cache.
 
 transformers is needed here (the `hf` extra); `shapesafe_mha.testing` does not import this module.
 """

@@ -8,10 +8,13 @@ holds, its constructor and forward signatures). What the per-head reference comp
 layout. Nothing is decided from a computed attribute such as `scaling`: a wrong one is a bug for the
 check to catch, not a variant to refuse. What no field says is shown on a probe of a part, not of the
 attention's forward: a norm submodule on its own (RMSNorm, `1 + weight`, LayerNorm), the modeling
-module's `apply_rotary_pos_emb` (pairs or halves); only layer types that rotate where others do not
-(NoPE layers) are told by calling the layer. A bug inside a norm submodule is therefore refused (a
-norm we do not know), not reported. Any error while deciding is a refusal naming the class, never a
-traceback from inside the check.
+module's `apply_rotary_pos_emb` (pairs or halves), the theta of GPT-J's and CodeGen's own `(sin, cos)`
+tables (`config.rotary_dim` features, no `rope_parameters`); only layer types that rotate where others
+do not (NoPE layers) are told by calling the layer. A bug inside a norm submodule is therefore refused
+(a norm we do not know), not reported. CodeGen's `mp_num` (the blocks of its `qkv_proj`) is read from
+the layer, where its forward reads it: a forward that splits the rows otherwise fails the heads property,
+reported, not refused. Any error while deciding is a refusal naming the class, never a traceback from
+inside the check.
 """
 
 import importlib
