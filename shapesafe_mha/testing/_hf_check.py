@@ -173,7 +173,7 @@ class _Target:
         rotary = None if self.rotary_cls is None else self.rotary_cls(config).to(device=weights.w_q.device)
         if rotary is not None and rotary_dim is not None:
             modeling = importlib.import_module(self.attention_cls.__module__)
-            theta = sincos_rope(modeling, rotary, rotary_dim, OWNER)[0]
+            theta = sincos_rope(modeling, rotary, rotary_dim, f"{OWNER}: {self.name}")[0]
         scale = None if r.scale is None else r.scale(config)
         if layer_idx in r.nope:
             theta = None  # a NoPE layer: the tables are passed, and ignored

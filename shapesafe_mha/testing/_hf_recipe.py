@@ -31,7 +31,7 @@ from .._compute.reference import NormKind, NormOver, RopeStyle, _layer_norm
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
 from .._interop.adapters import NAMES, load_weights
-from .._interop.hf import block_fused, rope_interleaved, sincos_rope
+from .._interop.hf import BLOCK_ORDER, block_fused, rope_interleaved, sincos_rope
 
 OWNER = "check_hf_attention()"
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -317,7 +317,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             if rotary_cls is None:
                 raise refuse(name, "RoPE on config.rotary_dim features without a rotary class beside the layer")
             modeling = importlib.import_module(attention_cls.__module__)
-            style = "interleaved" if sincos_rope(modeling, rotary_cls(config), 8, OWNER)[1] else "half"
+            style = "interleaved" if sincos_rope(modeling, rotary_cls(config), 8, f"{OWNER}: {name}")[1] else "half"
         elif has_rope:
             config = tiny_config(config_cls, **sizes, rope_parameters=drawn_rope(default, 10000.0))
             factor = _rotary_factor(config, name, layers[0][1])
@@ -566,7 +566,8 @@ def load_layer_weights(module: nn.Module, weights: AttentionWeights, recipe: Rec
 
     def per_head(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if recipe.fused == "blocks":
-            return torch.stack([t.unflatten(0, (recipe.blocks, -1)) for t in (q, v, k)], 1).flatten(0, 2)
+            rows = {"q_proj": q, "k_proj": k, "v_proj": v}
+            return torch.stack([rows[n].unflatten(0, (recipe.blocks, -1)) for n in BLOCK_ORDER], 1).flatten(0, 2)
         return torch.cat([torch.cat((q[h * d : (h + 1) * d], k[h * d : (h + 1) * d], v[h * d : (h + 1) * d]))
                           for h in range(heads)])  # fmt: skip
 
