@@ -58,7 +58,6 @@ REFUSED = {
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
     "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),
     "cohere use_qk_norm": ("cohere", {"use_qk_norm": True}, r"q_norm='CohereLayerNorm'"),
-    "gpt_oss sinks": ("gpt_oss", {}, r"parameters=\['sinks'\]: the layer holds parameters of its own"),
 }
 
 
@@ -79,6 +78,7 @@ def test_from_hf_refuses_what_it_would_compute_differently_naming_why(case: str)
         ("mistral", {"sliding_window": 3}),
         ("gemma2", {}),
         ("granite", {"attention_multiplier": 0.5}),
+        ("gpt_oss", {"sliding_window": 3}),  # attention sinks (its own parameter), YaRN, a sliding layer 0
     ],
 )
 def test_from_hf_verified_layers_equal_their_source_full_and_decoding(model_type: str, config: Any) -> None:
@@ -199,6 +199,7 @@ def test_to_hf_compares_rope_scaling_and_dropout_and_verifies_the_layer() -> Non
         {"logit_softcap": 5.0},
         {"qk_norm": True},
         {"query_pre_attn_scalar": 4.0},
+        {"attention_sinks": True},
     ],
 )
 def test_to_torch_refuses_each_variant_by_name(options: dict[str, Any]) -> None:

@@ -74,11 +74,17 @@ CASES = {
                                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 16}},
                            {"qk_norm": True}),
+    # attention sinks (gpt-oss's own `sinks` parameter, its s_aux), with YaRN, on a sliding and a full layer
+    "gpt_oss-sinks-sliding": ("gpt_oss", 0, {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4},
+                              {"sinks": "loaded", "window": 4}),
+    "gpt_oss-sinks-full": ("gpt_oss", 1, {"num_key_value_heads": 1, "head_dim": 8, "sliding_window": 4},
+                           {"sinks": "loaded", "window": None}),
     # rope_parameters kept per layer type, and a sliding layer
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
     ),
 }  # fmt: skip
+EAGER_ONLY = ("gemma2", "gpt_oss")
 # transformers' Cohere and ERNIE 4.5 rotate in float32 inside apply_rotary_pos_emb, whatever the dtype
 FLOAT32_ROPE = ("cohere", "ernie4_5")
 
@@ -88,8 +94,8 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
     prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite", "phi": "Phi",
               "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
               "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
-              "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3", "gptj": "GPTJ",
-              "codegen": "CodeGen"}[model_type]  # fmt: skip
+              "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
+              "gpt_oss": "GptOss", "gptj": "GPTJ", "codegen": "CodeGen"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -125,8 +131,8 @@ def _hf_forward(layer: Any, rotary: Any, x: torch.Tensor) -> torch.Tensor:
     return layer(x, position_embeddings=(cos, sin), attention_mask=mask)[0]
 
 
-# transformers' sdpa path refuses a softcap (Gemma 2 runs eager).
-RUNS = [(case, impl) for case in CASES for impl in ("eager", "sdpa") if impl == "eager" or "gemma2" not in case]
+# transformers' sdpa path refuses a softcap (Gemma 2 runs eager); gpt-oss's model has no sdpa (its sdpa drops sinks).
+RUNS = [(c, impl) for c in CASES for impl in ("eager", "sdpa") if impl == "eager" or c.split("-")[0] not in EAGER_ONLY]
 
 
 @pytest.mark.parametrize(("case", "implementation"), RUNS)
@@ -136,6 +142,9 @@ def test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding(case: s
     layer, rotary = _layer(case, implementation)
     ours = ssm.MultiHeadAttention.from_hf(layer)
     for option, value in CASES[case][3].items():
+        if value == "loaded":  # a parameter of the layer's own, copied
+            assert torch.equal(getattr(ours, option), getattr(layer, option)), option
+            continue
         assert getattr(ours, option) == value, option
     float32_inside = implementation == "eager" or ours.qk_norm or CASES[case][0] in FLOAT32_ROPE
     tol = {"atol": 1e-5, "rtol": 1e-5} if float32_inside else {"atol": 1e-10, "rtol": 1e-8}
@@ -318,6 +327,46 @@ def test_to_hf_round_trips_a_qk_norm_over_every_head_and_names_a_per_head_one() 
     per_head = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, qk_norm=True, rope_theta=ours.rope_theta)
     with pytest.raises(ssm.ConfigError, match=r"another variant: qk_norm_over='all' \(module: 'head'\)"):
         per_head.to_hf(layer.config)
+
+
+def _sinks_dropped(original: Any) -> Any:
+    return lambda q, k, mask, scale, softcap=None, sinks=None: original(q, k, mask, scale, softcap)
+
+
+def _sinks_of_the_heads_reversed(original: Any) -> Any:
+    return lambda sinks, num_kv_heads, seq: original(sinks.flip(0), num_kv_heads, seq)
+
+
+@pytest.mark.parametrize("case", ["gpt_oss-sinks-sliding", "gpt_oss-sinks-full"])
+@pytest.mark.parametrize(("kernel", "bug"), [("probabilities", _sinks_dropped),
+                                             ("folded_sinks", _sinks_of_the_heads_reversed)])  # fmt: skip
+def test_a_bug_planted_in_our_attention_sinks_is_refused_by_from_hf(
+    case: str, kernel: str, bug: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our softmax without the sinks, or each head given another head's sink: from_hf's probe of gpt-oss's
+    layer refuses the conversion, naming the causal forward that differs."""
+    from shapesafe_mha._compute import kernels
+
+    layer, _ = _layer(case, "eager")
+    monkeypatch.setattr(kernels, kernel, bug(getattr(kernels, kernel)))
+    with pytest.raises(ssm.ConfigError, match=r"differs from GptOssAttention by .* in a causal forward"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_attention_sinks_and_refuses_a_module_without_them() -> None:
+    """gpt-oss: from_hf then to_hf writes the sinks back (a layer computing the same); a module without sinks
+    is refused for gpt-oss's config, naming attention_sinks."""
+    layer, rotary = _layer("gpt_oss-sinks-sliding", "eager")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    assert torch.equal(back.sinks, layer.sinks)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, rope_theta=ours.rope_theta, window=4,
+                                   rope_scaling=ours.rotary.scaling)  # fmt: skip
+    with pytest.raises(ssm.ConfigError, match=r"attention_sinks=True \(module: None\)"):
+        plain.to_hf(layer.config)
 
 
 def _split_as_qkv(forward: Any) -> Any:

@@ -56,6 +56,8 @@ TOOLKIT = "tests/test_toolkit.py"
 PATHS = "tests/test_paths.py"
 VARIANTS = "tests/test_variants.py"
 VARIANTS_HF = "tests/test_variants_hf.py"
+SINKS_HF = "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[gpt_oss-sinks-full-eager]"
+SINKS_ADOPTED = "tests/test_hf_replace.py::test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients[gpt_oss (eager: sinks, window 3)]"
 LATENT = "tests/test_latent.py"
 VERDICTS = "tests/test_verdicts.py"
 YARN_TABLES = "tests/test_rope.py::test_yarn_tables_equal_transformers"
@@ -284,7 +286,17 @@ MUTANTS: list[Mutant] = [
       "the trace calls anything in range a view, whatever its storage", "tests/test_aliasing.py"),
     M("_core/trace.py", "            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:", "            if False:",
       "the allocation recorder records nothing", "tests/test_allocations.py"),
+    # --- attention sinks (gpt-oss) ---
+    M("_compute/kernels.py", "        return torch.softmax(with_sinks, dim=-1)[..., :-1]", "        return torch.softmax(with_sinks, dim=-1)[..., 1:]",
+      "the first key's weight dropped after the softmax instead of the sink's", SINKS_HF),
+    M("_compute/kernels.py", "    per_group = sinks.unflatten(0, (num_kv_heads, -1))", "    per_group = sinks.flip(0).unflatten(0, (num_kv_heads, -1))",
+      "each query head given another head's sink", SINKS_HF),
+    M("_interop/hf_replace.py", "        ours.sinks = theirs.sinks  #", "        pass  #",
+      "replace_attention trains sinks of its own, not the model's", SINKS_ADOPTED),
     # --- head-parallel ---
+    M("_modules/parallel.py", "        parallel._sync_shared_norm_gradients()\n", "",
+      "head-parallel QK-norm weights step on each rank's share of their gradient",
+      "tests/test_parallel.py::test_sharded_equals_unsharded_on_every_rank[2]"),
     M("_modules/parallel.py", '    local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum\n', "",
       "head-parallel adds the output bias on every rank", "tests/test_parallel.py"),
     # --- RoPE and Hugging Face ---

@@ -253,6 +253,8 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         raise _refuse("scaling", scaling, f"only 1/sqrt(query_pre_attn_scalar or head_dim) = {expected:g} is supported")
     if not getattr(attention, "is_causal", True):
         raise _refuse("is_causal", False, "only causal (decoder) attention layers are supported")
+    if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
+        options["attention_sinks"] = True
     return options
 
 
@@ -380,7 +382,11 @@ def projection_names(layer: nn.Module) -> dict[str, str]:
 
 def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     """Refuse, by name, what the layer holds that a `MultiHeadAttention` would not load or compute."""
-    own = [name for name, _ in attention.named_parameters(recurse=False)]
+    own = [name for name, _ in attention.named_parameters(recurse=False) if name != "sinks"]
+    sinks = getattr(attention, "sinks", None)
+    if isinstance(sinks, nn.Parameter) and tuple(sinks.shape) != (config.num_attention_heads,):
+        why = f"attention sinks are one logit per query head ({config.num_attention_heads},)"
+        raise _refuse("sinks", tuple(sinks.shape), why)
     if own:
         raise _refuse(
             "parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded"
@@ -474,6 +480,8 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     if module.qk_norm:
         load_norms(module, attention)
     with torch.no_grad():
+        if module.sinks is not None:
+            module.sinks.copy_(attention.sinks)
         for name, theirs in projections.items():
             ours = module._modules[name]
             ours.weight.copy_(theirs.weight)
@@ -692,6 +700,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "qk_norm_offset": module.qk_norm_offset if module.qk_norm else None,
         "logit_softcap": module.logit_softcap,
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
+        "attention_sinks": module.sinks is not None or None,
     }
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
     if different:
@@ -701,6 +710,8 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         if module.qk_norm:
             for name in ("q_norm", "k_norm"):
                 getattr(theirs, name).weight.copy_(module._modules[name].weight)
+        if module.sinks is not None:
+            theirs.sinks.copy_(module.sinks)
         fused, blocks = per_head_fused(theirs), block_fused(theirs)
         if fused is not None:
             _write_per_head(module, fused, layer_cls.__name__)

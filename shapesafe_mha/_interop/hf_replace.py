@@ -201,6 +201,8 @@ def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[
     if ours.qk_norm:
         for name in ("q_norm", "k_norm"):
             ours._modules[name].weight = getattr(theirs, name).weight  # pyright: ignore[reportOptionalMemberAccess]
+    if ours.sinks is not None:  # gpt-oss's attention sinks: the model's own parameter, trained in its place
+        ours.sinks = theirs.sinks  # pyright: ignore[reportAttributeAccessIssue]  (a Parameter, as declared)
     rotary = ours.rotary
     if rotary is not None:
         inv_freq: Any = rotary.inv_freq

@@ -25,6 +25,7 @@ def _variants(module: Any) -> list[str]:
         "window": module.window,
         "logit_softcap": module.logit_softcap,
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
+        "attention_sinks": module.sinks is not None or None,
     }
     return [f"{name}={value!r}" for name, value in options.items() if value is not None]
 
