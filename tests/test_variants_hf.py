@@ -419,3 +419,23 @@ def test_a_rotary_dim_or_output_dropout_from_hf_does_not_compute_is_refused_by_i
     config = config_cls(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, **kwargs)
     with pytest.raises(ssm.ConfigError, match=match):
         ssm.MultiHeadAttention.from_hf(attention_cls(config, layer_idx=0))
+
+
+@pytest.mark.parametrize("case", ["gptj-rotary-dim", "codegen-rotary-dim-blocks"])
+def test_gptj_and_codegen_decoding_through_their_dynamic_cache_equals_ours_through_our_cache(case: str) -> None:
+    """float64, sdpa: the HF layer fed a prefill then one token at a time through transformers' DynamicCache (its
+    tables at each step's positions) equals our module decoding through its KVCache, step for step."""
+    layer, rotary = _layer(case, "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    theirs_cache, cache = transformers.DynamicCache(config=layer.config), ours.new_cache(batch=2, capacity=SEQ)
+    with torch.no_grad():
+        for start, stop in [(0, 3), *((i, i + 1) for i in range(3, SEQ))]:
+            chunk, positions = x[:, start:stop], torch.arange(start, stop)[None]
+            mask = create_causal_mask(config=layer.config, inputs_embeds=chunk, attention_mask=None,
+                                      cache=theirs_cache, position_ids=positions)  # fmt: skip
+            theirs = layer(chunk, position_embeddings=rotary(chunk, positions), attention_mask=mask,
+                           cache=theirs_cache)[0]  # fmt: skip
+            mine = ours(chunk, is_causal=True, kv_cache=cache)
+            torch.testing.assert_close(mine, theirs, atol=1e-10, rtol=1e-8)
+    assert theirs_cache.get_seq_length() == SEQ == cache.kept
