@@ -52,7 +52,8 @@ def _ours_equal_theirs(ours: nn.Module, layer: nn.Module) -> float:
 # model type, config keywords, what the ConfigError's first line must say
 REFUSED = {
     "persimmon qk_layernorm": ("persimmon", {}, r"q_layernorm='LayerNorm': the layer holds a submodule"),
-    "gptj (q/k/v/out_proj, RoPE inside)": ("gptj", {}, r"GPTJAttention has no nn.Linear o_proj"),
+    "gptj rotary_dim wider than a head": (
+        "gptj", {}, r"rotary_dim=64: the rotated part must be an even number of features in \[2, head_dim=8\]"),
     "olmo clip_qkv of 0": ("olmo", {"clip_qkv": 0.0}, r"config.clip_qkv=0.0: a clip bound must be a positive number"),
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
     "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),

@@ -231,3 +231,30 @@ def test_a_per_head_fused_layer_is_left_named_with_why() -> None:
     assert not done.replaced and list(done.left) == ["gpt_neox.layers.0.attention", "gpt_neox.layers.1.attention"]
     assert "query_key_value fuses each head's query, key and value rows" in done.left["gpt_neox.layers.0.attention"]
     assert ssm.MultiHeadAttention.from_hf(model.gpt_neox.layers[0].attention).rope_dim == 2
+
+
+@pytest.mark.parametrize("config_name", ["GPTJConfig", "CodeGenConfig"])
+def test_gptj_is_replaced_and_codegens_blocks_are_left_both_generating_their_own_tokens(config_name: str) -> None:
+    """GPT-J's layers (RoPE of rotary_dim features, out_proj) are replaced, and the model computes and generates
+    as it did; CodeGen's, whose qkv_proj fuses blocks of [q; v; k], are left, named with why."""
+    sizes = {k: SIZES[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                                   "pad_token_id", "eos_token_id", "bos_token_id")}  # fmt: skip
+    config = getattr(transformers, config_name)(**sizes, rotary_dim=4)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    ours = copy.deepcopy(theirs.eval())
+    done = shapesafe_mha.hf.replace_attention(ours)
+    paths = ["transformer.h.0.attn", "transformer.h.1.attn"]
+    if config_name == "GPTJConfig":
+        assert list(done.replaced) == paths and not done.left
+        assert isinstance(ours.transformer.h[0].attn, shapesafe_mha.hf.HFAttention)
+    else:
+        assert not done.replaced and list(done.left) == paths
+        assert "qkv_proj fuses blocks of query, value and key rows (CodeGen's)" in done.left[paths[0]]
+    ids, mask = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-10, rtol=0)
+        for options in ({}, {"num_beams": 2}):
+            expected = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
+            got = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
+            assert torch.equal(got, expected), options

@@ -1,8 +1,10 @@
 """The variants against the real transformers layers: Qwen3 (QK-norm), Mistral with a sliding window shorter
 than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternating sliding layers), partial
-rotary (Phi, StableLM, Nemotron), interleaved RoPE (Cohere, Helium, ERNIE 4.5) and both (GLM, GLM-4), loaded
-with `MultiHeadAttention.from_hf` and computed as the HF model computes them, full forward and decoding."""
+rotary (Phi, StableLM, Nemotron), interleaved RoPE (Cohere, Helium, ERNIE 4.5) and both (GLM, GLM-4, and GPT-J and
+CodeGen, which rotate `rotary_dim` features with tables of their own), loaded with `MultiHeadAttention.from_hf` and
+computed as the HF model computes them, full forward and decoding."""
 
+import functools
 import inspect
 from typing import Any
 
@@ -59,6 +61,11 @@ CASES = {
         "gpt_neox", 0, {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, {"rope_dim": 4},
     ),
     "persimmon-partial-fused": ("persimmon", 0, {"qk_layernorm": False}, {"rope_dim": 4, "num_kv_heads": 4}),
+    # RoPE of the layer's own (sin, cos) tables on config.rotary_dim features, adjacent pairs, theta read from them
+    "gptj-rotary-dim": ("gptj", 0, {"rotary_dim": 4}, {"rope_dim": 4, "rope_interleaved": True, "rope_theta": 1e4}),
+    "gptj-rotary-dim-every-feature": ("gptj", 0, {"rotary_dim": 8}, {"rope_dim": 8, "rope_interleaved": True}),
+    # ... behind CodeGen's qkv_proj: 4 blocks of [q; v; k] rows, loaded as q/k/v_proj
+    "codegen-rotary-dim-blocks": ("codegen", 0, {"rotary_dim": 6}, {"rope_dim": 6, "num_kv_heads": 4}),
     # QK-norm over every head's features at once, before the head split (weights num_heads * head_dim wide)
     "olmo2-qk-norm-all": ("olmo2", 0, {"num_key_value_heads": 2}, {"qk_norm": True, "qk_norm_over": "all"}),
     "olmoe-qk-norm-all": ("olmoe", 0, {"num_key_value_heads": 1}, {"qk_norm": True, "qk_norm_over": "all"}),
@@ -95,7 +102,8 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
               "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
               "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
               "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
-              "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1"}[model_type]  # fmt: skip
+              "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1", "gptj": "GPTJ",
+              "codegen": "CodeGen"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -250,20 +258,23 @@ def test_a_bad_sliding_window_in_the_config_is_refused_by_its_field() -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["phi-partial-rotary", "cohere-interleaved", "glm-partial-interleaved", "gpt_neox-partial-fused"]
-)
+    "case",
+    ["phi-partial-rotary", "cohere-interleaved", "glm-partial-interleaved", "gpt_neox-partial-fused", "gptj-rotary-dim",
+     "codegen-rotary-dim-blocks"],
+)  # fmt: skip
 def test_to_hf_round_trips_partial_and_interleaved_rope(case: str) -> None:
     """from_hf then to_hf gives a layer computing what the original computes (Phi's dense written back as
-    dense, GPT-NeoX's q/k/v fused back per head); the same module is refused for a config whose RoPE rotates
-    another part or pairs otherwise."""
+    dense, GPT-NeoX's q/k/v fused back per head, CodeGen's in its blocks); the same module is refused for a config
+    whose RoPE rotates another part or pairs otherwise."""
     layer, rotary = _layer(case, "sdpa")
     ours = ssm.MultiHeadAttention.from_hf(layer)
     back = ours.to_hf(layer.config).to(torch.float64).eval()
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
-    if hasattr(layer, "query_key_value"):  # the fused weight itself, row for row
-        assert torch.equal(back.query_key_value.weight, layer.query_key_value.weight)
+    for fused in ("query_key_value", "qkv_proj"):  # the fused weight itself, row for row
+        if hasattr(layer, fused):
+            assert torch.equal(getattr(back, fused).weight, getattr(layer, fused).weight)
     full = ssm.MultiHeadAttention(
         32, 4, ours.num_kv_heads, d_head=8, rope_theta=ours.rope_theta, rope_interleaved=ours.rope_interleaved
     )
@@ -295,6 +306,8 @@ def _pairs_turned_the_wrong_way(x: torch.Tensor) -> torch.Tensor:
         ("glm-partial-interleaved", "rotate_part", _last_features_rotated),
         ("cohere-interleaved", "rotate_pairs", _pairs_turned_the_wrong_way),
         ("helium-interleaved", "rotate_pairs", _pairs_turned_the_wrong_way),
+        ("gptj-rotary-dim", "rotate_part", _last_features_rotated),
+        ("gptj-rotary-dim-every-feature", "rotate_pairs", _pairs_turned_the_wrong_way),
     ],
 )
 def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_rotary_embeddings(
@@ -416,3 +429,75 @@ def test_a_conversion_that_normalises_before_rope_is_refused_by_its_probe(monkey
     monkeypatch.setitem(hf._QK_NORM_NAMES, ("query_layernorm", "key_layernorm"), False)
     with pytest.raises(ssm.ConfigError, match=r"differs from HunYuanDenseV1Attention by .* in a (causal|decoding)"):
         ssm.MultiHeadAttention.from_hf(layer)
+
+
+def _split_as_qkv(forward: Any) -> Any:
+    """CodeGen's forward reading each block of qkv_proj as [q; k; v]: a layout other than the one from_hf loads."""
+
+    @functools.wraps(forward)  # its signature too, which the model's call is read from
+    def wrong(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = self.qkv_proj.weight.detach().clone()
+        with torch.no_grad():  # the rows [q; k; v] read where [q; v; k] are
+            self.qkv_proj.weight.copy_(saved.unflatten(0, (self.mp_num, 3, -1))[:, [0, 2, 1]].flatten(0, 2))
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                self.qkv_proj.weight.copy_(saved)
+
+    return wrong
+
+
+def test_codegen_qkv_proj_is_loaded_in_the_layers_own_blocks_and_another_split_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The blocks of CodeGen's qkv_proj are the layer's `mp_num` (4 in every checkpoint; 2 here, and still exact),
+    each block's rows [q; v; k]; a forward that splits them as [q; k; v] is refused by the conversion's probe."""
+    layer, rotary = _layer("codegen-rotary-dim-blocks", "sdpa")
+    layer.mp_num = 2
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, is_causal=True), _hf_forward(layer, rotary, x), atol=1e-10, rtol=1e-8)
+    monkeypatch.setattr(type(layer), "forward", _split_as_qkv(type(layer).forward))
+    with pytest.raises(ssm.ConfigError, match=r"differs from CodeGenAttention by"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kwargs", "match"),
+    [
+        ("gptj", {"rotary_dim": 3}, r"rotary_dim=3: the rotated part must be an even number of features in "
+                                    r"\[2, head_dim=8\]"),
+        ("gptj", {"rotary_dim": 16}, r"rotary_dim=16: the rotated part must be"),
+        ("codegen", {"rotary_dim": 5}, r"rotary_dim=5: the rotated part must be"),
+        ("gptj", {"rotary_dim": 4, "resid_pdrop": 0.1}, r"resid_pdrop=0.1: a dropout of the layer's output"),
+    ],
+)
+def test_a_rotary_dim_or_output_dropout_from_hf_does_not_compute_is_refused_by_its_field(
+    model_type: str, kwargs: dict[str, Any], match: str
+) -> None:
+    config_cls, attention_cls, _ = _classes(model_type)
+    config = config_cls(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, **kwargs)
+    with pytest.raises(ssm.ConfigError, match=match):
+        ssm.MultiHeadAttention.from_hf(attention_cls(config, layer_idx=0))
+
+
+@pytest.mark.parametrize("case", ["gptj-rotary-dim", "codegen-rotary-dim-blocks"])
+def test_gptj_and_codegen_decoding_through_their_dynamic_cache_equals_ours_through_our_cache(case: str) -> None:
+    """float64, sdpa: the HF layer fed a prefill then one token at a time through transformers' DynamicCache (its
+    tables at each step's positions) equals our module decoding through its KVCache, step for step."""
+    layer, rotary = _layer(case, "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    theirs_cache, cache = transformers.DynamicCache(config=layer.config), ours.new_cache(batch=2, capacity=SEQ)
+    with torch.no_grad():
+        for start, stop in [(0, 3), *((i, i + 1) for i in range(3, SEQ))]:
+            chunk, positions = x[:, start:stop], torch.arange(start, stop)[None]
+            mask = create_causal_mask(config=layer.config, inputs_embeds=chunk, attention_mask=None,
+                                      cache=theirs_cache, position_ids=positions)  # fmt: skip
+            theirs = layer(chunk, position_embeddings=rotary(chunk, positions), attention_mask=mask,
+                           cache=theirs_cache)[0]  # fmt: skip
+            mine = ours(chunk, is_causal=True, kv_cache=cache)
+            torch.testing.assert_close(mine, theirs, atol=1e-10, rtol=1e-8)
+    assert theirs_cache.get_seq_length() == SEQ == cache.kept

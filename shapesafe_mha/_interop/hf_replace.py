@@ -25,7 +25,7 @@ from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
 from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
-from .hf import per_head_fused, projection_names, qk_norm_names
+from .hf import block_fused, per_head_fused, projection_names, qk_norm_names
 from .hf_backend import layer_name, refuse_unknown
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
@@ -64,9 +64,9 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
 
     A module is left as it was, and named with why, where `from_hf` refuses it (a variant it does not
     compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), where its
-    projections are fused per head (GPT-NeoX: the replacement would hold copies, not the model's), where
-    its forward takes an argument the replacement would not pass on, or where the model's `DynamicCache`
-    keeps it as a kind of layer the replacement does not read (linear attention).
+    projections are fused per head or in blocks (GPT-NeoX, CodeGen: the replacement would hold copies, not the
+    model's), where its forward takes an argument the replacement would not pass on, or where the model's
+    `DynamicCache` keeps it as a kind of layer the replacement does not read (linear attention).
 
     Example:
         >>> import torch, shapesafe_mha.hf
@@ -136,6 +136,11 @@ def _why_left(module: nn.Module) -> str | None:
     if per_head_fused(module) is not None:
         return (
             "its query_key_value fuses each head's query, key and value rows, which from_hf loads as copies: the "
+            "replacement would not hold the model's own parameters"
+        )
+    if block_fused(module) is not None:
+        return (
+            "its qkv_proj fuses blocks of query, value and key rows (CodeGen's), which from_hf loads as copies: the "
             "replacement would not hold the model's own parameters"
         )
     try:
