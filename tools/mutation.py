@@ -299,6 +299,9 @@ MUTANTS: list[Mutant] = [
     M("_modules/multihead.py", "        if self.qk_norm and not every and not self.qk_norm_after_rope:", "        if self.qk_norm and not every:",
       "a QK-norm after RoPE applied before it too",
       "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[hunyuan-qk-norm-after-rope-sdpa]"),
+    M("_compute/stages.py", "    return both[..., 0, :].transpose(1, 2), both[..., 1, :]", "    return both[..., 1, :].transpose(1, 2), both[..., 0, :]",
+      "the output gate's rows read as the queries and the queries' as the gate",
+      "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[qwen3_next-output-gate-sdpa]"),
     # --- head-parallel ---
     M("_modules/parallel.py", "        parallel._sync_shared_norm_gradients()\n", "",
       "head-parallel QK-norm weights step on each rank's share of their gradient",
