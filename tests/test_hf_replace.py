@@ -258,3 +258,20 @@ def test_gptj_is_replaced_and_codegens_blocks_are_left_both_generating_their_own
             expected = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
             got = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
             assert torch.equal(got, expected), options
+
+
+@pytest.mark.parametrize(("config_name", "options"), [("GPTBigCodeConfig", {"multi_query": True, "resid_pdrop": 0.0}),
+                                                       ("FalconConfig", {"new_decoder_architecture": True,
+                                                                         "num_kv_heads": 2})])  # fmt: skip
+def test_a_multi_query_or_grouped_fused_layer_is_left_named_with_why(config_name: str, options: dict[str, Any]) -> None:
+    """GPTBigCode's multi-query c_attn and Falcon-40B's grouped query_key_value convert with from_hf, as copies of
+    the fused weight: a replacement would not train the model's own parameters, so the layers are left, named."""
+    sizes = {k: SIZES[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")}
+    config = getattr(transformers, config_name)(**sizes, **options)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64)
+    done = shapesafe_mha.hf.replace_attention(model)
+    assert not done.replaced and len(done.left) == 2
+    assert all("the query rows beside one key's and value's" in why for why in done.left.values())
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    assert ssm.MultiHeadAttention.from_hf(layer).num_kv_heads == (1 if "multi_query" in options else 2)

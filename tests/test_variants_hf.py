@@ -90,6 +90,15 @@ CASES = {
     "qwen3_next-output-gate": ("qwen3_next", 1, {"num_key_value_heads": 2, "head_dim": 8,
                                                  "layer_types": ["linear_attention", "full_attention"]},
                                {"output_gate": True, "qk_norm_offset": 1.0, "rope_dim": 2}),
+    # fused [q; k; v] layouts: multi-query (every query head's rows, then one key's and one value's), per head,
+    # Falcon-40B's groups (each KV head's query rows, then its key's and value's); GPTBigCode unscaled too
+    "gpt_bigcode-multi-query": ("gpt_bigcode", 0, {"multi_query": True, "resid_pdrop": 0.0}, {"num_kv_heads": 1}),
+    "gpt_bigcode-per-head": ("gpt_bigcode", 0, {"multi_query": False, "resid_pdrop": 0.0}, {"num_kv_heads": 4}),
+    "gpt_bigcode-unscaled": ("gpt_bigcode", 0, {"multi_query": True, "resid_pdrop": 0.0, "scale_attn_weights": False},
+                             {"query_pre_attn_scalar": 1.0}),
+    "falcon-multi-query": ("falcon", 0, {"multi_query": True}, {"num_kv_heads": 1}),
+    "falcon-per-head": ("falcon", 0, {"multi_query": False}, {"num_kv_heads": 4}),
+    "falcon-grouped": ("falcon", 0, {"new_decoder_architecture": True, "num_kv_heads": 2}, {"num_kv_heads": 2}),
     # rope_parameters kept per layer type, and a sliding layer
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
@@ -107,9 +116,10 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
               "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
               "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
               "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1", "gptj": "GPTJ",
-              "codegen": "CodeGen", "qwen3_next": "Qwen3Next"}[model_type]  # fmt: skip
+              "codegen": "CodeGen", "qwen3_next": "Qwen3Next", "gpt_bigcode": "GPTBigCode",
+              "falcon": "Falcon"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
-    return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
+    return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding", None)
 
 
 def _layer(case: str, implementation: str) -> tuple[Any, Any]:
@@ -126,21 +136,23 @@ def _layer(case: str, implementation: str) -> tuple[Any, Any]:
         for norm in (getattr(layer, name, None) for name in ("q_norm", "k_norm", "query_layernorm", "key_layernorm")):
             if norm is not None:
                 norm.weight.uniform_(0.5, 1.5)
-    return layer, rotary_cls(config)
+    return layer, None if rotary_cls is None else rotary_cls(config)
 
 
 def _hf_forward(layer: Any, rotary: Any, x: torch.Tensor) -> torch.Tensor:
     """Called as the HF model calls it: its rotary tables, and transformers' own (sliding-window) causal mask."""
     positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
     types = getattr(layer.config, "layer_types", None)
-    by_type = "layer_type" in inspect.signature(rotary.forward).parameters  # RoPE kept per layer type (OLMo 3)
-    cos, sin = rotary(x, positions, *([types[layer.layer_idx]] if by_type and types else []))
+    kwargs: dict[str, Any] = {"alibi": None} if "alibi" in inspect.signature(layer.forward).parameters else {}
+    if rotary is not None:  # GPTBigCode: no RoPE (its model adds learned positions)
+        by_type = "layer_type" in inspect.signature(rotary.forward).parameters  # RoPE kept per layer type (OLMo 3)
+        kwargs["position_embeddings"] = rotary(x, positions, *([types[layer.layer_idx]] if by_type and types else []))
     sliding = getattr(layer, "sliding_window", None) or (
         layer.config.model_type == "mistral" and layer.config.sliding_window is not None
     )
     make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
     mask = make_mask(config=layer.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
-    return layer(x, position_embeddings=(cos, sin), attention_mask=mask)[0]
+    return layer(x, attention_mask=mask, **kwargs)[0]
 
 
 # transformers' sdpa path refuses a softcap (Gemma 2 runs eager); gpt-oss's model has no sdpa (its sdpa drops sinks).
@@ -537,3 +549,42 @@ def test_to_hf_round_trips_an_output_gate_and_refuses_a_module_without_one() -> 
                                    qk_norm_offset=1.0, norm_eps=ours.q_norm.eps)  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"output_gate=True \(module: None\)"):
         plain.to_hf(layer.config)
+
+
+def _keys_and_values_swapped(split: Any) -> Any:
+    def wrong(*args: Any) -> dict[str, Any]:
+        rows = split(*args)
+        return {**rows, "k_proj": rows["v_proj"], "v_proj": rows["k_proj"]}
+
+    return wrong
+
+
+@pytest.mark.parametrize(("case", "split"), [("gpt_bigcode-multi-query", "_split_stacked"),
+                                             ("falcon-multi-query", "_split_stacked"),
+                                             ("falcon-grouped", "_split_grouped")])  # fmt: skip
+def test_a_fused_layout_read_with_keys_and_values_swapped_is_refused_by_the_probe(
+    case: str, split: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """from_hf reading a multi-query or grouped [q; k; v] with the key's and the value's rows swapped: the probe
+    refuses the conversion (the swap is invisible to every shape)."""
+    from shapesafe_mha._interop import hf
+
+    layer, _ = _layer(case, "sdpa")
+    monkeypatch.setattr(hf, split, _keys_and_values_swapped(getattr(hf, split)))
+    with pytest.raises(ssm.ConfigError, match=r"differs from (GPTBigCode|Falcon)Attention by"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+@pytest.mark.parametrize("case", ["gpt_bigcode-multi-query", "gpt_bigcode-per-head", "falcon-multi-query",
+                                  "falcon-grouped"])  # fmt: skip
+def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
+    """from_hf then to_hf writes the fused projection back exactly as it was (multi-query, per head, grouped)."""
+    layer, rotary = _layer(case, "sdpa")
+    back = ssm.MultiHeadAttention.from_hf(layer).to_hf(layer.config).to(torch.float64).eval()
+    name = "c_attn" if hasattr(layer, "c_attn") else "query_key_value"
+    assert torch.equal(getattr(back, name).weight, getattr(layer, name).weight)
+    theirs_bias, back_bias = getattr(layer, name).bias, getattr(back, name).bias  # Falcon's: None
+    assert (back_bias is None and theirs_bias is None) or torch.equal(back_bias, theirs_bias)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)

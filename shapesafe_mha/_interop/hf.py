@@ -246,6 +246,9 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     if scalar is not None:
         options["query_pre_attn_scalar"] = float(scalar)
         expected = float(scalar) ** -0.5
+    if getattr(config, "scale_attn_weights", True) is False and scalar is None:  # GPTBigCode: unscaled scores
+        options["query_pre_attn_scalar"] = 1.0
+        expected = 1.0
     multiplier = getattr(config, "attention_multiplier", None)
     if multiplier is not None:  # Granite: the scores scaled by the multiplier itself, 1/sqrt(multiplier**-2)
         if scalar is not None or isinstance(multiplier, bool) or not multiplier > 0:
@@ -337,10 +340,12 @@ def _attention_dropout(config: Any) -> float:
     return float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", 0.0) or 0.0)
 
 
-# The output projection's names: Llama's o_proj, Phi's dense, GPT-J's and CodeGen's out_proj.
-_OUTPUT_NAMES = ("o_proj", "dense", "out_proj")
+# The output projection's names: Llama's o_proj, Phi's dense, GPT-J's and CodeGen's out_proj, GPTBigCode's c_proj.
+_OUTPUT_NAMES = ("o_proj", "dense", "out_proj", "c_proj")
+# A fused [q; k; v] projection's names: GPT-NeoX's, Persimmon's and Falcon's query_key_value, GPTBigCode's c_attn.
+_FUSED_NAMES = ("query_key_value", "c_attn")
 _QK_NORMS_LOADED = tuple(n for p in _QK_NORM_NAMES for n in p)
-_LOADED = ("q_proj", "k_proj", "v_proj", "query_key_value", "qkv_proj", *_OUTPUT_NAMES, *_QK_NORMS_LOADED)
+_LOADED = ("q_proj", "k_proj", "v_proj", *_FUSED_NAMES, "qkv_proj", *_OUTPUT_NAMES, *_QK_NORMS_LOADED)
 # CodeGen's qkv_proj: its rows in blocks (one for each model-parallel shard it was trained on), each block's rows
 # its share of the queries, then of the values, then of the keys, as its forward splits them.
 BLOCK_ORDER = ("q_proj", "v_proj", "k_proj")
@@ -348,15 +353,90 @@ BLOCK_ORDER = ("q_proj", "v_proj", "k_proj")
 _UNSUPPORTED_FIELDS = {
     "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
     "use_qk_norm": "QK-norm over every head (Cohere)",
+    "alibi": "ALiBi position biases (Falcon's alibi, Bloom)",
 }
 
 
-def per_head_fused(layer: nn.Module) -> nn.Linear | None:
-    """GPT-NeoX's and Persimmon's `query_key_value`, each head's rows `[q_h; k_h; v_h]` together, or None."""
-    fused = getattr(layer, "query_key_value", None)
-    if not isinstance(fused, nn.Linear) or isinstance(getattr(layer, "q_proj", None), nn.Module):
+def _fused(layer: nn.Module) -> nn.Linear | None:
+    """The layer's fused `[q; k; v]` projection (`query_key_value`, `c_attn`) where it has no `q_proj`, or None."""
+    if isinstance(getattr(layer, "q_proj", None), nn.Module):
         return None
-    return fused
+    return next((f for n in _FUSED_NAMES if isinstance(f := getattr(layer, n, None), nn.Linear)), None)
+
+
+def _multi_query(layer: nn.Module) -> bool:
+    """Falcon-7B's and GPTBigCode's `multi_query` (one key and value head); Falcon-40B's grouped layout apart."""
+    config = getattr(layer, "config", None)
+    return bool(getattr(config, "multi_query", False)) and not getattr(config, "new_decoder_architecture", False)
+
+
+def per_head_fused(layer: nn.Module) -> nn.Linear | None:
+    """GPT-NeoX's, Persimmon's, Falcon's and GPTBigCode's (without multi_query) fused projection, each head's rows
+    `[q_h; k_h; v_h]` together, or None."""
+    fused = _fused(layer)
+    grouped = getattr(getattr(layer, "config", None), "new_decoder_architecture", False)
+    return None if fused is None or _multi_query(layer) or grouped else fused
+
+
+def grouped_fused(layer: nn.Module) -> nn.Linear | None:
+    """Falcon-40B's `query_key_value` (`new_decoder_architecture`): for each KV head, its group's query heads' rows,
+    then its key's, then its value's; or None."""
+    fused = _fused(layer)
+    config = getattr(layer, "config", None)
+    return fused if fused is not None and getattr(config, "new_decoder_architecture", False) else None
+
+
+def _split_grouped(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
+    """The q/k/v projections Falcon-40B's grouped `query_key_value` holds, as `(weight, bias)` pairs (copies)."""
+    heads, kv_heads = config.num_attention_heads, config.num_kv_heads
+    shape = ((heads + 2 * kv_heads) * head_dim, config.hidden_size)
+    if heads % kv_heads or tuple(fused.weight.shape) != shape:
+        why = f"the config's sizes make a grouped [q; k; v] of {shape}"
+        raise _refuse("query_key_value.weight", tuple(fused.weight.shape), why)
+    group = heads // kv_heads
+
+    def parts(t: Tensor) -> list[Tensor]:
+        rows = t.detach().unflatten(0, (kv_heads, group + 2, head_dim))
+        return [rows[:, :group].flatten(0, 2), rows[:, group].flatten(0, 1), rows[:, group + 1].flatten(0, 1)]
+
+    weights = parts(fused.weight)
+    biases = (None,) * 3 if fused.bias is None else parts(fused.bias)
+    names = ("q_proj", "k_proj", "v_proj")
+    return {n: SimpleNamespace(weight=w, bias=b) for n, w, b in zip(names, weights, biases, strict=True)}
+
+
+def stacked_fused(layer: nn.Module) -> nn.Linear | None:
+    """Falcon-7B's `query_key_value` and GPTBigCode's `c_attn` under `multi_query`: every head's query rows, then
+    the one key head's, then the one value head's; or None."""
+    fused = _fused(layer)
+    return fused if fused is not None and _multi_query(layer) else None
+
+
+def _split_stacked(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
+    """The q/k/v projections a multi-query fused projection holds, `[q (num_heads * d_head); k (d_head); v (d_head)]`
+    rows, as `(weight, bias)` pairs (views of it)."""
+    widths = [config.num_attention_heads * head_dim, head_dim, head_dim]
+    if tuple(fused.weight.shape) != (sum(widths), config.hidden_size):
+        why = f"the config's sizes make a multi-query [q; k; v] of {(sum(widths), config.hidden_size)}"
+        raise _refuse(f"{_fused_name(layer)}.weight", tuple(fused.weight.shape), why)
+    rows = fused.weight.detach().split(widths)
+    biases = (None,) * 3 if fused.bias is None else fused.bias.detach().split(widths)
+    names = ("q_proj", "k_proj", "v_proj")
+    return {n: SimpleNamespace(weight=w, bias=b) for n, w, b in zip(names, rows, biases, strict=True)}
+
+
+def _kv_heads(config: Any) -> int:
+    """The KV heads a config makes: Falcon's and GPTBigCode's multi_query 1 (else every head), Falcon-40B's
+    num_kv_heads (its new_decoder_architecture), else num_key_value_heads (all heads where it is unset)."""
+    if getattr(config, "new_decoder_architecture", False):
+        return config.num_kv_heads
+    if hasattr(config, "multi_query"):  # its field says it (GPTBigCode's num_key_value_heads is not one of its own)
+        return 1 if config.multi_query else config.num_attention_heads
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _fused_name(layer: nn.Module) -> str:
+    return next(n for n in _FUSED_NAMES if isinstance(getattr(layer, n, None), nn.Linear))
 
 
 def block_fused(layer: nn.Module) -> tuple[nn.Linear, int] | None:
@@ -385,13 +465,10 @@ def _split_blocks(layer: nn.Module, fused: nn.Linear, blocks: int, config: Any) 
 
 def _split_per_head(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
     """The q/k/v projections a per-head fused `query_key_value` holds, as `(weight, bias)` pairs (views of it)."""
-    if getattr(config, "multi_query", False) or getattr(config, "new_decoder_architecture", False):
-        why = "a query_key_value fused for multi-query or grouped heads (Falcon) is not loaded"
-        raise _refuse("query_key_value", type(layer).__name__, why)
     heads = config.num_attention_heads
     if tuple(fused.weight.shape) != (3 * heads * head_dim, config.hidden_size):
         why = f"the config's sizes make a per-head fused [q; k; v] of {(3 * heads * head_dim, config.hidden_size)}"
-        raise _refuse("query_key_value.weight", tuple(fused.weight.shape), why)
+        raise _refuse(f"{_fused_name(layer)}.weight", tuple(fused.weight.shape), why)
     weight = fused.weight.detach().unflatten(0, (heads, 3, head_dim))
     bias = None if fused.bias is None else fused.bias.detach().unflatten(0, (heads, 3, head_dim))
     rows = {name: weight[:, i].flatten(0, 1) for i, name in enumerate(("q_proj", "k_proj", "v_proj"))}
@@ -463,6 +540,12 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     blocks = block_fused(attention)
     if blocks is not None:  # CodeGen: blocks of [q; v; k] rows
         projections.update(_split_blocks(attention, *blocks, config))
+    stacked = stacked_fused(attention)
+    if stacked is not None:  # Falcon-7B, GPTBigCode: multi-query, every query head's rows and then one key, one value
+        projections.update(_split_stacked(attention, stacked, config, head_dim))
+    grouped = grouped_fused(attention)
+    if grouped is not None:  # Falcon-40B: for each KV head, its group's query rows, then its key's and value's
+        projections.update(_split_grouped(attention, grouped, config, head_dim))
     missing = [names[name] for name, proj in projections.items() if not isinstance(proj, nn.Linear | SimpleNamespace)]
     if missing:
         raise ConfigError(
@@ -479,7 +562,7 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
         theta, options["rope_dim"], options["rope_interleaved"] = in_layer_rope(attention, config, head_dim)
     num_heads = config.num_attention_heads
     multi_head = fused is None and blocks is None
-    num_kv_heads = (getattr(config, "num_key_value_heads", None) or num_heads) if multi_head else num_heads
+    num_kv_heads = _kv_heads(config) if multi_head or stacked is not None or grouped is not None else num_heads
     q_proj = projections["q_proj"]
     module = cls(
         config.hidden_size,
@@ -598,6 +681,8 @@ def _hf_outputs(
             kwargs["position_ids"] = positions
         if "cache_position" in parameters:
             kwargs["cache_position"] = positions[0]
+        if "alibi" in parameters:  # Falcon: None where its config has no ALiBi (refused where it has)
+            kwargs["alibi"] = None
         out = layer(chunk, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -700,7 +785,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     }
     found = {k: getattr(config, k, None) for k in wanted}
     found.update(
-        num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        num_key_value_heads=_kv_heads(config),
         head_dim=_head_dim(config),
         rope_theta=theta,
         attention_dropout=_attention_dropout(config),
@@ -742,12 +827,18 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         if module.sinks is not None:
             theirs.sinks.copy_(module.sinks)
         fused, blocks = per_head_fused(theirs), block_fused(theirs)
+        stacked, grouped = stacked_fused(theirs), grouped_fused(theirs)
         if fused is not None:
             _write_per_head(module, fused, layer_cls.__name__)
         if blocks is not None:
             _write_blocks(module, *blocks, layer_cls.__name__)
+        if stacked is not None:
+            _write_stacked(module, stacked, layer_cls.__name__)
+        if grouped is not None:
+            _write_grouped(module, grouped, layer_cls.__name__)
+        held = (fused, blocks, stacked, grouped)
         for name, their_name in projection_names(theirs).items():
-            if (fused is not None or blocks is not None) and name != "o_proj":
+            if any(f is not None for f in held) and name != "o_proj":
                 continue
             mine: Any = module._modules[name]
             other = getattr(theirs, their_name)
@@ -780,6 +871,31 @@ def _write_blocks(module: Any, fused: nn.Linear, blocks: int, layer_name: str) -
     fused.weight.copy_(torch.stack([p.weight.unflatten(0, (blocks, -1)) for p in projections], 1).flatten(0, 2))
     if fused.bias is not None:
         fused.bias.copy_(torch.stack([p.bias.unflatten(0, (blocks, -1)) for p in projections], 1).flatten(0, 2))
+
+
+def _write_stacked(module: Any, fused: nn.Linear, layer_name: str) -> None:
+    """Our q/k/v projections into a multi-query fused projection: the query rows, then the key's, then the value's."""
+    projections = [module._modules[name] for name in ("q_proj", "k_proj", "v_proj")]
+    _same_biases(projections, fused, layer_name, "the fused projection")
+    fused.weight.copy_(torch.cat([p.weight for p in projections]))
+    if fused.bias is not None:
+        fused.bias.copy_(torch.cat([p.bias for p in projections]))
+
+
+def _write_grouped(module: Any, fused: nn.Linear, layer_name: str) -> None:
+    """Our q/k/v projections into Falcon-40B's grouped `query_key_value`: for each KV head, its group's query
+    rows, then its key's and its value's."""
+    projections = [module._modules[name] for name in ("q_proj", "k_proj", "v_proj")]
+    _same_biases(projections, fused, layer_name, "query_key_value")
+    kv, group, d = module.num_kv_heads, module.group, module.d_head
+
+    def rows(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        parts = [q.unflatten(0, (kv, group, d)), k.unflatten(0, (kv, 1, d)), v.unflatten(0, (kv, 1, d))]
+        return torch.cat(parts, dim=1).flatten(0, 2)
+
+    fused.weight.copy_(rows(*(p.weight for p in projections)))
+    if fused.bias is not None:
+        fused.bias.copy_(rows(*(p.bias for p in projections)))
 
 
 def _write_per_head(module: Any, fused: nn.Linear, layer_name: str) -> None:

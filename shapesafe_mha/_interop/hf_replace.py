@@ -25,7 +25,7 @@ from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
 from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
-from .hf import block_fused, per_head_fused, projection_names, qk_norm_names
+from .hf import block_fused, grouped_fused, per_head_fused, projection_names, qk_norm_names, stacked_fused
 from .hf_backend import layer_name, refuse_unknown
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
@@ -137,6 +137,12 @@ def _why_left(module: nn.Module) -> str | None:
         return (
             "its query_key_value fuses each head's query, key and value rows, which from_hf loads as copies: the "
             "replacement would not hold the model's own parameters"
+        )
+    if stacked_fused(module) is not None or grouped_fused(module) is not None:
+        return (
+            "its fused projection holds the query rows beside one key's and value's (multi-query) or each KV head's "
+            "group (Falcon-40B), which from_hf loads as copies: the replacement would not hold the model's own "
+            "parameters"
         )
     if block_fused(module) is not None:
         return (
