@@ -194,6 +194,22 @@ def test_the_public_stage_on_torchs_kernel_equals_a_per_head_loop(data: st.DataO
     torch.testing.assert_close(ours, _per_head(q, k, v, mask, is_causal), atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_decoding_query_against_many_keys_folds_and_equals_a_per_head_loop(masked: bool) -> None:
+    """GQA, one query against LONG keys (over NATIVE_DECODE_MAX: folded), unmasked or with a mask that leaves the
+    first sequence no key: attention computed head by head, zeros where no key is allowed."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 1, D, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(B, HKV, LONG, D, generator=generator, dtype=torch.float64) for _ in range(2))
+    assert not _kernels.native_decodes(B, H, LONG, D)
+    mask = None
+    if masked:
+        mask = torch.rand(B, 1, 1, LONG, generator=generator) > 0.5
+        mask[0] = False
+    ours = ssm.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    torch.testing.assert_close(ours, _per_head(q, k, v, mask, True), atol=1e-10, rtol=1e-8)
+
+
 @pytest.mark.skipif(_kernels.TORCH_RELEASE < MEASURED, reason="measured from torch 2.13")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_torchs_cpu_kernel_zeroes_rows_with_no_key_itself(dtype: torch.dtype) -> None:
