@@ -34,6 +34,7 @@ _M = "shapesafe_mha._core.messages."
 _C = "shapesafe_mha._compute.cache."
 _F = "shapesafe_mha._compute.fastpath."
 _R = "shapesafe_mha._compute.rotary."
+_K = "shapesafe_mha._compute.kernels."
 _STRICT = "zip's strictness: the lengths are equal already (the rank was compared, or the value fits that alternative)"
 _UNREAD_SOURCE = "the source returned beside None is never read: callers look at the size first, and None means free"
 _EVAL_GLOBALS = (
@@ -52,6 +53,10 @@ _WRONG_KIND_ARG = (
 _OWN_SESSION = (
     "drops `arg` from KVCache.append's dtype/device refusal: append is always checked in a session of its own (top "
     "level: never prefixed) and its stage has no explain hook, the only readers of `arg`"
+)
+_OPENED_ANYWAY = (
+    "rows opened and zeroed here where torch's CPU kernel zeroes them itself (no dropout), or where no row is empty "
+    "(may_empty is False): the same zeros, in values and gradients, for one mask pass more"
 )
 _NO_NONE_SUBMODULE = (
     "continue -> break at a None submodule: module_state is given MultiHeadAttention's and LatentAttention's "
@@ -174,6 +179,21 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (11, 12, 14, 15, 16, 17, 18, 19)
     },
+    # --- kernels ---
+    f"{_K}x_rotate_part__mutmut_1": (
+        "interleaved's default made True: its one caller, apply_partial_rotary, always passes it"
+    ),
+    f"{_K}x_open_empty_rows__mutmut_11": (
+        "a float row with no key opened with 1.0 instead of 0.0: any constant row gives the same finite softmax "
+        "(shift-invariant), and the row is zeroed after, its gradient with it"
+    ),
+    f"{_K}x_probabilities__mutmut_22": (
+        "k.transpose(-1, 2) for (-1, -2): k is always (batch, heads, kv_seq, d_head), where axis 2 is axis -2"
+    ),
+    **{f"{_K}x_attend__mutmut_{n}": _OPENED_ANYWAY for n in (23, 28)},
+    f"{_K}x_weighted_values__mutmut_1": (
+        "dropout_p >= 0 for > 0: F.dropout with p = 0 keeps every value (x * 1 / (1 - 0)), and its gradient"
+    ),
     f"{_R}x_check_rotary_width__mutmut_11": (
         "d_head > 2 for d_head > 1: they differ only at d_head == 2, which is even and never reaches the message"
     ),
