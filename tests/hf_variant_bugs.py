@@ -6,6 +6,7 @@ caught with the property named.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +15,10 @@ import torch
 from torch import nn
 from transformers import (
     BitNetConfig,
+    CodeGenConfig,
     CohereConfig,
     Gemma2Config,
+    GPTJConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -29,6 +32,8 @@ from transformers import (
 )
 from transformers.models.bitnet import modeling_bitnet
 from transformers.models.bitnet.modeling_bitnet import BitNetAttention
+from transformers.models.codegen import modeling_codegen
+from transformers.models.codegen.modeling_codegen import CodeGenAttention
 from transformers.models.cohere import modeling_cohere
 from transformers.models.cohere.modeling_cohere import CohereAttention
 from transformers.models.gemma2 import modeling_gemma2
@@ -37,6 +42,8 @@ from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+from transformers.models.gptj import modeling_gptj
+from transformers.models.gptj.modeling_gptj import GPTJAttention
 from transformers.models.granite.modeling_granite import GraniteAttention
 from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as modeling_hunyuan
 from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1Attention
@@ -167,6 +174,38 @@ class GPTNeoXBlocksNotHeads(GPTNeoXAttention):
         return self.dense(_attend(self, modeling_gpt_neox, q, k, v, attention_mask)), None
 
 
+def _gptj_last_features_rotated(self: Any, hidden_states: torch.Tensor, position_embeddings: Any,
+                                attention_mask: Any = None, cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+    """GPT-J's forward rotating the last rotary_dim features of each head, where the first are meant."""
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    q, k = self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape)
+    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    sin, cos = position_embeddings
+    r = q.shape[-1] - self.rotary_dim  # the bug: the rotated part taken from the end
+    q = torch.cat((q[..., :r], modeling_gptj.apply_rotary_pos_emb(q[..., r:], sin, cos)), dim=-1).transpose(1, 2)
+    k = torch.cat((k[..., :r], modeling_gptj.apply_rotary_pos_emb(k[..., r:], sin, cos)), dim=-1).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
+    return self.out_proj(_attend(self, modeling_gptj, q, k, v, attention_mask)), None
+
+
+def _codegen_blocks_read_as_qkv(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """CodeGen's forward reading each block of qkv_proj as [q; k; v], where its rows are [q; v; k]."""
+
+    @functools.wraps(forward)  # its signature too, which the check reads
+    def wrong(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = self.qkv_proj.weight.detach().clone()
+        with torch.no_grad():  # the bug: the value rows read as keys and the key rows as values
+            self.qkv_proj.weight.copy_(saved.unflatten(0, (self.mp_num, 3, -1))[:, [0, 2, 1]].flatten(0, 2))
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                self.qkv_proj.weight.copy_(saved)
+
+    return wrong
+
+
 def _softcap_dropped(original: Callable[..., Any]) -> Callable[..., Any]:
     def attention(*a: Any, **kw: Any) -> Any:
         return original(*a, **{**kw, "softcap": None})  # the bug: attn_logit_softcapping not applied
@@ -245,4 +284,13 @@ VARIANT_BUGS = [
                CohereConfig, lambda: _patched(modeling_cohere, "rotate_half", llama_rotate_half), "RoPE/positions"),
     VariantBug("per-head fused QKV", "GPT-NeoX: query_key_value read as [q; k; v] blocks", GPTNeoXBlocksNotHeads,
                GPTNeoXConfig, _none, "heads"),
+    VariantBug("RoPE of rotary_dim features", "GPT-J: the last rotary_dim features rotated, not the first",
+               GPTJAttention, GPTJConfig, lambda: _patched(GPTJAttention, "forward", _gptj_last_features_rotated),
+               "RoPE/positions"),
+    VariantBug("adjacent pairs of rotary_dim features", "CodeGen: rotate_half of halves where pairs were meant",
+               CodeGenAttention, CodeGenConfig,
+               lambda: _patched(modeling_codegen, "rotate_every_two", llama_rotate_half), "RoPE/positions"),
+    VariantBug("CodeGen's blocks of [q; v; k]", "CodeGen: each block of qkv_proj read as [q; k; v]", CodeGenAttention,
+               CodeGenConfig, lambda: _patched(CodeGenAttention, "forward",
+                                               _codegen_blocks_read_as_qkv(CodeGenAttention.forward)), "heads"),
 ]  # fmt: skip

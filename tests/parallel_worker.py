@@ -28,6 +28,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "softcap": {"logit_softcap": 0.7},
     "qk_norm": {"qk_norm": True},
     "scalar": {"query_pre_attn_scalar": 3.0},
+    "sinks": {"attention_sinks": True},
+    "clip_qkv": {"clip_qkv": 0.3},
+    "output_gate": {"output_gate": True},
 }
 
 
@@ -79,6 +82,9 @@ def _check_case(case: dict[str, Any]) -> dict[str, Any]:
         with torch.no_grad():
             full.q_norm.weight.uniform_(0.5, 1.5)
             full.k_norm.weight.uniform_(0.5, 1.5)
+    if full.sinks is not None:  # logits that take a share of each row, one per head, so the heads' order matters
+        with torch.no_grad():
+            full.sinks.copy_(torch.linspace(-2.0, 2.0, case["num_heads"], dtype=torch.float64))
     try:
         sharded = HeadParallelAttention.from_module(full)
     except ssm.ConfigError as error:
@@ -116,7 +122,7 @@ def _check_case(case: dict[str, Any]) -> dict[str, Any]:
     # Prefill then token-by-token decoding with per-rank caches == the unsharded causal forward.
     with torch.no_grad():
         whole = full(t["x"], is_causal=True)
-        cache = sharded.new_cache(case["batch"], case["seq"])
+        cache = sharded.new_cache(case["batch"], max(case["seq"], full.window or 1))  # a window cache holds a window
         prefill = case["prefill"]
         pieces = [sharded(t["x"][:, :prefill], is_causal=True, kv_cache=cache)] if prefill else []
         pieces += [sharded(t["x"][:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(prefill, case["seq"])]

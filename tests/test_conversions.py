@@ -52,12 +52,12 @@ def _ours_equal_theirs(ours: nn.Module, layer: nn.Module) -> float:
 # model type, config keywords, what the ConfigError's first line must say
 REFUSED = {
     "persimmon qk_layernorm": ("persimmon", {}, r"q_layernorm='LayerNorm': the layer holds a submodule"),
-    "gptj (q/k/v/out_proj, RoPE inside)": ("gptj", {}, r"GPTJAttention has no nn.Linear o_proj"),
-    "olmo clip_qkv": ("olmo", {"clip_qkv": 0.05}, r"config.clip_qkv=0.05: queries, keys and values clipped"),
+    "gptj rotary_dim wider than a head": (
+        "gptj", {}, r"rotary_dim=64: the rotated part must be an even number of features in \[2, head_dim=8\]"),
+    "olmo clip_qkv of 0": ("olmo", {"clip_qkv": 0.0}, r"config.clip_qkv=0.0: a clip bound must be a positive number"),
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
     "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),
     "cohere use_qk_norm": ("cohere", {"use_qk_norm": True}, r"q_norm='CohereLayerNorm'"),
-    "gpt_oss sinks": ("gpt_oss", {}, r"parameters=\['sinks'\]: the layer holds parameters of its own"),
 }
 
 
@@ -78,6 +78,7 @@ def test_from_hf_refuses_what_it_would_compute_differently_naming_why(case: str)
         ("mistral", {"sliding_window": 3}),
         ("gemma2", {}),
         ("granite", {"attention_multiplier": 0.5}),
+        ("gpt_oss", {"sliding_window": 3}),  # attention sinks (its own parameter), YaRN, a sliding layer 0
     ],
 )
 def test_from_hf_verified_layers_equal_their_source_full_and_decoding(model_type: str, config: Any) -> None:
@@ -198,6 +199,8 @@ def test_to_hf_compares_rope_scaling_and_dropout_and_verifies_the_layer() -> Non
         {"logit_softcap": 5.0},
         {"qk_norm": True},
         {"query_pre_attn_scalar": 4.0},
+        {"attention_sinks": True},
+        {"clip_qkv": 1.0},
     ],
 )
 def test_to_torch_refuses_each_variant_by_name(options: dict[str, Any]) -> None:

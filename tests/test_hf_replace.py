@@ -39,20 +39,36 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = 
     # QK-norm over every head (OLMo-2), of 1 + weight with sliding layers (Gemma 3): RMSNorms in float32 inside
     "olmo2 (QK-norm over every head)": ("Olmo2Config", {}, "sdpa", torch.float64, 1e-6),
     "gemma3 (1 + weight QK-norm, window 3)": ("Gemma3TextConfig", {"sliding_window": 3}, "sdpa", torch.float64, 1e-6),
+    # the QK-norm after RoPE (HunYuan's query_layernorm, adopted): its RMSNorm in float32 inside
+    "hunyuan (QK-norm after RoPE)": ("HunYuanDenseV1Config", {}, "sdpa", torch.float64, 1e-6),
     # eager's additive masks: its float64 padding rows are NaN in transformers itself, so float32
     "gemma2 (eager: softcap, window 3)": (
         "Gemma2Config", {"sliding_window": 3, "attn_logit_softcapping": 5.0}, "eager", torch.float32, 1e-5,
     ),
+    # attention sinks (the model's own parameter, adopted), YaRN, a sliding layer 0; gpt-oss has no sdpa
+    "gpt_oss (eager: sinks, window 3)": (
+        "GptOssConfig", {"sliding_window": 3, "num_local_experts": 4, "num_experts_per_tok": 2}, "eager",
+        torch.float32, 1e-5,
+    ),
 }  # fmt: skip
 
 
-def _pair(architecture: str) -> tuple[Any, Any, shapesafe_mha.hf.Replacements]:
-    """The model as built, and a copy of it with its attention replaced."""
+def _built(architecture: str) -> tuple[Any, Any]:
+    """The model as built, and a copy of it (attention not replaced yet)."""
     config_name, options, implementation, dtype, _ = ARCHITECTURES[architecture]
     config = getattr(transformers, config_name)(**SIZES, **options)
     torch.manual_seed(0)
     theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
-    ours = copy.deepcopy(theirs.eval())
+    with torch.no_grad():  # gpt-oss's sinks start near 0; logits of the scores' size take a share of each row
+        for module in theirs.modules():
+            if isinstance(getattr(module, "sinks", None), nn.Parameter):
+                module.sinks.normal_(0, 1)
+    return theirs, copy.deepcopy(theirs.eval())
+
+
+def _pair(architecture: str) -> tuple[Any, Any, shapesafe_mha.hf.Replacements]:
+    """The model as built, and a copy of it with its attention replaced."""
+    theirs, ours = _built(architecture)
     return theirs, ours, shapesafe_mha.hf.replace_attention(ours)
 
 
@@ -73,10 +89,15 @@ def test_replaced_layers_generate_the_models_own_tokens_greedy_and_beam(architec
             assert torch.equal(got, expected), options
 
 
-def test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients() -> None:
-    theirs, ours, _ = _pair("llama")
+@pytest.mark.parametrize("architecture", ["llama", "gpt_oss (eager: sinks, window 3)"])
+def test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients(architecture: str) -> None:
+    """The replaced model holds the model's own parameters (gpt-oss's sinks too) and trains them to the
+    gradients the model gives them."""
+    theirs, ours = _built(architecture)
     before = {name: p for name, p in ours.named_parameters()}
+    assert shapesafe_mha.hf.replace_attention(ours).replaced
     assert list(ours.state_dict()) == list(theirs.state_dict())  # checkpoints load either way
+    tolerance = ARCHITECTURES[architecture][4]
     ids, mask = _batch()
     losses = []
     for model in (theirs, ours):
@@ -84,10 +105,11 @@ def test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients() -> No
         loss = model(ids, attention_mask=mask, labels=ids).loss
         loss.backward()
         losses.append(loss)
-    torch.testing.assert_close(losses[1], losses[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(losses[1], losses[0], atol=tolerance, rtol=0)
     for (name, mine), (_, other) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
         assert mine is before[name], name  # the model's own tensors, not copies
-        torch.testing.assert_close(mine.grad, other.grad, atol=1e-10, rtol=1e-8, msg=name)
+        torch.testing.assert_close(mine.grad, other.grad, atol=tolerance, rtol=1e-4 if tolerance > 1e-8 else 1e-8,
+                                   msg=name)  # fmt: skip
 
 
 def test_torch_compile_of_the_replaced_model_equals_it_eager() -> None:
@@ -209,3 +231,30 @@ def test_a_per_head_fused_layer_is_left_named_with_why() -> None:
     assert not done.replaced and list(done.left) == ["gpt_neox.layers.0.attention", "gpt_neox.layers.1.attention"]
     assert "query_key_value fuses each head's query, key and value rows" in done.left["gpt_neox.layers.0.attention"]
     assert ssm.MultiHeadAttention.from_hf(model.gpt_neox.layers[0].attention).rope_dim == 2
+
+
+@pytest.mark.parametrize("config_name", ["GPTJConfig", "CodeGenConfig"])
+def test_gptj_is_replaced_and_codegens_blocks_are_left_both_generating_their_own_tokens(config_name: str) -> None:
+    """GPT-J's layers (RoPE of rotary_dim features, out_proj) are replaced, and the model computes and generates
+    as it did; CodeGen's, whose qkv_proj fuses blocks of [q; v; k], are left, named with why."""
+    sizes = {k: SIZES[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                                   "pad_token_id", "eos_token_id", "bos_token_id")}  # fmt: skip
+    config = getattr(transformers, config_name)(**sizes, rotary_dim=4)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    ours = copy.deepcopy(theirs.eval())
+    done = shapesafe_mha.hf.replace_attention(ours)
+    paths = ["transformer.h.0.attn", "transformer.h.1.attn"]
+    if config_name == "GPTJConfig":
+        assert list(done.replaced) == paths and not done.left
+        assert isinstance(ours.transformer.h[0].attn, shapesafe_mha.hf.HFAttention)
+    else:
+        assert not done.replaced and list(done.left) == paths
+        assert "qkv_proj fuses blocks of query, value and key rows (CodeGen's)" in done.left[paths[0]]
+    ids, mask = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-10, rtol=0)
+        for options in ({}, {"num_beams": 2}):
+            expected = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
+            got = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **options)
+            assert torch.equal(got, expected), options

@@ -37,6 +37,12 @@ VARIANTS = {
     "attention sinks, half-width rotary table (gpt-oss)": ("gpt_oss.GptOssAttention", "GptOssConfig", "eager", None),
     "multi_query MQA, one fused [q; k; v] (GPTBigCode)": (
         "gpt_bigcode.GPTBigCodeAttention", "GPTBigCodeConfig", "sdpa", 1e-10),
+    # RoPE of the layer's own (sin, cos) tables on a drawn rotary_dim, adjacent pairs, at the theta read from them
+    # (float32 angles, as the reference's are); CodeGen's qkv_proj in its blocks
+    "RoPE on rotary_dim features, (sin, cos) tables of its own (GPT-J)": (
+        "gptj.GPTJAttention", "GPTJConfig", "sdpa", 1e-10),
+    "... behind qkv_proj in mp_num blocks of [q; v; k] (CodeGen)": (
+        "codegen.CodeGenAttention", "CodeGenConfig", "sdpa", 1e-10),
 }  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from parallel_worker import run_cases
+from parallel_worker import VARIANTS, run_cases
 
 import shapesafe_mha as ssm
 from shapesafe_mha.parallel import plan_heads, working_world_sizes
@@ -19,7 +19,7 @@ def cases(draw: st.DrawFn, heads: tuple[int, int] | None = None) -> dict[str, ob
         num_kv_heads = draw(st.sampled_from([1, 2, 3, 4]))
         heads = (num_kv_heads * draw(st.sampled_from([1, 2, 3, 4])), num_kv_heads)
     seq = draw(st.integers(1, 5))
-    variant = draw(st.sampled_from(["none", "rope", "window", "softcap", "qk_norm", "scalar"]))
+    variant = draw(st.sampled_from(sorted(VARIANTS)))
     d_head = draw(st.integers(1, 4))
     if variant == "rope":
         d_head = 2 * ((d_head + 1) // 2)  # RoPE rotates pairs
@@ -64,7 +64,12 @@ def draw_cases(strategy: st.SearchStrategy[dict[str, object]], count: int) -> li
 
 def all_cases() -> list[dict[str, object]]:
     pinned = [case for heads in PINNED for case in draw_cases(cases(heads), 3)]
-    return pinned + draw_cases(cases(), 24)
+    # every option once at sizes where it shows, with KV heads replicated over 4 ranks (8/2), where shared
+    # gradients are summed (hypothesis's first draw is the smallest case: d_head 1, one position)
+    sized = {"num_heads": 8, "num_kv_heads": 2, "batch": 2, "seq": 4, "kv_seq": 4, "d_model": 12, "d_head": 4,
+             "bias": "qkv", "cross": False, "causal": True, "mask": "heads", "padding": True, "prefill": 2}  # fmt: skip
+    each = [{**sized, "variant": variant, "seed": seed} for seed, variant in enumerate(VARIANTS)]
+    return pinned + each + draw_cases(cases(), 24)
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
 """The variants against the real transformers layers: Qwen3 (QK-norm), Mistral with a sliding window shorter
 than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternating sliding layers), partial
-rotary (Phi, StableLM, Nemotron), interleaved RoPE (Cohere, Helium, ERNIE 4.5) and both (GLM, GLM-4), loaded
-with `MultiHeadAttention.from_hf` and computed as the HF model computes them, full forward and decoding."""
+rotary (Phi, StableLM, Nemotron), interleaved RoPE (Cohere, Helium, ERNIE 4.5) and both (GLM, GLM-4, and GPT-J and
+CodeGen, which rotate `rotary_dim` features with tables of their own), loaded with `MultiHeadAttention.from_hf` and
+computed as the HF model computes them, full forward and decoding."""
 
+import functools
 import inspect
 from typing import Any
 
@@ -59,6 +61,11 @@ CASES = {
         "gpt_neox", 0, {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, {"rope_dim": 4},
     ),
     "persimmon-partial-fused": ("persimmon", 0, {"qk_layernorm": False}, {"rope_dim": 4, "num_kv_heads": 4}),
+    # RoPE of the layer's own (sin, cos) tables on config.rotary_dim features, adjacent pairs, theta read from them
+    "gptj-rotary-dim": ("gptj", 0, {"rotary_dim": 4}, {"rope_dim": 4, "rope_interleaved": True, "rope_theta": 1e4}),
+    "gptj-rotary-dim-every-feature": ("gptj", 0, {"rotary_dim": 8}, {"rope_dim": 8, "rope_interleaved": True}),
+    # ... behind CodeGen's qkv_proj: 4 blocks of [q; v; k] rows, loaded as q/k/v_proj
+    "codegen-rotary-dim-blocks": ("codegen", 0, {"rotary_dim": 6}, {"rope_dim": 6, "num_kv_heads": 4}),
     # QK-norm over every head's features at once, before the head split (weights num_heads * head_dim wide)
     "olmo2-qk-norm-all": ("olmo2", 0, {"num_key_value_heads": 2}, {"qk_norm": True, "qk_norm_over": "all"}),
     "olmoe-qk-norm-all": ("olmoe", 0, {"num_key_value_heads": 1}, {"qk_norm": True, "qk_norm_over": "all"}),
@@ -67,11 +74,28 @@ CASES = {
                                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 16}},
                            {"qk_norm": True}),
+    # attention sinks (gpt-oss's own `sinks` parameter, its s_aux), with YaRN, on a sliding and a full layer
+    "gpt_oss-sinks-sliding": ("gpt_oss", 0, {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4},
+                              {"sinks": "loaded", "window": 4}),
+    "gpt_oss-sinks-full": ("gpt_oss", 1, {"num_key_value_heads": 1, "head_dim": 8, "sliding_window": 4},
+                           {"sinks": "loaded", "window": None}),
+    # clip_qkv: the projections clamped (OLMo), after the QK-norm over every head (OLMoE); bounds they meet
+    "olmo-clip-qkv": ("olmo", 0, {"num_key_value_heads": 2, "clip_qkv": 0.4}, {"clip_qkv": 0.4}),
+    "olmoe-qk-norm-all-clip-qkv": ("olmoe", 0, {"num_key_value_heads": 1, "clip_qkv": 0.4},
+                                   {"clip_qkv": 0.4, "qk_norm_over": "all"}),
+    # the per-head QK-norm after RoPE (HunYuan's query_layernorm and key_layernorm), the cached keys normalised
+    "hunyuan-qk-norm-after-rope": ("hunyuan_v1_dense", 0, {"num_key_value_heads": 2, "head_dim": 8},
+                                   {"qk_norm": True, "qk_norm_after_rope": True}),
+    # an output gate in q_proj (each head's queries, then its gate), with a 1 + weight QK-norm and partial rotary
+    "qwen3_next-output-gate": ("qwen3_next", 1, {"num_key_value_heads": 2, "head_dim": 8,
+                                                 "layer_types": ["linear_attention", "full_attention"]},
+                               {"output_gate": True, "qk_norm_offset": 1.0, "rope_dim": 2}),
     # rope_parameters kept per layer type, and a sliding layer
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
     ),
 }  # fmt: skip
+EAGER_ONLY = ("gemma2", "gpt_oss")
 # transformers' Cohere and ERNIE 4.5 rotate in float32 inside apply_rotary_pos_emb, whatever the dtype
 FLOAT32_ROPE = ("cohere", "ernie4_5")
 
@@ -81,7 +105,9 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
     prefix = {"qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2", "granite": "Granite", "phi": "Phi",
               "stablelm": "StableLm", "nemotron": "Nemotron", "cohere": "Cohere", "helium": "Helium",
               "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
-              "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3"}[model_type]  # fmt: skip
+              "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
+              "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1", "gptj": "GPTJ",
+              "codegen": "CodeGen", "qwen3_next": "Qwen3Next"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -97,7 +123,7 @@ def _layer(case: str, implementation: str) -> tuple[Any, Any]:
     with torch.no_grad():
         for param in layer.parameters():
             param.uniform_(-0.6, 0.6)
-        for norm in (getattr(layer, "q_norm", None), getattr(layer, "k_norm", None)):
+        for norm in (getattr(layer, name, None) for name in ("q_norm", "k_norm", "query_layernorm", "key_layernorm")):
             if norm is not None:
                 norm.weight.uniform_(0.5, 1.5)
     return layer, rotary_cls(config)
@@ -117,8 +143,8 @@ def _hf_forward(layer: Any, rotary: Any, x: torch.Tensor) -> torch.Tensor:
     return layer(x, position_embeddings=(cos, sin), attention_mask=mask)[0]
 
 
-# transformers' sdpa path refuses a softcap (Gemma 2 runs eager).
-RUNS = [(case, impl) for case in CASES for impl in ("eager", "sdpa") if impl == "eager" or "gemma2" not in case]
+# transformers' sdpa path refuses a softcap (Gemma 2 runs eager); gpt-oss's model has no sdpa (its sdpa drops sinks).
+RUNS = [(c, impl) for c in CASES for impl in ("eager", "sdpa") if impl == "eager" or c.split("-")[0] not in EAGER_ONLY]
 
 
 @pytest.mark.parametrize(("case", "implementation"), RUNS)
@@ -128,6 +154,9 @@ def test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding(case: s
     layer, rotary = _layer(case, implementation)
     ours = ssm.MultiHeadAttention.from_hf(layer)
     for option, value in CASES[case][3].items():
+        if value == "loaded":  # a parameter of the layer's own, copied
+            assert torch.equal(getattr(ours, option), getattr(layer, option)), option
+            continue
         assert getattr(ours, option) == value, option
     float32_inside = implementation == "eager" or ours.qk_norm or CASES[case][0] in FLOAT32_ROPE
     tol = {"atol": 1e-5, "rtol": 1e-5} if float32_inside else {"atol": 1e-10, "rtol": 1e-8}
@@ -233,20 +262,23 @@ def test_a_bad_sliding_window_in_the_config_is_refused_by_its_field() -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["phi-partial-rotary", "cohere-interleaved", "glm-partial-interleaved", "gpt_neox-partial-fused"]
-)
+    "case",
+    ["phi-partial-rotary", "cohere-interleaved", "glm-partial-interleaved", "gpt_neox-partial-fused", "gptj-rotary-dim",
+     "codegen-rotary-dim-blocks"],
+)  # fmt: skip
 def test_to_hf_round_trips_partial_and_interleaved_rope(case: str) -> None:
     """from_hf then to_hf gives a layer computing what the original computes (Phi's dense written back as
-    dense, GPT-NeoX's q/k/v fused back per head); the same module is refused for a config whose RoPE rotates
-    another part or pairs otherwise."""
+    dense, GPT-NeoX's q/k/v fused back per head, CodeGen's in its blocks); the same module is refused for a config
+    whose RoPE rotates another part or pairs otherwise."""
     layer, rotary = _layer(case, "sdpa")
     ours = ssm.MultiHeadAttention.from_hf(layer)
     back = ours.to_hf(layer.config).to(torch.float64).eval()
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
-    if hasattr(layer, "query_key_value"):  # the fused weight itself, row for row
-        assert torch.equal(back.query_key_value.weight, layer.query_key_value.weight)
+    for fused in ("query_key_value", "qkv_proj"):  # the fused weight itself, row for row
+        if hasattr(layer, fused):
+            assert torch.equal(getattr(back, fused).weight, getattr(layer, fused).weight)
     full = ssm.MultiHeadAttention(
         32, 4, ours.num_kv_heads, d_head=8, rope_theta=ours.rope_theta, rope_interleaved=ours.rope_interleaved
     )
@@ -278,6 +310,8 @@ def _pairs_turned_the_wrong_way(x: torch.Tensor) -> torch.Tensor:
         ("glm-partial-interleaved", "rotate_part", _last_features_rotated),
         ("cohere-interleaved", "rotate_pairs", _pairs_turned_the_wrong_way),
         ("helium-interleaved", "rotate_pairs", _pairs_turned_the_wrong_way),
+        ("gptj-rotary-dim", "rotate_part", _last_features_rotated),
+        ("gptj-rotary-dim-every-feature", "rotate_pairs", _pairs_turned_the_wrong_way),
     ],
 )
 def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_rotary_embeddings(
@@ -305,3 +339,201 @@ def test_to_hf_round_trips_a_qk_norm_over_every_head_and_names_a_per_head_one() 
     per_head = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, qk_norm=True, rope_theta=ours.rope_theta)
     with pytest.raises(ssm.ConfigError, match=r"another variant: qk_norm_over='all' \(module: 'head'\)"):
         per_head.to_hf(layer.config)
+
+
+def _sinks_dropped(original: Any) -> Any:
+    return lambda q, k, mask, scale, softcap=None, sinks=None: original(q, k, mask, scale, softcap)
+
+
+def _sinks_of_the_heads_reversed(original: Any) -> Any:
+    return lambda sinks, num_kv_heads, seq: original(sinks.flip(0), num_kv_heads, seq)
+
+
+@pytest.mark.parametrize("case", ["gpt_oss-sinks-sliding", "gpt_oss-sinks-full"])
+@pytest.mark.parametrize(("kernel", "bug"), [("probabilities", _sinks_dropped),
+                                             ("folded_sinks", _sinks_of_the_heads_reversed)])  # fmt: skip
+def test_a_bug_planted_in_our_attention_sinks_is_refused_by_from_hf(
+    case: str, kernel: str, bug: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our softmax without the sinks, or each head given another head's sink: from_hf's probe of gpt-oss's
+    layer refuses the conversion, naming the causal forward that differs."""
+    from shapesafe_mha._compute import kernels
+
+    layer, _ = _layer(case, "eager")
+    monkeypatch.setattr(kernels, kernel, bug(getattr(kernels, kernel)))
+    with pytest.raises(ssm.ConfigError, match=r"differs from GptOssAttention by .* in a causal forward"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_attention_sinks_and_refuses_a_module_without_them() -> None:
+    """gpt-oss: from_hf then to_hf writes the sinks back (a layer computing the same); a module without sinks
+    is refused for gpt-oss's config, naming attention_sinks."""
+    layer, rotary = _layer("gpt_oss-sinks-sliding", "eager")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    assert torch.equal(back.sinks, layer.sinks)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, rope_theta=ours.rope_theta, window=4,
+                                   rope_scaling=ours.rotary.scaling)  # fmt: skip
+    with pytest.raises(ssm.ConfigError, match=r"attention_sinks=True \(module: None\)"):
+        plain.to_hf(layer.config)
+
+
+@pytest.mark.parametrize("case", ["olmo-clip-qkv", "olmoe-qk-norm-all-clip-qkv"])
+def test_a_conversion_that_forgets_clip_qkv_is_refused_by_its_probe(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_hf reading the config as if clip_qkv were unset (a field moved or renamed upstream): the probe of
+    OLMo's layer refuses the conversion, naming the call that differs (the forward or the decoding step)."""
+    from shapesafe_mha._interop import hf
+
+    layer, _ = _layer(case, "sdpa")
+    read = hf.variant_options
+    monkeypatch.setattr(hf, "variant_options", lambda *a: {k: v for k, v in read(*a).items() if k != "clip_qkv"})
+    differs = r"differs from Olmo\w*Attention by .* in a (causal forward|decoding step)"
+    with pytest.raises(ssm.ConfigError, match=differs):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_clip_qkv_and_refuses_another_bound() -> None:
+    """OLMo: from_hf then to_hf computes what the layer computes; a module clipping at another bound is
+    refused for its config, naming clip_qkv."""
+    layer, rotary = _layer("olmo-clip-qkv", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    other = ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=ours.rope_theta, clip_qkv=0.5)
+    with pytest.raises(ssm.ConfigError, match=r"clip_qkv=0.4 \(module: 0.5\)"):
+        other.to_hf(layer.config)
+
+
+def test_to_hf_round_trips_a_qk_norm_after_rope_and_refuses_one_before_it() -> None:
+    """HunYuan: from_hf then to_hf writes the norms back as query_layernorm and key_layernorm (a layer computing
+    the same); a module normalising before RoPE is refused for its config, naming qk_norm_after_rope."""
+    layer, rotary = _layer("hunyuan-qk-norm-after-rope", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    assert torch.equal(back.query_layernorm.weight, layer.query_layernorm.weight)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    before = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta, qk_norm=True,
+                                    norm_eps=ours.q_norm.eps)  # fmt: skip
+    with pytest.raises(ssm.ConfigError, match=r"qk_norm_after_rope=True \(module: None\)"):
+        before.to_hf(layer.config)
+
+
+def test_a_conversion_that_normalises_before_rope_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_hf taking HunYuan's norms for Llama-style ones (before RoPE): the probe refuses the conversion."""
+    from shapesafe_mha._interop import hf
+
+    layer, _ = _layer("hunyuan-qk-norm-after-rope", "sdpa")
+    monkeypatch.setitem(hf._QK_NORM_NAMES, ("query_layernorm", "key_layernorm"), False)
+    with pytest.raises(ssm.ConfigError, match=r"differs from HunYuanDenseV1Attention by .* in a (causal|decoding)"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+def _split_as_qkv(forward: Any) -> Any:
+    """CodeGen's forward reading each block of qkv_proj as [q; k; v]: a layout other than the one from_hf loads."""
+
+    @functools.wraps(forward)  # its signature too, which the model's call is read from
+    def wrong(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = self.qkv_proj.weight.detach().clone()
+        with torch.no_grad():  # the rows [q; k; v] read where [q; v; k] are
+            self.qkv_proj.weight.copy_(saved.unflatten(0, (self.mp_num, 3, -1))[:, [0, 2, 1]].flatten(0, 2))
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                self.qkv_proj.weight.copy_(saved)
+
+    return wrong
+
+
+def test_codegen_qkv_proj_is_loaded_in_the_layers_own_blocks_and_another_split_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The blocks of CodeGen's qkv_proj are the layer's `mp_num` (4 in every checkpoint; 2 here, and still exact),
+    each block's rows [q; v; k]; a forward that splits them as [q; k; v] is refused by the conversion's probe."""
+    layer, rotary = _layer("codegen-rotary-dim-blocks", "sdpa")
+    layer.mp_num = 2
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, is_causal=True), _hf_forward(layer, rotary, x), atol=1e-10, rtol=1e-8)
+    monkeypatch.setattr(type(layer), "forward", _split_as_qkv(type(layer).forward))
+    with pytest.raises(ssm.ConfigError, match=r"differs from CodeGenAttention by"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kwargs", "match"),
+    [
+        ("gptj", {"rotary_dim": 3}, r"rotary_dim=3: the rotated part must be an even number of features in "
+                                    r"\[2, head_dim=8\]"),
+        ("gptj", {"rotary_dim": 16}, r"rotary_dim=16: the rotated part must be"),
+        ("codegen", {"rotary_dim": 5}, r"rotary_dim=5: the rotated part must be"),
+        ("gptj", {"rotary_dim": 4, "resid_pdrop": 0.1}, r"resid_pdrop=0.1: a dropout of the layer's output"),
+    ],
+)
+def test_a_rotary_dim_or_output_dropout_from_hf_does_not_compute_is_refused_by_its_field(
+    model_type: str, kwargs: dict[str, Any], match: str
+) -> None:
+    config_cls, attention_cls, _ = _classes(model_type)
+    config = config_cls(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, **kwargs)
+    with pytest.raises(ssm.ConfigError, match=match):
+        ssm.MultiHeadAttention.from_hf(attention_cls(config, layer_idx=0))
+
+
+@pytest.mark.parametrize("case", ["gptj-rotary-dim", "codegen-rotary-dim-blocks"])
+def test_gptj_and_codegen_decoding_through_their_dynamic_cache_equals_ours_through_our_cache(case: str) -> None:
+    """float64, sdpa: the HF layer fed a prefill then one token at a time through transformers' DynamicCache (its
+    tables at each step's positions) equals our module decoding through its KVCache, step for step."""
+    layer, rotary = _layer(case, "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    theirs_cache, cache = transformers.DynamicCache(config=layer.config), ours.new_cache(batch=2, capacity=SEQ)
+    with torch.no_grad():
+        for start, stop in [(0, 3), *((i, i + 1) for i in range(3, SEQ))]:
+            chunk, positions = x[:, start:stop], torch.arange(start, stop)[None]
+            mask = create_causal_mask(config=layer.config, inputs_embeds=chunk, attention_mask=None,
+                                      cache=theirs_cache, position_ids=positions)  # fmt: skip
+            theirs = layer(chunk, position_embeddings=rotary(chunk, positions), attention_mask=mask,
+                           cache=theirs_cache)[0]  # fmt: skip
+            mine = ours(chunk, is_causal=True, kv_cache=cache)
+            torch.testing.assert_close(mine, theirs, atol=1e-10, rtol=1e-8)
+    assert theirs_cache.get_seq_length() == SEQ == cache.kept
+
+
+def test_a_conversion_that_gates_with_the_wrong_rows_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Next's q_proj holds each head's queries, then its gate; our split taking the gate's rows for the
+    queries (and the queries' for the gate) is refused by from_hf's probe."""
+    from shapesafe_mha._compute import stages
+
+    layer, _ = _layer("qwen3_next-output-gate", "sdpa")
+    split = stages.split_gated_query.fn
+
+    def swapped(x: torch.Tensor, num_heads: int) -> Any:
+        q, gate = split(x, num_heads)
+        return gate.transpose(1, 2), q.transpose(1, 2)
+
+    monkeypatch.setattr(stages.split_gated_query, "fn", swapped)
+    with pytest.raises(ssm.ConfigError, match=r"differs from Qwen3NextAttention by .* in a (causal|decoding)"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_an_output_gate_and_refuses_a_module_without_one() -> None:
+    """Qwen3-Next: from_hf then to_hf writes the gated q_proj back (a layer computing the same); a module without
+    the gate is refused for its config, naming output_gate."""
+    layer, rotary = _layer("qwen3_next-output-gate", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta, rope_dim=2, qk_norm=True,
+                                   qk_norm_offset=1.0, norm_eps=ours.q_norm.eps)  # fmt: skip
+    with pytest.raises(ssm.ConfigError, match=r"output_gate=True \(module: None\)"):
+        plain.to_hf(layer.config)

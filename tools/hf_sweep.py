@@ -63,6 +63,11 @@ def sweep_one(model_type: str) -> Row:
     shapesafe_mha.hf.register()
     try:
         config = CONFIG_MAPPING[model_type](**SIZES)
+        rotary = getattr(config, "rotary_dim", None)  # GPT-J, CodeGen: 64 features by default, wider than a tiny head
+        if isinstance(rotary, int) and getattr(config, "rope_parameters", None) is None:
+            head = config.hidden_size // config.num_attention_heads
+            if rotary > head:
+                config.rotary_dim = head // 2
     except Exception as error:
         return Row(model_type, "not built tiny", detail=_first(error), seconds=time.perf_counter() - start)
     try:  # a config that ignores the tiny sizes (sub-configs of its own) would build a real model: not here

@@ -56,6 +56,8 @@ TOOLKIT = "tests/test_toolkit.py"
 PATHS = "tests/test_paths.py"
 VARIANTS = "tests/test_variants.py"
 VARIANTS_HF = "tests/test_variants_hf.py"
+SINKS_HF = "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[gpt_oss-sinks-full-eager]"
+SINKS_ADOPTED = "tests/test_hf_replace.py::test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients[gpt_oss (eager: sinks, window 3)]"
 LATENT = "tests/test_latent.py"
 VERDICTS = "tests/test_verdicts.py"
 YARN_TABLES = "tests/test_rope.py::test_yarn_tables_equal_transformers"
@@ -150,8 +152,8 @@ MUTANTS: list[Mutant] = [
       "any remembered verdict covers every call", CONTRACT),
     M("_core/contract.py", "            cache.restore(state)  # a failed call changes nothing", "            pass",
       "a failed call leaves the KV cache appended", CONTRACT, CACHE),
-    M("_compute/fastpath.py", "if key is not query or value is not query or torch.is_grad_enabled():",
-      "if key is not query or value is not query:", "the fused (detached) QKV weight used under autograd", ECO, "tests/test_compile.py"),
+    M("_compute/fastpath.py", "if key is not query or value is not query or torch.is_grad_enabled() or module.output_gate:",
+      "if key is not query or value is not query or module.output_gate:", "the fused (detached) QKV weight used under autograd", ECO, "tests/test_compile.py"),
     M("_compute/fastpath.py", "        and query.shape[1] <= NATIVE_MAX_SEQ\n", "",
       "torch's native kernel used past the cut-off", PATHS,
       equivalent="the native kernel computes the same values at any length; the cut-off is for speed only"),
@@ -284,7 +286,26 @@ MUTANTS: list[Mutant] = [
       "the trace calls anything in range a view, whatever its storage", "tests/test_aliasing.py"),
     M("_core/trace.py", "            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:", "            if False:",
       "the allocation recorder records nothing", "tests/test_allocations.py"),
+    # --- attention sinks (gpt-oss) ---
+    M("_compute/kernels.py", "        return torch.softmax(with_sinks, dim=-1)[..., :-1]", "        return torch.softmax(with_sinks, dim=-1)[..., 1:]",
+      "the first key's weight dropped after the softmax instead of the sink's", SINKS_HF),
+    M("_compute/kernels.py", "    per_group = sinks.unflatten(0, (num_kv_heads, -1))", "    per_group = sinks.flip(0).unflatten(0, (num_kv_heads, -1))",
+      "each query head given another head's sink", SINKS_HF),
+    M("_interop/hf_replace.py", "        ours.sinks = theirs.sinks  #", "        pass  #",
+      "replace_attention trains sinks of its own, not the model's", SINKS_ADOPTED),
+    M("_compute/stages.py", "    return q.clamp(-bound, bound), k.clamp(-bound, bound), v.clamp(-bound, bound)",
+      "    return q.clamp(-bound, bound), k.clamp(-bound, bound), v", "clip_qkv leaves the values unclipped",
+      "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[olmo-clip-qkv-sdpa]"),
+    M("_modules/multihead.py", "        if self.qk_norm and not every and not self.qk_norm_after_rope:", "        if self.qk_norm and not every:",
+      "a QK-norm after RoPE applied before it too",
+      "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[hunyuan-qk-norm-after-rope-sdpa]"),
+    M("_compute/stages.py", "    return both[..., 0, :].transpose(1, 2), both[..., 1, :]", "    return both[..., 1, :].transpose(1, 2), both[..., 0, :]",
+      "the output gate's rows read as the queries and the queries' as the gate",
+      "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[qwen3_next-output-gate-sdpa]"),
     # --- head-parallel ---
+    M("_modules/parallel.py", "        parallel._sync_shared_norm_gradients()\n", "",
+      "head-parallel QK-norm weights step on each rank's share of their gradient",
+      "tests/test_parallel.py::test_sharded_equals_unsharded_on_every_rank[2]"),
     M("_modules/parallel.py", '    local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum\n', "",
       "head-parallel adds the output bias on every rank", "tests/test_parallel.py"),
     # --- RoPE and Hugging Face ---
@@ -335,8 +356,23 @@ MUTANTS: list[Mutant] = [
     M("_interop/hf.py", "    if cos.shape[-1] == width and width > 2 and torch.equal(row[0::2], row[1::2]):\n        return True",
       "    if False:\n        return True", "from_hf and the check miss Cohere's interleaved tables", VARIANTS_HF,
       "tests/test_hf_variants_check.py"),
-    M("_interop/hf.py", """        options["rope_interleaved"] = rope_layout_of(theirs, config, _head_dim(config))[1] or None\n""", "",
+    M("_interop/hf.py", """        options["rope_interleaved"] = pairs or None\n""", "",
       "to_hf writes an interleaved module into a layer of halves without naming it", VARIANTS_HF),
+    # --- GPT-J's and CodeGen's RoPE of rotary_dim features, CodeGen's qkv_proj in blocks ---
+    M("_interop/hf.py", 'BLOCK_ORDER = ("q_proj", "v_proj", "k_proj")', 'BLOCK_ORDER = ("q_proj", "k_proj", "v_proj")',
+      "from_hf reads each block of CodeGen's qkv_proj as [q; k; v]", VARIANTS_HF),
+    M("_interop/hf.py", "    return theta, (None if width == head_dim else width), interleaved",
+      "    return theta, (None if width == head_dim else width), False",
+      "from_hf loads GPT-J's adjacent pairs as halves", VARIANTS_HF),
+    M("_interop/hf.py", "        theta = rounded if exact else estimate", "        theta = estimate",
+      "from_hf keeps theta as read from a float32 table (10000 to 7 digits, 1e-8 off in float64)", VARIANTS_HF),
+    M("testing/_hf_recipe.py", "for n in BLOCK_ORDER], 1).flatten(0, 2)", "for n in sorted(BLOCK_ORDER)], 1).flatten(0, 2)",
+      "the check loads CodeGen's blocks as [k; q; v]: a false alarm on correct code",
+      "tests/test_hf_variants_check.py"),
+    M("testing/_hf_check.py", "            rotary_dim = data.draw(st.sampled_from(range(2, c.d_head + 1, 2)), label=\"rotary_dim\")",
+      "            rotary_dim = c.d_head",
+      "the check never draws a partial rotary_dim, so a bug in which part is rotated passes",
+      "tests/test_hf_variants_check.py"),
     M("_interop/hf.py", "    weight = fused.weight.detach().unflatten(0, (heads, 3, head_dim))",
       "    weight = fused.weight.detach().unflatten(0, (3, heads, head_dim)).transpose(0, 1)",
       "from_hf reads GPT-NeoX's per-head fused query_key_value as [q; k; v]", VARIANTS_HF),
@@ -380,8 +416,8 @@ MUTANTS: list[Mutant] = [
       "padding mask over every position seen cut from the wrong end", VARIANTS),
     M("_compute/kernels.py", "scores = torch.tanh(scores / softcap) * softcap", "scores = torch.tanh(scores) * softcap",
       "softcap without dividing by the cap first", VARIANTS, VARIANTS_HF),
-    M("_compute/stages.py", "over `d_head`, before RoPE.\"\"\"\n    return q_norm(q), k_norm(k)",
-      "over `d_head`, before RoPE.\"\"\"\n    return q_norm(q), k",
+    M("_compute/stages.py", "    (HunYuan: after it).\"\"\"\n    return q_norm(q), k_norm(k)",
+      "    (HunYuan: after it).\"\"\"\n    return q_norm(q), k",
       "QK-norm applied to the queries only", VARIANTS, VARIANTS_HF),
     M("_modules/multihead.py", "float(query_pre_attn_scalar) ** -0.5", "float(query_pre_attn_scalar) ** -1.0",
       "query_pre_attn_scalar used as 1/s, not 1/sqrt(s)", VARIANTS, VARIANTS_HF),

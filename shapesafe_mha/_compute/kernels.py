@@ -256,16 +256,34 @@ def attend_native(
 
 
 def probabilities(
-    q: Tensor, k: Tensor, mask: Tensor | None, scale: float | None, softcap: float | None = None
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | None,
+    scale: float | None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """`softmax(softcap(q @ k.T * scale) + mask)` over the last axis; `softcap(s) = c * tanh(s / c)` (Gemma 2)."""
+    """`softmax(softcap(q @ k.T * scale) + mask)` over the last axis; `softcap(s) = c * tanh(s / c)` (Gemma 2).
+
+    `sinks` (gpt-oss's attention sinks, one logit per query row, `(..., rows, 1)`) take part in the softmax's
+    sum and are dropped after it: each row's probabilities then sum to less than 1."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    if sinks is not None:
+        with_sinks = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+        return torch.softmax(with_sinks, dim=-1)[..., :-1]
     return torch.softmax(scores, dim=-1)
+
+
+def folded_sinks(sinks: Tensor, num_kv_heads: int, seq: int) -> Tensor:
+    """One sink logit per query head `(num_heads,)` laid out as the folded queries' rows, `(num_kv_heads,
+    group * seq, 1)`: a group's heads end to end, each repeated over its `seq` positions."""
+    per_group = sinks.unflatten(0, (num_kv_heads, -1))
+    return per_group[..., None].expand(*per_group.shape, seq).flatten(1, 2)[..., None]
 
 
 def zero_rows(x: Tensor, rows: Tensor | None) -> Tensor:

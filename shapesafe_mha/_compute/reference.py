@@ -179,6 +179,8 @@ def per_head_attention(
     qk_norm_after_rope: bool = False,
     qk_norm_bias: tuple[Tensor, Tensor] | None = None,
     sinks: Tensor | None = None,
+    clip_qkv: float | None = None,
+    output_gate: tuple[Tensor, Tensor | None] | None = None,
     out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
     logit_softcap: float | None = None,
@@ -238,6 +240,10 @@ def per_head_attention(
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
+        output_gate: `(w_gate (num_heads * d_head, d_model), b_gate or None)`: each head's output times
+            `sigmoid(x W_gate[h] + b_gate[h])` before the output projection (Qwen3-Next).
+        clip_qkv: each projected query, key and value feature clamped to `[-clip_qkv, clip_qkv]` (OLMo),
+            after a QK-norm over every head (OLMoE) and before a per-head one.
         scale: the score scale; default `1/sqrt(d_head)`.
         score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, applied to each head's
             scaled scores (before the softcap and the masks); `h` is the *query* head. It is called
@@ -267,17 +273,22 @@ def per_head_attention(
             every_k = _rms_norm(_linear(key, weights.w_k, weights.b_k), qk_norm[1], norm_eps)
             q = every_q[..., head * d_head : (head + 1) * d_head]
             k = every_k[..., kv_head * d_head : (kv_head + 1) * d_head]
-        elif qk_norm is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
-            q = _layer_norm(q, qk_norm[0], qk_norm_bias[0], norm_eps)
-            k = _layer_norm(k, qk_norm[1], qk_norm_bias[1], norm_eps)
-        elif qk_norm is not None and not qk_norm_after_rope:
-            q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
+        if clip_qkv is not None:  # OLMo: each projected feature clamped (after OLMoE's norm over every head)
+            q, k = q.clamp(-clip_qkv, clip_qkv), k.clamp(-clip_qkv, clip_qkv)
+        per_head = None if qk_norm_over == "all" else qk_norm
+        if per_head is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
+            q = _layer_norm(q, per_head[0], qk_norm_bias[0], norm_eps)
+            k = _layer_norm(k, per_head[1], qk_norm_bias[1], norm_eps)
+        elif per_head is not None and not qk_norm_after_rope:
+            q, k = _rms_norm(q, per_head[0], norm_eps), _rms_norm(k, per_head[1], norm_eps)
         if rope_theta is not None:
             q = _rotate_part(q, where, rope_theta, rope_style, rotary_dim, rope_frequencies)
             k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim, rope_frequencies)
         if qk_norm is not None and qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
+        if clip_qkv is not None:
+            v = v.clamp(-clip_qkv, clip_qkv)
         scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
         scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
         scores = scores + _head_mask(
@@ -285,9 +296,12 @@ def per_head_attention(
         )
         if sinks is not None:  # one more logit per head, in the softmax's sum and dropped after it
             sink = sinks[head].to(scores.dtype).expand(*scores.shape[:-1], 1)
-            heads.append(_softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v)
+            out = _softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v
         else:
-            heads.append(_softmax_or_zeros(scores) @ v)
+            out = _softmax_or_zeros(scores) @ v
+        if output_gate is not None:  # Qwen3-Next: the head's output gated by its own projection of the query
+            out = out * torch.sigmoid(_linear(query, *_rows(output_gate[0], output_gate[1], head, d_head)))
+        heads.append(out)
     merged = torch.cat(heads, dim=-1)
     if out_norm is not None:  # BitNet: the merged heads RMS-normalised before the output projection
         merged = _rms_norm(merged, *out_norm)

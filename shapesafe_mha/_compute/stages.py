@@ -24,6 +24,7 @@ from .._core.dims import (
     FoldedQueries,
     FullMask,
     FusedInner,
+    GatedQueryInner,
     GroupedQueries,
     Heads,
     Inner,
@@ -33,12 +34,14 @@ from .._core.dims import (
     LinearOut,
     NewKVHeads,
     NewKVInner,
+    OutputGate,
     PaddingMask,
     Probabilities,
     QueryInner,
     RowsWithAKey,
     SeenAttnMask,
     SeenPaddingMask,
+    Sinks,
     Tokens,
     Weight,
 )
@@ -142,15 +145,17 @@ def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None
     check_variants("", arguments.get("window"), arguments.get("softcap"))
 
 
-def check_variants(owner: str, window: Any, softcap: Any, scalar: Any = None, norm_eps: Any = 0.0) -> None:
-    """Raise `ConfigError` unless a sliding window is a positive int, a softcap (query scalar) a finite positive
-    number, and a norm's epsilon a finite number >= 0."""
+def check_variants(
+    owner: str, window: Any, softcap: Any, scalar: Any = None, norm_eps: Any = 0.0, clip_qkv: Any = None
+) -> None:
+    """Raise `ConfigError` unless a sliding window is a positive int, a softcap (query scalar, clip bound) a
+    finite positive number, and a norm's epsilon a finite number >= 0."""
     if window is not None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ConfigError(
                 f"{owner}window must be a positive int (the keys a query sees, itself included), but got {window!r}."
             )
-    for name, value in (("logit softcap", softcap), ("query_pre_attn_scalar", scalar)):
+    for name, value in (("logit softcap", softcap), ("query_pre_attn_scalar", scalar), ("clip_qkv", clip_qkv)):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
@@ -403,6 +408,26 @@ def project_query(proj: nn.Module, query: Tokens) -> QueryInner:
     return call_projection(proj, query)
 
 
+@stage(name="q_proj", public=("query",))
+def project_gated_query(proj: nn.Module, query: Tokens) -> GatedQueryInner:
+    """Queries with an output gate (Qwen3-Next): each head's `d_head` query features, then its `d_head` gate."""
+    return call_projection(proj, query)
+
+
+@stage(name="split_q", trace=("split_q", "gate"))
+def split_gated_query(x: GatedQueryInner, num_heads: int) -> tuple[Heads, OutputGate]:
+    """Each head's queries and its gate, views of the projection: `(batch, num_heads, seq, d_head)` and
+    `(batch, seq, num_heads, d_head)`, as the merged heads are laid out."""
+    both = x.unflatten(-1, (num_heads, 2, -1))
+    return both[..., 0, :].transpose(1, 2), both[..., 1, :]
+
+
+@stage(name="output_gate")
+def gate_output(x: QueryInner, gate: OutputGate) -> QueryInner:
+    """The merged heads times `sigmoid(gate)`, feature by feature, before the output projection (Qwen3-Next)."""
+    return (x.unflatten(-1, gate.shape[-2:]) * torch.sigmoid(gate)).flatten(-2)
+
+
 def _project_kv(proj: nn.Module, x: KVTokens) -> NewKVInner:
     return call_projection(proj, x)
 
@@ -438,7 +463,8 @@ split_value = stage(name="split_v")(_split_kv)
 
 @stage(name="qk_norm", trace=("q_norm", "k_norm"))
 def normalize_qk(q_norm: nn.Module, k_norm: nn.Module, q: Heads, k: NewKVHeads) -> tuple[Heads, NewKVHeads]:
-    """QK-norm (Qwen3, Gemma 3): each head's query and key RMS-normalised over `d_head`, before RoPE."""
+    """QK-norm (Qwen3, Gemma 3): each head's query and key RMS-normalised over `d_head`, before RoPE
+    (HunYuan: after it)."""
     return q_norm(q), k_norm(k)
 
 
@@ -449,6 +475,15 @@ def normalize_qk_inner(
     """QK-norm over every head at once (OLMo-2): the projected queries RMS-normalised over `num_heads * d_head`
     features, the keys over `num_kv_heads * d_head`, before the head split (so before RoPE)."""
     return q_norm(q), k_norm(k)
+
+
+@stage(name="clip_qkv", trace=("clip_q", "clip_k", "clip_v"))
+def clip_projections(
+    q: QueryInner, k: NewKVInner, v: NewKVInner, bound: float
+) -> tuple[QueryInner, NewKVInner, NewKVInner]:
+    """OLMo's `clip_qkv`: the projected queries, keys and values clamped to `[-bound, bound]`, before the head
+    split (after OLMoE's QK-norm over every head)."""
+    return q.clamp(-bound, bound), k.clamp(-bound, bound), v.clamp(-bound, bound)
 
 
 @stage(name="keys", trace=("", ""), sources={"result": "key"})
@@ -616,9 +651,17 @@ def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Hea
 
 @stage(name="weights_folded", trace=("",))
 def folded_weights(
-    q: FoldedQueries, k: KVHeads, mask: FoldedMask | None, scale: float | None, softcap: float | None
+    q: FoldedQueries,
+    k: KVHeads,
+    mask: FoldedMask | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: Sinks | None = None,
 ) -> FoldedProbabilities:
-    return K.probabilities(q, k, mask, scale, softcap)
+    """The probabilities of the folded queries; with `sinks` (gpt-oss) one more logit per query head takes part
+    in each row's softmax and is dropped after it."""
+    rows = None if sinks is None else K.folded_sinks(sinks, k.shape[1], q.shape[2] * k.shape[1] // sinks.shape[0])
+    return K.probabilities(q, k, mask, scale, softcap, rows)
 
 
 @stage(name="weights")
@@ -657,12 +700,16 @@ FORWARD_STAGES: dict[str, Any] = {
     "project_key": project_key,
     "project_value": project_value,
     "project_qkv": project_qkv,
+    "project_gated_query": project_gated_query,
+    "split_gated_query": split_gated_query,
+    "gate_output": gate_output,
     "unfuse": unfuse,
     "split_query": split_query,
     "split_key": split_key,
     "split_value": split_value,
     "normalize_qk": normalize_qk,
     "normalize_qk_inner": normalize_qk_inner,
+    "clip_projections": clip_projections,
     "attend_to_new": attend_to_new,
     "append_to_cache": append_to_cache,
     "visible_masks": visible_masks,

@@ -43,6 +43,8 @@ Memory = Float[Tensor, "batch kv_seq d_model"]  # key/value inputs, every positi
 KVTokens = Float[Tensor, "batch new d_model"]  # key/value inputs appended to a KV cache
 Inner = Float[Tensor, "batch seq d_inner"]
 QueryInner = Float[Tensor, "batch seq num_heads*d_head"]  # projected queries, and the merged heads
+GatedQueryInner = Float[Tensor, "batch seq num_heads*2*d_head"]  # each head's queries, then its output gate
+OutputGate = Float[Tensor, "batch seq num_heads d_head"]
 NewKVInner = Float[Tensor, "batch new num_kv_heads*d_head"]  # projected keys or values
 FusedInner = Float[Tensor, "batch seq (num_heads+2*num_kv_heads)*d_head"]  # q, k and v projected at once
 
@@ -62,6 +64,7 @@ GroupedQueries = Float[Tensor, "batch num_kv_heads group seq d_head"]
 FoldedQueries = Float[Tensor, "batch num_kv_heads group*seq d_head"]  # a group's query heads end to end
 Probabilities = Float[Tensor, "batch num_heads seq kv_seq"]
 FoldedProbabilities = Float[Tensor, "batch num_kv_heads group*seq kv_seq"]
+Sinks = Float[Tensor, " num_heads"]  # attention sinks (gpt-oss): one logit per query head
 
 # Rotary position embeddings: integer positions of the queries, and their cos/sin tables.
 Positions = Int[Tensor, "batch seq"]

@@ -4,9 +4,10 @@ transformers is an optional dependency (`pip install "shapesafe_mha[hf]"`); it i
 when `to_hf` needs it. Sliding windows, QK-norm, logit softcapping, `query_pre_attn_scalar`,
 Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier**-2`), partial rotary
 (`partial_rotary_factor`, in `rope_parameters` since transformers 5) and interleaved RoPE (shown on the
-model's own rotary tables and `apply_rotary_pos_emb`, which no config field names) become the module's
-options; a variant it does not compute (RoPE scaling other than llama3 and YaRN, a QK-norm other than RMSNorm) is
-a `ConfigError` naming the config field, never a silently different layer.
+model's own rotary tables and `apply_rotary_pos_emb`, which no config field names; GPT-J's and CodeGen's RoPE of
+`rotary_dim` features, with a theta read from their own tables) become the module's options; a variant it does
+not compute (RoPE scaling other than llama3 and YaRN, a QK-norm other than RMSNorm) is a `ConfigError` naming the
+config field, never a silently different layer.
 """
 
 import importlib
@@ -145,6 +146,76 @@ def rope_layout_of(layer: nn.Module, config: Any, head_dim: int) -> tuple[int | 
     return rope_dim, interleaved
 
 
+def sincos_rope(modeling: Any, rotary: nn.Module, width: int, owner: str = _OWNER) -> tuple[float, bool]:
+    """`(theta, interleaved)` of GPT-J's and CodeGen's RoPE, shown on their own parts, which no config field describes.
+
+    Their rotary class returns `(sin, cos)` (told apart at position 0, where sin is 0), one angle per pair of the
+    `width` rotated features; theta is read from the last angle at position 1, `theta ** -((width - 2) / width)`,
+    taken as the nearest integer where that gives every angle to a float32 table's rounding (with one pair, the
+    angle is the position whatever theta is: 1.0). The pairing is the modeling module's own
+    `apply_rotary_pos_emb(tensor, sin, cos)` on a probe, against adjacent pairs (GPT-J's `rotate_every_two`) and
+    halves; one that matches neither is taken as halves, and the conversion's probe (or the check) names the
+    difference. A table of another shape, or without a sin and a cos, raises `ConfigError` naming it.
+    """
+    device = next((b.device for b in rotary.buffers()), torch.device("cpu"))  # where its table is
+    positions = torch.arange(4, device=device)[None]
+    with torch.no_grad():
+        found = rotary(torch.zeros(1, 4, width, dtype=torch.float64, device=device), positions)
+
+    def refused(what: str) -> ConfigError:
+        return ConfigError(f"{owner}: {type(rotary).__name__} returns {what}; RoPE inside the layer is refused.")
+
+    if not isinstance(found, tuple) or len(found) != 2 or not all(isinstance(t, Tensor) for t in found):
+        raise refused("no pair of tables")
+    first, second = (t.detach().double().cpu() for t in found)
+    if first.shape != (1, 4, width // 2) or second.shape != first.shape:
+        raise refused(f"tables {tuple(first.shape)}, not one angle per pair of rotary_dim={width} features")
+    if torch.all(first[0, 0] == 0) and torch.all(second[0, 0] == 1):
+        sin, cos = first, second
+    elif torch.all(first[0, 0] == 1) and torch.all(second[0, 0] == 0):
+        cos, sin = first, second
+    else:
+        raise refused("tables that are neither a sin nor a cos (0 and 1 at position 0)")
+    angles = torch.atan2(sin[0, 1], cos[0, 1])
+    theta = 1.0
+    if width > 2:
+        estimate = float(torch.exp(-angles[-1].log() * width / (width - 2)))
+        spaced = torch.arange(0, width, 2, dtype=torch.float64) / width
+        rounded = float(round(estimate))
+        exact = rounded > 1 and torch.allclose(rounded**-spaced, angles, rtol=1e-5, atol=0)
+        theta = rounded if exact else estimate
+    return theta, _pairs_in(modeling, sin, cos, width)
+
+
+def _pairs_in(modeling: Any, sin: Tensor, cos: Tensor, width: int) -> bool:
+    """Whether the modeling module's `apply_rotary_pos_emb(tensor, sin, cos)` (GPT-J's) turns adjacent pairs."""
+    apply = getattr(modeling, "apply_rotary_pos_emb", None)
+    if apply is None or width <= 2:  # two features: halves and pairs are one rotation
+        return False
+    q = torch.randn(1, sin.shape[1], 1, width, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    try:
+        turned = apply(q, sin=sin, cos=cos)  # (batch, seq, heads, features), as GPT-J's layer calls it
+    except Exception:  # another signature: the probe of the conversion decides
+        return False
+    cos2, sin2 = (t[:, :, None].repeat_interleave(2, -1) for t in (cos, sin))
+    paired = K.rotate(q, cos2, sin2, True)
+    return isinstance(turned, Tensor) and turned.shape == q.shape and bool(torch.allclose(turned.double(), paired))
+
+
+def in_layer_rope(layer: nn.Module, config: Any, head_dim: int) -> tuple[float, int | None, bool]:
+    """`(theta, rope_dim, interleaved)` of a layer that rotates `config.rotary_dim` features of each head with its
+    own tables (GPT-J, CodeGen: no `rope_parameters`); rope_dim None: every feature."""
+    width = getattr(config, "rotary_dim", None)
+    if isinstance(width, bool) or not isinstance(width, int) or not 2 <= width <= head_dim or width % 2:
+        why = f"the rotated part must be an even number of features in [2, head_dim={head_dim}]"
+        raise _refuse("rotary_dim", width, why)
+    rotary = _rotary_for(layer, config)
+    if rotary is None:
+        raise _refuse("rotary_dim", width, f"no rotary class beside {type(layer).__name__} makes its tables")
+    theta, interleaved = sincos_rope(_modeling(layer), rotary, width)
+    return theta, (None if width == head_dim else width), interleaved
+
+
 def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     """The `MultiHeadAttention` options of the variants `attention` uses; refuse the others, naming the field."""
     options: dict[str, Any] = {}
@@ -156,12 +227,15 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
             field = "sliding_window"
             raise _refuse(field, window, "a sliding window must be a positive number of keys (None: no window)")
         options["window"] = window
-    norms = [getattr(attention, norm, None) for norm in ("q_norm", "k_norm")]
+    names, after_rope = qk_norm_names(attention)
+    norms = [getattr(attention, norm, None) for norm in names]
     if any(norm is not None for norm in norms):
         options["qk_norm"] = True
         options["norm_eps"] = _norm_eps(norms[0])
         options["qk_norm_over"] = _norm_over(norms[0], config)
         options["qk_norm_offset"] = _norm_offset(norms[0])
+        if after_rope:
+            options["qk_norm_after_rope"] = True
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         options["logit_softcap"] = float(softcap)
@@ -182,7 +256,30 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         raise _refuse("scaling", scaling, f"only 1/sqrt(query_pre_attn_scalar or head_dim) = {expected:g} is supported")
     if not getattr(attention, "is_causal", True):
         raise _refuse("is_causal", False, "only causal (decoder) attention layers are supported")
+    clip = getattr(config, "clip_qkv", None)
+    if clip is not None:  # OLMo, OLMoE: the projections clamped before the head split
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0:
+            raise _refuse("config.clip_qkv", clip, "a clip bound must be a positive number (None: no clipping)")
+        options["clip_qkv"] = float(clip)
+    q_proj = getattr(attention, "q_proj", None)
+    if isinstance(q_proj, nn.Linear) and q_proj.out_features == 2 * config.num_attention_heads * head_dim:
+        options["output_gate"] = True  # Qwen3-Next: each head's queries, then its gate (what the probe verifies)
+    if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
+        options["attention_sinks"] = True
     return options
+
+
+# A layer's QK-norms by their names: Llama-style q_norm/k_norm before RoPE, HunYuan's after it.
+_QK_NORM_NAMES = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True}
+
+
+def qk_norm_names(layer: nn.Module) -> tuple[tuple[str, str], bool]:
+    """The names of `layer`'s query and key norms, and whether they come after RoPE (HunYuan's do); where the
+    layer has none, Llama's names. What they compute, and where, is verified by the conversions' probe."""
+    for names, after_rope in _QK_NORM_NAMES.items():
+        if any(isinstance(getattr(layer, name, None), nn.Module) for name in names):
+            return names, after_rope
+    return ("q_norm", "k_norm"), False
 
 
 def _norm_over(norm: Any, config: Any) -> str:
@@ -219,8 +316,8 @@ def _norm_eps(norm: Any) -> float:
 
 def load_norms(module: Any, attention: nn.Module) -> None:
     """Copy QK-norm weights, after checking on a probe that their norm is an RMSNorm over `d_head` as ours is."""
-    for name in ("q_norm", "k_norm"):
-        theirs, ours = getattr(attention, name), module._modules[name]
+    for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(attention)[0], strict=True):
+        theirs, ours = getattr(attention, their_name), module._modules[name]
         with torch.no_grad():
             ours.weight.copy_(theirs.weight)
             probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
@@ -234,12 +331,20 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-# The output projection's names: Llama's o_proj, Phi's dense.
-_OUTPUT_NAMES = ("o_proj", "dense")
-_LOADED = ("q_proj", "k_proj", "v_proj", "query_key_value", *_OUTPUT_NAMES, "q_norm", "k_norm")
+def _attention_dropout(config: Any) -> float:
+    """The dropout of the attention weights: `attention_dropout`, GPT-J's and CodeGen's `attn_pdrop`."""
+    return float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", 0.0) or 0.0)
+
+
+# The output projection's names: Llama's o_proj, Phi's dense, GPT-J's and CodeGen's out_proj.
+_OUTPUT_NAMES = ("o_proj", "dense", "out_proj")
+_QK_NORMS_LOADED = tuple(n for p in _QK_NORM_NAMES for n in p)
+_LOADED = ("q_proj", "k_proj", "v_proj", "query_key_value", "qkv_proj", *_OUTPUT_NAMES, *_QK_NORMS_LOADED)
+# CodeGen's qkv_proj: its rows in blocks (one for each model-parallel shard it was trained on), each block's rows
+# its share of the queries, then of the values, then of the keys, as its forward splits them.
+BLOCK_ORDER = ("q_proj", "v_proj", "k_proj")
 # Config fields of layers that compute a variant we do not (each is None or False where they do not).
 _UNSUPPORTED_FIELDS = {
-    "clip_qkv": "queries, keys and values clipped (OLMo)",
     "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
     "use_qk_norm": "QK-norm over every head (Cohere)",
 }
@@ -251,6 +356,30 @@ def per_head_fused(layer: nn.Module) -> nn.Linear | None:
     if not isinstance(fused, nn.Linear) or isinstance(getattr(layer, "q_proj", None), nn.Module):
         return None
     return fused
+
+
+def block_fused(layer: nn.Module) -> tuple[nn.Linear, int] | None:
+    """CodeGen's `qkv_proj` and its number of blocks (`mp_num`), each block `[q_b; v_b; k_b]`, or None."""
+    fused, blocks = getattr(layer, "qkv_proj", None), getattr(layer, "mp_num", None)
+    if not isinstance(fused, nn.Linear) or isinstance(getattr(layer, "q_proj", None), nn.Module):
+        return None
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        return None
+    return fused, blocks
+
+
+def _split_blocks(layer: nn.Module, fused: nn.Linear, blocks: int, config: Any) -> dict[str, Any]:
+    """The q/k/v projections CodeGen's `qkv_proj` holds, as `(weight, bias)` pairs (views of it): its rows are
+    `blocks` blocks, each `[q_b; v_b; k_b]` of `hidden_size / blocks` rows (the order its forward splits)."""
+    hidden = config.hidden_size
+    if hidden % blocks or tuple(fused.weight.shape) != (3 * hidden, hidden):
+        why = f"CodeGen's layout is {blocks} blocks of [q; v; k] rows, {(3 * hidden, hidden)} in all"
+        raise _refuse("qkv_proj.weight", tuple(fused.weight.shape), why)
+    weight = fused.weight.detach().unflatten(0, (blocks, 3, hidden // blocks))
+    bias = None if fused.bias is None else fused.bias.detach().unflatten(0, (blocks, 3, hidden // blocks))
+    rows = {name: weight[:, i].flatten(0, 1) for i, name in enumerate(BLOCK_ORDER)}
+    biases = {name: None if bias is None else bias[:, i].flatten(0, 1) for i, name in enumerate(BLOCK_ORDER)}
+    return {name: SimpleNamespace(weight=rows[name], bias=biases[name]) for name in rows}
 
 
 def _split_per_head(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
@@ -277,7 +406,11 @@ def projection_names(layer: nn.Module) -> dict[str, str]:
 
 def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     """Refuse, by name, what the layer holds that a `MultiHeadAttention` would not load or compute."""
-    own = [name for name, _ in attention.named_parameters(recurse=False)]
+    own = [name for name, _ in attention.named_parameters(recurse=False) if name != "sinks"]
+    sinks = getattr(attention, "sinks", None)
+    if isinstance(sinks, nn.Parameter) and tuple(sinks.shape) != (config.num_attention_heads,):
+        why = f"attention sinks are one logit per query head ({config.num_attention_heads},)"
+        raise _refuse("sinks", tuple(sinks.shape), why)
     if own:
         raise _refuse(
             "parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded"
@@ -287,9 +420,10 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
             why = f"the layer holds a submodule with parameters ({type(child).__name__}) that is not loaded"
             raise _refuse(name, type(child).__name__, why)
     heads = config.num_attention_heads
-    every = {"q_norm": heads * d_head, "k_norm": (getattr(config, "num_key_value_heads", None) or heads) * d_head}
-    over = _norm_over(getattr(attention, "q_norm", None), config)
-    for name in ("q_norm", "k_norm"):
+    (q_name, k_name), _ = qk_norm_names(attention)
+    every = {q_name: heads * d_head, k_name: (getattr(config, "num_key_value_heads", None) or heads) * d_head}
+    over = _norm_over(getattr(attention, q_name, None), config)
+    for name in (q_name, k_name):
         norm = getattr(attention, name, None)
         weight = getattr(norm, "weight", None)
         width = d_head if over == "head" else every[name]
@@ -300,6 +434,9 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
                 f"together ({every[name]}), as q_norm does"
             )
             raise _refuse(name, type(norm).__name__, why)
+    dropout = getattr(attention, "resid_dropout", None)  # GPT-J, CodeGen: a dropout of the layer's output
+    if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+        raise _refuse("resid_pdrop", dropout.p, "a dropout of the layer's output (resid_dropout) is not computed here")
     for field, what in _UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, None)
         if value is not None and value is not False:
@@ -322,19 +459,26 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     fused = per_head_fused(attention)
     if fused is not None:  # GPT-NeoX, Persimmon: every head has its own key and value (MHA)
         projections.update(_split_per_head(attention, fused, config, head_dim))
+    blocks = block_fused(attention)
+    if blocks is not None:  # CodeGen: blocks of [q; v; k] rows
+        projections.update(_split_blocks(attention, *blocks, config))
     missing = [names[name] for name, proj in projections.items() if not isinstance(proj, nn.Linear | SimpleNamespace)]
     if missing:
         raise ConfigError(
             f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
-            "(Llama, Mistral, Qwen2; Phi's dense as o_proj) and GPT-NeoX's per-head query_key_value are supported."
+            "(Llama, Mistral, Qwen2; Phi's dense and GPT-J's out_proj as o_proj), GPT-NeoX's per-head query_key_value "
+            "and CodeGen's qkv_proj are supported."
         )
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
     theta, scaling = rope_of(config, _layer_type(attention, config))
     if theta is not None:
         options["rope_dim"], options["rope_interleaved"] = rope_layout_of(attention, config, head_dim)
+    elif hasattr(config, "rotary_dim"):  # GPT-J, CodeGen: RoPE of their own tables, on rotary_dim features
+        theta, options["rope_dim"], options["rope_interleaved"] = in_layer_rope(attention, config, head_dim)
     num_heads = config.num_attention_heads
-    num_kv_heads = (getattr(config, "num_key_value_heads", None) or num_heads) if fused is None else num_heads
+    multi_head = fused is None and blocks is None
+    num_kv_heads = (getattr(config, "num_key_value_heads", None) or num_heads) if multi_head else num_heads
     q_proj = projections["q_proj"]
     module = cls(
         config.hidden_size,
@@ -342,7 +486,7 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
         num_kv_heads,
         d_head=head_dim,
         bias=True,
-        dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        dropout=_attention_dropout(config),
         rope_theta=theta,
         rope_scaling=scaling,
         device=q_proj.weight.device,
@@ -361,6 +505,8 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     if module.qk_norm:
         load_norms(module, attention)
     with torch.no_grad():
+        if module.sinks is not None:
+            module.sinks.copy_(attention.sinks)
         for name, theirs in projections.items():
             ours = module._modules[name]
             ours.weight.copy_(theirs.weight)
@@ -534,6 +680,13 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         ) from None
     first_type = (getattr(config, "layer_types", None) or [None])[0]  # to_hf builds layer 0
     theta, scaling = rope_of(config, first_type)
+    in_layer = None  # GPT-J, CodeGen: (theta, rope_dim, interleaved) of the layer's own tables
+    if theta is None and hasattr(config, "rotary_dim"):
+        try:
+            in_layer = in_layer_rope(layer_cls(config, layer_idx=0), config, _head_dim(config))
+        except ConfigError as error:
+            raise ConfigError(str(error).replace(_OWNER, "MultiHeadAttention.to_hf()", 1)) from None
+        theta = in_layer[0]
     wanted = {
         "hidden_size": module.d_model,
         "num_attention_heads": module.num_heads,
@@ -549,11 +702,11 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=_head_dim(config),
         rope_theta=theta,
-        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        attention_dropout=_attention_dropout(config),
     )
     found["rope_parameters (scaling)"] = _scaling(scaling) if module.rotary is not None else None
     partial = rope_dim_of(config, _head_dim(config), first_type) if theta is not None else None
-    found["partial rotary (rope_dim)"] = partial
+    found["partial rotary (rope_dim)"] = in_layer[1] if in_layer is not None else partial
     different = {k: (found[k], v) for k, v in wanted.items() if found[k] != v}
     if different:
         listed = ", ".join(f"{k}={theirs!r} (module: {ours!r})" for k, (theirs, ours) in different.items())
@@ -562,15 +715,20 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     theirs = layer_cls(config, layer_idx=0).to(device=weight.device, dtype=weight.dtype)
     options = variant_options(theirs, config)
     if theta is not None:
-        options["rope_interleaved"] = rope_layout_of(theirs, config, _head_dim(config))[1] or None
+        pairs = in_layer[2] if in_layer is not None else rope_layout_of(theirs, config, _head_dim(config))[1]
+        options["rope_interleaved"] = pairs or None
     ours = {
         "rope_interleaved": module.rope_interleaved or None,
         "window": module.window,
         "qk_norm": module.qk_norm or None,
         "qk_norm_over": module.qk_norm_over if module.qk_norm else None,
         "qk_norm_offset": module.qk_norm_offset if module.qk_norm else None,
+        "qk_norm_after_rope": module.qk_norm_after_rope or None,
         "logit_softcap": module.logit_softcap,
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
+        "clip_qkv": module.clip_qkv,
+        "attention_sinks": module.sinks is not None or None,
+        "output_gate": module.output_gate or None,
     }
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
     if different:
@@ -578,13 +736,17 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         raise ConfigError(f"MultiHeadAttention.to_hf(): the config's layer 0 computes another variant: {listed}.")
     with torch.no_grad():
         if module.qk_norm:
-            for name in ("q_norm", "k_norm"):
-                getattr(theirs, name).weight.copy_(module._modules[name].weight)
-        fused = per_head_fused(theirs)
+            for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(theirs)[0], strict=True):
+                getattr(theirs, their_name).weight.copy_(module._modules[name].weight)
+        if module.sinks is not None:
+            theirs.sinks.copy_(module.sinks)
+        fused, blocks = per_head_fused(theirs), block_fused(theirs)
         if fused is not None:
             _write_per_head(module, fused, layer_cls.__name__)
+        if blocks is not None:
+            _write_blocks(module, *blocks, layer_cls.__name__)
         for name, their_name in projection_names(theirs).items():
-            if fused is not None and name != "o_proj":
+            if (fused is not None or blocks is not None) and name != "o_proj":
                 continue
             mine: Any = module._modules[name]
             other = getattr(theirs, their_name)
@@ -602,14 +764,27 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     return theirs
 
 
-def _write_per_head(module: Any, fused: nn.Linear, layer_name: str) -> None:
-    """Our q/k/v projections into a per-head fused `query_key_value`, each head's rows `[q_h; k_h; v_h]`."""
-    projections = [module._modules[name] for name in ("q_proj", "k_proj", "v_proj")]
+def _same_biases(projections: list[Any], fused: nn.Linear, layer_name: str, fused_name: str) -> None:
     if len({p.bias is None for p in projections} | {fused.bias is None}) > 1:
         raise ConfigError(
             f"MultiHeadAttention.to_hf(): q/k/v_proj have biases {[p.bias is not None for p in projections]} here, "
-            f"but {layer_name}'s query_key_value has bias={fused.bias is not None} (config.attention_bias?)."
+            f"but {layer_name}'s {fused_name} has bias={fused.bias is not None} (config.attention_bias?)."
         )
+
+
+def _write_blocks(module: Any, fused: nn.Linear, blocks: int, layer_name: str) -> None:
+    """Our q/k/v projections into CodeGen's `qkv_proj`: `blocks` blocks of rows, each `[q_b; v_b; k_b]`."""
+    projections = [module._modules[name] for name in BLOCK_ORDER]
+    _same_biases(projections, fused, layer_name, "qkv_proj")
+    fused.weight.copy_(torch.stack([p.weight.unflatten(0, (blocks, -1)) for p in projections], 1).flatten(0, 2))
+    if fused.bias is not None:
+        fused.bias.copy_(torch.stack([p.bias.unflatten(0, (blocks, -1)) for p in projections], 1).flatten(0, 2))
+
+
+def _write_per_head(module: Any, fused: nn.Linear, layer_name: str) -> None:
+    """Our q/k/v projections into a per-head fused `query_key_value`, each head's rows `[q_h; k_h; v_h]`."""
+    projections = [module._modules[name] for name in ("q_proj", "k_proj", "v_proj")]
+    _same_biases(projections, fused, layer_name, "query_key_value")
     heads, d_head = module.num_heads, module.d_head
     fused.weight.copy_(torch.stack([p.weight.unflatten(0, (heads, d_head)) for p in projections], 1).flatten(0, 2))
     if fused.bias is not None:

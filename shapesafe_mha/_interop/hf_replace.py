@@ -25,7 +25,7 @@ from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
 from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
-from .hf import per_head_fused, projection_names
+from .hf import block_fused, per_head_fused, projection_names, qk_norm_names
 from .hf_backend import layer_name, refuse_unknown
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
@@ -64,9 +64,9 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
 
     A module is left as it was, and named with why, where `from_hf` refuses it (a variant it does not
     compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), where its
-    projections are fused per head (GPT-NeoX: the replacement would hold copies, not the model's), where
-    its forward takes an argument the replacement would not pass on, or where the model's `DynamicCache`
-    keeps it as a kind of layer the replacement does not read (linear attention).
+    projections are fused per head or in blocks (GPT-NeoX, CodeGen: the replacement would hold copies, not the
+    model's), where its forward takes an argument the replacement would not pass on, or where the model's
+    `DynamicCache` keeps it as a kind of layer the replacement does not read (linear attention).
 
     Example:
         >>> import torch, shapesafe_mha.hf
@@ -138,6 +138,11 @@ def _why_left(module: nn.Module) -> str | None:
             "its query_key_value fuses each head's query, key and value rows, which from_hf loads as copies: the "
             "replacement would not hold the model's own parameters"
         )
+    if block_fused(module) is not None:
+        return (
+            "its qkv_proj fuses blocks of query, value and key rows (CodeGen's), which from_hf loads as copies: the "
+            "replacement would not hold the model's own parameters"
+        )
     try:
         parameters = inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):
@@ -194,8 +199,10 @@ def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[
     for name, their_name in projection_names(theirs).items():
         setattr(ours, name, getattr(theirs, their_name))
     if ours.qk_norm:
-        for name in ("q_norm", "k_norm"):
-            ours._modules[name].weight = getattr(theirs, name).weight  # pyright: ignore[reportOptionalMemberAccess]
+        for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(theirs)[0], strict=True):
+            ours._modules[name].weight = getattr(theirs, their_name).weight  # pyright: ignore[reportOptionalMemberAccess]
+    if ours.sinks is not None:  # gpt-oss's attention sinks: the model's own parameter, trained in its place
+        ours.sinks = theirs.sinks  # pyright: ignore[reportAttributeAccessIssue]  (a Parameter, as declared)
     rotary = ours.rotary
     if rotary is not None:
         inv_freq: Any = rotary.inv_freq

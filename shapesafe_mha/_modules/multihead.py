@@ -274,6 +274,8 @@ class MultiHeadAttention(nn.Module):
             the queries and `(num_kv_heads * d_head,)` for the keys.
         qk_norm_offset: the QK-norm scales by `qk_norm_offset + weight` (Gemma 3, whose checkpoints store
             the scale's offset from 1: `1.0`; the norms are then `OffsetRMSNorm`s); default 0, `nn.RMSNorm`.
+        qk_norm_after_rope: the per-head QK-norm comes after RoPE instead of before it (HunYuan), so the
+            cached keys are the normalised rotated ones.
         norm_eps: the epsilon of QK-norm.
         window: sliding-window attention: a query sees only the `window` most recent keys,
             itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
@@ -282,6 +284,14 @@ class MultiHeadAttention(nn.Module):
             the mask (Gemma 2).
         query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
             `d_head ** -0.5` (Gemma 2).
+        output_gate: an output gate (Qwen3-Next, Qwen3.5): `q_proj` gives each head `d_head` query features
+            and then `d_head` gate features, and the merged heads are multiplied by `sigmoid(gate)` before
+            `o_proj`. `q_proj` is then `2 * num_heads * d_head` wide.
+        clip_qkv: clamp the projected queries, keys and values to `[-clip_qkv, clip_qkv]` before the head
+            split (OLMo, OLMoE; after a QK-norm over every head, before a per-head one).
+        attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
+            (zeros at first), takes part in each row's softmax and is dropped after it, so a head may give
+            less than all of its weight to the keys. The scores are then computed here, not by SDPA.
         device, dtype: of the parameters.
 
     Raises:
@@ -308,10 +318,14 @@ class MultiHeadAttention(nn.Module):
         qk_norm: bool = False,
         qk_norm_over: str = "head",
         qk_norm_offset: float = 0.0,
+        qk_norm_after_rope: bool = False,
         norm_eps: float = 1e-6,
         window: int | None = None,
         logit_softcap: float | None = None,
         query_pre_attn_scalar: float | None = None,
+        clip_qkv: float | None = None,
+        attention_sinks: bool = False,
+        output_gate: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -336,7 +350,7 @@ class MultiHeadAttention(nn.Module):
         positive_count(f"{owner}: ", "d_head", d_head)
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
-        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar, norm_eps)
+        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar, norm_eps, clip_qkv)
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -344,7 +358,15 @@ class MultiHeadAttention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.dropout = dropout
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(d_model, num_heads * d_head, bias=bias, **factory)
+        if not isinstance(output_gate, bool):
+            raise ConfigError(f"{owner}: output_gate must be True or False, but got {output_gate!r}.")
+        if output_gate and ((qk_norm_over == "all" and qk_norm) or clip_qkv is not None):
+            raise ConfigError(
+                f"{owner}: output_gate=True with a QK-norm over every head or clip_qkv: no model computes them "
+                "together, and the gate's place among them is not known."
+            )
+        self.output_gate = output_gate
+        self.q_proj = nn.Linear(d_model, num_heads * d_head * (2 if output_gate else 1), bias=bias, **factory)
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
@@ -368,6 +390,12 @@ class MultiHeadAttention(nn.Module):
         if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
             raise ConfigError(f"{owner}: qk_norm_offset must be a finite number (Gemma 3: 1.0), but got {offset!r}.")
         self.qk_norm_offset = float(offset)
+        if not isinstance(qk_norm_after_rope, bool) or (qk_norm_after_rope and (not qk_norm or qk_norm_over != "head")):
+            raise ConfigError(
+                f"{owner}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head'), but got "
+                f"qk_norm_after_rope={qk_norm_after_rope!r}, qk_norm={qk_norm!r}, qk_norm_over={qk_norm_over!r}."
+            )
+        self.qk_norm_after_rope = qk_norm_after_rope
         if qk_norm:
             every = qk_norm_over == "all"
             widths = (num_heads * d_head, num_kv_heads * d_head) if every else (d_head, d_head)
@@ -381,7 +409,14 @@ class MultiHeadAttention(nn.Module):
         self.logit_softcap = logit_softcap
         self.query_pre_attn_scalar = query_pre_attn_scalar
         self.scale = None if query_pre_attn_scalar is None else float(query_pre_attn_scalar) ** -0.5
+        if not isinstance(attention_sinks, bool):
+            raise ConfigError(f"{owner}: attention_sinks must be True or False, but got {attention_sinks!r}.")
+        self.sinks: nn.Parameter | None = None
+        if attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
         variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
+        self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
+        variant = variant or attention_sinks or clip_qkv is not None or output_gate
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
@@ -429,9 +464,13 @@ class MultiHeadAttention(nn.Module):
             + (", qk_norm=True" if self.qk_norm else "")
             + (", qk_norm_over='all'" if self.qk_norm and self.qk_norm_over == "all" else "")
             + (f", qk_norm_offset={self.qk_norm_offset}" if self.qk_norm and self.qk_norm_offset else "")
+            + (", qk_norm_after_rope=True" if self.qk_norm_after_rope else "")
             + (f", window={self.window}" if self.window is not None else "")
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
+            + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv is not None else "")
+            + (", attention_sinks=True" if self.sinks is not None else "")
+            + (", output_gate=True" if self.output_gate else "")
         )
 
     @property
@@ -439,7 +478,12 @@ class MultiHeadAttention(nn.Module):
         return self.q_proj.bias is not None
 
     def weights(self) -> AttentionWeights:
-        """The parameters as an `AttentionWeights` (the parameters themselves, not copies)."""
+        """The parameters as an `AttentionWeights` (the parameters themselves, not copies; with an output gate,
+        the query rows of `q_proj`, views of it, and `gate_weights()` the gate's)."""
+        if self.output_gate:
+            q_weight, q_bias = self._query_rows(0)
+            return AttentionWeights(q_weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight, q_bias,
+                                    self.k_proj.bias, self.v_proj.bias, self.o_proj.bias)  # fmt: skip
         return AttentionWeights(
             self.q_proj.weight,
             self.k_proj.weight,
@@ -450,6 +494,23 @@ class MultiHeadAttention(nn.Module):
             self.v_proj.bias,
             self.o_proj.bias,
         )
+
+    def gate_weights(self) -> tuple[Tensor, Tensor | None]:
+        """The output gate's rows of `q_proj`, `(num_heads * d_head, d_model)` and the bias's (views of them), as the
+        per-head reference takes them (`per_head_attention(..., output_gate=)`).
+
+        Raises:
+            ConfigError: the module has no output gate.
+        """
+        if not self.output_gate:
+            raise ConfigError("MultiHeadAttention.gate_weights(): this module has no output gate (output_gate=False).")
+        return self._query_rows(1)
+
+    def _query_rows(self, part: int) -> tuple[Tensor, Tensor | None]:
+        """Of a gated `q_proj`, each head's query rows (`part` 0) or gate rows (1), in head order."""
+        weight, bias = self.q_proj.weight, self.q_proj.bias
+        rows = weight.unflatten(0, (self.num_heads, 2, self.d_head))[:, part].flatten(0, 1)
+        return rows, None if bias is None else bias.unflatten(0, (self.num_heads, 2, self.d_head))[:, part].flatten()
 
     @classmethod
     def from_weights(
@@ -648,7 +709,12 @@ class MultiHeadAttention(nn.Module):
             out = o_proj._parameters  # pyright: ignore[reportOptionalMemberAccess]  (built in __init__)
             out_weight, out_bias = out["weight"], out["bias"]
             return s.native_attention(query, fused.weight, fused.bias, out_weight, out_bias, num_heads)
-        if path is FUSED and fused is not None:
+        gate = None
+        if self.output_gate:  # Qwen3-Next: each head's queries and its gate from one projection
+            q, gate = s.split_gated_query(s.project_gated_query(q_proj, query), num_heads)
+            k = s.project_key(k_proj, key)
+            v = s.project_value(v_proj, value)
+        elif path is FUSED and fused is not None:
             qkv = s.project_qkv(query, fused.weight, fused.bias)
             q, k, v = s.unfuse(qkv, num_heads * d_head, num_kv_heads * d_head)
         else:
@@ -658,10 +724,13 @@ class MultiHeadAttention(nn.Module):
         every = self.qk_norm and self.qk_norm_over == "all"
         if every:  # the statistic of every head's features together, before they are split
             q, k = s.normalize_qk_inner(modules["q_norm"], modules["k_norm"], q, k)
-        q = s.split_query(q, num_heads)
+        if self.clip_qkv is not None:
+            q, k, v = s.clip_projections(q, k, v, self.clip_qkv)
+        if gate is None:
+            q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)
-        if self.qk_norm and not every:
+        if self.qk_norm and not every and not self.qk_norm_after_rope:
             q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
         rotary = modules.get("rotary")
         if rotary is not None:
@@ -673,6 +742,8 @@ class MultiHeadAttention(nn.Module):
             else:  # partial rotary: the tables and the rotation of the first rope_dim features only
                 cos, sin = s.partial_rotary_tables(rotary, positions, q)
                 q, k = s.apply_partial_rotary(q, k, cos, sin, self.rope_interleaved)
+        if self.qk_norm_after_rope:  # HunYuan: the rotated queries and keys normalised, and so cached
+            q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
         if kv_cache is None:
             k, v = s.attend_to_new(k, v)
         else:
@@ -680,8 +751,8 @@ class MultiHeadAttention(nn.Module):
             masked = attn_mask is not None or key_padding_mask is not None
             if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
                 attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
-        scale, softcap = self.scale, self.logit_softcap
-        explicit = need_weights or softcap is not None  # the scores computed here, not by SDPA
+        scale, softcap, sinks = self.scale, self.logit_softcap, self._parameters.get("sinks")
+        explicit = need_weights or softcap is not None or sinks is not None  # the scores computed here, not by SDPA
         dropout_p = self.dropout if self.training else 0.0
         native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
         mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window, native)
@@ -702,13 +773,16 @@ class MultiHeadAttention(nn.Module):
                 may_empty = may_empty and (explicit or not K.zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
                 folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
             if explicit:
-                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap)
+                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap, sinks)
                 if need_weights:
                     weights = s.unfold_weights(folded_weights, num_heads, rows)
                 out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)
             else:
                 out = s.unfold(s.attend_folded(folded, k, v, folded_mask, dropout_p, scale), num_heads, rows)
-        out = s.project_output(o_proj, s.merge(out))
+        merged = s.merge(out)
+        if gate is not None:
+            merged = s.gate_output(merged, gate)
+        out = s.project_output(o_proj, merged)
         return out if weights is None else (out, weights)
 
     @classmethod

@@ -122,17 +122,22 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         rope_interleaved=module.rope_interleaved,
         qk_norm=module.qk_norm,
         qk_norm_offset=module.qk_norm_offset,
+        qk_norm_after_rope=module.qk_norm_after_rope,
         norm_eps=module.q_norm.eps if module.qk_norm else 1e-6,  # pyright: ignore[reportArgumentType]
         window=module.window,
         logit_softcap=module.logit_softcap,
         query_pre_attn_scalar=module.query_pre_attn_scalar,
+        clip_qkv=module.clip_qkv,
+        attention_sinks=module.sinks is not None,
+        output_gate=module.output_gate,
         device=weight.device,
         dtype=weight.dtype,
     )
     q_rows, kv_rows = _rows(shard.q_heads, module.d_head), _rows(shard.kv_heads, module.d_head)
+    per_query_head = module.q_proj.weight.shape[0] // module.num_heads  # 2 * d_head with an output gate
     with torch.no_grad():
         for mine, full, rows in (
-            (local.q_proj, module.q_proj, q_rows),
+            (local.q_proj, module.q_proj, _rows(shard.q_heads, per_query_head)),
             (local.k_proj, module.k_proj, kv_rows),
             (local.v_proj, module.v_proj, kv_rows),
         ):
@@ -142,6 +147,8 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
             else:
                 mine.bias.copy_(full.bias[rows])  # pyright: ignore[reportOptionalMemberAccess]
         local.o_proj.weight.copy_(module.o_proj.weight[:, q_rows])
+        if module.sinks is not None:  # one logit per query head: this rank's heads'
+            local.sinks.copy_(module.sinks[shard.q_heads.start : shard.q_heads.stop])  # pyright: ignore[reportOptionalMemberAccess]
         if module.qk_norm:  # one weight per feature of a head, the same for every head
             for name in ("q_norm", "k_norm"):
                 mine_norm: Any = local._modules[name]
@@ -232,9 +239,11 @@ class HeadParallelAttention(nn.Module):
         """Keep this rank's share of `module`: its query heads, the KV heads they read, `o_proj`'s columns.
 
         Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
-        softcap, `query_pre_attn_scalar`, dropout, the biases each projection has). The result is
-        verified: on a float64 copy, a causal forward and a decoding step of the probe, computed
-        head-parallel (collective: every rank joins), equal `module`'s (`verify=False` skips it).
+        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, attention sinks (each rank its heads'),
+        dropout, the biases each projection has). The QK-norm weights, whole on every rank, get the gradient
+        summed over the ranks. The result is verified: on a float64 copy, a causal forward and a decoding
+        step of the probe, computed head-parallel (collective: every rank joins), equal `module`'s
+        (`verify=False` skips it).
 
         Raises:
             ConfigError: torch.distributed is not initialised, or the heads cannot be split over the
@@ -260,7 +269,16 @@ class HeadParallelAttention(nn.Module):
                 probe.verify("HeadParallelAttention.from_module()", probe.our_outputs(cls(mine, bias, shard, group), x),
                              probe.our_outputs(full, x), source="the unsharded module")  # fmt: skip
         parallel._sync_replicated_kv_gradients()
+        parallel._sync_shared_norm_gradients()
         return parallel
+
+    def _sync_shared_norm_gradients(self) -> None:
+        """QK-norm weights are every head's, held whole on every rank: each rank's gradient is its heads' share,
+        so the shares are summed over the group in backward, and every rank's optimizer steps alike."""
+        for name in ("q_norm", "k_norm"):
+            norm: Any = self.local._modules.get(name)
+            if norm is not None:
+                norm.weight.register_hook(lambda grad: _summed(grad, self.group))
 
     def _sync_replicated_kv_gradients(self) -> None:
         """Sum the gradients of replicated KV heads over the ranks sharing them (collective: every rank joins)."""
@@ -343,8 +361,9 @@ class HeadParallelAttention(nn.Module):
         Keys are `MultiHeadAttention` parameter names (`q_proj.weight`, ...); a missing gradient is zeros.
         """
         shard, d_head, d_model = self.shard, self.d_head, self.d_model
+        per_query_head = self.local.q_proj.weight.shape[0] // shard.local_heads  # 2 * d_head with an output gate
         layout = {
-            "q_proj": (self.local.q_proj, _rows(shard.q_heads, d_head), self.num_heads * d_head),
+            "q_proj": (self.local.q_proj, _rows(shard.q_heads, per_query_head), self.num_heads * per_query_head),
             "k_proj": (self.local.k_proj, _rows(shard.kv_heads, d_head), self.num_kv_heads * d_head),
             "v_proj": (self.local.v_proj, _rows(shard.kv_heads, d_head), self.num_kv_heads * d_head),
         }
@@ -366,6 +385,18 @@ class HeadParallelAttention(nn.Module):
             full[:, _rows(shard.q_heads, d_head)] = o_weight.grad
         dist.all_reduce(full, group=self.group)
         grads["o_proj.weight"] = full
+        sinks = self.local.sinks
+        if sinks is not None:  # one per query head: this rank's heads'
+            full = sinks.new_zeros(self.num_heads)
+            if sinks.grad is not None:
+                full[shard.q_heads.start : shard.q_heads.stop] = sinks.grad
+            dist.all_reduce(full, group=self.group)
+            grads["sinks"] = full
+        for name in ("q_norm", "k_norm"):  # summed over the ranks in backward already
+            norm: Any = self.local._modules.get(name)
+            if norm is not None:
+                grad = norm.weight.grad
+                grads[f"{name}.weight"] = grad.clone() if grad is not None else torch.zeros_like(norm.weight)
         if self.out_bias is not None:
             bias_grad = self.out_bias.grad
             grads["o_proj.bias"] = bias_grad.clone() if bias_grad is not None else torch.zeros_like(self.out_bias)

@@ -232,6 +232,18 @@ def trace(
     qk_norm_offset: Annotated[
         float, typer.Option(metavar="FLOAT", help="the QK-norm scales by FLOAT + weight (Gemma 3: 1)")
     ] = 0.0,
+    attention_sinks: Annotated[
+        bool, typer.Option("--attention-sinks/--no-attention-sinks", help="a learned logit per head (gpt-oss)")
+    ] = False,
+    clip_qkv: Annotated[
+        float | None, typer.Option(metavar="FLOAT", help="clamp the projections to [-FLOAT, FLOAT] (OLMo)")
+    ] = None,
+    qk_norm_after_rope: Annotated[
+        bool, typer.Option("--qk-norm-after-rope/--qk-norm-before-rope", help="QK-norm after RoPE (HunYuan)")
+    ] = False,
+    output_gate: Annotated[
+        bool, typer.Option("--output-gate/--no-output-gate", help="heads gated by q_proj's gate (Qwen3-Next)")
+    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -275,7 +287,7 @@ def trace(
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
-                qk_norm_offset,
+                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

@@ -40,6 +40,10 @@ class TraceConfig:
     rope_interleaved: bool = False  # RoPE on adjacent pairs (Cohere, GLM)
     qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2)
     qk_norm_offset: float = 0.0  # 1.0: the QK-norm scales by 1 + weight (Gemma 3)
+    attention_sinks: bool = False  # a learned logit per head in each softmax, dropped after it (gpt-oss)
+    clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (OLMo)
+    qk_norm_after_rope: bool = False  # the per-head QK-norm after RoPE (HunYuan)
+    output_gate: bool = False  # the merged heads times sigmoid(gate), the gate from q_proj (Qwen3-Next)
 
 
 @dataclass
@@ -98,6 +102,10 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "qk_norm_offset": config.qk_norm_offset,
         "window": config.window,
         "logit_softcap": config.logit_softcap,
+        "attention_sinks": config.attention_sinks,
+        "clip_qkv": config.clip_qkv,
+        "qk_norm_after_rope": config.qk_norm_after_rope,
+        "output_gate": config.output_gate,
         "device": device,
         "dtype": dtype,
     }

@@ -2,17 +2,20 @@
 
 Each example builds the class from its config class with drawn sizes (GQA where the config has
 `num_key_value_heads`), loads drawn weights into its layout (`q/k/v/o_proj`, GPT-2's `Conv1D`
-`c_attn`/`c_proj`, GPT-NeoX's per-head `query_key_value`, any biases it has), and calls it the way
-the model's `forward` does: cos/sin from the model's own rotary class, the mask from transformers'
-`create_causal_mask` (or its sliding-window one), a `DynamicCache` for decoding. What the class
-computes beyond plain attention is read first (`_hf_recipe.read_recipe`: QK-norms, softcapping, other
-scales, windows, partial or interleaved RoPE, NoPE layers, sinks, an output norm) and handed to the
-per-head reference, which computes it itself; anything else is refused by name. Four properties run
-in turn, so a failure names what broke: heads, RoPE/positions, padding/mask, decoding/cache.
+`c_attn`/`c_proj`, GPT-NeoX's per-head `query_key_value`, CodeGen's `qkv_proj` in blocks of `[q; v; k]`,
+any biases it has), and calls it the way the model's `forward` does: cos/sin from the model's own rotary
+class, the mask from transformers' `create_causal_mask` (or its sliding-window one), a `DynamicCache`
+for decoding. What the class computes beyond plain attention is read first (`_hf_recipe.read_recipe`:
+QK-norms, softcapping, other scales, windows, partial or interleaved RoPE, GPT-J's and CodeGen's RoPE
+of `config.rotary_dim` features, which the check draws, with a theta read from their own tables, NoPE
+layers, sinks, an output norm) and handed to the per-head reference, which computes it itself; anything
+else is refused by name. Four properties run in turn, so a failure names what broke: heads,
+RoPE/positions, padding/mask, decoding/cache.
 
 transformers is needed here (the `hf` extra); `shapesafe_mha.testing` does not import this module.
 """
 
+import importlib
 import inspect
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,8 +28,18 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .._core.weights import AttentionWeights
+from .._interop.hf import sincos_rope
 from ._diagnose import Scenario
-from ._hf_recipe import OUT_NORMS, drawn_rope, load_layer_weights, read_recipe, rope_parameters, tables, tiny_config
+from ._hf_recipe import (
+    OUT_NORMS,
+    OWNER,
+    drawn_rope,
+    load_layer_weights,
+    read_recipe,
+    rope_parameters,
+    tables,
+    tiny_config,
+)
 from ._strategies import ALL_KINDS, AttentionConfig, attention_configs, attention_inputs, projection_weights
 from ._toolkit import _to, judge, resolve, run_property
 
@@ -48,6 +61,7 @@ class _Layer:
     sinks: Tensor | None = None
     out_norm: tuple[Tensor, float] | None = None
     qk_norm_bias: tuple[Tensor, Tensor] | None = None
+    rotary_dim: int | None = None  # drawn where the layer rotates config.rotary_dim features (GPT-J); None: every one
 
 
 class _Target:
@@ -80,6 +94,8 @@ class _Target:
         )
         if self.rotary_cls is not None and r.rotary_factor != 1.0:  # the rotated part an even number of features
             drawn = drawn.filter(lambda c: int(c.d_head * r.rotary_factor) % 2 == 0 and c.d_head * r.rotary_factor >= 2)
+        if r.blocks > 1:  # CodeGen: hidden_size in whole blocks of qkv_proj
+            drawn = drawn.filter(lambda c: c.num_heads * c.d_head % r.blocks == 0)
         if r.tied_width:  # the output projection takes hidden_size features: heads * head_dim is hidden_size
             return drawn.map(lambda c: replace(c, d_model=c.num_heads * c.d_head))
         if r.width_free or not r.has_head_dim:
@@ -109,8 +125,11 @@ class _Target:
         if r.logit_softcap is not None:  # a cap near the scores' size, where it bends them (the default 50 hardly does)
             softcap = data.draw(st.sampled_from([0.5, 2.0, r.logit_softcap]), label="attn_logit_softcapping")
             kwargs["attn_logit_softcapping"] = softcap
-        theta = None
-        if self.rotary_cls is not None:
+        theta = rotary_dim = None
+        if r.in_layer_rope:  # the rotated part drawn (an even number of features); theta is the tables' own
+            rotary_dim = data.draw(st.sampled_from(range(2, c.d_head + 1, 2)), label="rotary_dim")
+            kwargs["rotary_dim"] = rotary_dim
+        elif self.rotary_cls is not None:
             theta = data.draw(st.sampled_from([10.0, 10000.0]), label="rope_theta")
             kwargs["rope_parameters"] = drawn_rope(self.config_cls(), theta)
         config = tiny_config(self.config_cls, **kwargs)
@@ -152,13 +171,16 @@ class _Target:
                 held_sinks.copy_(sinks)  # logits of -2..2: sinks that take a share of the softmax
             sinks = sinks.double()
         rotary = None if self.rotary_cls is None else self.rotary_cls(config).to(device=weights.w_q.device)
+        if rotary is not None and rotary_dim is not None:
+            modeling = importlib.import_module(self.attention_cls.__module__)
+            theta = sincos_rope(modeling, rotary, rotary_dim, f"{OWNER}: {self.name}")[0]
         scale = None if r.scale is None else r.scale(config)
         if layer_idx in r.nope:
             theta = None  # a NoPE layer: the tables are passed, and ignored
         window = window if sliding else None
         return _Layer(
             config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm,
-            qk_norm_bias,
+            qk_norm_bias, None if rotary_dim == c.d_head else rotary_dim,
         )
 
     def call(
@@ -203,12 +225,13 @@ def _norm_weights(width: int, dtype: torch.dtype, device: Any) -> st.SearchStrat
     )
 
 
-def _sizes(c: AttentionConfig, layer: _Layer) -> str:
+def _sizes(target: _Target, c: AttentionConfig, layer: _Layer) -> str:
     held = "".join(role for role in "qkvo" if getattr(layer.weights, f"b_{role}") is not None)
     return (
         f"seq={c.seq}, batch={c.batch}, hidden_size={c.d_model}, num_heads={c.num_heads}, "
         f"num_kv_heads={c.num_kv_heads}, head_dim={c.d_head}, biases={held or 'none'!r}"
         + (f", rope_theta={layer.theta:g}" if layer.theta is not None else "")
+        + (f", rotary_dim={layer.config.rotary_dim}" if target.recipe.in_layer_rope else "")
         + (f", layer_type={layer.layer_type!r}" if layer.layer_type is not None else "")
         + (f", sliding_window={layer.window}" if layer.window is not None else "")
         + (f", attn_logit_softcapping={layer.softcap:g}" if layer.softcap is not None else "")
@@ -305,7 +328,7 @@ def _scenario(
         rope_theta=layer.theta if rope else None,
         positions=positions,
         rope_style=target.recipe.rope_style,
-        rotary_dim=target.recipe.rotary_dim(c.d_head),
+        rotary_dim=layer.rotary_dim if target.recipe.in_layer_rope else target.recipe.rotary_dim(c.d_head),
         scale=layer.scale,
         qk_norm=layer.qk_norm,
         norm_eps=1e-6 if target.recipe.qk_norm is None else target.recipe.qk_norm.eps,
@@ -397,7 +420,7 @@ def check_hf_attention(
                     f"[{name}] building {target.name}({config_cls.__name__}(...)) raised {error!r}"
                 ) from error
             run, scenario, rows, note = prop(target, c, data, dtype, layer, x)
-            where = f"{_sizes(c, layer)}\n  property: {note}"
+            where = f"{_sizes(target, c, layer)}\n  property: {note}"
             try:
                 got = run(layer.weights)
             except Exception as error:

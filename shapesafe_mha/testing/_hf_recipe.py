@@ -8,10 +8,13 @@ holds, its constructor and forward signatures). What the per-head reference comp
 layout. Nothing is decided from a computed attribute such as `scaling`: a wrong one is a bug for the
 check to catch, not a variant to refuse. What no field says is shown on a probe of a part, not of the
 attention's forward: a norm submodule on its own (RMSNorm, `1 + weight`, LayerNorm), the modeling
-module's `apply_rotary_pos_emb` (pairs or halves); only layer types that rotate where others do not
-(NoPE layers) are told by calling the layer. A bug inside a norm submodule is therefore refused (a
-norm we do not know), not reported. Any error while deciding is a refusal naming the class, never a
-traceback from inside the check.
+module's `apply_rotary_pos_emb` (pairs or halves), the theta of GPT-J's and CodeGen's own `(sin, cos)`
+tables (`config.rotary_dim` features, no `rope_parameters`); only layer types that rotate where others
+do not (NoPE layers) are told by calling the layer. A bug inside a norm submodule is therefore refused
+(a norm we do not know), not reported. CodeGen's `mp_num` (the blocks of its `qkv_proj`) is read from
+the layer, where its forward reads it: a forward that splits the rows otherwise fails the heads property,
+reported, not refused. Any error while deciding is a refusal naming the class, never a traceback from
+inside the check.
 """
 
 import importlib
@@ -28,7 +31,7 @@ from .._compute.reference import NormKind, NormOver, RopeStyle, _layer_norm
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
 from .._interop.adapters import NAMES, load_weights
-from .._interop.hf import rope_interleaved
+from .._interop.hf import BLOCK_ORDER, block_fused, rope_interleaved, sincos_rope
 
 OWNER = "check_hf_attention()"
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -87,7 +90,7 @@ class Recipe:
     has_head_dim: bool
     has_bias_switch: bool
     width_free: bool
-    fused: str | None  # "stacked": one [q; k; v] projection; "per_head": [q_h; k_h; v_h] for each head
+    fused: str | None  # "stacked": one [q; k; v] projection; "per_head": [q_h; k_h; v_h] for each head; "blocks"
     rotary_cls: type[nn.Module] | None
     rope_style: RopeStyle = "half"
     rotary_factor: float = 1.0
@@ -103,6 +106,10 @@ class Recipe:
     sinks: bool = False  # a `sinks` parameter of one logit per head (gpt-oss)
     nope: frozenset[int] = frozenset()  # layers (by index) that apply no RoPE where others do (Cohere 2, SmolLM3)
     cache_keyword: str = "past_key_values"
+    # RoPE on config.rotary_dim features with the rotary class's own (sin, cos) tables (GPT-J, CodeGen): the check
+    # draws rotary_dim and reads theta from the tables, which no field holds
+    in_layer_rope: bool = False
+    blocks: int = 1  # CodeGen's qkv_proj: the layer's mp_num blocks, each [q_b; v_b; k_b]
 
     def rotary_dim(self, d_head: int) -> int | None:
         return None if self.rotary_factor == 1.0 else int(d_head * self.rotary_factor)
@@ -269,10 +276,12 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             value = getattr(default, field_name, None)
             if value not in neutral:
                 raise refuse(name, f"config.{field_name}={value!r}: {what}")
-        if getattr(default, "rotary_dim", None) is not None:
-            raise refuse(name, f"RoPE on config.rotary_dim={default.rotary_dim} features, applied inside the layer")
         parameters = rope_parameters(default)
         has_rope = bool(parameters) or getattr(default, "rope_theta", None) is not None
+        in_layer = getattr(default, "rotary_dim", None) is not None
+        if in_layer and has_rope:  # a rotary_dim beside rope_parameters: which one the layer reads is not known
+            what = f"RoPE on config.rotary_dim={default.rotary_dim} features beside rope_parameters (which it follows)"
+            raise refuse(name, what)
         for key, what in (("llama_4_scaling_beta", "queries scaled by position (Llama 4 scaling)"),):
             if parameters.get(key) is not None:
                 raise refuse(name, f"rope_parameters[{key!r}]={parameters[key]!r}: {what}")
@@ -297,11 +306,19 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             sizes["head_dim"] = 16
             if _accepts(config_cls, **{**sizes, "hidden_size": 24}):  # num_heads * head_dim apart from hidden_size
                 sizes["hidden_size"] = 24
+        if in_layer:
+            sizes["rotary_dim"] = 8  # of the tiny head's 16 features
         config = tiny_config(config_cls, **sizes)
         module = attention_cls(config, layer_idx=layers[0][0])
-        if not forward.get("position_embeddings") and has_rope:
+        if not forward.get("position_embeddings") and (has_rope or in_layer):
             raise refuse(name, "RoPE applied inside the layer from position_ids (no position_embeddings argument)")
-        if has_rope:
+        if in_layer:
+            rotary_cls = rotary_class(attention_cls, config_cls)
+            if rotary_cls is None:
+                raise refuse(name, "RoPE on config.rotary_dim features without a rotary class beside the layer")
+            modeling = importlib.import_module(attention_cls.__module__)
+            style = "interleaved" if sincos_rope(modeling, rotary_cls(config), 8, f"{OWNER}: {name}")[1] else "half"
+        elif has_rope:
             config = tiny_config(config_cls, **sizes, rope_parameters=drawn_rope(default, 10000.0))
             factor = _rotary_factor(config, name, layers[0][1])
             rotary_cls = rotary_class(attention_cls, config_cls)
@@ -355,6 +372,8 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         rotary_cls=rotary_cls,
         rope_style=style,
         rotary_factor=factor,
+        in_layer_rope=in_layer,
+        blocks=next((found[1] for found in [block_fused(module)] if found is not None), 1),
         qk_norm=norm,
         out_norm_eps=out_norm,
         logit_softcap=None if softcap is None else float(softcap),
@@ -395,7 +414,10 @@ _PER_HEAD = ("query_key_value",)  # GPT-NeoX, Persimmon: each head's [q; k; v] r
 
 
 def _layout(module: nn.Module, name: str, config: Any) -> str | None:
-    """None: four projections; "stacked": one `[q; k; v]`; "per_head": `[q_h; k_h; v_h]` for each head."""
+    """None: four projections; "stacked": one `[q; k; v]`; "per_head": `[q_h; k_h; v_h]` for each head; "blocks":
+    CodeGen's `qkv_proj`, its `mp_num` blocks each `[q_b; v_b; k_b]`."""
+    if block_fused(module) is not None:
+        return "blocks"
     if isinstance(getattr(module, "query_key_value", None), nn.Linear):
         if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
             return "stacked"  # Falcon's multi-query layout: every head's queries, then the one key and value
@@ -534,14 +556,18 @@ def _refuse_unloaded(module: nn.Module, name: str, fused: str | None) -> None:
 
 
 def load_layer_weights(module: nn.Module, weights: AttentionWeights, recipe: Recipe, heads: int) -> AttentionWeights:
-    """`load_weights`, and the per-head fused layout (`query_key_value` rows `[q_h; k_h; v_h]` for each head)."""
-    if recipe.fused != "per_head":
+    """`load_weights`, and the per-head fused layout (`query_key_value` rows `[q_h; k_h; v_h]` for each head) and
+    CodeGen's (`qkv_proj` rows in `recipe.blocks` blocks, each `[q_b; v_b; k_b]`)."""
+    if recipe.fused not in ("per_head", "blocks"):
         named = recipe.fused == "stacked" and isinstance(getattr(module, "query_key_value", None), nn.Module)
         return load_weights(module, weights, names={"qkv": "query_key_value"} if named else None)
-    fused: Any = module.query_key_value
+    fused: Any = module.query_key_value if recipe.fused == "per_head" else module.qkv_proj
     d = weights.w_q.shape[0] // heads
 
     def per_head(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if recipe.fused == "blocks":
+            rows = {"q_proj": q, "k_proj": k, "v_proj": v}
+            return torch.stack([rows[n].unflatten(0, (recipe.blocks, -1)) for n in BLOCK_ORDER], 1).flatten(0, 2)
         return torch.cat([torch.cat((q[h * d : (h + 1) * d], k[h * d : (h + 1) * d], v[h * d : (h + 1) * d]))
                           for h in range(heads)])  # fmt: skip
 
