@@ -239,6 +239,9 @@ EQUIVALENT: dict[str, str] = {
         "torch's enable_gqa=True for MHA too: with as many KV heads as query heads it has nothing to repeat, the same "
         "SDPA"
     ),
+    f"{_K}x_folded_sinks__mutmut_12": (
+        "flatten(1) for flatten(1, 2): the expanded sinks are 3-D (num_kv_heads, group, seq), so axis 2 is the last"
+    ),
     f"{_K}x_weighted_values__mutmut_1": (
         "dropout_p >= 0 for > 0: F.dropout with p = 0 keeps every value (x * 1 / (1 - 0)), and its gradient"
     ),
