@@ -317,3 +317,53 @@ def test_causal_weights_put_exactly_zero_on_every_future_key(num_kv_heads: int, 
     assert torch.all(weights[..., future] == 0)
     assert torch.all(weights[..., ~future] > 0)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, seq, dtype=torch.float64), **F64)
+
+
+def _weights_head_by_head(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float | None, softcap: float | None
+) -> torch.Tensor:
+    """Head by head: softmax of `softcap * tanh(q_h k_g^T * scale / softcap)` plus a float mask, over the keys a bool
+    mask allows; zeros for a query allowed no key."""
+    batch, heads, seq, d_head = q.shape
+    group = heads // k.shape[1]
+    weights = torch.zeros(batch, heads, seq, k.shape[2], dtype=q.dtype)
+    for b in range(batch):
+        for h in range(heads):
+            scores = q[b, h] @ k[b, h // group].T * (1 / math.sqrt(d_head) if scale is None else scale)
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            if mask is not None and mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, -math.inf)
+            elif mask is not None:
+                scores = scores + mask
+            weights[b, h] = torch.softmax(scores, -1).nan_to_num(0.0)
+    return weights
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize(("scale", "softcap"), [(None, None), (0.3, None), (None, 2.0), (0.3, 2.0)])
+def test_weights_and_attention_are_a_softmax_head_by_head(
+    num_kv_heads: int, mask_kind: str | None, scale: float | None, softcap: float | None
+) -> None:
+    """attention_weights and scaled_dot_product_attention, MHA/GQA/MQA, unmasked or with a bool or float mask
+    (-inf = masked; query 1 allowed no key), a scale and a softcap: per head, the softmax computed head by head,
+    and the output those weights applied to the values; query 1's row is zeros."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, num_kv_heads, 7, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    allowed = torch.rand(5, 7, generator=generator) > 0.4
+    allowed[:, 0], allowed[1] = True, False
+    mask = {
+        None: None,
+        "bool": allowed,
+        "float": torch.randn(5, 7, generator=generator, dtype=torch.float64).masked_fill(~allowed, -math.inf),
+    }[mask_kind]
+
+    weights = ssm.attention_weights(q, k, attn_mask=mask, scale=scale, softcap=softcap)
+    out = ssm.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, softcap=softcap)
+    expected = _weights_head_by_head(q, k, mask, scale, softcap)
+    torch.testing.assert_close(weights, expected, **F64)
+    torch.testing.assert_close(out, expected @ v.repeat_interleave(4 // num_kv_heads, 1), **F64)
+    if mask is not None:
+        assert torch.all(weights[:, :, 1] == 0) and torch.all(out[:, :, 1] == 0)

@@ -194,6 +194,50 @@ def test_the_public_stage_on_torchs_kernel_equals_a_per_head_loop(data: st.DataO
     torch.testing.assert_close(ours, _per_head(q, k, v, mask, is_causal), atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize(("batch", "num_heads", "kv_seq"), [(1, 8, 1000), (16, 2, 300)])
+def test_a_decoding_query_takes_torchs_kernel_up_to_native_decode_max_elements(
+    batch: int, num_heads: int, kv_seq: int, kernels_taken: list[str]
+) -> None:
+    """One query against kv_seq keys goes to torch's kernel where batch * num_heads * kv_seq * d_head is at most
+    NATIVE_DECODE_MAX, and folds above, whichever of batch and num_heads is the larger (1 * 8 * 1000 * 8 is under,
+    16 * 2 * 300 * 8 over); both equal a per-head loop."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, num_heads, 1, D, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(batch, 1, kv_seq, D, generator=generator, dtype=torch.float64) for _ in range(2))
+    out = ssm.scaled_dot_product_attention(q, k, v, is_causal=True)
+    under = batch * num_heads * kv_seq * D <= _kernels.NATIVE_DECODE_MAX
+    assert kernels_taken == ["native" if under else "folded"]
+    torch.testing.assert_close(out, _per_head(q, k, v, None, True), atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("num_kv_heads", [H, HKV, 1])
+@pytest.mark.parametrize("kv_seq", [S, KV])
+def test_causal_attention_without_a_mask_equals_a_per_head_loop(num_kv_heads: int, kv_seq: int) -> None:
+    """is_causal alone, MHA/GQA/MQA, square (where torch's own causal mask is ours) or with more keys than queries
+    (lower-right): attention computed head by head."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, S, D, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(B, num_kv_heads, kv_seq, D, generator=generator, dtype=torch.float64) for _ in range(2))
+    ours = ssm.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, _per_head(q, k, v, None, True), atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_decoding_query_against_many_keys_folds_and_equals_a_per_head_loop(masked: bool) -> None:
+    """GQA, one query against LONG keys (over NATIVE_DECODE_MAX: folded), unmasked or with a mask that leaves the
+    first sequence no key: attention computed head by head, zeros where no key is allowed."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 1, D, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(B, HKV, LONG, D, generator=generator, dtype=torch.float64) for _ in range(2))
+    assert not _kernels.native_decodes(B, H, LONG, D)
+    mask = None
+    if masked:
+        mask = torch.rand(B, 1, 1, LONG, generator=generator) > 0.5
+        mask[0] = False
+    ours = ssm.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    torch.testing.assert_close(ours, _per_head(q, k, v, mask, True), atol=1e-10, rtol=1e-8)
+
+
 @pytest.mark.skipif(_kernels.TORCH_RELEASE < MEASURED, reason="measured from torch 2.13")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_torchs_cpu_kernel_zeroes_rows_with_no_key_itself(dtype: torch.dtype) -> None:

@@ -125,6 +125,27 @@ def test_dropout_acts_in_training_only_and_from_torch_carries_it() -> None:
     assert ssm.MultiHeadAttention.from_torch(theirs).dropout == 0.25
 
 
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_dropout_zeroes_some_probabilities_and_divides_the_rest_by_the_keep_rate(
+    softcap: float | None, num_kv_heads: int, device: str
+) -> None:
+    """Dropout acts on the probabilities, MHA and GQA: with the identity for values, the output is the weights with
+    each entry either 0 or divided by 1 - dropout_p (both occur), and a query allowed no key stays zeros, never NaN."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, n, m, 8, generator=generator).to(device) for n, m in ((4, 5), (num_kv_heads, 8)))
+    values = torch.eye(8, device=device).expand(2, num_kv_heads, 8, 8)  # output row = the query's weights
+    mask = torch.ones(5, 8, dtype=torch.bool, device=device)
+    mask[1] = False
+    weights = ssm.attention_weights(q, k, attn_mask=mask, softcap=softcap)
+    torch.manual_seed(0)
+    out = ssm.scaled_dot_product_attention(q, k, values, attn_mask=mask, dropout_p=0.25, softcap=softcap)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], weights[kept] / 0.75)
+    assert kept.any() and (~kept & (weights != 0)).any()
+    assert torch.all(out[:, :, 1] == 0)
+
+
 # --- verdicts and the cache ------------------------------------------------------------------------------
 
 

@@ -327,6 +327,20 @@ def test_a_qk_norm_offset_of_one_scales_by_one_plus_weight_and_starts_at_a_scale
     torch.testing.assert_close(module.q_norm(x), 1.5 * x / x.pow(2).mean(-1, keepdim=True).sqrt())
 
 
+@pytest.mark.parametrize("attention_sinks", [False, True])
+def test_under_autocast_the_weights_are_in_the_dtype_autocast_computes_in(attention_sinks: bool) -> None:
+    """A float32 module under bfloat16 autocast returns bfloat16 weights, float32 attention sinks or not: a sink
+    takes part in its row's softmax at the scores' precision, like every other logit."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, 2, attention_sinks=attention_sinks)
+    if module.sinks is not None:
+        with torch.no_grad():
+            module.sinks.copy_(torch.tensor([0.3, -1.1, 2.7, 0.1234]))
+    with torch.autocast("cpu", torch.bfloat16):
+        out, weights = module(torch.randn(2, 5, 32), is_causal=True, need_weights=True)
+    assert out.dtype == weights.dtype == torch.bfloat16
+
+
 def test_public_attention_takes_window_and_softcap() -> None:
     """`scaled_dot_product_attention(window=, softcap=)` == the probabilities computed by hand, then @ v."""
     torch.manual_seed(1)

@@ -34,6 +34,7 @@ _M = "shapesafe_mha._core.messages."
 _C = "shapesafe_mha._compute.cache."
 _F = "shapesafe_mha._compute.fastpath."
 _R = "shapesafe_mha._compute.rotary."
+_K = "shapesafe_mha._compute.kernels."
 _STRICT = "zip's strictness: the lengths are equal already (the rank was compared, or the value fits that alternative)"
 _UNREAD_SOURCE = "the source returned beside None is never read: callers look at the size first, and None means free"
 _EVAL_GLOBALS = (
@@ -52,6 +53,14 @@ _WRONG_KIND_ARG = (
 _OWN_SESSION = (
     "drops `arg` from KVCache.append's dtype/device refusal: append is always checked in a session of its own (top "
     "level: never prefixed) and its stage has no explain hook, the only readers of `arg`"
+)
+_OPENED_ANYWAY = (
+    "rows opened and zeroed here where torch's CPU kernel zeroes them itself (no dropout), or where no row is empty "
+    "(may_empty is False): the same zeros, in values and gradients, for one mask pass more"
+)
+_MASK_BUILT_ANYWAY = (
+    "the explicit mask built where None (torch's own is_causal, or nothing to mask) meant the same keys: the window "
+    "hides none (kv_seq <= window, or no window), or the query is a single one, which sees every key"
 )
 _NO_NONE_SUBMODULE = (
     "continue -> break at a None submodule: module_state is given MultiHeadAttention's and LatentAttention's "
@@ -174,6 +183,68 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (11, 12, 14, 15, 16, 17, 18, 19)
     },
+    # --- kernels ---
+    f"{_K}x_rotate_part__mutmut_1": (
+        "interleaved's default made True: its one caller, apply_partial_rotary, always passes it"
+    ),
+    f"{_K}x_open_empty_rows__mutmut_11": (
+        "a float row with no key opened with 1.0 instead of 0.0: any constant row gives the same finite softmax "
+        "(shift-invariant), and the row is zeroed after, its gradient with it"
+    ),
+    f"{_K}x_probabilities__mutmut_22": (
+        "k.transpose(-1, 2) for (-1, -2): k is always (batch, heads, kv_seq, d_head), where axis 2 is axis -2"
+    ),
+    **{f"{_K}x_attend__mutmut_{n}": _OPENED_ANYWAY for n in (23, 28)},
+    **{f"{_K}x_attend_native__mutmut_{n}": _OPENED_ANYWAY for n in (6, 9)},
+    f"{_K}x_combine_masks__mutmut_1": (
+        "gqa's default made True: attention_weights passes explicit=True (the shortcut never taken), and "
+        "LatentAttention, which omits it, gives its expanded keys as many heads as the queries and decodes absorbed "
+        "one query at a time, never causal-masked (seq > 1)"
+    ),
+    **{f"{_K}x_combine_masks__mutmut_{n}": _MASK_BUILT_ANYWAY for n in (7, 24, 27)},
+    f"{_K}x_combine_masks__mutmut_44": (
+        "the window applied where window_matters says it hides nothing (kv_seq <= window): tril(kv_seq - seq - window) "
+        "is then empty (offset <= -seq), so the mask is unchanged"
+    ),
+    **{f"{_K}x_window_matters__mutmut_{n}": _MASK_BUILT_ANYWAY for n in (2, 4, 6)},
+    f"{_K}x_open_rows__mutmut_1": _OPENED_ANYWAY,
+    **{
+        f"{_K}x_may_empty_rows__mutmut_{n}": (
+            "may_empty made true in more cases (causal and square, or more queries than keys without causality): it "
+            "only decides whether rows with no key are opened and zeroed, which does nothing where no row is empty"
+        )
+        for n in (3, 4)
+    },
+    f"{_K}x_sdpa_causal__mutmut_1": "gqa's default made True: both callers, combine_masks and native_causal, pass it",
+    f"{_K}x_native_causal__mutmut_1": (
+        "gqa's default made True: the callers that omit it (the module's MHA shortcut, LatentAttention's expanded "
+        "keys) give q and k as many heads, where gqa is not read"
+    ),
+    f"{_K}x_native_causal__mutmut_5": (
+        "seq >= 1 for > 1: differs only for one query against one key (square), which torch's causal mask leaves "
+        "seeing that key, as no mask does"
+    ),
+    f"{_K}x_on_native_device__mutmut_1": (
+        "the is_cpu shortcut never taken: device.type in NATIVE_GQA_DEVICES gives the same answer, 0.2 us slower"
+    ),
+    f"{_K}x_native_decodes__mutmut_4": (
+        "< for <=: only a decoding call of exactly NATIVE_DECODE_MAX elements changes kernel, to the fold, which "
+        "computes the same attention (both equal a per-head loop, tests/test_native_gqa.py), at a measured tie"
+    ),
+    f"{_K}x_sdpa_gqa__mutmut_13": (
+        "dropout_p dropped from torch's GQA call: sdpa_gqa is reached only where native_gqa holds with fewer KV heads, "
+        "which excludes dropout, so dropout_p is 0 there"
+    ),
+    f"{_K}x_sdpa_heads__mutmut_2": (
+        "torch's enable_gqa=True for MHA too: with as many KV heads as query heads it has nothing to repeat, the same "
+        "SDPA"
+    ),
+    f"{_K}x_folded_sinks__mutmut_12": (
+        "flatten(1) for flatten(1, 2): the expanded sinks are 3-D (num_kv_heads, group, seq), so axis 2 is the last"
+    ),
+    f"{_K}x_weighted_values__mutmut_1": (
+        "dropout_p >= 0 for > 0: F.dropout with p = 0 keeps every value (x * 1 / (1 - 0)), and its gradient"
+    ),
     f"{_R}x_check_rotary_width__mutmut_11": (
         "d_head > 2 for d_head > 1: they differ only at d_head == 2, which is even and never reaches the message"
     ),
