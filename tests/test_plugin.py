@@ -13,6 +13,17 @@ def test_profiles_are_registered() -> None:
     assert all(settings.get_profile(name).deadline is None for name in ("ci", "dev", "thorough"))
 
 
+def test_ci_has_a_fixed_budget_without_explaining_and_mutation_also_without_shrinking() -> None:
+    """CI's profile: the same 50 examples every run, no deadline, no explain phase; the mutation runs' profile is
+    that without shrinking (a mutant is killed by any failing example)."""
+    from hypothesis import Phase
+
+    ci, mutation = settings.get_profile("ci"), settings.get_profile("mutation")
+    assert (ci.max_examples, ci.derandomize, ci.deadline) == (50, True, None)
+    assert Phase.explain not in ci.phases and Phase.shrink in ci.phases
+    assert set(mutation.phases) == set(ci.phases) - {Phase.shrink} and mutation.max_examples == 50
+
+
 def test_device_option_reaches_the_fixture(pytester: pytest.Pytester) -> None:
     """A user's test gets --shapesafe-device through the shapesafe_device fixture, and the profile applies."""
     pytester.makepyfile(

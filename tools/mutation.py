@@ -476,7 +476,7 @@ def _stale(mutant: Mutant, tree: Path) -> str | None:
 
 def _kill(mutant: Mutant, tree: Path, timeout: int, jobs: int) -> bool:
     """Apply `mutant` to `tree`, run its tests there, restore the file: whether the tests failed."""
-    env = os.environ | {"PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "ci", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = os.environ | {"PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "mutation", "PYTHONDONTWRITEBYTECODE": "1"}
     if jobs > 1:
         env |= {"OMP_NUM_THREADS": "1"}  # the workers share the cores: one thread each, no oversubscription
     target = tree / mutant.path
