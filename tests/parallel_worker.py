@@ -30,6 +30,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "scalar": {"query_pre_attn_scalar": 3.0},
     "sinks": {"attention_sinks": True},
     "clip_qkv": {"clip_qkv": 0.3},
+    "output_gate": {"output_gate": True},
 }
 
 

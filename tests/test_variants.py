@@ -28,6 +28,7 @@ def variants(draw: Any) -> dict[str, Any]:
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
         "attention_sinks": draw(st.booleans(), label="attention_sinks"),
         "qk_norm_after_rope": draw(st.booleans(), label="qk_norm_after_rope"),  # HunYuan, with a per-head norm
+        "output_gate": draw(st.booleans(), label="output_gate"),  # Qwen3-Next's, without clip_qkv or an "all" norm
         "clip_qkv": draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="clip_qkv"),  # bounds the projections meet
         # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
         "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
@@ -49,9 +50,15 @@ def _after_rope(options: dict[str, Any]) -> bool:
     return options.get("qk_norm_after_rope", False) and options["qk_norm"] and options["qk_norm_over"] == "head"
 
 
+def _gated(options: dict[str, Any]) -> bool:
+    """The drawn output gate: not beside clip_qkv or a QK-norm over every head, which no model combines."""
+    every = options["qk_norm"] and options["qk_norm_over"] == "all"
+    return options.get("output_gate", False) and options.get("clip_qkv") is None and not every
+
+
 def _module_options(options: dict[str, Any]) -> dict[str, Any]:
     kept = {k: v for k, v in options.items() if k not in ("rope_share", "rope_interleaved")}
-    return {**kept, "qk_norm_after_rope": _after_rope(options)}
+    return {**kept, "qk_norm_after_rope": _after_rope(options), "output_gate": _gated(options)}
 
 
 def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.MultiHeadAttention:
@@ -67,7 +74,9 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
         **_module_options(options),
         **_rope_options(config, options),
     )
-    module.load_state_dict(base.state_dict(), strict=False)
+    gated = module.output_gate  # its q_proj twice as wide: its own random weights
+    module.load_state_dict({k: v for k, v in base.state_dict().items() if not (gated and k.startswith("q_proj"))},
+                           strict=False)  # fmt: skip
     if options["qk_norm"]:
         seed = data.draw(st.integers(0, 2**16), label="norm seed")
         generator = torch.Generator().manual_seed(seed)
@@ -92,16 +101,16 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5,
         rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half",
         qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, clip_qkv=options.get("clip_qkv"),
-        qk_norm_after_rope=_after_rope(options),
+        qk_norm_after_rope=_after_rope(options), output_gate=module.gate_weights() if module.output_gate else None,
         **kwargs,
     )  # fmt: skip
 
 
 @given(data=st.data(), options=variants())
 def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
-    """Any mix of QK-norm, window, softcap, query scale, attention sinks and clip_qkv, with or without RoPE (full or
-    partial, halves or adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the module (with and without
-    grad, so every path) equals the reference, head by head."""
+    """Any mix of QK-norm, window, softcap, query scale, attention sinks, clip_qkv and an output gate, with or
+    without RoPE (full or partial, halves or adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the
+    module (with and without grad, so every path) equals the reference, head by head."""
     rope = data.draw(st.booleans(), label="rope")
     config = data.draw(attention_configs(cross=False, max_seq=24, rope=rope), label="config")
     module = _module(config, options, data)
@@ -341,6 +350,7 @@ COMPILED_VARIANTS = {
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
     "attention sinks": {"attention_sinks": True},
     "clip_qkv": {"clip_qkv": 0.5},
+    "output gate": {"output_gate": True},
     "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
     "interleaved RoPE": {"rope_theta": 10000.0, "rope_interleaved": True},
     "partial, interleaved RoPE": {"rope_theta": 10000.0, "rope_dim": 2, "rope_interleaved": True},

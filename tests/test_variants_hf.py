@@ -87,6 +87,10 @@ CASES = {
     # the per-head QK-norm after RoPE (HunYuan's query_layernorm and key_layernorm), the cached keys normalised
     "hunyuan-qk-norm-after-rope": ("hunyuan_v1_dense", 0, {"num_key_value_heads": 2, "head_dim": 8},
                                    {"qk_norm": True, "qk_norm_after_rope": True}),
+    # an output gate in q_proj (each head's queries, then its gate), with a 1 + weight QK-norm and partial rotary
+    "qwen3_next-output-gate": ("qwen3_next", 1, {"num_key_value_heads": 2, "head_dim": 8,
+                                                 "layer_types": ["linear_attention", "full_attention"]},
+                               {"output_gate": True, "qk_norm_offset": 1.0, "rope_dim": 2}),
     # rope_parameters kept per layer type, and a sliding layer
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
@@ -104,7 +108,7 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
               "ernie4_5": "Ernie4_5", "glm": "Glm", "glm4": "Glm4", "gpt_neox": "GPTNeoX",
               "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
               "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1", "gptj": "GPTJ",
-              "codegen": "CodeGen"}[model_type]  # fmt: skip
+              "codegen": "CodeGen", "qwen3_next": "Qwen3Next"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding")
 
@@ -583,3 +587,35 @@ def test_a_conversion_that_rotates_llama4_halves_is_refused_by_its_probe(monkeyp
     monkeypatch.setattr(hf, "rope_layout_of", lambda *a: (rope_layout_of(*a)[0], False))
     with pytest.raises(ssm.ConfigError, match=r"differs from Llama4TextAttention by .* in a (causal|decoding)"):
         ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_a_conversion_that_gates_with_the_wrong_rows_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Next's q_proj holds each head's queries, then its gate; our split taking the gate's rows for the
+    queries (and the queries' for the gate) is refused by from_hf's probe."""
+    from shapesafe_mha._compute import stages
+
+    layer, _ = _layer("qwen3_next-output-gate", "sdpa")
+    split = stages.split_gated_query.fn
+
+    def swapped(x: torch.Tensor, num_heads: int) -> Any:
+        q, gate = split(x, num_heads)
+        return gate.transpose(1, 2), q.transpose(1, 2)
+
+    monkeypatch.setattr(stages.split_gated_query, "fn", swapped)
+    with pytest.raises(ssm.ConfigError, match=r"differs from Qwen3NextAttention by .* in a (causal|decoding)"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
+def test_to_hf_round_trips_an_output_gate_and_refuses_a_module_without_one() -> None:
+    """Qwen3-Next: from_hf then to_hf writes the gated q_proj back (a layer computing the same); a module without
+    the gate is refused for its config, naming output_gate."""
+    layer, rotary = _layer("qwen3_next-output-gate", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta, rope_dim=2, qk_norm=True,
+                                   qk_norm_offset=1.0, norm_eps=ours.q_norm.eps)  # fmt: skip
+    with pytest.raises(ssm.ConfigError, match=r"output_gate=True \(module: None\)"):
+        plain.to_hf(layer.config)

@@ -218,8 +218,8 @@ def choose_path(
 ) -> tuple[str, FusedQKV | None]:
     """Which computation a `MultiHeadAttention` call runs: separate projections (always correct), or a fast
     path where provably the same; the fused Q/K/V weight it builds is kept on the module for the next call."""
-    if key is not query or value is not query or torch.is_grad_enabled():
-        return SEPARATE, None
+    if key is not query or value is not query or torch.is_grad_enabled() or module.output_gate:
+        return SEPARATE, None  # (a gated q_proj holds each head's gate beside its queries: no fused split)
     jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
     if torch.compiler.is_compiling() or jit_tracing or not isinstance(query, Tensor):
         return SEPARATE, None

@@ -180,6 +180,7 @@ def per_head_attention(
     qk_norm_bias: tuple[Tensor, Tensor] | None = None,
     sinks: Tensor | None = None,
     clip_qkv: float | None = None,
+    output_gate: tuple[Tensor, Tensor | None] | None = None,
     out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
     logit_softcap: float | None = None,
@@ -239,6 +240,8 @@ def per_head_attention(
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
+        output_gate: `(w_gate (num_heads * d_head, d_model), b_gate or None)`: each head's output times
+            `sigmoid(x W_gate[h] + b_gate[h])` before the output projection (Qwen3-Next).
         clip_qkv: each projected query, key and value feature clamped to `[-clip_qkv, clip_qkv]` (OLMo),
             after a QK-norm over every head (OLMoE) and before a per-head one.
         scale: the score scale; default `1/sqrt(d_head)`.
@@ -293,9 +296,12 @@ def per_head_attention(
         )
         if sinks is not None:  # one more logit per head, in the softmax's sum and dropped after it
             sink = sinks[head].to(scores.dtype).expand(*scores.shape[:-1], 1)
-            heads.append(_softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v)
+            out = _softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v
         else:
-            heads.append(_softmax_or_zeros(scores) @ v)
+            out = _softmax_or_zeros(scores) @ v
+        if output_gate is not None:  # Qwen3-Next: the head's output gated by its own projection of the query
+            out = out * torch.sigmoid(_linear(query, *_rows(output_gate[0], output_gate[1], head, d_head)))
+        heads.append(out)
     merged = torch.cat(heads, dim=-1)
     if out_norm is not None:  # BitNet: the merged heads RMS-normalised before the output projection
         merged = _rms_norm(merged, *out_norm)

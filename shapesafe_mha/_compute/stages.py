@@ -24,6 +24,7 @@ from .._core.dims import (
     FoldedQueries,
     FullMask,
     FusedInner,
+    GatedQueryInner,
     GroupedQueries,
     Heads,
     Inner,
@@ -33,6 +34,7 @@ from .._core.dims import (
     LinearOut,
     NewKVHeads,
     NewKVInner,
+    OutputGate,
     PaddingMask,
     Probabilities,
     QueryInner,
@@ -406,6 +408,26 @@ def project_query(proj: nn.Module, query: Tokens) -> QueryInner:
     return call_projection(proj, query)
 
 
+@stage(name="q_proj", public=("query",))
+def project_gated_query(proj: nn.Module, query: Tokens) -> GatedQueryInner:
+    """Queries with an output gate (Qwen3-Next): each head's `d_head` query features, then its `d_head` gate."""
+    return call_projection(proj, query)
+
+
+@stage(name="split_q", trace=("split_q", "gate"))
+def split_gated_query(x: GatedQueryInner, num_heads: int) -> tuple[Heads, OutputGate]:
+    """Each head's queries and its gate, views of the projection: `(batch, num_heads, seq, d_head)` and
+    `(batch, seq, num_heads, d_head)`, as the merged heads are laid out."""
+    both = x.unflatten(-1, (num_heads, 2, -1))
+    return both[..., 0, :].transpose(1, 2), both[..., 1, :]
+
+
+@stage(name="output_gate")
+def gate_output(x: QueryInner, gate: OutputGate) -> QueryInner:
+    """The merged heads times `sigmoid(gate)`, feature by feature, before the output projection (Qwen3-Next)."""
+    return (x.unflatten(-1, gate.shape[-2:]) * torch.sigmoid(gate)).flatten(-2)
+
+
 def _project_kv(proj: nn.Module, x: KVTokens) -> NewKVInner:
     return call_projection(proj, x)
 
@@ -678,6 +700,9 @@ FORWARD_STAGES: dict[str, Any] = {
     "project_key": project_key,
     "project_value": project_value,
     "project_qkv": project_qkv,
+    "project_gated_query": project_gated_query,
+    "split_gated_query": split_gated_query,
+    "gate_output": gate_output,
     "unfuse": unfuse,
     "split_query": split_query,
     "split_key": split_key,

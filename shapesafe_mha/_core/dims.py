@@ -43,6 +43,8 @@ Memory = Float[Tensor, "batch kv_seq d_model"]  # key/value inputs, every positi
 KVTokens = Float[Tensor, "batch new d_model"]  # key/value inputs appended to a KV cache
 Inner = Float[Tensor, "batch seq d_inner"]
 QueryInner = Float[Tensor, "batch seq num_heads*d_head"]  # projected queries, and the merged heads
+GatedQueryInner = Float[Tensor, "batch seq num_heads*2*d_head"]  # each head's queries, then its output gate
+OutputGate = Float[Tensor, "batch seq num_heads d_head"]
 NewKVInner = Float[Tensor, "batch new num_kv_heads*d_head"]  # projected keys or values
 FusedInner = Float[Tensor, "batch seq (num_heads+2*num_kv_heads)*d_head"]  # q, k and v projected at once
 

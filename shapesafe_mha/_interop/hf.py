@@ -267,6 +267,9 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0:
             raise _refuse("config.clip_qkv", clip, "a clip bound must be a positive number (None: no clipping)")
         options["clip_qkv"] = float(clip)
+    q_proj = getattr(attention, "q_proj", None)
+    if isinstance(q_proj, nn.Linear) and q_proj.out_features == 2 * config.num_attention_heads * head_dim:
+        options["output_gate"] = True  # Qwen3-Next: each head's queries, then its gate (what the probe verifies)
     if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
         options["attention_sinks"] = True
     return options
@@ -757,6 +760,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
         "clip_qkv": module.clip_qkv,
         "attention_sinks": module.sinks is not None or None,
+        "output_gate": module.output_gate or None,
     }
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
     if different:

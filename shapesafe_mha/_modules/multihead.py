@@ -284,6 +284,9 @@ class MultiHeadAttention(nn.Module):
             the mask (Gemma 2).
         query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
             `d_head ** -0.5` (Gemma 2).
+        output_gate: an output gate (Qwen3-Next, Qwen3.5): `q_proj` gives each head `d_head` query features
+            and then `d_head` gate features, and the merged heads are multiplied by `sigmoid(gate)` before
+            `o_proj`. `q_proj` is then `2 * num_heads * d_head` wide.
         clip_qkv: clamp the projected queries, keys and values to `[-clip_qkv, clip_qkv]` before the head
             split (OLMo, OLMoE; after a QK-norm over every head, before a per-head one).
         attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
@@ -322,6 +325,7 @@ class MultiHeadAttention(nn.Module):
         query_pre_attn_scalar: float | None = None,
         clip_qkv: float | None = None,
         attention_sinks: bool = False,
+        output_gate: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -354,7 +358,15 @@ class MultiHeadAttention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.dropout = dropout
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(d_model, num_heads * d_head, bias=bias, **factory)
+        if not isinstance(output_gate, bool):
+            raise ConfigError(f"{owner}: output_gate must be True or False, but got {output_gate!r}.")
+        if output_gate and ((qk_norm_over == "all" and qk_norm) or clip_qkv is not None):
+            raise ConfigError(
+                f"{owner}: output_gate=True with a QK-norm over every head or clip_qkv: no model computes them "
+                "together, and the gate's place among them is not known."
+            )
+        self.output_gate = output_gate
+        self.q_proj = nn.Linear(d_model, num_heads * d_head * (2 if output_gate else 1), bias=bias, **factory)
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
@@ -404,7 +416,7 @@ class MultiHeadAttention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
         variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
         self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
-        variant = variant or attention_sinks or clip_qkv is not None
+        variant = variant or attention_sinks or clip_qkv is not None or output_gate
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
@@ -458,6 +470,7 @@ class MultiHeadAttention(nn.Module):
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
             + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv is not None else "")
             + (", attention_sinks=True" if self.sinks is not None else "")
+            + (", output_gate=True" if self.output_gate else "")
         )
 
     @property
@@ -465,7 +478,12 @@ class MultiHeadAttention(nn.Module):
         return self.q_proj.bias is not None
 
     def weights(self) -> AttentionWeights:
-        """The parameters as an `AttentionWeights` (the parameters themselves, not copies)."""
+        """The parameters as an `AttentionWeights` (the parameters themselves, not copies; with an output gate,
+        the query rows of `q_proj`, views of it, and `gate_weights()` the gate's)."""
+        if self.output_gate:
+            q_weight, q_bias = self._query_rows(0)
+            return AttentionWeights(q_weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight, q_bias,
+                                    self.k_proj.bias, self.v_proj.bias, self.o_proj.bias)  # fmt: skip
         return AttentionWeights(
             self.q_proj.weight,
             self.k_proj.weight,
@@ -476,6 +494,23 @@ class MultiHeadAttention(nn.Module):
             self.v_proj.bias,
             self.o_proj.bias,
         )
+
+    def gate_weights(self) -> tuple[Tensor, Tensor | None]:
+        """The output gate's rows of `q_proj`, `(num_heads * d_head, d_model)` and the bias's (views of them), as the
+        per-head reference takes them (`per_head_attention(..., output_gate=)`).
+
+        Raises:
+            ConfigError: the module has no output gate.
+        """
+        if not self.output_gate:
+            raise ConfigError("MultiHeadAttention.gate_weights(): this module has no output gate (output_gate=False).")
+        return self._query_rows(1)
+
+    def _query_rows(self, part: int) -> tuple[Tensor, Tensor | None]:
+        """Of a gated `q_proj`, each head's query rows (`part` 0) or gate rows (1), in head order."""
+        weight, bias = self.q_proj.weight, self.q_proj.bias
+        rows = weight.unflatten(0, (self.num_heads, 2, self.d_head))[:, part].flatten(0, 1)
+        return rows, None if bias is None else bias.unflatten(0, (self.num_heads, 2, self.d_head))[:, part].flatten()
 
     @classmethod
     def from_weights(
@@ -674,7 +709,12 @@ class MultiHeadAttention(nn.Module):
             out = o_proj._parameters  # pyright: ignore[reportOptionalMemberAccess]  (built in __init__)
             out_weight, out_bias = out["weight"], out["bias"]
             return s.native_attention(query, fused.weight, fused.bias, out_weight, out_bias, num_heads)
-        if path is FUSED and fused is not None:
+        gate = None
+        if self.output_gate:  # Qwen3-Next: each head's queries and its gate from one projection
+            q, gate = s.split_gated_query(s.project_gated_query(q_proj, query), num_heads)
+            k = s.project_key(k_proj, key)
+            v = s.project_value(v_proj, value)
+        elif path is FUSED and fused is not None:
             qkv = s.project_qkv(query, fused.weight, fused.bias)
             q, k, v = s.unfuse(qkv, num_heads * d_head, num_kv_heads * d_head)
         else:
@@ -686,7 +726,8 @@ class MultiHeadAttention(nn.Module):
             q, k = s.normalize_qk_inner(modules["q_norm"], modules["k_norm"], q, k)
         if self.clip_qkv is not None:
             q, k, v = s.clip_projections(q, k, v, self.clip_qkv)
-        q = s.split_query(q, num_heads)
+        if gate is None:
+            q = s.split_query(q, num_heads)
         k = s.split_key(k, num_kv_heads)
         v = s.split_value(v, num_kv_heads)
         if self.qk_norm and not every and not self.qk_norm_after_rope:
@@ -738,7 +779,10 @@ class MultiHeadAttention(nn.Module):
                 out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)
             else:
                 out = s.unfold(s.attend_folded(folded, k, v, folded_mask, dropout_p, scale), num_heads, rows)
-        out = s.project_output(o_proj, s.merge(out))
+        merged = s.merge(out)
+        if gate is not None:
+            merged = s.gate_output(merged, gate)
+        out = s.project_output(o_proj, merged)
         return out if weights is None else (out, weights)
 
     @classmethod

@@ -129,13 +129,15 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         query_pre_attn_scalar=module.query_pre_attn_scalar,
         clip_qkv=module.clip_qkv,
         attention_sinks=module.sinks is not None,
+        output_gate=module.output_gate,
         device=weight.device,
         dtype=weight.dtype,
     )
     q_rows, kv_rows = _rows(shard.q_heads, module.d_head), _rows(shard.kv_heads, module.d_head)
+    per_query_head = module.q_proj.weight.shape[0] // module.num_heads  # 2 * d_head with an output gate
     with torch.no_grad():
         for mine, full, rows in (
-            (local.q_proj, module.q_proj, q_rows),
+            (local.q_proj, module.q_proj, _rows(shard.q_heads, per_query_head)),
             (local.k_proj, module.k_proj, kv_rows),
             (local.v_proj, module.v_proj, kv_rows),
         ):
@@ -237,10 +239,11 @@ class HeadParallelAttention(nn.Module):
         """Keep this rank's share of `module`: its query heads, the KV heads they read, `o_proj`'s columns.
 
         Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
-        softcap, `query_pre_attn_scalar`, `clip_qkv`, attention sinks (each rank its heads'), dropout, the biases each
-        projection has). The QK-norm weights, whole on every rank, get the gradient summed over the ranks. The result is
-        verified: on a float64 copy, a causal forward and a decoding step of the probe, computed
-        head-parallel (collective: every rank joins), equal `module`'s (`verify=False` skips it).
+        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, attention sinks (each rank its heads'),
+        dropout, the biases each projection has). The QK-norm weights, whole on every rank, get the gradient
+        summed over the ranks. The result is verified: on a float64 copy, a causal forward and a decoding
+        step of the probe, computed head-parallel (collective: every rank joins), equal `module`'s
+        (`verify=False` skips it).
 
         Raises:
             ConfigError: torch.distributed is not initialised, or the heads cannot be split over the
@@ -358,8 +361,9 @@ class HeadParallelAttention(nn.Module):
         Keys are `MultiHeadAttention` parameter names (`q_proj.weight`, ...); a missing gradient is zeros.
         """
         shard, d_head, d_model = self.shard, self.d_head, self.d_model
+        per_query_head = self.local.q_proj.weight.shape[0] // shard.local_heads  # 2 * d_head with an output gate
         layout = {
-            "q_proj": (self.local.q_proj, _rows(shard.q_heads, d_head), self.num_heads * d_head),
+            "q_proj": (self.local.q_proj, _rows(shard.q_heads, per_query_head), self.num_heads * per_query_head),
             "k_proj": (self.local.k_proj, _rows(shard.kv_heads, d_head), self.num_kv_heads * d_head),
             "v_proj": (self.local.v_proj, _rows(shard.kv_heads, d_head), self.num_kv_heads * d_head),
         }

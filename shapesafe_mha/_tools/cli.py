@@ -241,6 +241,9 @@ def trace(
     qk_norm_after_rope: Annotated[
         bool, typer.Option("--qk-norm-after-rope/--qk-norm-before-rope", help="QK-norm after RoPE (HunYuan)")
     ] = False,
+    output_gate: Annotated[
+        bool, typer.Option("--output-gate/--no-output-gate", help="heads gated by q_proj's gate (Qwen3-Next)")
+    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -284,7 +287,7 @@ def trace(
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
-                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope,
+                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

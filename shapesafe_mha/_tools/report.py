@@ -43,6 +43,7 @@ class TraceConfig:
     attention_sinks: bool = False  # a learned logit per head in each softmax, dropped after it (gpt-oss)
     clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (OLMo)
     qk_norm_after_rope: bool = False  # the per-head QK-norm after RoPE (HunYuan)
+    output_gate: bool = False  # the merged heads times sigmoid(gate), the gate from q_proj (Qwen3-Next)
 
 
 @dataclass
@@ -104,6 +105,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "attention_sinks": config.attention_sinks,
         "clip_qkv": config.clip_qkv,
         "qk_norm_after_rope": config.qk_norm_after_rope,
+        "output_gate": config.output_gate,
         "device": device,
         "dtype": dtype,
     }
