@@ -280,6 +280,14 @@ def _llama4_forward(bug: str) -> Callable[..., Any]:
     return forward
 
 
+def _chunks_one_longer(chunk_size: int, left_padding: torch.Tensor) -> Callable[..., Any]:
+    def inner_mask(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
+        start = left_padding[batch_idx]  # the bug: chunks of chunk_size + 1 keys
+        return (kv_idx - start) // (chunk_size + 1) == (q_idx - start) // (chunk_size + 1)
+
+    return inner_mask
+
+
 @dataclass(frozen=True)
 class VariantBug:
     """A bug planted in one variant: the class, the patch, the property that must catch it."""
@@ -344,6 +352,8 @@ VARIANT_BUGS = [
     VariantBug("weightless QK-norm after RoPE", "Llama 4: qk_norm applied to the queries alone",
                Llama4TextAttention, Llama4TextConfig,
                lambda: _patched(Llama4TextAttention, "forward", _llama4_forward("keys unnormed")), "heads"),
+    VariantBug("chunked attention", "Llama 4: chunks one key longer than attention_chunk_size", Llama4TextAttention,
+               Llama4TextConfig, lambda: _patched(masking_utils, "chunked_overlay", _chunks_one_longer), "heads"),
     VariantBug("temperature tuning of NoPE layers", "Llama 4: the scale read one position early",
                Llama4TextAttention, Llama4TextConfig,
                lambda: _patched(Llama4TextAttention, "forward", _llama4_forward("temperature off by one")), "heads"),

@@ -8,8 +8,9 @@ class, the mask from transformers' `create_causal_mask` (or its sliding-window o
 for decoding. What the class computes beyond plain attention is read first (`_hf_recipe.read_recipe`:
 QK-norms, softcapping, other scales, windows, partial or interleaved RoPE, GPT-J's and CodeGen's RoPE
 of `config.rotary_dim` features, which the check draws, with a theta read from their own tables, NoPE
-layers, sinks, an output norm) and handed to the per-head reference, which computes it itself; anything
-else is refused by name. Four properties run in turn, so a failure names what broke: heads,
+layers, sinks, an output norm, Llama 4's chunked layers as a `mask_mod` and its NoPE layers' temperature tuning as
+a `score_mod`, each with sizes drawn small enough to matter) and handed to the per-head reference, which computes it
+itself; anything else is refused by name. Four properties run in turn, so a failure names what broke: heads,
 RoPE/positions, padding/mask, decoding/cache.
 
 transformers is needed here (the `hf` extra); `shapesafe_mha.testing` does not import this module.
@@ -35,7 +36,6 @@ from .._core.weights import AttentionWeights
 from .._interop.hf import sincos_rope
 from ._diagnose import Scenario
 from ._hf_recipe import (
-    CHUNK_REACH,
     OUT_NORMS,
     OWNER,
     cast_embeddings,
@@ -43,7 +43,6 @@ from ._hf_recipe import (
     embeddings,
     load_layer_weights,
     read_recipe,
-    refuse,
     rope_parameters,
     tiny_config,
 )
@@ -70,6 +69,7 @@ class _Layer:
     qk_norm_bias: tuple[Tensor, Tensor] | None = None
     rotary_dim: int | None = None  # drawn where the layer rotates config.rotary_dim features (GPT-J); None: every one
     temperature: tuple[int, float] | None = None  # Llama 4's (floor_scale, attn_scale) on a NoPE layer
+    chunk: int | None = None  # Llama 4's attention_chunk_size on a chunked_attention layer
 
 
 class _Target:
@@ -140,6 +140,10 @@ class _Target:
                 data.draw(st.sampled_from([0.1, 0.5]), label="attn_scale"),
             )
             kwargs["floor_scale"], kwargs["attn_scale"] = temperature
+        chunk = None
+        if layer_type == "chunked_attention":  # chunks the drawn sequences cross, and the config's own
+            chunk = data.draw(st.sampled_from([2, 3, 5, *([r.chunk] if r.chunk else [])]), label="attention_chunk_size")
+            kwargs["attention_chunk_size"] = chunk
         theta = rotary_dim = None
         if r.in_layer_rope:  # the rotated part drawn (an even number of features); theta is the tables' own
             rotary_dim = data.draw(st.sampled_from(range(2, c.d_head + 1, 2)), label="rotary_dim")
@@ -198,7 +202,7 @@ class _Target:
         window = window if sliding else None
         return _Layer(
             config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm,
-            qk_norm_bias, None if rotary_dim == c.d_head else rotary_dim, temperature,
+            qk_norm_bias, None if rotary_dim == c.d_head else rotary_dim, temperature, chunk,
         )
 
     def call(
@@ -227,7 +231,7 @@ class _Target:
 
     def mask(self, layer: _Layer, x: Tensor, attention_mask: Tensor | None, cache: Any, positions: Tensor) -> Any:
         make = create_causal_mask if layer.window is None else create_sliding_window_causal_mask
-        if layer.layer_type == "chunked_attention":  # Llama 4: chunks longer than the check's positions
+        if layer.layer_type == "chunked_attention":  # Llama 4
             make = create_chunked_causal_mask
         return make(
             config=layer.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=positions
@@ -256,6 +260,7 @@ def _sizes(target: _Target, c: AttentionConfig, layer: _Layer) -> str:
         + (f", sliding_window={layer.window}" if layer.window is not None else "")
         + (f", attn_logit_softcapping={layer.softcap:g}" if layer.softcap is not None else "")
         + (f", floor_scale={layer.temperature[0]}, attn_scale={layer.temperature[1]:g}" if layer.temperature else "")
+        + (f", attention_chunk_size={layer.chunk}" if layer.chunk is not None else "")
     )
 
 
@@ -361,7 +366,24 @@ def _scenario(
         out_norm=layer.out_norm,
         qk_norm_bias=layer.qk_norm_bias,
         score_mod=None if layer.temperature is None else _temperature(*layer.temperature),
+        mask_mod=None if layer.chunk is None else _chunks(layer.chunk, padding, x.shape[0], x.device),
     )
+
+
+def _chunks(chunk: int, padding: Tensor | None, batch: int, device: Any) -> Any:
+    """Llama 4's chunked attention as a mask_mod: a query sees the keys of its own chunk of `chunk` cache indices,
+    the chunks counted from each sequence's first real token (after its left padding, as transformers counts)."""
+    left = torch.zeros(batch, dtype=torch.long, device=device)
+    if padding is not None:
+        left = padding.long().cumprod(-1).sum(-1).to(device)  # the leading padding of each sequence
+
+    def mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        shift = left[b.long()]
+        return torch.div(kv_idx - shift, chunk, rounding_mode="floor") == torch.div(
+            q_idx - shift, chunk, rounding_mode="floor"
+        )
+
+    return mod
 
 
 def _temperature(floor_scale: int, attn_scale: float) -> Any:
@@ -402,8 +424,9 @@ def check_hf_attention(
     hypothesis draws sizes (GQA and MQA where the config has `num_key_value_heads`, `head_dim` apart
     from `hidden_size / heads` where the config has `head_dim`, with and without `attention_bias`; a
     layer of each attention type of `layer_types`, a `sliding_window`, the softcap, QK-norm weights
-    and sinks where the class has them), builds `attention_cls(config_cls(...), layer_idx=...)`, loads
-    drawn weights into its projections, and checks four properties in turn, each against
+    and sinks where the class has them, Llama 4's `attention_chunk_size`, `floor_scale` and
+    `attn_scale`), builds `attention_cls(config_cls(...), layer_idx=...)`, loads drawn weights into its
+    projections, and checks four properties in turn, each against
     `reference.per_head_attention` (which applies rotary embeddings itself, from `rope_theta`, and
     computes the variants the class was read to compute: see docs/hf-attention-classes.md for every
     class of the installed transformers):
@@ -436,9 +459,6 @@ def check_hf_attention(
             bug class where a variant of the reference matches, and which heads are wrong.
     """
     target = _Target(attention_cls, config_cls, attn_implementation)
-    chunk = target.recipe.chunk
-    if chunk is not None and chunk <= CHUNK_REACH + max_seq:
-        raise refuse(target.name, f"chunked attention of {chunk} tokens (Llama 4) within the check's positions")
     tol = resolve(dtype, atol, rtol)
     lenient = atol is None and rtol is None
     label = f"{target.name} ({attn_implementation}, {str(dtype).removeprefix('torch.')})"

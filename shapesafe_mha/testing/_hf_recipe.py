@@ -15,8 +15,9 @@ do not (NoPE layers) are told by calling the layer. A bug inside a norm submodul
 the layer, where its forward reads it: a forward that splits the rows otherwise fails the heads property,
 reported, not refused. Llama 4 is read the same way: its complex rotary table (adjacent pairs), its
 weightless `qk_norm` on a probe (on the layers that hold one), its chunked_attention layers from
-`layer_types` (the check builds their mask with `create_chunked_causal_mask`, its chunks longer than the
-positions drawn), and `attn_temperature_tuning` from the config, on the layers shown to be NoPE layers.
+`layer_types` (the check draws chunks the sequences cross and builds their mask with
+`create_chunked_causal_mask`; the reference computes them as a `mask_mod`), and `attn_temperature_tuning`
+from the config, on the layers shown to be NoPE layers.
 Any error while deciding is a refusal naming the class, never a traceback from inside the check.
 """
 
@@ -38,8 +39,6 @@ from .._interop.hf import BLOCK_ORDER, block_fused, rope_interleaved, sincos_rop
 
 OWNER = "check_hf_attention()"
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
-# Llama 4: the check's positions (at most 64 + max_seq) must lie in one chunk of a chunked_attention layer
-CHUNK_REACH = 64
 # The keyword arguments the check passes (as the model's decoder layer does); any other required one is refused.
 _PASSED = {"hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values", "past_key_value",
            "position_ids", "cache_position", "kwargs", "self", "layer_past"}  # fmt: skip
