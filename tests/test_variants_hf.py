@@ -577,6 +577,24 @@ def test_llama4_chunked_layers_and_temperature_tuning_are_refused_by_their_field
         ssm.MultiHeadAttention.from_hf(tuned)
 
 
+def test_to_hf_round_trips_llama4_and_refuses_weighted_norms_and_chunked_layers() -> None:
+    """Llama 4: from_hf then to_hf gives a layer computing the same (its qk_norm holds no weight, so ours must be
+    ones); a module whose norm weights are not ones, or a config whose layer 0 is chunked, is refused by name."""
+    _, layer, rotary = _llama4(0, "sdpa", attn_temperature_tuning=False)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_llama4_forward(back, rotary, x), _llama4_forward(layer, rotary, x), atol=1e-12,
+                                   rtol=0)  # fmt: skip
+        ours.k_norm.weight.mul_(2)
+    with pytest.raises(ssm.ConfigError, match=r"k_norm's weights are not all 1, but Llama4TextAttention's qk_norm"):
+        ours.to_hf(layer.config)
+    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=8192)
+    with pytest.raises(ssm.ConfigError, match=r"config.attention_chunk_size=8192: chunked attention \(Llama 4\)"):
+        ssm.MultiHeadAttention.from_hf(layer).to_hf(chunked.config)
+
+
 def test_a_conversion_that_rotates_llama4_halves_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """from_hf taking Llama 4's complex table for halves (rotate_half) where it pairs adjacent features: the probe
     refuses the conversion, naming the layer."""

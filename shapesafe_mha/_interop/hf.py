@@ -234,7 +234,8 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     norms = [getattr(attention, norm, None) for norm in names]
     shared = getattr(attention, SHARED_QK_NORM, None)
     if isinstance(shared, nn.Module):  # Llama 4: one norm without weight after RoPE, ours of weight 1
-        options.update(qk_norm=True, norm_eps=_norm_eps(shared), qk_norm_after_rope=True)
+        options.update(qk_norm=True, norm_eps=_norm_eps(shared), qk_norm_over="head", qk_norm_offset=0.0,
+                       qk_norm_after_rope=True)
     elif any(norm is not None for norm in norms):
         options["qk_norm"] = True
         options["norm_eps"] = _norm_eps(norms[0])
@@ -711,7 +712,13 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
             f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
         ) from None
     first_type = (getattr(config, "layer_types", None) or [None])[0]  # to_hf builds layer 0
+    if first_type == "chunked_attention":
+        why = "chunked attention (Llama 4) is not computed by this module; attention_chunk_size=None makes it full"
+        raise ConfigError(f"MultiHeadAttention.to_hf(): config.attention_chunk_size={config.attention_chunk_size!r}: "
+                          f"{why}.")  # fmt: skip
     theta, scaling = rope_of(config, first_type)
+    if not _rotates(config, 0):
+        theta, scaling = None, None  # layer 0 is a NoPE layer (no_rope_layers)
     in_layer = None  # GPT-J, CodeGen: (theta, rope_dim, interleaved) of the layer's own tables
     if theta is None and hasattr(config, "rotary_dim"):
         try:
@@ -767,7 +774,14 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         listed = ", ".join(f"{k}={theirs_!r} (module: {mine!r})" for k, (theirs_, mine) in different.items())
         raise ConfigError(f"MultiHeadAttention.to_hf(): the config's layer 0 computes another variant: {listed}.")
     with torch.no_grad():
-        if module.qk_norm:
+        if module.qk_norm and isinstance(getattr(theirs, SHARED_QK_NORM, None), nn.Module):
+            for name in ("q_norm", "k_norm"):  # Llama 4's qk_norm holds no weight: ours must be ones
+                if not torch.all(module._modules[name].weight == 1):
+                    raise ConfigError(
+                        f"MultiHeadAttention.to_hf(): {name}'s weights are not all 1, but {layer_cls.__name__}'s "
+                        f"{SHARED_QK_NORM} holds no weight (an L2 norm); it cannot hold this module."
+                    )
+        elif module.qk_norm:
             for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(theirs)[0], strict=True):
                 getattr(theirs, their_name).weight.copy_(module._modules[name].weight)
         if module.sinks is not None:
