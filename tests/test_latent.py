@@ -169,20 +169,35 @@ def test_a_hooked_or_adapted_kv_b_proj_is_called_not_absorbed() -> None:
 transformers = pytest.importorskip("transformers")
 
 
+# DeepSeek-V3's YaRN (mscale = mscale_all_dim: the score scale times mscale**2, tables unscaled), DeepSeek-V2's
+# (0.707 both), and one with mscale alone (the tables scaled by the attention factor, the score scale as it is)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4,
+        "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
+ROPES = {
+    "default": None,
+    "yarn-v3": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "yarn-v2": {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "yarn-mscale-only": {**YARN, "mscale": 1.0, "mscale_all_dim": 0.0},
+}
+
+
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("q_lora_rank", [12, None])
 @pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("rope", ROPES)
 def test_from_hf_equals_deepseek_v3_attention_full_and_decoding(
-    implementation: str, q_lora_rank: int | None, interleave: bool
+    implementation: str, q_lora_rank: int | None, interleave: bool, rope: str
 ) -> None:
-    """float64; HF computes its RMSNorms (and the eager softmax) in float32, so 1e-6."""
+    """float64; HF computes its RMSNorms (and the eager softmax) in float32, so 1e-6. With YaRN the tables are
+    the scaled ones and the score scale DeepSeek's (times yarn_get_mscale(factor, mscale_all_dim)**2)."""
     from transformers.masking_utils import create_causal_mask
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     config = transformers.DeepseekV3Config(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=8,
         qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1, rope_interleave=interleave,
-        attn_implementation=implementation,
+        attn_implementation=implementation, max_position_embeddings=160,
+        **({} if ROPES[rope] is None else {"rope_parameters": ROPES[rope]}),
     )  # fmt: skip
     torch.manual_seed(0)
     layer = DeepseekV3Attention(config, layer_idx=0).to(torch.float64).eval()
@@ -191,6 +206,7 @@ def test_from_hf_equals_deepseek_v3_attention_full_and_decoding(
             param.uniform_(-0.5, 0.5)
     ours = ssm.LatentAttention.from_hf(layer)
     assert (ours.q_lora_rank, ours.interleaved) == (q_lora_rank, interleave)
+    assert ours.scale == pytest.approx(layer.scaling, rel=1e-12)
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     positions = torch.arange(9).expand(2, 9)
     cos, sin = DeepseekV3RotaryEmbedding(config)(x, positions)
@@ -206,17 +222,33 @@ def test_from_hf_equals_deepseek_v3_attention_full_and_decoding(
         ssm.MultiHeadAttention.from_hf(layer)
 
 
-def test_yarn_rope_is_refused_by_its_field() -> None:
+def test_a_rope_type_we_do_not_compute_is_refused_by_its_field() -> None:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
     config = transformers.DeepseekV3Config(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=8,
         qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                         "original_max_position_embeddings": 64},
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
     )  # fmt: skip
-    with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['rope_type'\]='yarn'"):
+    refused = r"^LatentAttention.from_hf\(\): rope_parameters\['rope_type'\]='dynamic'"
+    with pytest.raises(ssm.ConfigError, match=refused):
         ssm.LatentAttention.from_hf(DeepseekV3Attention(config, layer_idx=0))
+
+
+def test_a_layer_scaling_scores_otherwise_than_its_yarn_config_is_refused_naming_scaling() -> None:
+    """DeepSeek-V3's YaRN multiplies 1/sqrt(qk_head_dim) by mscale**2; a layer holding another scaling (1/sqrt
+    alone, as a port that forgot mscale computes) is refused naming scaling and what the config makes it."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=8,
+        qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1, max_position_embeddings=160,
+        rope_parameters=ROPES["yarn-v3"],
+    )  # fmt: skip
+    layer = DeepseekV3Attention(config, layer_idx=0)
+    layer.scaling = (6 + 4) ** -0.5
+    with pytest.raises(ssm.ConfigError, match=r"scaling=0.316.*the config makes it"):
+        ssm.LatentAttention.from_hf(layer)
 
 
 def test_decoding_with_a_growing_padding_mask_is_checked_a_few_times(monkeypatch: pytest.MonkeyPatch) -> None:

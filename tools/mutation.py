@@ -302,6 +302,9 @@ MUTANTS: list[Mutant] = [
     M("_compute/stages.py", "    return both[..., 0, :].transpose(1, 2), both[..., 1, :]", "    return both[..., 1, :].transpose(1, 2), both[..., 0, :]",
       "the output gate's rows read as the queries and the queries' as the gate",
       "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[qwen3_next-output-gate-sdpa]"),
+    M("_modules/latent.py", "        self.rotary = RotaryEmbedding(d_rope, rope_theta, rope_scaling).to(device=device)",
+      "        self.rotary = RotaryEmbedding(d_rope, rope_theta).to(device=device)", "latent attention's YaRN tables left unscaled",
+      "tests/test_latent.py::test_from_hf_equals_deepseek_v3_attention_full_and_decoding[yarn-mscale-only-True-12-sdpa]"),
     # --- head-parallel ---
     M("_modules/parallel.py", "        parallel._sync_shared_norm_gradients()\n", "",
       "head-parallel QK-norm weights step on each rank's share of their gradient",

@@ -12,6 +12,7 @@ config field, never a silently different layer.
 
 import importlib
 import inspect
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -851,14 +852,16 @@ def latent_from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> An
             f"{owner}: {type(attention).__name__} is not a multi-head latent attention layer (no .config and "
             "kv_a_proj_with_mqa); for q/k/v/o_proj layers use MultiHeadAttention.from_hf."
         )
-    parameters = dict(getattr(config, "rope_parameters", None) or {})
-    kind = parameters.get("rope_type", "default")
-    if kind != "default":
-        raise ConfigError(
-            f"{owner}: rope_parameters['rope_type']={kind!r}: only default RoPE is supported (its positions and "
-            "score scale would differ); this layer would compute something else, so it is refused."
-        )
-    theta = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    try:
+        theta, scaling = rope_of(config)
+    except ConfigError as error:
+        raise ConfigError(str(error).replace(_OWNER, owner, 1)) from None
+    theta = 10000.0 if theta is None else theta
+    d_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    expected = d_head**-0.5
+    if scaling is not None and scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+        factor = float(scaling["factor"])  # DeepSeek-V3: the scale times yarn_get_mscale(factor, mscale_all_dim)**2
+        expected *= (0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
     num_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", num_heads) or num_heads
     if kv_heads != num_heads:  # transformers' layer repeats the rebuilt K/V; MLA has every head's own
@@ -879,15 +882,18 @@ def latent_from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> An
         q_lora_rank=config.q_lora_rank,
         bias=bool(getattr(config, "attention_bias", False)),
         rope_theta=theta,
+        rope_scaling=scaling,
+        scale=expected,
         interleaved=bool(getattr(config, "rope_interleave", False)),
         norm_eps=_norm_eps(norm),
         dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
         device=weight.device,
         dtype=weight.dtype,
     )
-    scaling = getattr(attention, "scaling", module.scale)
-    if abs(scaling - module.scale) > 1e-12:
-        raise _refuse("scaling", scaling, f"only 1/sqrt(qk_head_dim) = {module.scale:g} is supported")
+    held = getattr(attention, "scaling", module.scale)
+    if abs(held - module.scale) > 1e-12 * module.scale:
+        why = f"the config makes it {module.scale:g} (1/sqrt(qk_head_dim), YaRN's mscale_all_dim squared)"
+        raise _refuse("scaling", held, why)
     theirs = attention.state_dict()
     missing, unexpected = module.load_state_dict(theirs, strict=False)
     if missing or unexpected:

@@ -11,6 +11,8 @@ A prefill rebuilds every head's keys and values from the latent (`kv_b_proj`); a
 provably the same computation (see `LatentAttention._absorbs`).
 """
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -458,6 +460,9 @@ class LatentAttention(nn.Module):
         q_lora_rank: width of the queries' bottleneck; None projects queries directly.
         bias: biases on `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj` (DeepSeek's `attention_bias`).
         rope_theta: base of the rotary frequencies.
+        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("yarn": DeepSeek-V3, Kimi K2), or None.
+        scale: the score scale; default `(d_nope + d_rope) ** -0.5` (DeepSeek-V3's YaRN multiplies it by the
+            square of its `mscale_all_dim` factor, which `from_hf` reads).
         interleaved: rotate feature pairs `(2i, 2i+1)` (DeepSeek's `rope_interleave`), not `(i, i + d/2)`.
         norm_eps: epsilon of the bottleneck and latent RMSNorms.
         dropout: on the attention probabilities, in training.
@@ -479,6 +484,8 @@ class LatentAttention(nn.Module):
         q_lora_rank: int | None = None,
         bias: bool = False,
         rope_theta: float = 10000.0,
+        rope_scaling: Mapping[str, Any] | None = None,
+        scale: float | None = None,
         interleaved: bool = False,
         norm_eps: float = 1e-6,
         dropout: float = 0.0,
@@ -497,6 +504,9 @@ class LatentAttention(nn.Module):
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{owner}dropout must be a number in [0, 1), but got {dropout!r}.")
         check_variants(owner, None, None, None, norm_eps)
+        number = isinstance(scale, int | float) and not isinstance(scale, bool)
+        if scale is not None and not (number and 0 < scale < math.inf):
+            raise ConfigError(f"{owner}scale must be a finite positive number, but got {scale!r}.")
         self.d_model, self.num_heads, self.q_lora_rank, self.kv_lora_rank = (
             d_model,
             num_heads,
@@ -505,7 +515,7 @@ class LatentAttention(nn.Module):
         )
         self.d_nope, self.d_rope, self.d_value = d_nope, d_rope, d_value
         self.rope_theta, self.interleaved, self.dropout = rope_theta, bool(interleaved), dropout
-        self.scale = (d_nope + d_rope) ** -0.5
+        self.scale = (d_nope + d_rope) ** -0.5 if scale is None else float(scale)
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         q_width = num_heads * (d_nope + d_rope)
         if q_lora_rank is None:
@@ -518,7 +528,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = nn.RMSNorm(kv_lora_rank, eps=norm_eps, **factory)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (d_nope + d_value), bias=False, **factory)
         self.o_proj = nn.Linear(num_heads * d_value, d_model, bias=bias, **factory)
-        self.rotary = RotaryEmbedding(d_rope, rope_theta).to(device=device)
+        self.rotary = RotaryEmbedding(d_rope, rope_theta, rope_scaling).to(device=device)
         self._sizes = (d_model, num_heads, kv_lora_rank, d_nope, d_rope, d_value)
         self._constants = frozenset({*self._sizes, q_lora_rank or 0, d_nope + d_rope, kv_lora_rank + d_rope})
         self._verdicts = Verdicts()
@@ -536,6 +546,8 @@ class LatentAttention(nn.Module):
             f"d_model={self.d_model}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
             f"kv_lora_rank={self.kv_lora_rank}, d_nope={self.d_nope}, d_rope={self.d_rope}, d_value={self.d_value}, "
             f"rope_theta={self.rope_theta}" + (", interleaved=True" if self.interleaved else "")
+            + ("" if self.rotary.scaling is None else f", rope_scaling={self.rotary.scaling}")
+            + ("" if self.scale == (self.d_nope + self.d_rope) ** -0.5 else f", scale={self.scale:g}")
         )
 
     def new_cache(self, batch: int, capacity: int) -> LatentCache:
