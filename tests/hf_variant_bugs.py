@@ -23,6 +23,7 @@ from transformers import (
     GptOssConfig,
     GraniteConfig,
     HunYuanDenseV1Config,
+    Llama4TextConfig,
     MistralConfig,
     Olmo2Config,
     PersimmonConfig,
@@ -49,6 +50,8 @@ from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as mo
 from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1Attention
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import rotate_half as llama_rotate_half
+from transformers.models.llama4 import modeling_llama4
+from transformers.models.llama4.modeling_llama4 import Llama4TextAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
@@ -236,6 +239,55 @@ def _frequencies_over_head_dim(config: Any, device: Any = None, **kwargs: Any) -
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / head_dim)), 1.0  # the bug: / head_dim
 
 
+def _llama4_rope_in_halves(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[Any, Any]:
+    """Llama 4's complex angles applied to halves (rotate_half), where view_as_complex pairs adjacent features."""
+    cos = torch.cat((freqs_cis.real, freqs_cis.real), -1)[:, :, None, :]  # the bug: cat(angles, angles)
+    sin = torch.cat((freqs_cis.imag, freqs_cis.imag), -1)[:, :, None, :]
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() * cos + llama_rotate_half(x.float()) * sin).type_as(x)
+
+    return turn(xq), turn(xk)
+
+
+def _llama4_forward(bug: str) -> Callable[..., Any]:
+    """Llama4TextAttention's forward with one mistake: "keys unnormed" (qk_norm applied to the queries alone) or
+    "temperature off by one" (the NoPE layers' scale read at floor(i / floor_scale), not floor((i + 1) / ...))."""
+
+    @functools.wraps(Llama4TextAttention.forward)  # its signature too, which the check reads
+    def forward(self: Any, hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any,
+                cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        if self.use_rope:
+            q, k = modeling_llama4.apply_rotary_emb(q, k, position_embeddings)
+        if hasattr(self, "qk_norm"):
+            q = self.qk_norm(q)
+            k = k if bug == "keys unnormed" else self.qk_norm(k)
+        if self.attn_temperature_tuning and not self.use_rope:
+            seen = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+            positions = torch.arange(hidden_states.shape[1], device=hidden_states.device) + seen
+            shift = 0.0 if bug == "temperature off by one" else 1.0
+            scales = torch.log1p(torch.floor((positions.float() + shift) / self.floor_scale)) * self.attn_scale + 1.0
+            q = (q * scales.view(1, -1, 1, 1)).to(q.dtype)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        return self.o_proj(_attend(self, modeling_llama4, q, k, v, attention_mask)), None
+
+    return forward
+
+
+def _chunks_one_longer(chunk_size: int, left_padding: torch.Tensor) -> Callable[..., Any]:
+    def inner_mask(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
+        start = left_padding[batch_idx]  # the bug: chunks of chunk_size + 1 keys
+        return (kv_idx - start) // (chunk_size + 1) == (q_idx - start) // (chunk_size + 1)
+
+    return inner_mask
+
+
 @dataclass(frozen=True)
 class VariantBug:
     """A bug planted in one variant: the class, the patch, the property that must catch it."""
@@ -293,4 +345,16 @@ VARIANT_BUGS = [
     VariantBug("CodeGen's blocks of [q; v; k]", "CodeGen: each block of qkv_proj read as [q; k; v]", CodeGenAttention,
                CodeGenConfig, lambda: _patched(CodeGenAttention, "forward",
                                                _codegen_blocks_read_as_qkv(CodeGenAttention.forward)), "heads"),
+    VariantBug("RoPE of a complex table", "Llama 4: its angles applied to halves, where adjacent pairs were meant",
+               Llama4TextAttention, Llama4TextConfig,
+               lambda: _patched(modeling_llama4, "apply_rotary_emb", _llama4_rope_in_halves), "RoPE/positions",
+               "(2i, 2i+1) was meant"),
+    VariantBug("weightless QK-norm after RoPE", "Llama 4: qk_norm applied to the queries alone",
+               Llama4TextAttention, Llama4TextConfig,
+               lambda: _patched(Llama4TextAttention, "forward", _llama4_forward("keys unnormed")), "heads"),
+    VariantBug("chunked attention", "Llama 4: chunks one key longer than attention_chunk_size", Llama4TextAttention,
+               Llama4TextConfig, lambda: _patched(masking_utils, "chunked_overlay", _chunks_one_longer), "heads"),
+    VariantBug("temperature tuning of NoPE layers", "Llama 4: the scale read one position early",
+               Llama4TextAttention, Llama4TextConfig,
+               lambda: _patched(Llama4TextAttention, "forward", _llama4_forward("temperature off by one")), "heads"),
 ]  # fmt: skip

@@ -43,6 +43,9 @@ VARIANTS = {
         "gptj.GPTJAttention", "GPTJConfig", "sdpa", 1e-10),
     "... behind qkv_proj in mp_num blocks of [q; v; k] (CodeGen)": (
         "codegen.CodeGenAttention", "CodeGenConfig", "sdpa", 1e-10),
+    # its RoPE and its L2 norm compute in float32 inside ("x.float()"): the float32-rounding tolerance
+    "complex RoPE, weightless QK-norm after it, NoPE layers' temperature, chunked layers (Llama 4)": (
+        "llama4.Llama4TextAttention", "Llama4TextConfig", "sdpa", None),
 }  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """The variants against the real transformers layers: Qwen3 (QK-norm), Mistral with a sliding window shorter
 than the sequence, Gemma 2 (logit softcapping, query_pre_attn_scalar, alternating sliding layers), partial
 rotary (Phi, StableLM, Nemotron), interleaved RoPE (Cohere, Helium, ERNIE 4.5) and both (GLM, GLM-4, and GPT-J and
-CodeGen, which rotate `rotary_dim` features with tables of their own), loaded with `MultiHeadAttention.from_hf` and
-computed as the HF model computes them, full forward and decoding."""
+CodeGen, which rotate `rotary_dim` features with tables of their own), Llama 4 (complex RoPE tables, a weightless
+QK-norm after RoPE, NoPE layers), loaded with `MultiHeadAttention.from_hf` and computed as the HF model computes
+them, full forward and decoding."""
 
 import functools
 import inspect
@@ -517,6 +518,105 @@ def test_gptj_and_codegen_decoding_through_their_dynamic_cache_equals_ours_throu
             mine = ours(chunk, is_causal=True, kv_cache=cache)
             torch.testing.assert_close(mine, theirs, atol=1e-10, rtol=1e-8)
     assert theirs_cache.get_seq_length() == SEQ == cache.kept
+
+
+def _llama4(layer_idx: int, implementation: str, **kwargs: Any) -> tuple[Any, Any, Any]:
+    """A Llama 4 text layer in float64 with drawn weights: layers 0-2 rotate (and hold qk_norm), layer 3 is NoPE;
+    attention_chunk_size=None makes every layer full attention (chunked layers are refused by from_hf)."""
+    llama4 = pytest.importorskip("transformers.models.llama4.modeling_llama4")
+    config = transformers.Llama4TextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation=implementation,
+        **{"attention_chunk_size": None, **kwargs},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = llama4.Llama4TextAttention(config, layer_idx=layer_idx).to(torch.float64).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.6, 0.6)
+    return llama4, layer, llama4.Llama4TextRotaryEmbedding(config)
+
+
+def _llama4_forward(layer: Any, rotary: Any, x: torch.Tensor, start: int = 0, cache: Any = None) -> torch.Tensor:
+    """Called as Llama4TextModel calls it: its complex freqs_cis, uncast, and transformers' causal mask."""
+    positions = torch.arange(start, start + x.shape[1])[None]
+    mask = create_causal_mask(config=layer.config, inputs_embeds=x, attention_mask=None, cache=cache,
+                              position_ids=positions)  # fmt: skip
+    return layer(x, position_embeddings=rotary(x, positions), attention_mask=mask, cache=cache)[0]
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("layer_idx", [0, 3])
+def test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_nope_layer(
+    implementation: str, layer_idx: int
+) -> None:
+    """Llama 4: a rope layer's RoPE from its complex table (adjacent pairs) and its qk_norm, an L2 norm without
+    weight after RoPE, loaded as qk_norm=True of weight 1 with rms_norm_eps, qk_norm_after_rope; a NoPE layer
+    (no_rope_layers, temperature tuning off) without RoPE or norm. float64, forward and decoding step by step,
+    against the layer and against its own DynamicCache decoding: 1e-5 on the rope layer (it rotates and normalises in
+    float32 inside: about 6e-7 apart), 1e-10 on the NoPE layer (its eager softmax too stays in float64)."""
+    _, layer, rotary = _llama4(layer_idx, implementation, attn_temperature_tuning=False)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    if layer_idx == 0:
+        loaded = (ours.rope_theta, ours.rope_interleaved, ours.qk_norm, ours.qk_norm_after_rope)
+        assert loaded == (1e4, True, True, True)
+        assert ours.q_norm.eps == layer.config.rms_norm_eps and torch.equal(ours.k_norm.weight, torch.ones(8).double())
+    else:
+        assert (ours.rope_theta, ours.qk_norm) == (None, False)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if layer_idx == 0 else {"atol": 1e-10, "rtol": 1e-8}
+    with torch.no_grad():
+        expected = _llama4_forward(layer, rotary, x)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        cache = ours.new_cache(batch=2, capacity=SEQ)
+        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
+        theirs = transformers.DynamicCache(config=layer.config)
+        hf_steps = [_llama4_forward(layer, rotary, x[:, :2], 0, theirs)]
+        hf_steps += [_llama4_forward(layer, rotary, x[:, i : i + 1], i, theirs) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(hf_steps, dim=1), **tol)
+
+
+def test_llama4_chunked_layers_and_temperature_tuning_are_refused_by_their_fields() -> None:
+    """What MultiHeadAttention does not compute is refused naming the config field, never loaded as full attention:
+    a chunked_attention layer (attention_chunk_size) and a NoPE layer's temperature tuning."""
+    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=8192)
+    with pytest.raises(ssm.ConfigError, match=r"config.attention_chunk_size=8192.*chunked attention \(Llama 4\)"):
+        ssm.MultiHeadAttention.from_hf(chunked)
+    _, tuned, _ = _llama4(3, "sdpa", attn_temperature_tuning=True)
+    with pytest.raises(ssm.ConfigError, match=r"config.attn_temperature_tuning=True.*temperature tuning"):
+        ssm.MultiHeadAttention.from_hf(tuned)
+
+
+def test_to_hf_round_trips_llama4_and_refuses_weighted_norms_and_chunked_layers() -> None:
+    """Llama 4: from_hf then to_hf gives a layer computing the same (its qk_norm holds no weight, so ours must be
+    ones); a module whose norm weights are not ones, or a config whose layer 0 is chunked, is refused by name."""
+    _, layer, rotary = _llama4(0, "sdpa", attn_temperature_tuning=False)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_llama4_forward(back, rotary, x), _llama4_forward(layer, rotary, x), atol=1e-12,
+                                   rtol=0)  # fmt: skip
+        ours.k_norm.weight.mul_(2)
+    with pytest.raises(ssm.ConfigError, match=r"k_norm's weights are not all 1, but Llama4TextAttention's qk_norm"):
+        ours.to_hf(layer.config)
+    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=8192)
+    with pytest.raises(ssm.ConfigError, match=r"config.attention_chunk_size=8192: chunked attention \(Llama 4\)"):
+        ssm.MultiHeadAttention.from_hf(layer).to_hf(chunked.config)
+
+
+def test_a_conversion_that_rotates_llama4_halves_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_hf taking Llama 4's complex table for halves (rotate_half) where it pairs adjacent features: the probe
+    refuses the conversion, naming the layer."""
+    from shapesafe_mha._interop import hf
+
+    _, layer, _ = _llama4(0, "sdpa", attn_temperature_tuning=False)
+    rope_layout_of = hf.rope_layout_of
+    monkeypatch.setattr(hf, "rope_layout_of", lambda *a: (rope_layout_of(*a)[0], False))
+    with pytest.raises(ssm.ConfigError, match=r"differs from Llama4TextAttention by .* in a (causal|decoding)"):
+        ssm.MultiHeadAttention.from_hf(layer)
 
 
 def test_a_conversion_that_gates_with_the_wrong_rows_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -142,7 +142,10 @@ def rope_layout_of(layer: nn.Module, config: Any, head_dim: int) -> tuple[int | 
         dummy = torch.zeros(1, 4, 8)
         takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
         with torch.no_grad():
-            cos, sin = rotary(dummy, positions, *([_layer_type(layer, config)] if takes_type else []))
+            found = rotary(dummy, positions, *([_layer_type(layer, config)] if takes_type else []))
+        if isinstance(found, Tensor) and found.is_complex():
+            return rope_dim, True  # Llama 4's freqs_cis: one complex angle per adjacent pair (view_as_complex)
+        cos, sin = found
         interleaved = rope_interleaved(_modeling(layer), cos, sin)
     return rope_dim, interleaved
 
@@ -230,7 +233,11 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["window"] = window
     names, after_rope = qk_norm_names(attention)
     norms = [getattr(attention, norm, None) for norm in names]
-    if any(norm is not None for norm in norms):
+    shared = getattr(attention, SHARED_QK_NORM, None)
+    if isinstance(shared, nn.Module):  # Llama 4: one norm without weight after RoPE, ours of weight 1
+        options.update(qk_norm=True, norm_eps=_norm_eps(shared), qk_norm_over="head", qk_norm_offset=0.0,
+                       qk_norm_after_rope=True)
+    elif any(norm is not None for norm in norms):
         options["qk_norm"] = True
         options["norm_eps"] = _norm_eps(norms[0])
         options["qk_norm_over"] = _norm_over(norms[0], config)
@@ -273,6 +280,8 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     return options
 
 
+# Llama 4's one QK-norm without weight, for queries and keys, after RoPE
+SHARED_QK_NORM = "qk_norm"
 # A layer's QK-norms by their names: Llama-style q_norm/k_norm before RoPE, HunYuan's after it.
 _QK_NORM_NAMES = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True}
 
@@ -319,15 +328,21 @@ def _norm_eps(norm: Any) -> float:
 
 
 def load_norms(module: Any, attention: nn.Module) -> None:
-    """Copy QK-norm weights, after checking on a probe that their norm is an RMSNorm over `d_head` as ours is."""
-    for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(attention)[0], strict=True):
+    """Copy QK-norm weights, after checking on a probe that their norm is an RMSNorm over `d_head` as ours is
+    (Llama 4's `qk_norm` holds none: ours are ones, and the probe shows it computes `x / rms(x)`)."""
+    shared = getattr(attention, SHARED_QK_NORM, None)
+    their_names = (SHARED_QK_NORM,) * 2 if isinstance(shared, nn.Module) else qk_norm_names(attention)[0]
+    for name, their_name in zip(("q_norm", "k_norm"), their_names, strict=True):
         theirs, ours = getattr(attention, their_name), module._modules[name]
         with torch.no_grad():
-            ours.weight.copy_(theirs.weight)
+            held = getattr(theirs, "weight", None)
+            ours.weight.copy_(torch.ones_like(ours.weight) if their_name == SHARED_QK_NORM else held)
             probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
             probe = probe.to(device=ours.weight.device, dtype=ours.weight.dtype)
             if not torch.allclose(theirs(probe), ours(probe), rtol=1e-3, atol=1e-5):
                 why = "it computes neither weight * x / rms(x) nor (1 + weight) * x / rms(x) (Gemma 3's)"
+                if their_name == SHARED_QK_NORM:
+                    why = "a QK-norm without weight that computes other than x / rms(x) (Llama 4's L2 norm)"
                 raise _refuse(name, type(theirs).__name__, why)
 
 
@@ -517,8 +532,24 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
         raise _refuse("resid_pdrop", dropout.p, "a dropout of the layer's output (resid_dropout) is not computed here")
     for field, what in _UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, None)
-        if value is not None and value is not False:
+        shared = field == "use_qk_norm" and not any(hasattr(attention, n) for n in ("q_norm", "k_norm"))
+        if value is not None and value is not False and not shared:  # Llama 4: its qk_norm, or none on NoPE layers
             raise _refuse(f"config.{field}", value, f"{what} is not computed here")
+    index = getattr(attention, "layer_idx", 0) or 0
+    if _layer_type(attention, config) == "chunked_attention":
+        chunk = getattr(config, "attention_chunk_size", None)
+        why = "chunked attention (Llama 4) is not computed here; attention_chunk_size=None makes its layers full"
+        raise _refuse("config.attention_chunk_size", chunk, why)
+    if not _rotates(config, index) and getattr(config, "attn_temperature_tuning", False):
+        why = "Llama 4's temperature tuning of NoPE layers' queries by position is not computed here"
+        raise _refuse("config.attn_temperature_tuning", config.attn_temperature_tuning, why)
+
+
+def _rotates(config: Any, index: int) -> bool:
+    """Whether layer `index` applies RoPE where `config.no_rope_layers` says (SmolLM3, Llama 4: 1 rotates, 0 not);
+    True where the config has no such list."""
+    switches = getattr(config, "no_rope_layers", None)
+    return not switches or index >= len(switches) or bool(switches[index])
 
 
 def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
@@ -556,6 +587,8 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
     theta, scaling = rope_of(config, _layer_type(attention, config))
+    if not _rotates(config, getattr(attention, "layer_idx", 0) or 0):
+        theta, scaling = None, None  # a NoPE layer (SmolLM3, Llama 4): the config's RoPE is its other layers'
     if theta is not None:
         options["rope_dim"], options["rope_interleaved"] = rope_layout_of(attention, config, head_dim)
     elif hasattr(config, "rotary_dim"):  # GPT-J, CodeGen: RoPE of their own tables, on rotary_dim features
@@ -765,7 +798,13 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
             f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
         ) from None
     first_type = (getattr(config, "layer_types", None) or [None])[0]  # to_hf builds layer 0
+    if first_type == "chunked_attention":
+        why = "chunked attention (Llama 4) is not computed by this module; attention_chunk_size=None makes it full"
+        raise ConfigError(f"MultiHeadAttention.to_hf(): config.attention_chunk_size={config.attention_chunk_size!r}: "
+                          f"{why}.")  # fmt: skip
     theta, scaling = rope_of(config, first_type)
+    if not _rotates(config, 0):
+        theta, scaling = None, None  # layer 0 is a NoPE layer (no_rope_layers)
     in_layer = None  # GPT-J, CodeGen: (theta, rope_dim, interleaved) of the layer's own tables
     if theta is None and hasattr(config, "rotary_dim"):
         try:
@@ -821,7 +860,14 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         listed = ", ".join(f"{k}={theirs_!r} (module: {mine!r})" for k, (theirs_, mine) in different.items())
         raise ConfigError(f"MultiHeadAttention.to_hf(): the config's layer 0 computes another variant: {listed}.")
     with torch.no_grad():
-        if module.qk_norm:
+        if module.qk_norm and isinstance(getattr(theirs, SHARED_QK_NORM, None), nn.Module):
+            for name in ("q_norm", "k_norm"):  # Llama 4's qk_norm holds no weight: ours must be ones
+                if not torch.all(module._modules[name].weight == 1):
+                    raise ConfigError(
+                        f"MultiHeadAttention.to_hf(): {name}'s weights are not all 1, but {layer_cls.__name__}'s "
+                        f"{SHARED_QK_NORM} holds no weight (an L2 norm); it cannot hold this module."
+                    )
+        elif module.qk_norm:
             for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(theirs)[0], strict=True):
                 getattr(theirs, their_name).weight.copy_(module._modules[name].weight)
         if module.sinks is not None:

@@ -8,8 +8,9 @@ class, the mask from transformers' `create_causal_mask` (or its sliding-window o
 for decoding. What the class computes beyond plain attention is read first (`_hf_recipe.read_recipe`:
 QK-norms, softcapping, other scales, windows, partial or interleaved RoPE, GPT-J's and CodeGen's RoPE
 of `config.rotary_dim` features, which the check draws, with a theta read from their own tables, NoPE
-layers, sinks, an output norm) and handed to the per-head reference, which computes it itself; anything
-else is refused by name. Four properties run in turn, so a failure names what broke: heads,
+layers, sinks, an output norm, Llama 4's chunked layers as a `mask_mod` and its NoPE layers' temperature tuning as
+a `score_mod`, each with sizes drawn small enough to matter) and handed to the per-head reference, which computes it
+itself; anything else is refused by name. Four properties run in turn, so a failure names what broke: heads,
 RoPE/positions, padding/mask, decoding/cache.
 
 transformers is needed here (the `hf` extra); `shapesafe_mha.testing` does not import this module.
@@ -25,7 +26,11 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_sliding_window_causal_mask,
+)
 
 from .._core.weights import AttentionWeights
 from .._interop.hf import sincos_rope
@@ -33,11 +38,12 @@ from ._diagnose import Scenario
 from ._hf_recipe import (
     OUT_NORMS,
     OWNER,
+    cast_embeddings,
     drawn_rope,
+    embeddings,
     load_layer_weights,
     read_recipe,
     rope_parameters,
-    tables,
     tiny_config,
 )
 from ._strategies import ALL_KINDS, AttentionConfig, attention_configs, attention_inputs, projection_weights
@@ -62,6 +68,8 @@ class _Layer:
     out_norm: tuple[Tensor, float] | None = None
     qk_norm_bias: tuple[Tensor, Tensor] | None = None
     rotary_dim: int | None = None  # drawn where the layer rotates config.rotary_dim features (GPT-J); None: every one
+    temperature: tuple[int, float] | None = None  # Llama 4's (floor_scale, attn_scale) on a NoPE layer
+    chunk: int | None = None  # Llama 4's attention_chunk_size on a chunked_attention layer
 
 
 class _Target:
@@ -125,6 +133,17 @@ class _Target:
         if r.logit_softcap is not None:  # a cap near the scores' size, where it bends them (the default 50 hardly does)
             softcap = data.draw(st.sampled_from([0.5, 2.0, r.logit_softcap]), label="attn_logit_softcapping")
             kwargs["attn_logit_softcapping"] = softcap
+        temperature = None
+        if r.temperature and layer_idx in r.nope:  # a floor_scale within the check's positions, where it bends them
+            temperature = (
+                data.draw(st.sampled_from([1, 2, 3, 8192]), label="floor_scale"),
+                data.draw(st.sampled_from([0.1, 0.5]), label="attn_scale"),
+            )
+            kwargs["floor_scale"], kwargs["attn_scale"] = temperature
+        chunk = None
+        if layer_type == "chunked_attention":  # chunks the drawn sequences cross, and the config's own
+            chunk = data.draw(st.sampled_from([2, 3, 5, *([r.chunk] if r.chunk else [])]), label="attention_chunk_size")
+            kwargs["attention_chunk_size"] = chunk
         theta = rotary_dim = None
         if r.in_layer_rope:  # the rotated part drawn (an even number of features); theta is the tables' own
             rotary_dim = data.draw(st.sampled_from(range(2, c.d_head + 1, 2)), label="rotary_dim")
@@ -142,7 +161,10 @@ class _Target:
         else:
             sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
         qk_norm = qk_norm_bias = None
-        if r.qk_norm is not None:
+        if r.qk_norm is not None and not r.qk_norm.weighted and layer_idx in (r.qk_norm_layers or {layer_idx}):
+            ones = torch.ones(c.d_head, dtype=torch.float64, device=weights.w_q.device)
+            qk_norm = (ones, ones)  # a norm without weight: the reference's RMSNorm of weight 1
+        elif r.qk_norm is not None and layer_idx in (r.qk_norm_layers or {layer_idx}):
             pair, shifts = [], []
             for name in r.qk_norm.names:
                 norm: Any = getattr(module, name)
@@ -180,7 +202,7 @@ class _Target:
         window = window if sliding else None
         return _Layer(
             config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm,
-            qk_norm_bias, None if rotary_dim == c.d_head else rotary_dim,
+            qk_norm_bias, None if rotary_dim == c.d_head else rotary_dim, temperature, chunk,
         )
 
     def call(
@@ -195,8 +217,8 @@ class _Target:
                 kwargs["position_embeddings"] = (x.new_ones(shape), x.new_zeros(shape))
             else:
                 at = positions * 0 if neutral else positions
-                cos, sin = tables(layer.rotary, x, at, layer.layer_type)
-                kwargs["position_embeddings"] = (cos.to(x.dtype), sin.to(x.dtype))
+                found = embeddings(layer.rotary, x, at, layer.layer_type)
+                kwargs["position_embeddings"] = cast_embeddings(found, x.dtype)
         if self.takes_kwargs or "position_ids" in self.keywords:
             kwargs["position_ids"] = positions
         if "cache_position" in self.keywords:
@@ -209,6 +231,8 @@ class _Target:
 
     def mask(self, layer: _Layer, x: Tensor, attention_mask: Tensor | None, cache: Any, positions: Tensor) -> Any:
         make = create_causal_mask if layer.window is None else create_sliding_window_causal_mask
+        if layer.layer_type == "chunked_attention":  # Llama 4
+            make = create_chunked_causal_mask
         return make(
             config=layer.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=positions
         )
@@ -235,6 +259,8 @@ def _sizes(target: _Target, c: AttentionConfig, layer: _Layer) -> str:
         + (f", layer_type={layer.layer_type!r}" if layer.layer_type is not None else "")
         + (f", sliding_window={layer.window}" if layer.window is not None else "")
         + (f", attn_logit_softcapping={layer.softcap:g}" if layer.softcap is not None else "")
+        + (f", floor_scale={layer.temperature[0]}, attn_scale={layer.temperature[1]:g}" if layer.temperature else "")
+        + (f", attention_chunk_size={layer.chunk}" if layer.chunk is not None else "")
     )
 
 
@@ -339,7 +365,36 @@ def _scenario(
         qk_norm_after_rope=target.recipe.qk_norm is not None and target.recipe.qk_norm.after_rope,
         out_norm=layer.out_norm,
         qk_norm_bias=layer.qk_norm_bias,
+        score_mod=None if layer.temperature is None else _temperature(*layer.temperature),
+        mask_mod=None if layer.chunk is None else _chunks(layer.chunk, padding, x.shape[0], x.device),
     )
+
+
+def _chunks(chunk: int, padding: Tensor | None, batch: int, device: Any) -> Any:
+    """Llama 4's chunked attention as a mask_mod: a query sees the keys of its own chunk of `chunk` cache indices,
+    the chunks counted from each sequence's first real token (after its left padding, as transformers counts)."""
+    left = torch.zeros(batch, dtype=torch.long, device=device)
+    if padding is not None:
+        left = padding.long().cumprod(-1).sum(-1).to(device)  # the leading padding of each sequence
+
+    def mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        shift = left[b.long()]
+        return torch.div(kv_idx - shift, chunk, rounding_mode="floor") == torch.div(
+            q_idx - shift, chunk, rounding_mode="floor"
+        )
+
+    return mod
+
+
+def _temperature(floor_scale: int, attn_scale: float) -> Any:
+    """Llama 4's temperature tuning as a score_mod: the queries at cache index `i` (the query's index in a full
+    forward) scaled by `log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`, so each row of scores is."""
+
+    def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        factor = torch.log1p(torch.floor((q_idx.double() + 1.0) / floor_scale)) * attn_scale + 1.0
+        return score * factor.to(score.dtype)
+
+    return mod
 
 
 PROPERTIES: list[tuple[str, Any, bool]] = [
@@ -369,8 +424,9 @@ def check_hf_attention(
     hypothesis draws sizes (GQA and MQA where the config has `num_key_value_heads`, `head_dim` apart
     from `hidden_size / heads` where the config has `head_dim`, with and without `attention_bias`; a
     layer of each attention type of `layer_types`, a `sliding_window`, the softcap, QK-norm weights
-    and sinks where the class has them), builds `attention_cls(config_cls(...), layer_idx=...)`, loads
-    drawn weights into its projections, and checks four properties in turn, each against
+    and sinks where the class has them, Llama 4's `attention_chunk_size`, `floor_scale` and
+    `attn_scale`), builds `attention_cls(config_cls(...), layer_idx=...)`, loads drawn weights into its
+    projections, and checks four properties in turn, each against
     `reference.per_head_attention` (which applies rotary embeddings itself, from `rope_theta`, and
     computes the variants the class was read to compute: see docs/hf-attention-classes.md for every
     class of the installed transformers):

@@ -13,8 +13,12 @@ tables (`config.rotary_dim` features, no `rope_parameters`); only layer types th
 do not (NoPE layers) are told by calling the layer. A bug inside a norm submodule is therefore refused
 (a norm we do not know), not reported. CodeGen's `mp_num` (the blocks of its `qkv_proj`) is read from
 the layer, where its forward reads it: a forward that splits the rows otherwise fails the heads property,
-reported, not refused. Any error while deciding is a refusal naming the class, never a traceback from
-inside the check.
+reported, not refused. Llama 4 is read the same way: its complex rotary table (adjacent pairs), its
+weightless `qk_norm` on a probe (on the layers that hold one), its chunked_attention layers from
+`layer_types` (the check draws chunks the sequences cross and builds their mask with
+`create_chunked_causal_mask`; the reference computes them as a `mask_mod`), and `attn_temperature_tuning`
+from the config, on the layers shown to be NoPE layers.
+Any error while deciding is a refusal naming the class, never a traceback from inside the check.
 """
 
 import importlib
@@ -34,7 +38,7 @@ from .._interop.adapters import NAMES, load_weights
 from .._interop.hf import BLOCK_ORDER, block_fused, rope_interleaved, sincos_rope
 
 OWNER = "check_hf_attention()"
-ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 # The keyword arguments the check passes (as the model's decoder layer does); any other required one is refused.
 _PASSED = {"hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values", "past_key_value",
            "position_ids", "cache_position", "kwargs", "self", "layer_past"}  # fmt: skip
@@ -72,11 +76,15 @@ class QKNorm:
     names: tuple[str, str] = ("q_norm", "k_norm")
     after_rope: bool = False
     kind: NormKind = "rms"
+    weighted: bool = True  # False: one norm without a weight for both (Llama 4's `qk_norm`, an L2 norm): weight 1
 
 
 # submodule names of a QK-norm, and whether it normalises after RoPE
 QK_NORMS = {("q_norm", "k_norm"): False, ("query_layernorm", "key_layernorm"): True,
             ("q_layernorm", "k_layernorm"): False}  # fmt: skip
+# Llama 4: one `qk_norm` without a weight, for queries and keys, after RoPE (where it sits does not show: a
+# weightless RMS norm of a head commutes with RoPE, which keeps each pair's length)
+SHARED_QK_NORM = "qk_norm"
 OUT_NORMS = ("attn_sub_norm",)  # BitNet: the merged heads normalised before the output projection
 
 
@@ -110,6 +118,11 @@ class Recipe:
     # draws rotary_dim and reads theta from the tables, which no field holds
     in_layer_rope: bool = False
     blocks: int = 1  # CodeGen's qkv_proj: the layer's mp_num blocks, each [q_b; v_b; k_b]
+    qk_norm_layers: frozenset[int] | None = None  # the layers (by index) holding the QK-norm; None: every one
+    # Llama 4's attn_temperature_tuning on NoPE layers: queries scaled by log1p(floor((i + 1) / floor_scale)) *
+    # attn_scale + 1 at cache index i, which the check draws (floor_scale, attn_scale) and the reference computes
+    temperature: bool = False
+    chunk: int | None = None  # Llama 4's attention_chunk_size of its chunked_attention layers
 
     def rotary_dim(self, d_head: int) -> int | None:
         return None if self.rotary_factor == 1.0 else int(d_head * self.rotary_factor)
@@ -156,10 +169,27 @@ def rotary_class(attention_cls: type[nn.Module], config_cls: type) -> type[nn.Mo
 
 
 def tables(rotary: nn.Module, x: Tensor, positions: Tensor, layer_type: str | None) -> tuple[Tensor, Tensor]:
-    """The model's rotary class called as its model calls it (with the layer type where it takes one)."""
-    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
-    cos, sin = rotary(x, positions, *([layer_type] if takes_type else []))
+    """The model's rotary class called as its model calls it (with the layer type where it takes one), as
+    `(cos, sin)`; a complex table (Llama 4's `freqs_cis`, `torch.polar`) is read as its real and imaginary parts."""
+    found = embeddings(rotary, x, positions, layer_type)
+    if isinstance(found, Tensor) and found.is_complex():
+        return found.real, found.imag
+    cos, sin = found
     return cos, sin
+
+
+def embeddings(rotary: nn.Module, x: Tensor, positions: Tensor, layer_type: str | None) -> Any:
+    """What the model passes its layers as `position_embeddings`: the rotary class's output, as it returns it."""
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    return rotary(x, positions, *([layer_type] if takes_type else []))
+
+
+def cast_embeddings(found: Any, dtype: torch.dtype) -> Any:
+    """`(cos, sin)` in the layer's dtype, as the model casts them; a complex table as the rotary class made it
+    (Llama 4's model passes `freqs_cis` uncast)."""
+    if isinstance(found, Tensor) and found.is_complex():
+        return found
+    return tuple(t.to(dtype) for t in found)
 
 
 def drawn_rope(config: Any, theta: float) -> dict[str, Any]:
@@ -205,13 +235,26 @@ def _rope_style(
     attention's forward, which is what is checked); a function that matches neither (a wrong sign, say) is
     taken as halves, so the check reports it."""
     positions = torch.arange(4)[None]
-    cos, sin = tables(rotary, torch.zeros(1, 4, 8), positions, layer_type)
+    found = embeddings(rotary, torch.zeros(1, 4, 8), positions, layer_type)
+    if isinstance(found, Tensor) and found.is_complex():
+        return _complex_style(found, width, name)
+    cos, sin = found
     if cos.shape[-1] not in (width, width // 2):  # gpt-oss keeps one angle per pair: a table half as wide
         raise refuse(name, f"a rotary table {cos.shape[-1]} wide where the config rotates {width} features")
     if cos.ndim != 3:
         raise refuse(name, f"a rotary table of shape {tuple(cos.shape)}, not (batch, seq, features)")
     modeling = importlib.import_module(attention_cls.__module__)
     return "interleaved" if rope_interleaved(modeling, cos, sin, width) else "half"
+
+
+def _complex_style(table: Tensor, width: int, name: str) -> RopeStyle:
+    """Llama 4's pairing, read from its table's format: one complex angle per pair (`freqs_cis`, `torch.polar`), which
+    its model multiplies into `view_as_complex` of each head, adjacent pairs `(2i, 2i+1)` by that view's definition.
+    Read from the table, not from the modeling module's `apply_rotary_emb`, so a function that pairs otherwise is
+    reported by the check, not taken as a variant."""
+    if table.ndim != 3 or table.shape[-1] != width // 2:
+        raise refuse(name, f"a complex rotary table of shape {tuple(table.shape)}, not one angle per pair")
+    return "interleaved"
 
 
 def _norm_of(norm: nn.Module, width: int, name: str, label: str) -> tuple[NormKind, float, float]:
@@ -274,7 +317,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         }
         for field_name, (neutral, what) in _NEUTRAL.items():
             value = getattr(default, field_name, None)
-            if value not in neutral:
+            if value not in neutral and not _read_elsewhere(default, field_name):
                 raise refuse(name, f"config.{field_name}={value!r}: {what}")
         parameters = rope_parameters(default)
         has_rope = bool(parameters) or getattr(default, "rope_theta", None) is not None
@@ -331,9 +374,14 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             style = _rope_style(attention_cls, rotary_cls(config), width, name, layers[0][1])
         fused = _layout(module, name, config)
         tied = _widths(module, name, config, fused)
-        norm = _qk_norm(module, name, config)
+        modules = {i: module if i == layers[0][0] else attention_cls(config, layer_idx=i) for i, _ in layers}
+        holding = [i for i, m in modules.items() if _holds_qk_norm(m)]
+        norm = _qk_norm(modules[holding[0]], name, config) if holding else None
+        if norm is None and getattr(default, "use_qk_norm", None) not in (None, False):
+            raise refuse(name, f"config.use_qk_norm={default.use_qk_norm!r}: {_NEUTRAL['use_qk_norm'][1]}")
         out_norm = _out_norm(module, name, config)
-        _refuse_unloaded(module, name, fused)
+        for held_module in modules.values():
+            _refuse_unloaded(held_module, name, fused)
         nope = _nope_layers(attention_cls, config_cls, rotary_cls, sizes, layers) if rotary_cls else frozenset()
         try:
             source = inspect.getsource(attention_cls)
@@ -360,8 +408,12 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         scale = _pre_attn_scale
     elif scales == ["attention_multiplier"]:
         scale = _multiplier
+    chunk = getattr(default, "attention_chunk_size", None) if "chunked_attention" in types else None
     return Recipe(
         name=name,
+        qk_norm_layers=None if len(holding) == len(modules) else frozenset(holding),
+        temperature=bool(getattr(default, "attn_temperature_tuning", False)) and bool(nope),
+        chunk=chunk,
         config_cls=config_cls,
         width_free=fields["has_head_dim"]
         and not tied
@@ -485,14 +537,52 @@ def _nope_layers(
     for index, layer_type in layers:
         layer = attention_cls(config, layer_idx=index).double().eval()
         with torch.no_grad():
-            outs = [layer(x, position_embeddings=tuple(t.double() for t in tables(rotary, x, at, layer_type)),
+            outs = [layer(x, position_embeddings=cast_embeddings(embeddings(rotary, x, at, layer_type), torch.float64),
                           attention_mask=None, position_ids=at)[0] for at in (positions, positions * 0)]  # fmt: skip
         if torch.equal(outs[0], outs[1]):
             ignoring.add(index)
     return frozenset() if len(ignoring) == len(layers) else frozenset(ignoring)
 
 
+def _read_elsewhere(default: Any, field_name: str) -> bool:
+    """Whether a field of `_NEUTRAL` is read from the layer or the config's layer layout instead of refused:
+    Llama 4's `use_qk_norm` (its `qk_norm`, shown on a probe; refused if the layer holds none the check knows),
+    `attention_chunk_size` where `layer_types` has chunked_attention layers (the mask of transformers'
+    `create_chunked_causal_mask`), and `attn_temperature_tuning` beside the `floor_scale` and `attn_scale` it reads
+    and the `no_rope_layers` it applies to."""
+    if field_name == "use_qk_norm":
+        return True
+    if field_name == "attention_chunk_size":
+        return "chunked_attention" in (getattr(default, "layer_types", None) or ())
+    if field_name == "attn_temperature_tuning":
+        return all(getattr(default, f, None) is not None for f in ("floor_scale", "attn_scale", "no_rope_layers"))
+    return False
+
+
+def _holds_qk_norm(module: nn.Module) -> bool:
+    names = (SHARED_QK_NORM, *(n for pair in QK_NORMS for n in pair))
+    return any(isinstance(getattr(module, n, None), nn.Module) for n in names)
+
+
+def _shared_qk_norm(norm: nn.Module, width: int, name: str) -> QKNorm:
+    """Llama 4's `qk_norm`: one norm without parameters for queries and keys, `x / sqrt(mean(x**2) + eps)` over each
+    head, shown on a probe with the epsilon it holds."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if any(True for _ in norm.parameters()) or not isinstance(eps, float):
+        raise refuse(name, f"{SHARED_QK_NORM}={type(norm).__name__} (not a norm without weight with an epsilon)")
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got = norm(x)
+    if not torch.allclose(got.double(), x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps), rtol=1e-5, atol=1e-6):
+        raise refuse(name, f"{SHARED_QK_NORM}={type(norm).__name__}, a norm other than x / rms(x)")
+    return QKNorm(0.0, eps, "head", (SHARED_QK_NORM, SHARED_QK_NORM), after_rope=True, weighted=False)
+
+
 def _qk_norm(module: nn.Module, name: str, config: Any) -> QKNorm | None:
+    shared = getattr(module, SHARED_QK_NORM, None)
+    if isinstance(shared, nn.Module):
+        if any(hasattr(module, n) for pair in QK_NORMS for n in pair):
+            raise refuse(name, "two QK-norms")
+        return _shared_qk_norm(shared, _head_dim(config), name)
     held = [(names, after) for names, after in QK_NORMS.items() if any(hasattr(module, n) for n in names)]
     if not held:
         return None
@@ -536,7 +626,7 @@ def _out_norm(module: nn.Module, name: str, config: Any) -> float | None:
 def _refuse_unloaded(module: nn.Module, name: str, fused: str | None) -> None:
     """Parameters the check would not draw (sinks, other norms, gates, experts) are refused by name, and norms
     without parameters too (Gemma 3n's v_norm)."""
-    known = {n for names in QK_NORMS for n in names} | set(OUT_NORMS)
+    known = {n for names in QK_NORMS for n in names} | set(OUT_NORMS) | {SHARED_QK_NORM}
     norms = [n for n, _ in module.named_children() if "norm" in n.lower() and n not in known]
     if norms:
         raise refuse(name, f"a norm of its own ({', '.join(norms)})")
