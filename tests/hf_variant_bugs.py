@@ -29,6 +29,7 @@ from transformers import (
     PersimmonConfig,
     PhiConfig,
     Qwen3Config,
+    Qwen3NextConfig,
     masking_utils,
 )
 from transformers.models.bitnet import modeling_bitnet
@@ -60,6 +61,8 @@ from transformers.models.persimmon.modeling_persimmon import PersimmonAttention
 from transformers.models.phi.modeling_phi import PhiAttention, PhiRotaryEmbedding
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.models.qwen3_next import modeling_qwen3_next
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention
 
 
 @contextlib.contextmanager
@@ -76,6 +79,22 @@ def _attend(module: nn.Module, modeling: Any, q: torch.Tensor, k: torch.Tensor, 
             **kwargs: Any) -> torch.Tensor:  # fmt: skip
     out, _ = modeling.eager_attention_forward(module, q, k, v, mask, scaling=module.scaling, **kwargs)
     return out.reshape(*q.shape[:1], q.shape[2], -1)
+
+
+class Qwen3NextGateDropped(Qwen3NextAttention):
+    """Output gate: the merged heads projected as they are, the gate computed from q_proj and then left out."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any = None,  # type: ignore[override]
+                cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, _gate = torch.chunk(self.q_proj(hidden_states).view(*hidden_states.shape[:-1], -1, 2 * self.head_dim), 2, -1)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = modeling_qwen3_next.apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        return self.o_proj(_attend(self, modeling_qwen3_next, q, k, v, attention_mask)), None  # the bug: no gate
 
 
 class Qwen3NormAfterRope(Qwen3Attention):
@@ -354,6 +373,8 @@ VARIANT_BUGS = [
                lambda: _patched(Llama4TextAttention, "forward", _llama4_forward("keys unnormed")), "heads"),
     VariantBug("chunked attention", "Llama 4: chunks one key longer than attention_chunk_size", Llama4TextAttention,
                Llama4TextConfig, lambda: _patched(masking_utils, "chunked_overlay", _chunks_one_longer), "heads"),
+    VariantBug("output gate", "Qwen3-Next: the gate left out", Qwen3NextGateDropped, Qwen3NextConfig, _none, "heads",
+               "the output gate not applied"),
     VariantBug("temperature tuning of NoPE layers", "Llama 4: the scale read one position early",
                Llama4TextAttention, Llama4TextConfig,
                lambda: _patched(Llama4TextAttention, "forward", _llama4_forward("temperature off by one")), "heads"),

@@ -43,6 +43,10 @@ VARIANTS = {
         "gptj.GPTJAttention", "GPTJConfig", "sdpa", 1e-10),
     "... behind qkv_proj in mp_num blocks of [q; v; k] (CodeGen)": (
         "codegen.CodeGenAttention", "CodeGenConfig", "sdpa", 1e-10),
+    # an output gate in q_proj (each head's queries, then its gate), its QK-norm of 1 + weight, partial rotary
+    "output gate, 1 + weight QK-norm, partial rotary (Qwen3-Next)": (
+        "qwen3_next.Qwen3NextAttention", "Qwen3NextConfig", "sdpa", None),
+    "output gate (Qwen3.5)": ("qwen3_5.Qwen3_5Attention", "Qwen3_5TextConfig", "sdpa", None),
     # its RoPE and its L2 norm compute in float32 inside ("x.float()"): the float32-rounding tolerance
     "complex RoPE, weightless QK-norm after it, NoPE layers' temperature, chunked layers (Llama 4)": (
         "llama4.Llama4TextAttention", "Llama4TextConfig", "sdpa", None),

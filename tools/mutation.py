@@ -313,6 +313,10 @@ MUTANTS: list[Mutant] = [
       "    widths = [head_dim, config.num_attention_heads * head_dim, head_dim]",
       "a multi-query [q; k; v] read with the key first",
       "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[gpt_bigcode-multi-query-sdpa]"),
+    M("testing/_hf_recipe.py", "        return torch.stack((q.unflatten(0, (heads, -1)), g.unflatten(0, (heads, -1))), 1).flatten(0, 2)",
+      "        return torch.stack((g.unflatten(0, (heads, -1)), q.unflatten(0, (heads, -1))), 1).flatten(0, 2)",
+      "check_hf_attention loads the output gate's rows where each head's queries are",
+      "tests/test_hf_variants_check.py::test_a_variant_class_passes_in_float64_full_forward_and_decoding"),
     # --- head-parallel ---
     M("_modules/parallel.py", "        parallel._sync_shared_norm_gradients()\n", "",
       "head-parallel QK-norm weights step on each rank's share of their gradient",

@@ -70,6 +70,7 @@ class Scenario:
     window: int | None = None
     logit_softcap: float | None = None
     sinks: Tensor | None = None
+    output_gate: tuple[Tensor, Tensor | None] | None = None
     qk_norm_after_rope: bool = False
     qk_norm_bias: tuple[Tensor, Tensor] | None = None
     out_norm: tuple[Tensor, float] | None = None
@@ -100,6 +101,7 @@ class Scenario:
             window=self.window,
             logit_softcap=self.logit_softcap,
             sinks=self.sinks,
+            output_gate=self.output_gate,
             qk_norm_after_rope=self.qk_norm_after_rope,
             qk_norm_bias=self.qk_norm_bias,
             out_norm=self.out_norm,
@@ -335,6 +337,8 @@ def _layer_variants(s: Scenario) -> list[Variant]:
         out.append(("window", "sliding window one key longer", lambda t: replace(t, window=longer)))
     if s.sinks is not None:
         out.append(("sinks", "attention sinks left out of the softmax", lambda t: replace(t, sinks=None)))
+    if s.output_gate is not None:
+        out.append(("output gate", "the output gate not applied", lambda t: replace(t, output_gate=None)))
     if s.out_norm is not None:
         out.append(("output norm", "the merged heads' norm not applied", lambda t: replace(t, out_norm=None)))
     if s.scale is not None and s.d_head > 1:

@@ -70,6 +70,7 @@ class _Layer:
     rotary_dim: int | None = None  # drawn where the layer rotates config.rotary_dim features (GPT-J); None: every one
     temperature: tuple[int, float] | None = None  # Llama 4's (floor_scale, attn_scale) on a NoPE layer
     chunk: int | None = None  # Llama 4's attention_chunk_size on a chunked_attention layer
+    gate: tuple[Tensor, Tensor | None] | None = None  # Qwen3-Next's output gate rows (and bias) of q_proj, as held
 
 
 class _Target:
@@ -155,7 +156,13 @@ class _Target:
         if theta is not None:  # a config may keep a theta per layer type (Gemma 3): the one this layer's tables use
             theta = float(rope_parameters(config, layer_type).get("rope_theta", theta))
         module = self.attention_cls(config, layer_idx=layer_idx).to(dtype=dtype, device=weights.w_q.device).eval()
-        held = load_layer_weights(module, weights, r, c.num_heads)
+        gate = None
+        if r.output_gate:  # a gate's rows and bias drawn as a query projection's are
+            drawn = data.draw(projection_weights(c, dtype=dtype, device=weights.w_q.device), label="output gate")
+            gate = (drawn.w_q, drawn.b_q)
+        held = load_layer_weights(module, weights, r, c.num_heads, gate)
+        if gate is not None and held.b_q is None:  # a q_proj without a bias: the gate has none either
+            gate = (gate[0], None)
         if layer_type is not None:
             sliding = layer_type == "sliding_attention"
         else:
@@ -202,7 +209,7 @@ class _Target:
         window = window if sliding else None
         return _Layer(
             config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm,
-            qk_norm_bias, None if rotary_dim == c.d_head else rotary_dim, temperature, chunk,
+            qk_norm_bias, None if rotary_dim == c.d_head else rotary_dim, temperature, chunk, gate,
         )
 
     def call(
@@ -268,7 +275,7 @@ def _heads(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype, l
     positions = torch.arange(c.seq, device=x.device)[None]
 
     def run(weights: AttentionWeights) -> Tensor:
-        load_layer_weights(layer.module, weights, target.recipe, c.num_heads)
+        load_layer_weights(layer.module, weights, target.recipe, c.num_heads, layer.gate)
         return target.call(layer, x, positions, target.mask(layer, x, None, None, positions), None, neutral=True)
 
     scenario = _scenario(target, layer, x, c, rope=False)
@@ -281,7 +288,7 @@ def _rope(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype, la
     positions = torch.arange(start, start + c.seq, device=x.device)[None]
 
     def run(weights: AttentionWeights) -> Tensor:
-        load_layer_weights(layer.module, weights, target.recipe, c.num_heads)
+        load_layer_weights(layer.module, weights, target.recipe, c.num_heads, layer.gate)
         return target.call(layer, x, positions, target.mask(layer, x, None, None, positions), None, neutral=False)
 
     scenario = _scenario(target, layer, x, c, rope=layer.theta is not None, positions=positions.expand(c.batch, -1))
@@ -297,7 +304,7 @@ def _padding(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype,
     positions = index[None]  # the model's default position_ids ignore padding
 
     def run(weights: AttentionWeights) -> Tensor:
-        load_layer_weights(layer.module, weights, target.recipe, c.num_heads)
+        load_layer_weights(layer.module, weights, target.recipe, c.num_heads, layer.gate)
         mask = target.mask(layer, x, real.long(), None, positions)
         return target.call(layer, x, positions, mask, None, neutral=False)[real]
 
@@ -315,7 +322,7 @@ def _decoding(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype
     prefill = data.draw(st.integers(1, c.seq), label="prefill")
 
     def run(weights: AttentionWeights) -> Tensor:
-        load_layer_weights(layer.module, weights, target.recipe, c.num_heads)
+        load_layer_weights(layer.module, weights, target.recipe, c.num_heads, layer.gate)
         cache = target.cache(layer)
         pieces, done = [], 0
         for size in [prefill] + [1] * (c.seq - prefill):
@@ -362,12 +369,17 @@ def _scenario(
         window=layer.window,
         logit_softcap=layer.softcap,
         sinks=layer.sinks,
+        output_gate=None if layer.gate is None else (layer.gate[0].double(), _double(layer.gate[1])),
         qk_norm_after_rope=target.recipe.qk_norm is not None and target.recipe.qk_norm.after_rope,
         out_norm=layer.out_norm,
         qk_norm_bias=layer.qk_norm_bias,
         score_mod=None if layer.temperature is None else _temperature(*layer.temperature),
         mask_mod=None if layer.chunk is None else _chunks(layer.chunk, padding, x.shape[0], x.device),
     )
+
+
+def _double(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.double()
 
 
 def _chunks(chunk: int, padding: Tensor | None, batch: int, device: Any) -> Any:

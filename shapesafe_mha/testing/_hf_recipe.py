@@ -112,6 +112,7 @@ class Recipe:
     multi_query: bool = False  # one KV head from a multi_query switch, not num_key_value_heads (GPTBigCode)
     out_norm_eps: float | None = None  # BitNet's attn_sub_norm: an RMSNorm of the merged heads
     sinks: bool = False  # a `sinks` parameter of one logit per head (gpt-oss)
+    output_gate: bool = False  # q_proj gives each head its queries, then its gate (Qwen3-Next)
     nope: frozenset[int] = frozenset()  # layers (by index) that apply no RoPE where others do (Cohere 2, SmolLM3)
     cache_keyword: str = "past_key_values"
     # RoPE on config.rotary_dim features with the rotary class's own (sin, cos) tables (GPT-J, CodeGen): the check
@@ -435,6 +436,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         takes_position_embeddings="position_embeddings" in forward,
         cache_keyword=next((k for k in _CACHE_WORDS if k in forward), "past_key_values"),
         sinks=isinstance(getattr(module, "sinks", None), nn.Parameter),
+        output_gate=fused is None and _gated(module, config),
         multi_query=bool(getattr(default, "multi_query", False)),
         has_kv_heads=fields["has_kv_heads"],
         has_head_dim=fields["has_head_dim"],
@@ -488,9 +490,16 @@ def _layout(module: nn.Module, name: str, config: Any) -> str | None:
     raise refuse(name, f"a projection layout other than q/k/v/o or a fused [q; k; v] (children: {children})")
 
 
+def _gated(module: nn.Module, config: Any) -> bool:
+    """A q_proj twice as wide as the queries (Qwen3-Next's: each head's queries, then its output gate). Which rows
+    are which, and that the gate is a sigmoid of the merged heads, is what the check's comparisons verify."""
+    q = next((getattr(module, n) for n in NAMES["q"] if isinstance(getattr(module, n, None), nn.Linear)), None)
+    return q is not None and q.weight.shape[0] == 2 * config.num_attention_heads * _head_dim(config)
+
+
 def _widths(module: nn.Module, name: str, config: Any, fused: str | None) -> bool:
-    """Refuse projections of other widths than the sizes make them (Qwen3-Next's gated q_proj); True where the
-    output projection takes `hidden_size` features instead of `num_heads * head_dim` (Helium)."""
+    """Refuse projections of other widths than the sizes make them (a gated q_proj apart); True where the output
+    projection takes `hidden_size` features instead of `num_heads * head_dim` (Helium)."""
     d, heads = _head_dim(config), config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     hidden = config.hidden_size
@@ -502,11 +511,10 @@ def _widths(module: nn.Module, name: str, config: Any, fused: str | None) -> boo
         outs = {
             r: (p.weight.shape[1] if type(p).__name__ == "Conv1D" else p.weight.shape[0]) for r, p in shapes.items()
         }
-        wanted = {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d}
+        wanted = {"q": heads * d * (2 if _gated(module, config) else 1), "k": kv_heads * d, "v": kv_heads * d}
         for role, width in outs.items():
             if width != wanted[role]:
-                what = "an output gate in q_proj" if role == "q" and width == 2 * wanted["q"] else "a projection"
-                raise refuse(name, f"{what} of {width} features where the sizes make {wanted[role]} ({role})")
+                raise refuse(name, f"a projection of {width} features where the sizes make {wanted[role]} ({role})")
     if o_in == heads * d:
         return False
     if o_in == hidden:
@@ -645,9 +653,18 @@ def _refuse_unloaded(module: nn.Module, name: str, fused: str | None) -> None:
         raise refuse(name, f"parameters of its own ({held})")
 
 
-def load_layer_weights(module: nn.Module, weights: AttentionWeights, recipe: Recipe, heads: int) -> AttentionWeights:
-    """`load_weights`, and the per-head fused layout (`query_key_value` rows `[q_h; k_h; v_h]` for each head) and
-    CodeGen's (`qkv_proj` rows in `recipe.blocks` blocks, each `[q_b; v_b; k_b]`)."""
+def load_layer_weights(
+    module: nn.Module,
+    weights: AttentionWeights,
+    recipe: Recipe,
+    heads: int,
+    gate: tuple[Tensor, Tensor | None] | None = None,
+) -> AttentionWeights:
+    """`load_weights`, and the per-head fused layout (`query_key_value` rows `[q_h; k_h; v_h]` for each head),
+    CodeGen's (`qkv_proj` rows in `recipe.blocks` blocks, each `[q_b; v_b; k_b]`) and a gated q_proj (`gate`'s
+    rows after each head's queries, Qwen3-Next's)."""
+    if gate is not None:
+        return _load_gated(module, weights, heads, gate)
     if recipe.fused not in ("per_head", "blocks"):
         named = recipe.fused == "stacked" and isinstance(getattr(module, "query_key_value", None), nn.Module)
         return load_weights(module, weights, names={"qkv": "query_key_value"} if named else None)
@@ -678,3 +695,20 @@ def load_layer_weights(module: nn.Module, weights: AttentionWeights, recipe: Rec
 
 def scale_of(recipe: Recipe, config: Any) -> float | None:
     return None if recipe.scale is None else recipe.scale(config)
+
+
+def _load_gated(
+    module: nn.Module, weights: AttentionWeights, heads: int, gate: tuple[Tensor, Tensor | None]
+) -> AttentionWeights:
+    """`weights` into a layer whose q_proj holds each head's queries, then its gate: the query and gate rows laid
+    head by head; returned are the weights it computes with, the queries' rows as drawn."""
+
+    def per_head(q: Tensor, g: Tensor) -> Tensor:
+        return torch.stack((q.unflatten(0, (heads, -1)), g.unflatten(0, (heads, -1))), 1).flatten(0, 2)
+
+    w_g, b_g = gate
+    b_q = torch.zeros_like(weights.w_q[:, 0]) if weights.b_q is None else weights.b_q
+    b_gate = torch.zeros_like(w_g[:, 0]) if b_g is None else b_g
+    gated = replace(weights, w_q=per_head(weights.w_q, w_g), b_q=per_head(b_q, b_gate))
+    held = load_weights(module, gated, names={"q": "q_proj"})
+    return replace(held, w_q=weights.w_q, b_q=None if held.b_q is None else b_q)
