@@ -5,7 +5,6 @@ CodeGen, which rotate `rotary_dim` features with tables of their own), Llama 4 (
 QK-norm after RoPE, NoPE layers), loaded with `MultiHeadAttention.from_hf` and computed as the HF model computes
 them, full forward and decoding."""
 
-import functools
 import inspect
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 import shapesafe_mha as ssm
 
 transformers = pytest.importorskip("transformers")
+from hf_variant_bugs import _codegen_blocks_read_as_qkv  # noqa: E402  (the planted bugs' CodeGen forward)
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
 
 SEQ = 11
@@ -247,6 +247,18 @@ def test_gemma3_loads_its_one_plus_weight_qk_norm_window_and_rope_of_its_layer_t
                 plain.to_hf(layer.config)
 
 
+def _round_trip(case: str, implementation: str = "sdpa") -> tuple[Any, Any, Any]:
+    """from_hf then to_hf of the case's layer: `(layer, ours, back)`, the layer written back computing what the
+    original computes (1e-12, float64)."""
+    layer, rotary = _layer(case, implementation)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    return layer, ours, back
+
+
 def _classes_of(layer: Any) -> Any:
     return __import__(type(layer).__module__, fromlist=["_"])
 
@@ -254,12 +266,7 @@ def _classes_of(layer: Any) -> Any:
 def test_to_hf_round_trips_the_variants_and_refuses_a_config_of_another() -> None:
     """Qwen3 with QK-norm: from_hf then to_hf gives a layer computing the same; a module without the
     config's variant is refused naming the option, never written into a layer that computes otherwise."""
-    layer, rotary = _layer("qwen3-qk-norm-gqa", "sdpa")
-    ours = ssm.MultiHeadAttention.from_hf(layer)
-    back = ours.to_hf(layer.config).to(torch.float64).eval()
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    layer, ours, _ = _round_trip("qwen3-qk-norm-gqa")
     plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta)
     with pytest.raises(ssm.ConfigError, match=r"qk_norm=True \(module: None\)"):
         plain.to_hf(layer.config)
@@ -283,12 +290,7 @@ def test_to_hf_round_trips_partial_and_interleaved_rope(case: str) -> None:
     """from_hf then to_hf gives a layer computing what the original computes (Phi's dense written back as
     dense, GPT-NeoX's q/k/v fused back per head, CodeGen's in its blocks); the same module is refused for a config
     whose RoPE rotates another part or pairs otherwise."""
-    layer, rotary = _layer(case, "sdpa")
-    ours = ssm.MultiHeadAttention.from_hf(layer)
-    back = ours.to_hf(layer.config).to(torch.float64).eval()
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    layer, ours, back = _round_trip(case)
     for fused in ("query_key_value", "qkv_proj"):  # the fused weight itself, row for row
         if hasattr(layer, fused):
             assert torch.equal(getattr(back, fused).weight, getattr(layer, fused).weight)
@@ -343,12 +345,7 @@ def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_
 def test_to_hf_round_trips_a_qk_norm_over_every_head_and_names_a_per_head_one() -> None:
     """OLMo-2: from_hf then to_hf computes what the layer computes; a module whose QK-norm is per head is
     refused for its config, naming qk_norm_over."""
-    layer, rotary = _layer("olmo2-qk-norm-all", "sdpa")
-    ours = ssm.MultiHeadAttention.from_hf(layer)
-    back = ours.to_hf(layer.config).to(torch.float64).eval()
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    layer, ours, _ = _round_trip("olmo2-qk-norm-all")
     per_head = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, qk_norm=True, rope_theta=ours.rope_theta)
     with pytest.raises(ssm.ConfigError, match=r"another variant: qk_norm_over='all' \(module: 'head'\)"):
         per_head.to_hf(layer.config)
@@ -381,13 +378,8 @@ def test_a_bug_planted_in_our_attention_sinks_is_refused_by_from_hf(
 def test_to_hf_round_trips_attention_sinks_and_refuses_a_module_without_them() -> None:
     """gpt-oss: from_hf then to_hf writes the sinks back (a layer computing the same); a module without sinks
     is refused for gpt-oss's config, naming attention_sinks."""
-    layer, rotary = _layer("gpt_oss-sinks-sliding", "eager")
-    ours = ssm.MultiHeadAttention.from_hf(layer)
-    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    layer, ours, back = _round_trip("gpt_oss-sinks-sliding", "eager")
     assert torch.equal(back.sinks, layer.sinks)
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
     plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, rope_theta=ours.rope_theta, window=4,
                                    rope_scaling=ours.rotary.scaling)  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"attention_sinks=True \(module: None\)"):
@@ -411,12 +403,7 @@ def test_a_conversion_that_forgets_clip_qkv_is_refused_by_its_probe(case: str, m
 def test_to_hf_round_trips_clip_qkv_and_refuses_another_bound() -> None:
     """OLMo: from_hf then to_hf computes what the layer computes; a module clipping at another bound is
     refused for its config, naming clip_qkv."""
-    layer, rotary = _layer("olmo-clip-qkv", "sdpa")
-    ours = ssm.MultiHeadAttention.from_hf(layer)
-    back = ours.to_hf(layer.config).to(torch.float64).eval()
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    layer, ours, _ = _round_trip("olmo-clip-qkv")
     other = ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=ours.rope_theta, clip_qkv=0.5)
     with pytest.raises(ssm.ConfigError, match=r"clip_qkv=0.4 \(module: 0.5\)"):
         other.to_hf(layer.config)
@@ -425,13 +412,8 @@ def test_to_hf_round_trips_clip_qkv_and_refuses_another_bound() -> None:
 def test_to_hf_round_trips_a_qk_norm_after_rope_and_refuses_one_before_it() -> None:
     """HunYuan: from_hf then to_hf writes the norms back as query_layernorm and key_layernorm (a layer computing
     the same); a module normalising before RoPE is refused for its config, naming qk_norm_after_rope."""
-    layer, rotary = _layer("hunyuan-qk-norm-after-rope", "sdpa")
-    ours = ssm.MultiHeadAttention.from_hf(layer)
-    back = ours.to_hf(layer.config).to(torch.float64).eval()
+    layer, ours, back = _round_trip("hunyuan-qk-norm-after-rope")
     assert torch.equal(back.query_layernorm.weight, layer.query_layernorm.weight)
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
     before = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta, qk_norm=True,
                                     norm_eps=ours.q_norm.eps)  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"qk_norm_after_rope=True \(module: None\)"):
@@ -448,23 +430,6 @@ def test_a_conversion_that_normalises_before_rope_is_refused_by_its_probe(monkey
         ssm.MultiHeadAttention.from_hf(layer)
 
 
-def _split_as_qkv(forward: Any) -> Any:
-    """CodeGen's forward reading each block of qkv_proj as [q; k; v]: a layout other than the one from_hf loads."""
-
-    @functools.wraps(forward)  # its signature too, which the model's call is read from
-    def wrong(self: Any, *args: Any, **kwargs: Any) -> Any:
-        saved = self.qkv_proj.weight.detach().clone()
-        with torch.no_grad():  # the rows [q; k; v] read where [q; v; k] are
-            self.qkv_proj.weight.copy_(saved.unflatten(0, (self.mp_num, 3, -1))[:, [0, 2, 1]].flatten(0, 2))
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            with torch.no_grad():
-                self.qkv_proj.weight.copy_(saved)
-
-    return wrong
-
-
 def test_codegen_qkv_proj_is_loaded_in_the_layers_own_blocks_and_another_split_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -476,7 +441,7 @@ def test_codegen_qkv_proj_is_loaded_in_the_layers_own_blocks_and_another_split_i
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(ours(x, is_causal=True), _hf_forward(layer, rotary, x), atol=1e-10, rtol=1e-8)
-    monkeypatch.setattr(type(layer), "forward", _split_as_qkv(type(layer).forward))
+    monkeypatch.setattr(type(layer), "forward", _codegen_blocks_read_as_qkv(type(layer).forward))
     with pytest.raises(ssm.ConfigError, match=r"differs from CodeGenAttention by"):
         ssm.MultiHeadAttention.from_hf(layer)
 
@@ -639,12 +604,7 @@ def test_a_conversion_that_gates_with_the_wrong_rows_is_refused_by_its_probe(mon
 def test_to_hf_round_trips_an_output_gate_and_refuses_a_module_without_one() -> None:
     """Qwen3-Next: from_hf then to_hf writes the gated q_proj back (a layer computing the same); a module without
     the gate is refused for its config, naming output_gate."""
-    layer, rotary = _layer("qwen3_next-output-gate", "sdpa")
-    ours = ssm.MultiHeadAttention.from_hf(layer)
-    back = ours.to_hf(layer.config).to(torch.float64).eval()
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
+    layer, ours, _ = _round_trip("qwen3_next-output-gate")
     plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=ours.rope_theta, rope_dim=2, qk_norm=True,
                                    qk_norm_offset=1.0, norm_eps=ours.q_norm.eps)  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"output_gate=True \(module: None\)"):
@@ -679,12 +639,8 @@ def test_a_fused_layout_read_with_keys_and_values_swapped_is_refused_by_the_prob
                                   "falcon-grouped"])  # fmt: skip
 def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     """from_hf then to_hf writes the fused projection back exactly as it was (multi-query, per head, grouped)."""
-    layer, rotary = _layer(case, "sdpa")
-    back = ssm.MultiHeadAttention.from_hf(layer).to_hf(layer.config).to(torch.float64).eval()
+    layer, _, back = _round_trip(case)
     name = "c_attn" if hasattr(layer, "c_attn") else "query_key_value"
     assert torch.equal(getattr(back, name).weight, getattr(layer, name).weight)
     theirs_bias, back_bias = getattr(layer, name).bias, getattr(back, name).bias  # Falcon's: None
     assert (back_bias is None and theirs_bias is None) or torch.equal(back_bias, theirs_bias)
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(back, rotary, x), _hf_forward(layer, rotary, x), atol=1e-12, rtol=0)
