@@ -156,6 +156,22 @@ def _hf_forward(layer: Any, rotary: Any, x: torch.Tensor) -> torch.Tensor:
     return layer(x, attention_mask=mask, **kwargs)[0]
 
 
+def _forward_and_decoding_equal(ours: Any, layer: Any, rotary: Any, tol: dict[str, float]) -> tuple[Any, Any]:
+    """Our module's causal forward, and its prefill-then-token-by-token decoding through a cache as small as the
+    window allows, each equal to the HF layer's forward; returns `(x, expected)`."""
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _hf_forward(layer, rotary, x)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        cache = ours.new_cache(batch=2, capacity=ours.window or SEQ)
+        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
+        if ours.window is not None:  # the window is shorter than the sequence, so it mattered
+            assert ours.window < SEQ and cache.kept <= ours.window
+    return x, expected
+
+
 # transformers' sdpa path refuses a softcap (Gemma 2 runs eager); gpt-oss's model has no sdpa (its sdpa drops sinks).
 RUNS = [(c, impl) for c in CASES for impl in ("eager", "sdpa") if impl == "eager" or c.split("-")[0] not in EAGER_ONLY]
 
@@ -173,16 +189,7 @@ def test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding(case: s
         assert getattr(ours, option) == value, option
     float32_inside = implementation == "eager" or ours.qk_norm or CASES[case][0] in FLOAT32_ROPE
     tol = {"atol": 1e-5, "rtol": 1e-5} if float32_inside else {"atol": 1e-10, "rtol": 1e-8}
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        expected = _hf_forward(layer, rotary, x)
-        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
-        cache = ours.new_cache(batch=2, capacity=ours.window or SEQ)
-        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
-        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
-        if ours.window is not None:  # the window is shorter than the sequence, so it mattered
-            assert ours.window < SEQ and cache.kept <= ours.window
+    _forward_and_decoding_equal(ours, layer, rotary, tol)
 
 
 def _gemma3(layer_idx: int) -> Any:
@@ -229,15 +236,8 @@ def test_gemma3_loads_its_one_plus_weight_qk_norm_window_and_rope_of_its_layer_t
     sliding = layer_idx == 0
     assert (ours.qk_norm_offset, ours.window, ours.rope_theta) == (1.0, 3 if sliding else None, 1e4 if sliding else 1e6)
     rotary = _classes_of(layer).Gemma3RotaryEmbedding(layer.config)
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    tol = {"atol": 1e-5, "rtol": 1e-5}
+    x, expected = _forward_and_decoding_equal(ours, layer, rotary, {"atol": 1e-5, "rtol": 1e-5})
     with torch.no_grad():
-        expected = _hf_forward(layer, rotary, x)
-        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
-        cache = ours.new_cache(batch=2, capacity=ours.window or SEQ)
-        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
-        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
         if sliding:
             back = ours.to_hf(layer.config).to(torch.float64).eval()
             torch.testing.assert_close(_hf_forward(back, rotary, x), expected, atol=1e-12, rtol=0)
