@@ -228,9 +228,9 @@ def test_a_rope_type_we_do_not_compute_is_refused_by_its_field() -> None:
     config = transformers.DeepseekV3Config(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=8,
         qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1,
-        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
     )  # fmt: skip
-    refused = r"^LatentAttention.from_hf\(\): rope_parameters\['rope_type'\]='dynamic'"
+    refused = r"^LatentAttention.from_hf\(\): rope_parameters\['rope_type'\]='linear'"
     with pytest.raises(ssm.ConfigError, match=refused):
         ssm.LatentAttention.from_hf(DeepseekV3Attention(config, layer_idx=0))
 

@@ -37,7 +37,8 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
 KVHeads = Literal["grouped", "interleaved"]
 RopeStyle = Literal["half", "interleaved"]
 NormOver = Literal["head", "all"]
-RopeFrequencies = tuple[Tensor, float] | None  # (inv_freq, attention_factor) of scaled RoPE
+# (inv_freq, attention_factor) of scaled RoPE; inv_freq `(d_rope/2,)`, or `(#batch, seq, d_rope/2)`: each position's own
+RopeFrequencies = tuple[Tensor, float] | None
 NormKind = Literal["rms", "layer"]
 # FlexAttention's signatures (torch.nn.attention.flex_attention): `score_mod(score, b, h, q_idx, kv_idx)`
 # returns the modified score; `mask_mod(b, h, q_idx, kv_idx)` returns True where the query may attend.
@@ -70,7 +71,9 @@ def _rotate_pairs(
     """One head's features, each pair turned by the angle `position * theta**(-2i/d_head)`.
 
     With `frequencies=(inv_freq, factor)` (scaled RoPE), pair `i` turns by `position * inv_freq[i]` instead,
-    and cos and sin are multiplied by `factor` (YaRN's attention factor) before the cast.
+    and cos and sin are multiplied by `factor` (YaRN's attention factor) before the cast; an `inv_freq` of
+    `(#batch, seq, d_rope/2)` gives each position its own frequencies (RoPE scaled by the length of the call that
+    rotated it).
 
     Pair `i` is features `(i, i + d_head/2)` in the "half" style (Llama, Mistral, Qwen: rotate_half),
     features `(2i, 2i+1)` in the "interleaved" style (GPT-J, the RoFormer paper).
@@ -172,6 +175,7 @@ def per_head_attention(
     rope_style: RopeStyle = "half",
     rotary_dim: int | None = None,
     rope_frequencies: RopeFrequencies = None,
+    key_rope_frequencies: RopeFrequencies = None,
     kv_heads: KVHeads = "grouped",
     qk_norm: tuple[Tensor, Tensor] | None = None,
     norm_eps: float = 1e-6,
@@ -224,7 +228,12 @@ def per_head_attention(
             StableLM, GPT-NeoX), pairing them within that part; default all `d_head`.
         rope_frequencies: `(inv_freq, attention_factor)` of scaled RoPE (llama3, YaRN; transformers'
             `ROPE_INIT_FUNCTIONS` return them): pair `i` turns by `position * inv_freq[i]`, and cos and sin
-            are multiplied by `attention_factor`; default `theta`'s frequencies, factor 1.
+            are multiplied by `attention_factor`; default `theta`'s frequencies, factor 1. `inv_freq` may be
+            `(#batch, seq, d_rope/2)`, each query position's own: RoPE scaled by length ("dynamic",
+            "longrope") turns each call by the frequencies of its length, `max(positions) + 1`.
+        key_rope_frequencies: the keys' `(inv_freq, attention_factor)`, `inv_freq` `(d_rope/2,)` or
+            `(#batch, kv_seq, d_rope/2)`; default `rope_frequencies`. Decoding with RoPE scaled by length keeps
+            each cached key as the call that wrote it turned it: its frequencies, not the query's.
         kv_heads: which KV head query head `h` reads: "grouped" `h // group` (transformers'
             repeat_kv, torch's enable_gqa), "interleaved" `h % num_kv_heads` (x-transformers).
         qk_norm: `(q_weight, k_weight)`, each `(d_head,)`: RMS-normalise every head's query and
@@ -283,7 +292,8 @@ def per_head_attention(
             q, k = _rms_norm(q, per_head[0], norm_eps), _rms_norm(k, per_head[1], norm_eps)
         if rope_theta is not None:
             q = _rotate_part(q, where, rope_theta, rope_style, rotary_dim, rope_frequencies)
-            k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim, rope_frequencies)
+            key_frequencies = rope_frequencies if key_rope_frequencies is None else key_rope_frequencies
+            k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim, key_frequencies)
         if qk_norm is not None and qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))

@@ -60,6 +60,14 @@ def rope_of(config: Any, layer_type: str | None = None) -> tuple[float | None, d
     scaling = {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
     if kind == "yarn":
         scaling.update(_yarn_as_computed(config, scaling))
+    if kind == "dynamic":  # the length past which it scales is the config's, not the parameters'
+        scaling.pop("original_max_position_embeddings", None)
+        scaling["max_position_embeddings"] = config.max_position_embeddings
+    if kind == "longrope" and scaling.get("factor") is None and scaling.get("attention_factor") is None:
+        # as `_compute_longrope_parameters` takes it (Phi-3 gives no factor)
+        original = scaling.get("original_max_position_embeddings")
+        if original:
+            scaling["factor"] = config.max_position_embeddings / original
     return theta, (scaling if kind != "default" else None)
 
 
@@ -422,18 +430,27 @@ def _split_grouped(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: in
 
 def stacked_fused(layer: nn.Module) -> nn.Linear | None:
     """Falcon-7B's `query_key_value` and GPTBigCode's `c_attn` under `multi_query`: every head's query rows, then
-    the one key head's, then the one value head's; or None."""
+    the one key head's, then the one value head's; Phi-3's `qkv_proj` (no `mp_num`): every query head's rows, then
+    every KV head's key rows, then their value rows; or None."""
     fused = _fused(layer)
-    return fused if fused is not None and _multi_query(layer) else None
+    if fused is not None and _multi_query(layer):
+        return fused
+    held = getattr(layer, "qkv_proj", None)
+    if isinstance(held, nn.Linear) and fused is None and block_fused(layer) is None:
+        if not isinstance(getattr(layer, "q_proj", None), nn.Module):
+            return held
+    return None
 
 
 def _split_stacked(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
-    """The q/k/v projections a multi-query fused projection holds, `[q (num_heads * d_head); k (d_head); v (d_head)]`
-    rows, as `(weight, bias)` pairs (views of it)."""
-    widths = [config.num_attention_heads * head_dim, head_dim, head_dim]
+    """The q/k/v projections a stacked fused projection holds, `[q (num_heads * d_head); k (num_kv_heads * d_head);
+    v (num_kv_heads * d_head)]` rows (one KV head under multi_query), as `(weight, bias)` pairs (views of it)."""
+    kv = _kv_heads(config) * head_dim
+    widths = [config.num_attention_heads * head_dim, kv, kv]
     if tuple(fused.weight.shape) != (sum(widths), config.hidden_size):
-        why = f"the config's sizes make a multi-query [q; k; v] of {(sum(widths), config.hidden_size)}"
-        raise _refuse(f"{_fused_name(layer)}.weight", tuple(fused.weight.shape), why)
+        kind = "multi-query" if _multi_query(layer) else "stacked"
+        why = f"the config's sizes make a {kind} [q; k; v] of {(sum(widths), config.hidden_size)}"
+        raise _refuse(f"{_stacked_name(layer)}.weight", tuple(fused.weight.shape), why)
     rows = fused.weight.detach().split(widths)
     biases = (None,) * 3 if fused.bias is None else fused.bias.detach().split(widths)
     names = ("q_proj", "k_proj", "v_proj")
@@ -452,6 +469,10 @@ def _kv_heads(config: Any) -> int:
 
 def _fused_name(layer: nn.Module) -> str:
     return next(n for n in _FUSED_NAMES if isinstance(getattr(layer, n, None), nn.Linear))
+
+
+def _stacked_name(layer: nn.Module) -> str:
+    return next(n for n in (*_FUSED_NAMES, "qkv_proj") if isinstance(getattr(layer, n, None), nn.Linear))
 
 
 def block_fused(layer: nn.Module) -> tuple[nn.Linear, int] | None:
@@ -572,7 +593,7 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     if blocks is not None:  # CodeGen: blocks of [q; v; k] rows
         projections.update(_split_blocks(attention, *blocks, config))
     stacked = stacked_fused(attention)
-    if stacked is not None:  # Falcon-7B, GPTBigCode: multi-query, every query head's rows and then one key, one value
+    if stacked is not None:  # Falcon-7B, GPTBigCode (multi-query), Phi-3: the query rows, then the keys', the values'
         projections.update(_split_stacked(attention, stacked, config, head_dim))
     grouped = grouped_fused(attention)
     if grouped is not None:  # Falcon-40B: for each KV head, its group's query rows, then its key's and value's
@@ -581,8 +602,8 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     if missing:
         raise ConfigError(
             f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
-            "(Llama, Mistral, Qwen2; Phi's dense and GPT-J's out_proj as o_proj), GPT-NeoX's per-head query_key_value "
-            "and CodeGen's qkv_proj are supported."
+            "(Llama, Mistral, Qwen2; Phi's dense and GPT-J's out_proj as o_proj), GPT-NeoX's per-head query_key_value, "
+            "Phi-3's stacked qkv_proj and CodeGen's qkv_proj in blocks are supported."
         )
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
@@ -660,12 +681,15 @@ def _rotary_for(layer: nn.Module, config: Any) -> Any:
     return rotary_cls(config=config)
 
 
-def hf_outputs(layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: bool = False) -> probe.Outputs:
+def hf_outputs(
+    layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: bool = False, shift: int = 0
+) -> probe.Outputs:
     """`layer` called as its model calls it (its rotary class, its mask function, a `DynamicCache`) on the probe.
 
-    The causal forward is a prefill through the cache (so two calls in all). A layer built alone has no
-    attention implementation set, which its model would set: eager meanwhile, which is what the layer then
-    runs. `unrotated`: cos/sin for position 0 everywhere (the mask keeps the real positions).
+    The causal forward is a prefill through the cache (so two calls in all), one rotary class serving both, as
+    one serves a model's generation. A layer built alone has no attention implementation set, which its model
+    would set: eager meanwhile, which is what the layer then runs. `unrotated`: cos/sin for position 0
+    everywhere (the mask keeps the real positions); `shift`: cos/sin for positions from `shift` on.
     """
     from transformers import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -675,7 +699,7 @@ def hf_outputs(layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: b
     if unset:
         config._attn_implementation = "eager"  # transformers' default for a model; unset again below
     try:
-        return _hf_outputs(layer, config, x, decode, unrotated, DynamicCache, create_causal_mask,
+        return _hf_outputs(layer, config, x, decode, unrotated, shift, DynamicCache, create_causal_mask,
                            create_sliding_window_causal_mask)  # fmt: skip
     finally:
         if unset:
@@ -683,7 +707,15 @@ def hf_outputs(layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: b
 
 
 def _hf_outputs(
-    layer: nn.Module, config: Any, x: Tensor, decode: bool, unrotated: bool, cache_cls: Any, causal: Any, sliding: Any
+    layer: nn.Module,
+    config: Any,
+    x: Tensor,
+    decode: bool,
+    unrotated: bool,
+    shift: int,
+    cache_cls: Any,
+    causal: Any,
+    sliding: Any,
 ) -> probe.Outputs:
     create_causal_mask, create_sliding_window_causal_mask, DynamicCache = causal, sliding, cache_cls
     layer_type = _layer_type(layer, config)
@@ -708,7 +740,7 @@ def _hf_outputs(
         kwargs: dict[str, Any] = {"attention_mask": mask, layer_cache_word: cache}
         if rotary is not None:
             takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
-            angles = positions * 0 if unrotated else positions
+            angles = positions * 0 if unrotated else positions + shift
             kwargs["position_embeddings"] = rotary(chunk, angles, *([layer_type] if takes_type else []))
         if takes_kwargs or "position_ids" in parameters:
             kwargs["position_ids"] = positions
@@ -726,17 +758,17 @@ def _hf_outputs(
         # a hybrid model's config may call this index another kind of layer: then a plain cache
         attention_layer = layer_type in (None, "full_attention", "sliding_attention")
         cache = DynamicCache(config=config) if attention_layer else DynamicCache()
-        outputs = {probe.FORWARD: call(prompt, 0, cache)}
-        outputs[probe.DECODING] = call(step, probe.PROMPT, cache)
+        outputs = {probe.shifted(probe.FORWARD, shift): call(prompt, 0, cache)}
+        outputs[probe.shifted(probe.DECODING, shift)] = call(step, probe.PROMPT, cache)
     return outputs
 
 
 _CACHE_WORDS = ("cache", "past_key_values", "past_key_value", "layer_past")  # GPT-NeoX: layer_past
 
 
-def _run_source(owner: str, layer: nn.Module, x: Tensor, decode: bool = True) -> probe.Outputs:
+def _run_source(owner: str, layer: nn.Module, x: Tensor, decode: bool = True, shift: int = 0) -> probe.Outputs:
     try:
-        return hf_outputs(layer, x, decode=decode)
+        return hf_outputs(layer, x, decode=decode, shift=shift)
     except Exception as error:
         raise ConfigError(
             f"{owner}: {type(layer).__name__} could not be run as its model runs it, to verify the conversion "
@@ -755,6 +787,11 @@ def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module) -> None:
         theirs = _run_source(owner, theirs_probed, x)
         windowed = getattr(ours_probed, "window", None) is not None  # a window cache is as long as its window
         ours = probe.our_outputs(ours_probed, x, cache=_plain_cache(ours_probed, x.shape[0]) if windowed else None)
+        shift = _turning_shift(ours_probed)
+        if shift:  # RoPE scaled by length: a prefill up to the length it turns at, and a decoding step past it
+            theirs.update(_run_source(owner, theirs_probed, x, shift=shift))
+            cache = _plain_cache(ours_probed, x.shape[0]) if windowed else None
+            ours.update(probe.our_outputs(ours_probed, x, cache=cache, shift=shift))
         source = type(layer).__name__
         try:
             probe.verify(owner, ours, theirs, source=source)
@@ -762,6 +799,15 @@ def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module) -> None:
             suspects = _suspects(ours_probed, theirs_probed, x)
             probe.verify(owner, ours, theirs, source=source, suspects=suspects)
             raise
+
+
+def _turning_shift(module: Any) -> int:
+    """Where a second probe starts its rotary positions so that its prefill ends at the length a RoPE scaled by
+    length turns at (dynamic's `max_position_embeddings`, longrope's original one) and its decoding step passes it;
+    0 where the module has no such RoPE, or the plain probe already reaches past it."""
+    rotary = getattr(module, "rotary", None)
+    context = getattr(rotary, "context", None)
+    return context - probe.PROMPT if isinstance(context, int) and context > probe.PROMPT else 0
 
 
 def _plain_cache(module: Any, batch: int) -> Any:
