@@ -36,7 +36,7 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
 
 KVHeads = Literal["grouped", "interleaved"]
 RopeStyle = Literal["half", "interleaved"]
-NormOver = Literal["head", "all"]
+NormOver = Literal["head", "all", "per_head"]
 # (inv_freq, attention_factor) of scaled RoPE; inv_freq `(d_rope/2,)`, or `(#batch, seq, d_rope/2)`: each position's own
 RopeFrequencies = tuple[Tensor, float] | None
 NormKind = Literal["rms", "layer"]
@@ -182,6 +182,7 @@ def per_head_attention(
     qk_norm_over: NormOver = "head",
     qk_norm_after_rope: bool = False,
     qk_norm_bias: tuple[Tensor, Tensor] | None = None,
+    qk_norm_centred: bool = False,
     sinks: Tensor | None = None,
     clip_qkv: float | None = None,
     output_gate: tuple[Tensor, Tensor | None] | None = None,
@@ -240,10 +241,14 @@ def per_head_attention(
             key with these weights (and `norm_eps`) before RoPE.
         qk_norm_over: "head" normalises each head's `d_head` features (Qwen3); "all" normalises
             every head's features together (OLMo-2: weights `(num_heads * d_head,)` and
-            `(num_kv_heads * d_head,)`), each head then taking its slice.
+            `(num_kv_heads * d_head,)`), each head then taking its slice; "per_head" normalises each head's
+            features with that head's row of the weights (Cohere: `(num_heads, d_head)` and
+            `(num_kv_heads, d_head)`).
         qk_norm_after_rope: normalise after RoPE instead of before (HunYuan).
         qk_norm_bias: `(q_bias, k_bias)`, each `(d_head,)`: the QK-norm is a LayerNorm of each head
             (`(x - mean) / sqrt(var + eps) * weight + bias`, Persimmon) instead of an RMSNorm.
+        qk_norm_centred: the per-head QK-norm is a LayerNorm without bias (Cohere): each head's mean
+            subtracted first.
         out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
         sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
@@ -285,7 +290,12 @@ def per_head_attention(
         if clip_qkv is not None:  # OLMo: each projected feature clamped (after OLMoE's norm over every head)
             q, k = q.clamp(-clip_qkv, clip_qkv), k.clamp(-clip_qkv, clip_qkv)
         per_head = None if qk_norm_over == "all" else qk_norm
-        if per_head is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
+        if per_head is not None and qk_norm_over == "per_head":  # Cohere: each head its own row of weights
+            per_head = (qk_norm[0][head], qk_norm[1][kv_head]) if qk_norm is not None else None
+        if per_head is not None and qk_norm_centred and qk_norm_bias is None:  # LayerNorm without bias (Cohere)
+            zeros = torch.zeros_like(per_head[0])
+            q, k = _layer_norm(q, per_head[0], zeros, norm_eps), _layer_norm(k, per_head[1], zeros, norm_eps)
+        elif per_head is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
             q = _layer_norm(q, per_head[0], qk_norm_bias[0], norm_eps)
             k = _layer_norm(k, per_head[1], qk_norm_bias[1], norm_eps)
         elif per_head is not None and not qk_norm_after_rope:

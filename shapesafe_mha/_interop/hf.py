@@ -250,6 +250,8 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["norm_eps"] = _norm_eps(norms[0])
         options["qk_norm_over"] = _norm_over(norms[0], config)
         options["qk_norm_offset"] = _norm_offset(norms[0])
+        if _norm_centred(norms[0]):  # Cohere's LayerNorm without bias (what load_norms' probe verifies)
+            options["qk_norm_centred"] = True
         if after_rope:
             options["qk_norm_after_rope"] = True
     softcap = getattr(config, "attn_logit_softcapping", None)
@@ -304,9 +306,12 @@ def qk_norm_names(layer: nn.Module) -> tuple[tuple[str, str], bool]:
 
 
 def _norm_over(norm: Any, config: Any) -> str:
-    """"head" for a QK-norm of each head's d_head features, "all" for one of every head's together (OLMo-2)."""
+    """"head" for a QK-norm of each head's d_head features, "all" for one of every head's together (OLMo-2),
+    "per_head" for one of each head's features with weights of its own, `(heads, head_dim)` (Cohere)."""
     weight = getattr(norm, "weight", None)
     head_dim = _head_dim(config)
+    if isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[-1] == head_dim:
+        return "per_head"
     width = weight.shape[-1] if isinstance(weight, Tensor) and weight.dim() == 1 else None
     return "all" if width not in (None, head_dim) and width == config.num_attention_heads * head_dim else "head"
 
@@ -328,6 +333,21 @@ def _norm_offset(norm: Any) -> float:
     return 0.0
 
 
+def _norm_centred(norm: Any) -> bool:
+    """Whether a QK-norm subtracts each row's mean first (Cohere's LayerNorm without bias), shown on a probe of
+    the norm with its own weights over its weights' shape; any other norm is False here, and refused by
+    `load_norms`'s probe."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() not in (1, 2) or weight.device.type == "meta":
+        return False
+    x = torch.randn(3, *weight.shape, generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        got = norm(x)
+        centred = x - x.mean(-1, keepdim=True)
+        expected = centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + _norm_eps(norm)) * weight
+        return got.shape == x.shape and bool(torch.allclose(got, expected, rtol=1e-3, atol=1e-5))
+
+
 def _norm_eps(norm: Any) -> float:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(eps, float):
@@ -345,10 +365,15 @@ def load_norms(module: Any, attention: nn.Module) -> None:
         with torch.no_grad():
             held = getattr(theirs, "weight", None)
             ours.weight.copy_(torch.ones_like(ours.weight) if their_name == SHARED_QK_NORM else held)
-            probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
+            probe = torch.randn(3, *ours.weight.shape, generator=torch.Generator().manual_seed(0))
             probe = probe.to(device=ours.weight.device, dtype=ours.weight.dtype)
-            if not torch.allclose(theirs(probe), ours(probe), rtol=1e-3, atol=1e-5):
-                why = "it computes neither weight * x / rms(x) nor (1 + weight) * x / rms(x) (Gemma 3's)"
+            # theirs on (positions, heads, d_head) where its weights are per head (Cohere's, before the transpose)
+            mine = ours(probe.transpose(0, 1)[None])[0].transpose(0, 1) if probe.dim() == 3 else ours(probe)
+            if not torch.allclose(theirs(probe), mine, rtol=1e-3, atol=1e-5):
+                why = (
+                    "it computes neither weight * x / rms(x), (1 + weight) * x / rms(x) (Gemma 3's) nor "
+                    "weight * (x - mean) / std(x) (Cohere's)"
+                )
                 if their_name == SHARED_QK_NORM:
                     why = "a QK-norm without weight that computes other than x / rms(x) (Llama 4's L2 norm)"
                 raise _refuse(name, type(theirs).__name__, why)
@@ -375,7 +400,6 @@ BLOCK_ORDER = ("q_proj", "v_proj", "k_proj")
 # Config fields of layers that compute a variant we do not (each is None or False where they do not).
 _UNSUPPORTED_FIELDS = {
     "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
-    "use_qk_norm": "QK-norm over every head (Cohere)",
     "alibi": "ALiBi position biases (Falcon's alibi, Bloom)",
 }
 
@@ -537,15 +561,16 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     (q_name, k_name), _ = qk_norm_names(attention)
     every = {q_name: heads * d_head, k_name: (getattr(config, "num_key_value_heads", None) or heads) * d_head}
     over = _norm_over(getattr(attention, q_name, None), config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for name in (q_name, k_name):
         norm = getattr(attention, name, None)
         weight = getattr(norm, "weight", None)
-        width = d_head if over == "head" else every[name]
-        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != (width,)):
-            shape = None if not isinstance(weight, Tensor) else tuple(weight.shape)
+        shape = {"head": (d_head,), "all": (every[name],)}.get(over, (heads if name == q_name else kv_heads, d_head))
+        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != shape):
+            held = None if not isinstance(weight, Tensor) else tuple(weight.shape)
             why = (
-                f"it normalises features {shape}, neither each head's d_head={d_head} nor every head's "
-                f"together ({every[name]}), as q_norm does"
+                f"it normalises features {held}, neither each head's d_head={d_head}, every head's "
+                f"together ({every[name]}) nor each head's with weights of its own, as q_norm does"
             )
             raise _refuse(name, type(norm).__name__, why)
     dropout = getattr(attention, "resid_dropout", None)  # GPT-J, CodeGen: a dropout of the layer's output
@@ -553,8 +578,7 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
         raise _refuse("resid_pdrop", dropout.p, "a dropout of the layer's output (resid_dropout) is not computed here")
     for field, what in _UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, None)
-        shared = field == "use_qk_norm" and not any(hasattr(attention, n) for n in ("q_norm", "k_norm"))
-        if value is not None and value is not False and not shared:  # Llama 4: its qk_norm, or none on NoPE layers
+        if value is not None and value is not False:
             raise _refuse(f"config.{field}", value, f"{what} is not computed here")
     index = getattr(attention, "layer_idx", 0) or 0
     if _layer_type(attention, config) == "chunked_attention":
@@ -893,6 +917,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "window": module.window,
         "qk_norm": module.qk_norm or None,
         "qk_norm_over": module.qk_norm_over if module.qk_norm else None,
+        "qk_norm_centred": module.qk_norm_centred or None,
         "qk_norm_offset": module.qk_norm_offset if module.qk_norm else None,
         "qk_norm_after_rope": module.qk_norm_after_rope or None,
         "logit_softcap": module.logit_softcap,

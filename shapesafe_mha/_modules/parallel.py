@@ -93,11 +93,18 @@ def plan_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) ->
 
 
 def refuse_unsharded_norm(module: MultiHeadAttention, owner: str) -> None:
-    """Raise `ConfigError` for a QK-norm over every head at once: a rank holding some heads cannot compute it."""
+    """Raise `ConfigError` for a QK-norm over every head at once (a rank holding some heads cannot compute it) or
+    with weights for each head (Cohere's: its rows would be sharded and their gradients kept apart, not done here)."""
     if module.qk_norm and module.qk_norm_over == "all":
         raise ConfigError(
             f"{owner}: qk_norm_over='all' normalises every head's features together (OLMo-2), so a rank holding "
             "some of the heads cannot compute it; only a per-head QK-norm (qk_norm_over='head') is split by heads."
+        )
+    if module.qk_norm and module.qk_norm_over == "per_head":
+        raise ConfigError(
+            f"{owner}: qk_norm_over='per_head' holds QK-norm weights for each head (Cohere), which are not split by "
+            "heads here (their rows, and their gradients, would be each rank's own); only a QK-norm with one "
+            "weight for every head (qk_norm_over='head') is."
         )
 
 
@@ -121,6 +128,8 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         rope_dim=module.rope_dim if rotary is not None else None,
         rope_interleaved=module.rope_interleaved,
         qk_norm=module.qk_norm,
+        qk_norm_over=module.qk_norm_over,
+        qk_norm_centred=module.qk_norm_centred,
         qk_norm_offset=module.qk_norm_offset,
         qk_norm_after_rope=module.qk_norm_after_rope,
         norm_eps=module.q_norm.eps if module.qk_norm else 1e-6,  # pyright: ignore[reportArgumentType]
