@@ -241,3 +241,17 @@ def test_a_given_factor_or_attention_factor_is_transformers_own() -> None:
 def test_a_scaling_by_length_with_a_field_missing_or_wrong_names_it(scaling: dict[str, Any], message: str) -> None:
     with pytest.raises(ssm.ConfigError, match=rf"^RotaryEmbedding\(\): {message}"):
         ssm.MultiHeadAttention(32, 4, rope_theta=1e4, rope_scaling=scaling)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_trace_and_the_proof_hold_past_the_length_where_the_scaling_turns(case: str) -> None:
+    """The rotary stages keep their named shapes when the call's length picks the frequencies (12 positions, past
+    6), and `prove` holds for every batch and length, prefill and decoding."""
+    ours = ssm.MultiHeadAttention.from_hf(_layer(case)[0])
+    assert ours.rotary is not None
+    config = ssm.TraceConfig(d_model=32, num_heads=4, num_kv_heads=2, seq=12, rope_theta=ours.rotary.theta,
+                             rope_scaling=ours.rotary.scaling)  # fmt: skip
+    walk = {s.name: s for s in ssm.trace_forward(config).stages}
+    assert walk["rotary_q"].named_shape == "batch num_heads seq d_head"
+    assert walk["rotary_k"].named_shape == "batch num_kv_heads seq d_head"
+    assert ssm.prove(ours, is_causal=True).ok and ssm.prove(ours, is_causal=True, decode=True).ok

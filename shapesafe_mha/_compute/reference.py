@@ -39,7 +39,7 @@ RopeStyle = Literal["half", "interleaved"]
 NormOver = Literal["head", "all", "per_head"]
 # (inv_freq, attention_factor) of scaled RoPE; inv_freq `(d_rope/2,)`, or `(#batch, seq, d_rope/2)`: each position's own
 RopeFrequencies = tuple[Tensor, float] | None
-NormKind = Literal["rms", "layer"]
+NormKind = Literal["rms", "layer", "centred"]  # "centred": a LayerNorm without bias (Cohere)
 # FlexAttention's signatures (torch.nn.attention.flex_attention): `score_mod(score, b, h, q_idx, kv_idx)`
 # returns the modified score; `mask_mod(b, h, q_idx, kv_idx)` returns True where the query may attend.
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]

@@ -409,10 +409,12 @@ class MultiHeadAttention(nn.Module):
                 f"qk_norm_over={qk_norm_over!r}: the scale 1 + weight is Gemma 3's RMSNorm with one weight for every "
                 "head; no model offsets a centred norm or one with weights for each head."
             )
-        if not isinstance(qk_norm_after_rope, bool) or (qk_norm_after_rope and (not qk_norm or qk_norm_over != "head")):
+        after = qk_norm_after_rope
+        if not isinstance(after, bool) or (after and (not qk_norm or qk_norm_over != "head" or qk_norm_centred)):
             raise ConfigError(
-                f"{owner}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head'), but got "
-                f"qk_norm_after_rope={qk_norm_after_rope!r}, qk_norm={qk_norm!r}, qk_norm_over={qk_norm_over!r}."
+                f"{owner}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head', an RMSNorm: "
+                f"HunYuan's), but got qk_norm_after_rope={after!r}, qk_norm={qk_norm!r}, qk_norm_over={qk_norm_over!r}"
+                + (", qk_norm_centred=True." if qk_norm_centred else ".")
             )
         self.qk_norm_after_rope = qk_norm_after_rope
         if qk_norm:
