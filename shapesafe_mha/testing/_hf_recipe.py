@@ -271,7 +271,8 @@ def _norm_of(
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     shape = (width,) if heads is None else (heads, width)
     if not isinstance(weight, Tensor) or weight.shape != shape or not isinstance(eps, float):
-        raise refuse(name, f"{label}={type(norm).__name__} (not a norm of {shape} features with an epsilon)")
+        features = width if heads is None else shape
+        raise refuse(name, f"{label}={type(norm).__name__} (not a norm of {features} features with an epsilon)")
     if heads is not None and isinstance(bias, Tensor):
         raise refuse(name, f"{label}={type(norm).__name__}, a norm of each head with a bias")
     generator = torch.Generator().manual_seed(0)
