@@ -95,7 +95,7 @@ def test_tables_by_length_equal_transformers_bit_for_bit(case: str, length: int)
         assert torch.equal(got, want)
     kind = layer.config.rope_parameters["rope_type"]
     frequencies, factor = ROPE_INIT_FUNCTIONS[kind](layer.config, "cpu", seq_len=torch.tensor(length))
-    found = rotary_module.long_frequencies(ours.d_head, ours.theta, ours.scaling or {}, torch.tensor(length))
+    found = ssm.long_frequencies(ours.d_head, ours.theta, ours.scaling or {}, torch.tensor(length))
     assert torch.equal(found, frequencies) and ours.attention_factor == factor
 
 
@@ -129,7 +129,7 @@ def test_decoding_equals_the_reference_turning_each_key_by_its_calls_frequencies
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
 
     def frequencies(length: int) -> torch.Tensor:
-        return rotary_module.long_frequencies(rotary.d_head, rotary.theta, rotary.scaling or {}, length)
+        return ssm.long_frequencies(rotary.d_head, rotary.theta, rotary.scaling or {}, length)
 
     written = [frequencies(PREFILL)] * PREFILL + [frequencies(n + 1) for n in range(PREFILL, SEQ)]
     keys = (torch.stack(written)[None], rotary.attention_factor)

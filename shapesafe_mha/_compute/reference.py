@@ -227,7 +227,7 @@ def per_head_attention(
             "interleaved" pairs `2i` with `2i+1` (GPT-J).
         rotary_dim: rotate only each head's first `rotary_dim` features (partial rotary: Phi,
             StableLM, GPT-NeoX), pairing them within that part; default all `d_head`.
-        rope_frequencies: `(inv_freq, attention_factor)` of scaled RoPE (llama3, YaRN; transformers'
+        rope_frequencies: `(inv_freq, attention_factor)` of scaled RoPE (llama3, YaRN, dynamic, LongRoPE; transformers'
             `ROPE_INIT_FUNCTIONS` return them): pair `i` turns by `position * inv_freq[i]`, and cos and sin
             are multiplied by `attention_factor`; default `theta`'s frequencies, factor 1. `inv_freq` may be
             `(#batch, seq, d_rope/2)`, each query position's own: RoPE scaled by length ("dynamic",

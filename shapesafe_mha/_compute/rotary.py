@@ -212,7 +212,7 @@ def long_frequencies(
     past `original_max_position_embeddings`; below, the frequencies `inverse_frequencies` gives.
 
     Example:
-        >>> from shapesafe_mha._compute.rotary import long_frequencies
+        >>> from shapesafe_mha import long_frequencies
         >>> dynamic = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 16}
         >>> long_frequencies(8, 10000.0, dynamic, 16), long_frequencies(8, 10000.0, dynamic, 32)[1:]
         (tensor([1.0000, 0.1000, 0.0100, 0.0010]), tensor([0.0693, 0.0048, 0.0003]))

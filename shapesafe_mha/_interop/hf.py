@@ -6,8 +6,9 @@ Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier*
 (`partial_rotary_factor`, in `rope_parameters` since transformers 5) and interleaved RoPE (shown on the
 model's own rotary tables and `apply_rotary_pos_emb`, which no config field names; GPT-J's and CodeGen's RoPE of
 `rotary_dim` features, with a theta read from their own tables) become the module's options; a variant it does
-not compute (RoPE scaling other than llama3 and YaRN, a QK-norm other than RMSNorm) is a `ConfigError` naming the
-config field, never a silently different layer.
+not compute (RoPE scaling other than llama3, YaRN, dynamic and LongRoPE; a QK-norm other than an RMSNorm, Gemma 3's
+`1 + weight` or Cohere's LayerNorm of each head) is a `ConfigError` naming the config field, never a silently
+different layer.
 """
 
 import importlib

@@ -260,7 +260,9 @@ class MultiHeadAttention(nn.Module):
         bias: biases on all four projections.
         dropout: dropout on the attention probabilities, in training mode.
         rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
-        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3", "yarn"), or None.
+        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3", "yarn"; "dynamic" and
+            "longrope", whose frequencies follow each call's length, `max(positions) + 1`: decoding then turns
+            each step by its own, as a transformers model decoding through its cache does), or None.
         rope_dim: partial rotary: rotate only the first `rope_dim` features of each query and key head
             (even, at most `d_head`), the rest passed through, with the frequencies spaced over those
             `rope_dim` (Phi, StableLM, GLM: transformers' `partial_rotary_factor * head_dim`); default
@@ -840,11 +842,13 @@ class MultiHeadAttention(nn.Module):
         """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
 
         For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike; Phi's `dense` as
-        o_proj; GPT-NeoX's per-head fused `query_key_value` as q/k/v_proj), configured by `attention.config`:
-        sizes, GQA, biases per projection, dropout, RoPE (default, llama3 or YaRN scaling; tables computed as
+        o_proj; GPT-NeoX's per-head fused `query_key_value` and Phi-3's stacked `qkv_proj` as q/k/v_proj),
+        configured by `attention.config`: sizes, GQA, biases per projection, dropout, RoPE (default, llama3, YaRN,
+        dynamic or LongRoPE scaling; tables computed as
         transformers computes them; partial rotary from `partial_rotary_factor`, interleaved pairs read
         from the model's own rotary parts), and the variants: sliding window, QK-norm, logit softcapping,
-        `query_pre_attn_scalar`. Call it `is_causal=True`; positions
+        `query_pre_attn_scalar` (QK-norm: per head, over every head, `1 + weight`, Cohere's LayerNorm of each
+        head). Call it `is_causal=True`; positions
         default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
         the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
 
@@ -866,7 +870,7 @@ class MultiHeadAttention(nn.Module):
 
         Raises:
             ConfigError: a variant computed differently here (another RoPE scaling, a QK-norm other
-                than RMSNorm, latent attention), named by its config field or the submodule; or the
+                than those above, latent attention), named by its config field or the submodule; or the
                 converted layer differs from `attention` on the probe.
         """
         from .._interop.hf import from_hf
