@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
 from shapesafe_mha._compute import rotary as rotary_module
@@ -234,6 +236,8 @@ def test_a_given_factor_or_attention_factor_is_transformers_own() -> None:
         ({"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "factor": 2.0},
          r"rope_parameters\['original_max_position_embeddings'\] must be a positive finite number"),
         ({"rope_type": "dynamic", "factor": 2.0}, r"rope_parameters\['max_position_embeddings'\] must be a positive"),
+        ({"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "original_max_position_embeddings": 1,
+          "factor": 2.0}, r"rope_parameters\['original_max_position_embeddings'\]=1 leaves LongRoPE's attention"),
         ({"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 6.5},
          r"rope_parameters\['max_position_embeddings'\] must be a positive int for rope_type='dynamic'"),
     ],
@@ -255,3 +259,49 @@ def test_the_trace_and_the_proof_hold_past_the_length_where_the_scaling_turns(ca
     assert walk["rotary_q"].named_shape == "batch num_heads seq d_head"
     assert walk["rotary_k"].named_shape == "batch num_kv_heads seq d_head"
     assert ssm.prove(ours, is_causal=True).ok and ssm.prove(ours, is_causal=True, decode=True).ok
+
+
+@st.composite
+def _scalings_by_length(draw: Any, d_rope: int) -> dict[str, Any]:
+    """A dynamic or LongRoPE scaling for `d_rope` rotated features, turning within a dozen positions."""
+    longrope = draw(st.booleans(), label="longrope")
+    context = draw(st.integers(2 if longrope else 1, 10), label="context")  # LongRoPE divides by log(context)
+    if longrope:
+        factors = st.lists(st.floats(1.0, 8.0), min_size=d_rope // 2, max_size=d_rope // 2)
+        return {"rope_type": "longrope", "short_factor": draw(factors, label="short_factor"),
+                "long_factor": draw(factors, label="long_factor"), "original_max_position_embeddings": context,
+                "factor": draw(st.floats(0.5, 64.0), label="factor")}  # fmt: skip
+    return {"rope_type": "dynamic", "factor": draw(st.floats(1.0, 8.0), label="factor"),
+            "max_position_embeddings": context}  # fmt: skip
+
+
+@given(data=st.data())
+def test_decoding_by_length_equals_the_reference_for_drawn_sizes_and_scalings(data: st.DataObject) -> None:
+    """For drawn heads, widths, a partial rotary part, a scaling by length turning within the sequence and a prefill
+    length: our prefill-then-decode through a cache equals the per-head reference turning each query by its call's
+    frequencies and each key by the frequencies of the call that wrote it (float64, 1e-10)."""
+    num_kv_heads = data.draw(st.integers(1, 2), label="num_kv_heads")
+    num_heads = num_kv_heads * data.draw(st.integers(1, 3), label="group")
+    d_head = data.draw(st.sampled_from([4, 6, 8]), label="d_head")
+    d_rope = data.draw(st.sampled_from([w for w in (4, 6, 8) if w <= d_head]), label="rope_dim")
+    scaling = data.draw(_scalings_by_length(d_rope), label="scaling")
+    seq = data.draw(st.integers(2, 12), label="seq")
+    prefill = data.draw(st.integers(1, seq), label="prefill")
+    torch.manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    ours = ssm.MultiHeadAttention(16, num_heads, num_kv_heads, d_head=d_head, rope_theta=100.0, rope_scaling=scaling,
+                                  rope_dim=d_rope, dtype=torch.float64)  # fmt: skip
+    rotary = ours.rotary
+    assert rotary is not None
+    x = torch.randn(2, seq, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = ours.new_cache(batch=2, capacity=seq)
+        steps = [ours(x[:, :prefill], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(prefill, seq)]
+        lengths = [prefill] * prefill + list(range(prefill + 1, seq + 1))  # each position's call's length
+        each = torch.stack([ssm.long_frequencies(d_rope, 100.0, scaling, n) for n in lengths])[None]
+        frequencies = (each, rotary.attention_factor)
+        expected = per_head_attention(
+            x, x, x, ours.weights(), num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=True,
+            rope_theta=100.0, rotary_dim=d_rope, rope_frequencies=frequencies, key_rope_frequencies=frequencies,
+        )  # fmt: skip
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-10, rtol=1e-8)

@@ -142,6 +142,11 @@ def _longrope_factor(scaling: Mapping[str, Any]) -> float:
             "RotaryEmbedding(): rope_parameters['factor'] (or 'attention_factor') must be given for "
             "rope_type='longrope'; transformers takes it as max_position_embeddings / original_max_position_embeddings."
         )
+    if factor > 1.0 and context == 1:
+        raise ConfigError(
+            "RotaryEmbedding(): rope_parameters['original_max_position_embeddings']=1 leaves LongRoPE's attention "
+            "factor undefined (it divides by log(1) = 0); give rope_parameters['attention_factor']."
+        )
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(context))
 
 
