@@ -644,3 +644,19 @@ def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     assert torch.equal(getattr(back, name).weight, getattr(layer, name).weight)
     theirs_bias, back_bias = getattr(layer, name).bias, getattr(back, name).bias  # Falcon's: None
     assert (back_bias is None and theirs_bias is None) or torch.equal(back_bias, theirs_bias)
+
+
+def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_by_from_hf() -> None:
+    """DiffLlama computes two softmax maps per head and subtracts them, weighted by a learned lambda: neither the
+    per-head reference nor MultiHeadAttention computes that, so both refuse it naming the variant (not a build
+    failure: the tiny layer takes no single KV head, so the check builds it with as many as it has heads)."""
+    from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
+
+    from shapesafe_mha.testing.hf import check_hf_attention
+
+    named = r"DiffLlamaAttention: differential attention \(DiffLlama: two softmax maps"
+    with pytest.raises(ssm.ConfigError, match=named):
+        check_hf_attention(DiffLlamaAttention, transformers.DiffLlamaConfig)
+    config = transformers.DiffLlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(ssm.ConfigError, match=r"lambda_q1.*the layer computes differential attention"):
+        ssm.MultiHeadAttention.from_hf(DiffLlamaAttention(config, layer_idx=0))

@@ -370,6 +370,16 @@ _UNSUPPORTED_FIELDS = {
     "use_qk_norm": "QK-norm over every head (Cohere)",
     "alibi": "ALiBi position biases (Falcon's alibi, Bloom)",
 }
+# Parameters of a layer's own that name the variant it computes, where we compute none of it.
+OWN_PARAMETER_VARIANTS = {
+    "lambda_q1": "differential attention (DiffLlama: two softmax maps of each head's halves subtracted, weighted by "
+    "a lambda learned from lambda_q1, lambda_k1, lambda_q2, lambda_k2, then a norm)",
+}
+
+
+def own_variant(names: Any) -> str | None:
+    """The variant a layer's own parameters name (`OWN_PARAMETER_VARIANTS`), or None."""
+    return next((OWN_PARAMETER_VARIANTS[n] for n in names if n in OWN_PARAMETER_VARIANTS), None)
 
 
 def _fused(layer: nn.Module) -> nn.Linear | None:
@@ -504,6 +514,9 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     if isinstance(sinks, nn.Parameter) and tuple(sinks.shape) != (config.num_attention_heads,):
         why = f"attention sinks are one logit per query head ({config.num_attention_heads},)"
         raise _refuse("sinks", tuple(sinks.shape), why)
+    variant = own_variant(own)
+    if variant is not None:
+        raise _refuse("parameters", own, f"the layer computes {variant}, which MultiHeadAttention does not")
     if own:
         raise _refuse(
             "parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded"
