@@ -277,6 +277,14 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["output_gate"] = True  # Qwen3-Next: each head's queries, then its gate (what the probe verifies)
     if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
         options["attention_sinks"] = True
+    index = getattr(attention, "layer_idx", 0) or 0
+    if getattr(config, "attn_temperature_tuning", False) and not _rotates(config, index):  # Llama 4's NoPE layers
+        floor_scale, attn_scale = getattr(config, "floor_scale", None), getattr(config, "attn_scale", None)
+        if isinstance(floor_scale, bool) or not isinstance(floor_scale, int) or not floor_scale > 0:
+            raise _refuse("config.floor_scale", floor_scale, "temperature tuning needs a positive int floor_scale")
+        if isinstance(attn_scale, bool) or not isinstance(attn_scale, int | float) or not math.isfinite(attn_scale):
+            raise _refuse("config.attn_scale", attn_scale, "temperature tuning needs a finite attn_scale")
+        options["temperature_tuning"] = (floor_scale, float(attn_scale))
     return options
 
 
@@ -548,14 +556,10 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
         shared = field == "use_qk_norm" and not any(hasattr(attention, n) for n in ("q_norm", "k_norm"))
         if value is not None and value is not False and not shared:  # Llama 4: its qk_norm, or none on NoPE layers
             raise _refuse(f"config.{field}", value, f"{what} is not computed here")
-    index = getattr(attention, "layer_idx", 0) or 0
     if _layer_type(attention, config) == "chunked_attention":
         chunk = getattr(config, "attention_chunk_size", None)
         why = "chunked attention (Llama 4) is not computed here; attention_chunk_size=None makes its layers full"
         raise _refuse("config.attention_chunk_size", chunk, why)
-    if not _rotates(config, index) and getattr(config, "attn_temperature_tuning", False):
-        why = "Llama 4's temperature tuning of NoPE layers' queries by position is not computed here"
-        raise _refuse("config.attn_temperature_tuning", config.attn_temperature_tuning, why)
 
 
 def _rotates(config: Any, index: int) -> bool:
@@ -867,6 +871,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "clip_qkv": module.clip_qkv,
         "attention_sinks": module.sinks is not None or None,
         "output_gate": module.output_gate or None,
+        "temperature_tuning": module.temperature_tuning,
     }
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
     if different:
