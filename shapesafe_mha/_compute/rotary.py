@@ -222,7 +222,13 @@ def long_frequencies(
         >>> long_frequencies(8, 10000.0, dynamic, 16), long_frequencies(8, 10000.0, dynamic, 32)[1:]
         (tensor([1.0000, 0.1000, 0.0100, 0.0010]), tensor([0.0693, 0.0048, 0.0003]))
 
-    `short` and `long` are those already computed (a module's buffers), else computed here.
+    Arguments:
+        d_head, theta, scaling: as `inverse_frequencies` takes them (`d_head` the rotated width).
+        length: the call's `max(positions) + 1`, an int or a 0-d tensor (then chosen on its device, no sync).
+        short, long: the frequencies below and past the turn where already computed (a module's buffers).
+
+    Returns:
+        `(d_head / 2,)` float32 frequencies, one set for the whole call.
 
     Raises:
         ConfigError: `scaling` is not a scaling by length, or a field is missing or wrong (named).
