@@ -34,6 +34,8 @@ def variants(draw: Any) -> dict[str, Any]:
         "temperature_tuning": draw(
             st.one_of(st.none(), st.tuples(st.integers(1, 6), st.floats(0.05, 2.0))), label="temperature_tuning"
         ),
+        # Llama 4's chunked attention: chunks shorter than the drawn sequences (not beside a window: refused)
+        "chunk_size": draw(st.one_of(st.none(), st.integers(1, 6)), label="chunk_size"),
         # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
         "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
         "rope_interleaved": draw(st.booleans(), label="rope_interleaved"),
@@ -62,7 +64,8 @@ def _gated(options: dict[str, Any]) -> bool:
 
 def _module_options(options: dict[str, Any]) -> dict[str, Any]:
     kept = {k: v for k, v in options.items() if k not in ("rope_share", "rope_interleaved")}
-    return {**kept, "qk_norm_after_rope": _after_rope(options), "output_gate": _gated(options)}
+    chunk = options.get("chunk_size") if options.get("window") is None else None
+    return {**kept, "qk_norm_after_rope": _after_rope(options), "output_gate": _gated(options), "chunk_size": chunk}
 
 
 def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.MultiHeadAttention:
@@ -106,14 +109,14 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half",
         qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, clip_qkv=options.get("clip_qkv"),
         qk_norm_after_rope=_after_rope(options), output_gate=module.gate_weights() if module.output_gate else None,
-        temperature_tuning=options.get("temperature_tuning"), **kwargs,
+        temperature_tuning=options.get("temperature_tuning"), chunk_size=module.chunk_size, **kwargs,
     )  # fmt: skip
 
 
 @given(data=st.data(), options=variants())
 def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
-    """Any mix of QK-norm, window, softcap, query scale, attention sinks, clip_qkv, an output gate and temperature
-    tuning, with or
+    """Any mix of QK-norm, window, softcap, query scale, attention sinks, clip_qkv, an output gate, temperature
+    tuning and chunked attention, with or
     without RoPE (full or partial, halves or adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the
     module (with and without grad, so every path) equals the reference, head by head."""
     rope = data.draw(st.booleans(), label="rope")
@@ -371,6 +374,7 @@ COMPILED_VARIANTS = {
     "clip_qkv": {"clip_qkv": 0.5},
     "output gate": {"output_gate": True},
     "temperature tuning": {"temperature_tuning": (2, 0.5)},
+    "chunked attention": {"chunk_size": 3},
     "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
     "interleaved RoPE": {"rope_theta": 10000.0, "rope_interleaved": True},
     "partial, interleaved RoPE": {"rope_theta": 10000.0, "rope_dim": 2, "rope_interleaved": True},

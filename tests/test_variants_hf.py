@@ -502,11 +502,17 @@ def _llama4(layer_idx: int, implementation: str, **kwargs: Any) -> tuple[Any, An
     return llama4, layer, llama4.Llama4TextRotaryEmbedding(config)
 
 
-def _llama4_forward(layer: Any, rotary: Any, x: torch.Tensor, start: int = 0, cache: Any = None) -> torch.Tensor:
-    """Called as Llama4TextModel calls it: its complex freqs_cis, uncast, and transformers' causal mask."""
+def _llama4_forward(
+    layer: Any, rotary: Any, x: torch.Tensor, start: int = 0, cache: Any = None, padding: Any = None
+) -> torch.Tensor:
+    """Called as Llama4TextModel calls it: its complex freqs_cis, uncast, and transformers' causal mask (chunked on
+    a chunked_attention layer); `padding` is the 2-D attention_mask (1 = a real token)."""
+    from transformers.masking_utils import create_chunked_causal_mask
+
     positions = torch.arange(start, start + x.shape[1])[None]
-    mask = create_causal_mask(config=layer.config, inputs_embeds=x, attention_mask=None, cache=cache,
-                              position_ids=positions)  # fmt: skip
+    chunked = layer.config.layer_types[layer.layer_idx] == "chunked_attention"
+    make = create_chunked_causal_mask if chunked else create_causal_mask
+    mask = make(config=layer.config, inputs_embeds=x, attention_mask=padding, cache=cache, position_ids=positions)
     return layer(x, position_embeddings=rotary(x, positions), attention_mask=mask, cache=cache)[0]
 
 
@@ -549,12 +555,62 @@ def test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_n
         torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(hf_steps, dim=1), **tol)
 
 
-def test_llama4_chunked_layers_are_refused_by_their_field() -> None:
-    """What MultiHeadAttention does not compute is refused naming the config field, never loaded as full attention:
-    a chunked_attention layer (attention_chunk_size)."""
-    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=8192)
-    with pytest.raises(ssm.ConfigError, match=r"config.attention_chunk_size=8192.*chunked attention \(Llama 4\)"):
-        ssm.MultiHeadAttention.from_hf(chunked)
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_llama4_chunked_layers_load_their_chunks_forward_decoding_and_left_padded(implementation: str) -> None:
+    """A chunked_attention layer (attention_chunk_size=3, so the test's 11 positions make four chunks) loads as
+    chunk_size=3: float64, forward and decoding step by step equal the layer (1e-5: it rotates and normalises in
+    float32 inside, about 5e-7 apart) and its own decoding through DynamicCache (whose chunked layer keeps a
+    sliding window); with the second sequence left-padded by 2, the chunks start at its first real token in both."""
+    _, layer, rotary = _llama4(0, implementation, attention_chunk_size=3, attn_temperature_tuning=False)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.chunk_size == 3
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    tol = {"atol": 1e-5, "rtol": 1e-5}
+    with torch.no_grad():
+        expected = _llama4_forward(layer, rotary, x)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        cache = ours.new_cache(batch=2, capacity=SEQ)
+        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
+        theirs = transformers.DynamicCache(config=layer.config)
+        hf_steps = [_llama4_forward(layer, rotary, x[:, :2], 0, theirs)]
+        hf_steps += [_llama4_forward(layer, rotary, x[:, i : i + 1], i, theirs) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(hf_steps, dim=1), **tol)
+        real = torch.ones(2, SEQ, dtype=torch.long)
+        real[1, :2] = 0
+        padded = _llama4_forward(layer, rotary, x, padding=real)
+        ours_padded = ours(x, is_causal=True, key_padding_mask=real == 0)
+        torch.testing.assert_close(ours_padded[:, 2:], padded[:, 2:], **tol)  # the padded queries' rows are HF's own
+
+
+@pytest.mark.parametrize("bug", ["forgotten", "chunks not shifted by the padding"])
+def test_a_conversion_or_a_module_that_gets_llama4_s_chunks_wrong_is_caught(
+    bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bugs in chunked attention: from_hf reading the layer as full attention (its layer type renamed
+    upstream) is refused by the probe, naming the call that differs; a module counting the chunks from cache
+    index 0 in a left-padded batch differs from the layer on the padded sequence's real tokens."""
+    from shapesafe_mha._compute import kernels
+    from shapesafe_mha._interop import hf
+
+    _, layer, rotary = _llama4(0, "sdpa", attention_chunk_size=3, attn_temperature_tuning=False)
+    if bug == "forgotten":
+        read = hf.variant_options
+        monkeypatch.setattr(hf, "variant_options", lambda *a: {k: v for k, v in read(*a).items() if k != "chunk_size"})
+        with pytest.raises(ssm.ConfigError, match=r"differs from Llama4TextAttention by .* in a causal forward"):
+            ssm.MultiHeadAttention.from_hf(layer)
+        return
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    chunk_mask = kernels.chunk_mask
+    monkeypatch.setattr(kernels, "chunk_mask", lambda a, kpm, q, k, chunk: chunk_mask(a, None, q, k, chunk))
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    real = torch.ones(2, SEQ, dtype=torch.long)
+    real[1, :2] = 0
+    with torch.no_grad():
+        padded = _llama4_forward(layer, rotary, x, padding=real)
+        ours_padded = ours(x, is_causal=True, key_padding_mask=real == 0)
+    assert (ours_padded[1, 2:] - padded[1, 2:]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("bug", ["forgotten", "counted without the cache"])
@@ -584,7 +640,8 @@ def test_a_conversion_or_a_module_that_gets_llama4_s_temperature_tuning_wrong_is
 
 def test_to_hf_round_trips_llama4_and_refuses_weighted_norms_and_chunked_layers() -> None:
     """Llama 4: from_hf then to_hf gives a layer computing the same (its qk_norm holds no weight, so ours must be
-    ones); a module whose norm weights are not ones, or a config whose layer 0 is chunked, is refused by name."""
+    ones); a module whose norm weights are not ones, or a config whose layer 0 is chunked while the module is not,
+    is refused by name; a chunked module round-trips to its chunked config."""
     _, layer, rotary = _llama4(0, "sdpa", attn_temperature_tuning=False)
     ours = ssm.MultiHeadAttention.from_hf(layer)
     back = ours.to_hf(layer.config).to(torch.float64).eval()
@@ -595,9 +652,13 @@ def test_to_hf_round_trips_llama4_and_refuses_weighted_norms_and_chunked_layers(
         ours.k_norm.weight.mul_(2)
     with pytest.raises(ssm.ConfigError, match=r"k_norm's weights are not all 1, but Llama4TextAttention's qk_norm"):
         ours.to_hf(layer.config)
-    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=8192)
-    with pytest.raises(ssm.ConfigError, match=r"config.attention_chunk_size=8192: chunked attention \(Llama 4\)"):
+    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=3)
+    with pytest.raises(ssm.ConfigError, match=r"computes another variant: chunk_size=3 \(module: None\)"):
         ssm.MultiHeadAttention.from_hf(layer).to_hf(chunked.config)
+    back = ssm.MultiHeadAttention.from_hf(chunked).to_hf(chunked.config).to(torch.float64).eval()
+    with torch.no_grad():
+        expected = _llama4_forward(chunked, rotary, x)
+        torch.testing.assert_close(_llama4_forward(back, rotary, x), expected, atol=1e-12, rtol=0)
 
 
 def test_a_conversion_that_rotates_llama4_halves_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -114,6 +114,29 @@ def combine_masks(
     return allowed
 
 
+def chunk_mask(
+    attn_mask: Tensor | None, key_padding_mask: Tensor | None, q: Tensor, k: Tensor, chunk: int
+) -> Tensor:
+    """Llama 4's chunked attention as a mask joined to `attn_mask` (bool: and; float: -inf where hidden): a query
+    sees only the keys of its own chunk of `chunk` positions (query i at position kv_seq - seq + i), the chunks
+    counted from each sequence's first real key (after its left padding in `key_padding_mask`, as transformers
+    counts them)."""
+    seq, kv_seq = q.shape[2], k.shape[2]
+    queries = torch.arange(kv_seq - seq, kv_seq, device=q.device)[:, None]
+    keys = torch.arange(kv_seq, device=q.device)[None, :]
+    if key_padding_mask is None:
+        same = queries.div(chunk, rounding_mode="floor") == keys.div(chunk, rounding_mode="floor")
+    else:
+        left = ((~key_padding_mask).cumsum(-1) == 0).sum(-1)[:, None, None]  # leading padding of each sequence
+        own = (queries - left).div(chunk, rounding_mode="floor") == (keys - left).div(chunk, rounding_mode="floor")
+        same = own[:, None]
+    if attn_mask is None:
+        return same
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & same
+    return torch.where(same, attn_mask, -math.inf)
+
+
 def window_matters(window: int | None, kv_seq: int) -> bool:
     """Whether a sliding window hides any key: some query is `window` or more positions after some key.
 

@@ -129,6 +129,7 @@ def _head_mask(
     like: Tensor,
     window: int | None = None,
     mask_mod: MaskMod | None = None,
+    chunk: int | None = None,
 ) -> Tensor:
     """An additive `(batch, seq, kv_seq)` mask for one head: 0 where allowed, -inf where not."""
     additive = torch.zeros(batch, seq, kv_seq, dtype=like.dtype, device=like.device)
@@ -139,6 +140,15 @@ def _head_mask(
             blocked[:, i, max(position + 1, 0) :] = True  # every key after its own position
         if window is not None:
             blocked[:, i, : max(position - window + 1, 0)] = True  # every key window or more positions back
+    if chunk is not None:  # Llama 4: only the keys of the query's own chunk, counted from the first real key
+        for b in range(batch):
+            start = 0
+            while key_padding_mask is not None and start < kv_seq and bool(key_padding_mask[b, start]):
+                start += 1
+            for i in range(seq):
+                first = start + (kv_seq - seq + i - start) // chunk * chunk  # the query's chunk begins here
+                blocked[b, i, : max(first, 0)] = True
+                blocked[b, i, max(first + chunk, 0) :] = True
     if key_padding_mask is not None:
         blocked |= key_padding_mask[:, None, :]
     if mask_mod is not None:
@@ -181,6 +191,7 @@ def per_head_attention(
     sinks: Tensor | None = None,
     clip_qkv: float | None = None,
     temperature_tuning: tuple[int, float] | None = None,
+    chunk_size: int | None = None,
     output_gate: tuple[Tensor, Tensor | None] | None = None,
     out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
@@ -243,6 +254,8 @@ def per_head_attention(
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         output_gate: `(w_gate (num_heads * d_head, d_model), b_gate or None)`: each head's output times
             `sigmoid(x W_gate[h] + b_gate[h])` before the output projection (Qwen3-Next).
+        chunk_size: a query sees only the keys of its own chunk of `chunk_size` positions (Llama 4), counted
+            from each sequence's first key that `key_padding_mask` does not hide.
         temperature_tuning: `(floor_scale, attn_scale)`: the query at index `i` times
             `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4's NoPE layers).
         clip_qkv: each projected query, key and value feature clamped to `[-clip_qkv, clip_qkv]` (OLMo),
@@ -301,7 +314,7 @@ def per_head_attention(
         scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
         scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
         scores = scores + _head_mask(
-            attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod
+            attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod, chunk_size
         )
         if sinks is not None:  # one more logit per head, in the softmax's sum and dropped after it
             sink = sinks[head].to(scores.dtype).expand(*scores.shape[:-1], 1)

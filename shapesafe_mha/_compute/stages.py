@@ -610,6 +610,15 @@ def visible_masks(
     )
 
 
+@stage(name="chunk_mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
+def chunk_masks(
+    q: Heads, k: KVHeads, attn_mask: AttnMask | None, key_padding_mask: PaddingMask | None, chunk: int
+) -> AttnMask:
+    """Llama 4's chunked attention: `attn_mask` restricted to the keys of each query's own chunk of `chunk`
+    positions, counted from each sequence's first real key."""
+    return K.chunk_mask(attn_mask, key_padding_mask, q, k, chunk)
+
+
 @stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
 def combine_masks(
     q: Heads,
@@ -736,6 +745,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "attend_to_new": attend_to_new,
     "append_to_cache": append_to_cache,
     "visible_masks": visible_masks,
+    "chunk_masks": chunk_masks,
     "combine_masks": combine_masks,
     "attend_heads": attend_heads,
     "attend_native": attend_native,

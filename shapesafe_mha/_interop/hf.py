@@ -277,6 +277,11 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["output_gate"] = True  # Qwen3-Next: each head's queries, then its gate (what the probe verifies)
     if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
         options["attention_sinks"] = True
+    if _layer_type(attention, config) == "chunked_attention":  # Llama 4: each query sees its chunk's keys
+        chunk = getattr(config, "attention_chunk_size", None)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not chunk > 0:
+            raise _refuse("config.attention_chunk_size", chunk, "a chunked layer needs a positive int chunk size")
+        options["chunk_size"] = chunk
     index = getattr(attention, "layer_idx", 0) or 0
     if getattr(config, "attn_temperature_tuning", False) and not _rotates(config, index):  # Llama 4's NoPE layers
         floor_scale, attn_scale = getattr(config, "floor_scale", None), getattr(config, "attn_scale", None)
@@ -556,10 +561,6 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
         shared = field == "use_qk_norm" and not any(hasattr(attention, n) for n in ("q_norm", "k_norm"))
         if value is not None and value is not False and not shared:  # Llama 4: its qk_norm, or none on NoPE layers
             raise _refuse(f"config.{field}", value, f"{what} is not computed here")
-    if _layer_type(attention, config) == "chunked_attention":
-        chunk = getattr(config, "attention_chunk_size", None)
-        why = "chunked attention (Llama 4) is not computed here; attention_chunk_size=None makes its layers full"
-        raise _refuse("config.attention_chunk_size", chunk, why)
 
 
 def _rotates(config: Any, index: int) -> bool:
@@ -709,6 +710,10 @@ def _hf_outputs(
     else:
         sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
     make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    if layer_type == "chunked_attention":  # Llama 4's, as its model masks it
+        from transformers.masking_utils import create_chunked_causal_mask
+
+        make_mask = create_chunked_causal_mask
     mask_parameters = inspect.signature(make_mask).parameters
     cache_word = "cache" if "cache" in mask_parameters else "past_key_values"
     parameters = inspect.signature(layer.forward).parameters
@@ -717,11 +722,13 @@ def _hf_outputs(
     rotary = _rotary_for(layer, config) if "position_embeddings" in parameters else None
     if rotary is not None:
         rotary = rotary.to(x.device)
+    layer_idx = getattr(layer, "layer_idx", None)
 
     def call(chunk: Tensor, start: int, cache: Any) -> Tensor:
         positions = torch.arange(start, start + chunk.shape[1], device=x.device)[None]
+        index = {"layer_idx": layer_idx} if "layer_idx" in mask_parameters and layer_idx is not None else {}
         mask = make_mask(config=config, inputs_embeds=chunk, attention_mask=None, position_ids=positions,
-                         **{cache_word: cache})  # fmt: skip
+                         **{cache_word: cache}, **index)  # fmt: skip  (the cache layer this one writes)
         kwargs: dict[str, Any] = {"attention_mask": mask, layer_cache_word: cache}
         if rotary is not None:
             takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
@@ -741,7 +748,7 @@ def _hf_outputs(
         if not decode:
             return {probe.FORWARD: call(prompt, 0, None)}
         # a hybrid model's config may call this index another kind of layer: then a plain cache
-        attention_layer = layer_type in (None, "full_attention", "sliding_attention")
+        attention_layer = layer_type in (None, "full_attention", "sliding_attention", "chunked_attention")
         cache = DynamicCache(config=config) if attention_layer else DynamicCache()
         outputs = {probe.FORWARD: call(prompt, 0, cache)}
         outputs[probe.DECODING] = call(step, probe.PROMPT, cache)
@@ -815,10 +822,6 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
             f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
         ) from None
     first_type = (getattr(config, "layer_types", None) or [None])[0]  # to_hf builds layer 0
-    if first_type == "chunked_attention":
-        why = "chunked attention (Llama 4) is not computed by this module; attention_chunk_size=None makes it full"
-        raise ConfigError(f"MultiHeadAttention.to_hf(): config.attention_chunk_size={config.attention_chunk_size!r}: "
-                          f"{why}.")  # fmt: skip
     theta, scaling = rope_of(config, first_type)
     if not _rotates(config, 0):
         theta, scaling = None, None  # layer 0 is a NoPE layer (no_rope_layers)
@@ -872,6 +875,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "attention_sinks": module.sinks is not None or None,
         "output_gate": module.output_gate or None,
         "temperature_tuning": module.temperature_tuning,
+        "chunk_size": module.chunk_size,
     }
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
     if different:

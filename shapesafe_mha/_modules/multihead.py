@@ -297,6 +297,10 @@ class MultiHeadAttention(nn.Module):
             the queries at cache index `i` (counted over every call into a `kv_cache`) are multiplied by
             `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4:
             `(8192, 0.1)`, on layers without RoPE).
+        chunk_size: Llama 4's chunked attention (`attention_chunk_size`): a query sees only the keys of its own
+            chunk of `chunk_size` positions (with `is_causal`, those up to itself), the chunks counted from
+            each sequence's first real key (after the left padding `key_padding_mask` shows, as transformers
+            counts them). Not with a `window`.
         device, dtype: of the parameters.
 
     Raises:
@@ -332,6 +336,7 @@ class MultiHeadAttention(nn.Module):
         attention_sinks: bool = False,
         output_gate: bool = False,
         temperature_tuning: tuple[int, float] | None = None,
+        chunk_size: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -424,7 +429,16 @@ class MultiHeadAttention(nn.Module):
         self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
         variant = variant or attention_sinks or clip_qkv is not None or output_gate
         self.temperature_tuning = check_temperature_tuning(f"{owner}: ", temperature_tuning)
-        variant = variant or self.temperature_tuning is not None
+        chunked = chunk_size is not None
+        if chunked and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ConfigError(f"{owner}: chunk_size must be a positive int (Llama 4: 8192), but got {chunk_size!r}.")
+        if chunk_size is not None and window is not None:
+            raise ConfigError(
+                f"{owner}: chunk_size={chunk_size} with window={window}: no model computes both, and a window cache "
+                "would drop keys a chunk still sees; pass one of them."
+            )
+        self.chunk_size = chunk_size
+        variant = variant or self.temperature_tuning is not None or chunk_size is not None
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
@@ -478,6 +492,7 @@ class MultiHeadAttention(nn.Module):
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
             + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv is not None else "")
             + (f", temperature_tuning={self.temperature_tuning}" if self.temperature_tuning is not None else "")
+            + (f", chunk_size={self.chunk_size}" if self.chunk_size is not None else "")
             + (", attention_sinks=True" if self.sinks is not None else "")
             + (", output_gate=True" if self.output_gate else "")
         )
@@ -763,6 +778,8 @@ class MultiHeadAttention(nn.Module):
             masked = attn_mask is not None or key_padding_mask is not None
             if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
                 attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
+        if self.chunk_size is not None:  # Llama 4: a query sees only the keys of its own chunk
+            attn_mask = s.chunk_masks(q, k, attn_mask, key_padding_mask, self.chunk_size)
         scale, softcap, sinks = self.scale, self.logit_softcap, self._parameters.get("sinks")
         explicit = need_weights or softcap is not None or sinks is not None  # the scores computed here, not by SDPA
         dropout_p = self.dropout if self.training else 0.0

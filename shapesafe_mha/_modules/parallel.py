@@ -131,6 +131,7 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         attention_sinks=module.sinks is not None,
         output_gate=module.output_gate,
         temperature_tuning=module.temperature_tuning,  # a factor by position: the same on every rank's heads
+        chunk_size=module.chunk_size,  # a mask by position: the same on every rank's heads
         device=weight.device,
         dtype=weight.dtype,
     )
@@ -240,8 +241,8 @@ class HeadParallelAttention(nn.Module):
         """Keep this rank's share of `module`: its query heads, the KV heads they read, `o_proj`'s columns.
 
         Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
-        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, temperature tuning, attention sinks
-        (each rank its heads'),
+        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, temperature tuning, chunked attention, attention
+        sinks (each rank its heads'),
         dropout, the biases each projection has). The QK-norm weights, whole on every rank, get the gradient
         summed over the ranks. The result is verified: on a float64 copy, a causal forward and a decoding
         step of the probe, computed head-parallel (collective: every rank joins), equal `module`'s

@@ -45,6 +45,7 @@ class TraceConfig:
     qk_norm_after_rope: bool = False  # the per-head QK-norm after RoPE (HunYuan)
     output_gate: bool = False  # the merged heads times sigmoid(gate), the gate from q_proj (Qwen3-Next)
     temperature_tuning: tuple[int, float] | None = None  # queries scaled by position (Llama 4's NoPE layers)
+    chunk_size: int | None = None  # each query sees the keys of its own chunk only (Llama 4's chunked layers)
 
 
 @dataclass
@@ -108,6 +109,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "qk_norm_after_rope": config.qk_norm_after_rope,
         "output_gate": config.output_gate,
         "temperature_tuning": config.temperature_tuning,
+        "chunk_size": config.chunk_size,
         "device": device,
         "dtype": dtype,
     }
