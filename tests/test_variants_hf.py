@@ -352,7 +352,8 @@ def test_to_hf_round_trips_a_qk_norm_over_every_head_and_names_a_per_head_one() 
 
 
 def _sinks_dropped(original: Any) -> Any:
-    return lambda q, k, mask, scale, softcap=None, sinks=None: original(q, k, mask, scale, softcap)
+    return lambda q, k, mask, scale, softcap=None, sinks=None, bias=None: original(q, k, mask, scale, softcap,
+                                                                                  bias=bias)  # fmt: skip
 
 
 def _sinks_of_the_heads_reversed(original: Any) -> Any:

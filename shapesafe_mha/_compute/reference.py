@@ -179,6 +179,7 @@ def per_head_attention(
     qk_norm_after_rope: bool = False,
     qk_norm_bias: tuple[Tensor, Tensor] | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     clip_qkv: float | None = None,
     output_gate: tuple[Tensor, Tensor | None] | None = None,
     out_norm: tuple[Tensor, float] | None = None,
@@ -192,7 +193,7 @@ def per_head_attention(
 
     For head `h` with KV head `g = h // (num_heads // num_kv_heads)` (or `h % num_kv_heads` with
     `kv_heads="interleaved"`):
-    `head_h = softmax(softcap(score_mod((x W_Q[h]) (k W_K[g])^T * scale)) + mask) (v W_V[g])`, then
+    `head_h = softmax(softcap(score_mod((x W_Q[h]) (k W_K[g])^T * scale)) + alibi_h + mask) (v W_V[g])`, then
     `out = concat(head_0, ..., head_{H-1}) W_O^T + b_O`. Masks follow `MultiHeadAttention`:
     bool `attn_mask` True = may attend, float added; `key_padding_mask` True = padding;
     `is_causal` lower-right aligned; `mask_mod` True = may attend; a key must be allowed by every
@@ -238,6 +239,9 @@ def per_head_attention(
         out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
         sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
+        alibi_slopes: `(num_heads,)`: ALiBi (Bloom, MPT): head `h`'s score of query `i` for key `j` gets
+            `alibi_slopes[h] * (j - (kv_seq - seq + i))`, the query at its lower-right aligned position, after the
+            softcap.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         output_gate: `(w_gate (num_heads * d_head, d_model), b_gate or None)`: each head's output times
@@ -291,6 +295,9 @@ def per_head_attention(
             v = v.clamp(-clip_qkv, clip_qkv)
         scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
         scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
+        if alibi_slopes is not None:  # key j's distance from query i at its position kv_seq - seq + i, times the slope
+            distance = torch.arange(kv_seq)[None, :] - (kv_seq - seq + torch.arange(seq))[:, None]
+            scores = scores + alibi_slopes[head].to(scores) * distance.to(scores)
         scores = scores + _head_mask(
             attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod
         )

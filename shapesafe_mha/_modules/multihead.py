@@ -292,6 +292,12 @@ class MultiHeadAttention(nn.Module):
         attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
             (zeros at first), takes part in each row's softmax and is dropped after it, so a head may give
             less than all of its weight to the keys. The scores are then computed here, not by SDPA.
+        alibi: ALiBi position biases (Bloom, MPT) instead of position embeddings: each head `h` adds
+            `alibi_slopes[h] * (kv_pos - q_pos)` to its scores (after the scale and the softcap), the query at
+            its lower-right aligned position, so a key `d` positions back costs `d * slope`. `alibi_slopes` is a
+            buffer (saved in the state dict), Press et al.'s geometric slopes at first (`2 ** (-8 * h / n)`,
+            Bloom's interpolation for a head count not a power of two); overwrite it for others (MPT's). The
+            scores are then computed here, not by SDPA.
         device, dtype: of the parameters.
 
     Raises:
@@ -301,6 +307,8 @@ class MultiHeadAttention(nn.Module):
             `query_pre_attn_scalar` not a positive number, or `rope_dim` / `rope_interleaved` are given
             without `rope_theta` or `rope_dim` is not an even int in `[2, d_head]`.
     """
+
+    alibi_slopes: Tensor | None  # ALiBi's slopes, one per query head (a buffer; None without ALiBi)
 
     def __init__(
         self,
@@ -325,6 +333,7 @@ class MultiHeadAttention(nn.Module):
         query_pre_attn_scalar: float | None = None,
         clip_qkv: float | None = None,
         attention_sinks: bool = False,
+        alibi: bool = False,
         output_gate: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -414,9 +423,15 @@ class MultiHeadAttention(nn.Module):
         self.sinks: nn.Parameter | None = None
         if attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
+        if not isinstance(alibi, bool):
+            raise ConfigError(f"{owner}: alibi must be True or False, but got {alibi!r}.")
+        slopes = None
+        if alibi:  # not learned: a buffer, kept in the state dict so that loaded slopes (MPT's) stay
+            slopes = K.alibi_slopes(num_heads).to(device=device, dtype=dtype or torch.get_default_dtype())
+        self.register_buffer("alibi_slopes", slopes)
         variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
         self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
-        variant = variant or attention_sinks or clip_qkv is not None or output_gate
+        variant = variant or attention_sinks or clip_qkv is not None or output_gate or alibi
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
@@ -470,6 +485,7 @@ class MultiHeadAttention(nn.Module):
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
             + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv is not None else "")
             + (", attention_sinks=True" if self.sinks is not None else "")
+            + (", alibi=True" if self.alibi_slopes is not None else "")
             + (", output_gate=True" if self.output_gate else "")
         )
 
@@ -752,7 +768,9 @@ class MultiHeadAttention(nn.Module):
             if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
                 attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
         scale, softcap, sinks = self.scale, self.logit_softcap, self._parameters.get("sinks")
-        explicit = need_weights or softcap is not None or sinks is not None  # the scores computed here, not by SDPA
+        slopes = self._buffers.get("alibi_slopes")
+        # the scores computed here, not by SDPA
+        explicit = need_weights or softcap is not None or sinks is not None or slopes is not None
         dropout_p = self.dropout if self.training else 0.0
         native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
         mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window, native)
@@ -773,7 +791,8 @@ class MultiHeadAttention(nn.Module):
                 may_empty = may_empty and (explicit or not K.zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
                 folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
             if explicit:
-                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap, sinks)
+                bias = None if slopes is None else s.alibi_bias(slopes, q, k)
+                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap, sinks, bias)
                 if need_weights:
                     weights = s.unfold_weights(folded_weights, num_heads, rows)
                 out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)

@@ -244,6 +244,9 @@ def trace(
     output_gate: Annotated[
         bool, typer.Option("--output-gate/--no-output-gate", help="heads gated by q_proj's gate (Qwen3-Next)")
     ] = False,
+    alibi: Annotated[
+        bool, typer.Option("--alibi/--no-alibi", help="ALiBi position biases, a slope per head (Bloom, MPT)")
+    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -287,7 +290,7 @@ def trace(
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
-                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate,
+                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate, alibi,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:
