@@ -829,7 +829,7 @@ class MultiHeadAttention(nn.Module):
         return from_torch(cls, module)
 
     @classmethod
-    def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "MultiHeadAttention":
+    def from_hf(cls, attention: nn.Module, *, config: Any = None, verify: bool = True) -> "MultiHeadAttention":
         """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
 
         For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike; Phi's `dense` as
@@ -837,7 +837,10 @@ class MultiHeadAttention(nn.Module):
         sizes, GQA, biases per projection, dropout, RoPE (default, llama3 or YaRN scaling; tables computed as
         transformers computes them; partial rotary from `partial_rotary_factor`, interleaved pairs read
         from the model's own rotary parts), and the variants: sliding window, QK-norm, logit softcapping,
-        `query_pre_attn_scalar`. Call it `is_causal=True`; positions
+        `query_pre_attn_scalar`; ALiBi (Bloom's per-head fused `query_key_value`, MPT's `Wqkv`), with the slopes
+        their model passes them, read from transformers' own `build_alibi_tensor` / `build_mpt_alibi_tensor`.
+        Bloom's and MPT's layers keep no config: pass their model's, `from_hf(layer, config=model.config)`.
+        Call it `is_causal=True`; positions
         default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
         the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
 
@@ -864,7 +867,7 @@ class MultiHeadAttention(nn.Module):
         """
         from .._interop.hf import from_hf
 
-        return from_hf(cls, attention, verify=verify)
+        return from_hf(cls, attention, config=config, verify=verify)
 
     def to_hf(self, config: Any, *, verify: bool = True) -> nn.Module:
         """The transformers attention layer for `config` (a LlamaConfig, Qwen2Config, ...), with these weights.
