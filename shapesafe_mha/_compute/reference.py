@@ -118,6 +118,22 @@ def _softcap(scores: Tensor, cap: float | None) -> Tensor:
     return scores if cap is None else cap * torch.tanh(scores / cap)
 
 
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's slopes (Press et al.), float64: for `n` heads a power of two, head `h = 1..n` gets `2 ** (-8 h / n)`;
+    otherwise the largest power of two `n` below gives its `n` slopes, and the rest are every other slope of `2n`
+    heads, `2 ** (-4 h / n)` for `h = 1, 3, 5, ...` (as Bloom's and MPT's models build them).
+
+    Example:
+        >>> from shapesafe_mha.reference import alibi_slopes
+        >>> alibi_slopes(4).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    power = 2 ** int(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * h / power) for h in range(1, power + 1)]
+    extra = [2.0 ** (-4.0 * h / power) for h in range(1, 2 * power + 1, 2)]
+    return torch.tensor(slopes + extra[: num_heads - power], dtype=torch.float64)
+
+
 def _head_mask(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,
