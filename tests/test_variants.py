@@ -31,6 +31,10 @@ def variants(draw: Any) -> dict[str, Any]:
         "qk_norm_after_rope": draw(st.booleans(), label="qk_norm_after_rope"),  # HunYuan, with a per-head norm
         "output_gate": draw(st.booleans(), label="output_gate"),  # Qwen3-Next's, without clip_qkv or an "all" norm
         "clip_qkv": draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="clip_qkv"),  # bounds the projections meet
+        # Llama 4's: floor scales the drawn sequences cross, so the factor steps within them
+        "temperature_tuning": draw(
+            st.one_of(st.none(), st.tuples(st.integers(1, 6), st.floats(0.05, 2.0))), label="temperature_tuning"
+        ),
         # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
         "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
         "rope_interleaved": draw(st.booleans(), label="rope_interleaved"),
@@ -104,15 +108,15 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, clip_qkv=options.get("clip_qkv"),
         alibi_slopes=module.alibi_slopes,
         qk_norm_after_rope=_after_rope(options), output_gate=module.gate_weights() if module.output_gate else None,
-        **kwargs,
+        temperature_tuning=options.get("temperature_tuning"), **kwargs,
     )  # fmt: skip
 
 
 @given(data=st.data(), options=variants())
 def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
-    """Any mix of QK-norm, window, softcap, query scale, attention sinks, ALiBi, clip_qkv and an output gate, with or
-    without RoPE (full or partial, halves or adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the
-    module (with and without grad, so every path) equals the reference, head by head."""
+    """Any mix of QK-norm, window, softcap, query scale, attention sinks, ALiBi, clip_qkv, an output gate and
+    temperature tuning, with or without RoPE (full or partial, halves or adjacent pairs), causal or not, padded or
+    not, MHA/GQA/MQA: the module (with and without grad, so every path) equals the reference, head by head."""
     rope = data.draw(st.booleans(), label="rope")
     config = data.draw(attention_configs(cross=False, max_seq=24, rope=rope), label="config")
     module = _module(config, options, data)
@@ -368,6 +372,7 @@ COMPILED_VARIANTS = {
     "ALiBi": {"alibi": True},
     "clip_qkv": {"clip_qkv": 0.5},
     "output gate": {"output_gate": True},
+    "temperature tuning": {"temperature_tuning": (2, 0.5)},
     "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
     "interleaved RoPE": {"rope_theta": 10000.0, "rope_interleaved": True},
     "partial, interleaved RoPE": {"rope_theta": 10000.0, "rope_dim": 2, "rope_interleaved": True},

@@ -514,18 +514,24 @@ def _llama4_forward(layer: Any, rotary: Any, x: torch.Tensor, start: int = 0, ca
     return layer(x, position_embeddings=rotary(x, positions), attention_mask=mask, cache=cache)[0]
 
 
+# Llama 4's temperature tuning with a floor scale the test's 11 positions cross three times (its own is 8192)
+TUNED = {"attn_temperature_tuning": True, "floor_scale": 3, "attn_scale": 0.4}
+
+
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
-@pytest.mark.parametrize("layer_idx", [0, 3])
+@pytest.mark.parametrize(("layer_idx", "tuned"), [(0, False), (3, False), (3, True), (0, True)])
 def test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_nope_layer(
-    implementation: str, layer_idx: int
+    implementation: str, layer_idx: int, tuned: bool
 ) -> None:
     """Llama 4: a rope layer's RoPE from its complex table (adjacent pairs) and its qk_norm, an L2 norm without
     weight after RoPE, loaded as qk_norm=True of weight 1 with rms_norm_eps, qk_norm_after_rope; a NoPE layer
-    (no_rope_layers, temperature tuning off) without RoPE or norm. float64, forward and decoding step by step,
-    against the layer and against its own DynamicCache decoding: 1e-5 on the rope layer (it rotates and normalises in
-    float32 inside: about 6e-7 apart), 1e-10 on the NoPE layer (its eager softmax too stays in float64)."""
-    _, layer, rotary = _llama4(layer_idx, implementation, attn_temperature_tuning=False)
+    (no_rope_layers) without RoPE or norm, and with its temperature tuning where the config asks (only NoPE layers
+    tune). float64, forward and decoding step by step, against the layer and against its own DynamicCache decoding:
+    1e-5 on the rope layer (it rotates and normalises in float32 inside: about 6e-7 apart), 1e-10 on the NoPE
+    layer (its eager softmax too stays in float64; the tuning factor is float32 in both)."""
+    _, layer, rotary = _llama4(layer_idx, implementation, **(TUNED if tuned else {"attn_temperature_tuning": False}))
     ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.temperature_tuning == ((3, 0.4) if tuned and layer_idx == 3 else None)
     if layer_idx == 0:
         loaded = (ours.rope_theta, ours.rope_interleaved, ours.qk_norm, ours.qk_norm_after_rope)
         assert loaded == (1e4, True, True, True)
@@ -547,15 +553,37 @@ def test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_n
         torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(hf_steps, dim=1), **tol)
 
 
-def test_llama4_chunked_layers_and_temperature_tuning_are_refused_by_their_fields() -> None:
+def test_llama4_chunked_layers_are_refused_by_their_field() -> None:
     """What MultiHeadAttention does not compute is refused naming the config field, never loaded as full attention:
-    a chunked_attention layer (attention_chunk_size) and a NoPE layer's temperature tuning."""
+    a chunked_attention layer (attention_chunk_size)."""
     _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=8192)
     with pytest.raises(ssm.ConfigError, match=r"config.attention_chunk_size=8192.*chunked attention \(Llama 4\)"):
         ssm.MultiHeadAttention.from_hf(chunked)
-    _, tuned, _ = _llama4(3, "sdpa", attn_temperature_tuning=True)
-    with pytest.raises(ssm.ConfigError, match=r"config.attn_temperature_tuning=True.*temperature tuning"):
-        ssm.MultiHeadAttention.from_hf(tuned)
+
+
+@pytest.mark.parametrize("bug", ["forgotten", "counted without the cache"])
+def test_a_conversion_or_a_module_that_gets_llama4_s_temperature_tuning_wrong_is_refused_by_the_probe(
+    bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bugs in the temperature tuning of a NoPE layer: from_hf reading the config as if it were off (a
+    field renamed upstream), or the module scaling each decoding step's query as if it were the first position
+    (its cache index not counted). The probe refuses both, naming the call that differs (the probe's prompt is
+    short: its decoding step, the first past the floor scale, differs first)."""
+    from shapesafe_mha._compute import stages
+    from shapesafe_mha._interop import hf
+
+    _, layer, _ = _llama4(3, "sdpa", **TUNED)
+    if bug == "forgotten":
+        read = hf.variant_options
+        off = "temperature_tuning"
+        monkeypatch.setattr(hf, "variant_options", lambda *a: {k: v for k, v in read(*a).items() if k != off})
+        differs = r"differs from Llama4TextAttention by .* in a (causal forward|decoding step)"
+    else:
+        tune = stages.tune_query_temperature.fn
+        monkeypatch.setattr(stages.tune_query_temperature, "fn", lambda q, start, *a: tune(q, 0, *a))
+        differs = r"differs from Llama4TextAttention by .* in a decoding step"
+    with pytest.raises(ssm.ConfigError, match=differs):
+        ssm.MultiHeadAttention.from_hf(layer)
 
 
 def test_to_hf_round_trips_llama4_and_refuses_weighted_norms_and_chunked_layers() -> None:
@@ -648,6 +676,39 @@ def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     assert torch.equal(getattr(back, name).weight, getattr(layer, name).weight)
     theirs_bias, back_bias = getattr(layer, name).bias, getattr(back, name).bias  # Falcon's: None
     assert (back_bias is None and theirs_bias is None) or torch.equal(back_bias, theirs_bias)
+
+
+def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_by_from_hf() -> None:
+    """DiffLlama computes two softmax maps per head and subtracts them, weighted by a learned lambda: neither the
+    per-head reference nor MultiHeadAttention computes that, so both refuse it naming the variant (not a build
+    failure: the tiny layer takes no single KV head, so the check builds it with as many as it has heads)."""
+    from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
+
+    from shapesafe_mha.testing.hf import check_hf_attention
+
+    named = r"DiffLlamaAttention: differential attention \(DiffLlama: two softmax maps"
+    with pytest.raises(ssm.ConfigError, match=named):
+        check_hf_attention(DiffLlamaAttention, transformers.DiffLlamaConfig)
+    config = transformers.DiffLlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(ssm.ConfigError, match=r"lambda_q1.*the layer computes differential attention"):
+        ssm.MultiHeadAttention.from_hf(DiffLlamaAttention(config, layer_idx=0))
+
+
+def test_to_hf_round_trips_llama4_s_temperature_tuning_and_refuses_a_module_without_it() -> None:
+    """A config whose layer 0 is a tuned NoPE layer: from_hf then to_hf gives a layer equal to the original on the
+    same input (float64); a module without the tuning is refused for that config, naming temperature_tuning."""
+    _, layer, rotary = _llama4(0, "sdpa", no_rope_layers=[0, 1, 1, 1], **TUNED)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.temperature_tuning == (3, 0.4)
+    back = ours.to_hf(layer.config)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _llama4_forward(layer, rotary, x)
+        torch.testing.assert_close(_llama4_forward(back, rotary, x), expected, atol=1e-12, rtol=0)
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, dtype=torch.float64)
+    refused = r"computes another variant: temperature_tuning=\(3, 0.4\) \(module: None\)"
+    with pytest.raises(ssm.ConfigError, match=refused):
+        plain.to_hf(layer.config)
 
 
 # ALiBi: Bloom's and MPT's layers keep no config and take their biases from their model (Bloom's `alibi`, MPT's

@@ -36,6 +36,14 @@ def unfold(out: Tensor, num_heads: int) -> Tensor:
     return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
 
 
+def tune_temperature(q: Tensor, start: int, floor_scale: int, attn_scale: float) -> Tensor:
+    """Llama 4's temperature tuning (NoPE layers): the queries at cache index `i` (`start` + their index) times
+    `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))`, the factor in float32 as transformers makes it."""
+    positions = torch.arange(start, start + q.shape[2], device=q.device, dtype=torch.float32)
+    factor = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * factor[:, None]).to(q.dtype)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """`(x1, x2) -> (-x2, x1)` over the two halves of the last axis."""
     first, second = x.chunk(2, dim=-1)

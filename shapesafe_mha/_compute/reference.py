@@ -197,6 +197,7 @@ def per_head_attention(
     sinks: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
     clip_qkv: float | None = None,
+    temperature_tuning: tuple[int, float] | None = None,
     output_gate: tuple[Tensor, Tensor | None] | None = None,
     out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
@@ -262,6 +263,8 @@ def per_head_attention(
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         output_gate: `(w_gate (num_heads * d_head, d_model), b_gate or None)`: each head's output times
             `sigmoid(x W_gate[h] + b_gate[h])` before the output projection (Qwen3-Next).
+        temperature_tuning: `(floor_scale, attn_scale)`: the query at index `i` times
+            `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4's NoPE layers).
         clip_qkv: each projected query, key and value feature clamped to `[-clip_qkv, clip_qkv]` (OLMo),
             after a QK-norm over every head (OLMoE) and before a per-head one.
         scale: the score scale; default `1/sqrt(d_head)`.
@@ -306,6 +309,12 @@ def per_head_attention(
             k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim, rope_frequencies)
         if qk_norm is not None and qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
+        if temperature_tuning is not None:  # Llama 4's NoPE layers: each query sharpened by its index
+            floor_scale, attn_scale = temperature_tuning
+            index = torch.arange(1, seq + 1, dtype=torch.float32, device=q.device)
+            # in float32 as transformers makes it (log1p: the float64 comparison needs the same rounding)
+            factor = 1.0 + attn_scale * torch.log1p(torch.div(index, floor_scale, rounding_mode="floor"))
+            q = (q * factor[:, None]).to(q.dtype)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
         if clip_qkv is not None:
             v = v.clamp(-clip_qkv, clip_qkv)

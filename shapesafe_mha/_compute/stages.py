@@ -488,6 +488,28 @@ def clip_projections(
     return q.clamp(-bound, bound), k.clamp(-bound, bound), v.clamp(-bound, bound)
 
 
+@stage(name="temperature", trace=("q_tuned",))
+def tune_query_temperature(q: Heads, start: int, floor_scale: int, attn_scale: float) -> Heads:
+    """Llama 4's temperature tuning of its NoPE layers: the queries at cache index `start + i` scaled by
+    `1 + attn_scale * log(1 + floor((start + i + 1) / floor_scale))`, so far positions' scores sharpen."""
+    return K.tune_temperature(q, start, floor_scale, attn_scale)
+
+
+def check_temperature_tuning(owner: str, tuning: Any) -> tuple[int, float] | None:
+    """`(floor_scale, attn_scale)` from `tuning`, or None; `ConfigError` unless a positive int and a finite number."""
+    if tuning is None:
+        return None
+    pair = tuple(tuning) if isinstance(tuning, tuple | list) else ()
+    if len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 1 or isinstance(
+        pair[1], bool
+    ) or not isinstance(pair[1], int | float) or not math.isfinite(pair[1]):
+        raise ConfigError(
+            f"{owner}temperature_tuning must be (floor_scale, attn_scale): a positive int and a finite number "
+            f"(Llama 4: (8192, 0.1)), but got {tuning!r}."
+        )
+    return pair[0], float(pair[1])
+
+
 @stage(name="keys", trace=("", ""), sources={"result": "key"})
 def attend_to_new(k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
     """Without a cache the keys attended over are the new ones (`kv_seq` is `new`)."""
@@ -720,6 +742,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "normalize_qk": normalize_qk,
     "normalize_qk_inner": normalize_qk_inner,
     "clip_projections": clip_projections,
+    "tune_query_temperature": tune_query_temperature,
     "attend_to_new": attend_to_new,
     "append_to_cache": append_to_cache,
     "visible_masks": visible_masks,

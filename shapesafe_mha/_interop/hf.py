@@ -284,6 +284,14 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["output_gate"] = True  # Qwen3-Next: each head's queries, then its gate (what the probe verifies)
     if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
         options["attention_sinks"] = True
+    index = getattr(attention, "layer_idx", 0) or 0
+    if getattr(config, "attn_temperature_tuning", False) and not _rotates(config, index):  # Llama 4's NoPE layers
+        floor_scale, attn_scale = getattr(config, "floor_scale", None), getattr(config, "attn_scale", None)
+        if isinstance(floor_scale, bool) or not isinstance(floor_scale, int) or not floor_scale > 0:
+            raise _refuse("config.floor_scale", floor_scale, "temperature tuning needs a positive int floor_scale")
+        if isinstance(attn_scale, bool) or not isinstance(attn_scale, int | float) or not math.isfinite(attn_scale):
+            raise _refuse("config.attn_scale", attn_scale, "temperature tuning needs a finite attn_scale")
+        options["temperature_tuning"] = (floor_scale, float(attn_scale))
     if alibi_slopes_of(attention, config) is not None:  # Bloom, MPT: biases its model passes in
         options["alibi"] = True
     return options
@@ -415,6 +423,16 @@ _UNSUPPORTED_FIELDS = {
     # layer and in the mask its model builds) but once under sdpa; Bloom's and MPT's load (alibi_slopes_of)
     "alibi": "Falcon's ALiBi position biases (computed differently by its eager and sdpa paths)",
 }
+# Parameters of a layer's own that name the variant it computes, where we compute none of it.
+OWN_PARAMETER_VARIANTS = {
+    "lambda_q1": "differential attention (DiffLlama: two softmax maps of each head's halves subtracted, weighted by "
+    "a lambda learned from lambda_q1, lambda_k1, lambda_q2, lambda_k2, then a norm)",
+}
+
+
+def own_variant(names: Any) -> str | None:
+    """The variant a layer's own parameters name (`OWN_PARAMETER_VARIANTS`), or None."""
+    return next((OWN_PARAMETER_VARIANTS[n] for n in names if n in OWN_PARAMETER_VARIANTS), None)
 
 
 def _fused(layer: nn.Module) -> nn.Linear | None:
@@ -568,6 +586,9 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     if isinstance(sinks, nn.Parameter) and tuple(sinks.shape) != (config.num_attention_heads,):
         why = f"attention sinks are one logit per query head ({config.num_attention_heads},)"
         raise _refuse("sinks", tuple(sinks.shape), why)
+    variant = own_variant(own)
+    if variant is not None:
+        raise _refuse("parameters", own, f"the layer computes {variant}, which MultiHeadAttention does not")
     if own:
         raise _refuse(
             "parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded"
@@ -602,14 +623,10 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
         shared = field == "use_qk_norm" and not any(hasattr(attention, n) for n in ("q_norm", "k_norm"))
         if value is not None and value is not False and not shared:  # Llama 4: its qk_norm, or none on NoPE layers
             raise _refuse(f"config.{field}", value, f"{what} is not computed here")
-    index = getattr(attention, "layer_idx", 0) or 0
     if _layer_type(attention, config) == "chunked_attention":
         chunk = getattr(config, "attention_chunk_size", None)
         why = "chunked attention (Llama 4) is not computed here; attention_chunk_size=None makes its layers full"
         raise _refuse("config.attention_chunk_size", chunk, why)
-    if not _rotates(config, index) and getattr(config, "attn_temperature_tuning", False):
-        why = "Llama 4's temperature tuning of NoPE layers' queries by position is not computed here"
-        raise _refuse("config.attn_temperature_tuning", config.attn_temperature_tuning, why)
 
 
 def _rotates(config: Any, index: int) -> bool:
@@ -944,6 +961,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "attention_sinks": module.sinks is not None or None,
         "alibi": module.alibi_slopes is not None or None,
         "output_gate": module.output_gate or None,
+        "temperature_tuning": module.temperature_tuning,
     }
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
     if different:

@@ -28,6 +28,7 @@ from .._compute.stages import (
     autocast_on,
     check_cache,
     check_groups,
+    check_temperature_tuning,
     check_variants,
     explain_mask,
     positive_count,
@@ -292,6 +293,10 @@ class MultiHeadAttention(nn.Module):
         attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
             (zeros at first), takes part in each row's softmax and is dropped after it, so a head may give
             less than all of its weight to the keys. The scores are then computed here, not by SDPA.
+        temperature_tuning: `(floor_scale, attn_scale)`, Llama 4's temperature tuning of its NoPE layers:
+            the queries at cache index `i` (counted over every call into a `kv_cache`) are multiplied by
+            `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4:
+            `(8192, 0.1)`, on layers without RoPE).
         alibi: ALiBi position biases (Bloom, MPT) instead of position embeddings: each head `h` adds
             `alibi_slopes[h] * (kv_pos - q_pos)` to its scores (after the scale and the softcap), the query at
             its lower-right aligned position, so a key `d` positions back costs `d * slope`. `alibi_slopes` is a
@@ -335,6 +340,7 @@ class MultiHeadAttention(nn.Module):
         attention_sinks: bool = False,
         alibi: bool = False,
         output_gate: bool = False,
+        temperature_tuning: tuple[int, float] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -431,7 +437,9 @@ class MultiHeadAttention(nn.Module):
         self.register_buffer("alibi_slopes", slopes)
         variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
         self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
-        variant = variant or attention_sinks or clip_qkv is not None or output_gate or alibi
+        variant = variant or attention_sinks or clip_qkv is not None or output_gate
+        self.temperature_tuning = check_temperature_tuning(f"{owner}: ", temperature_tuning)
+        variant = variant or self.temperature_tuning is not None or alibi
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
@@ -484,6 +492,7 @@ class MultiHeadAttention(nn.Module):
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
             + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv is not None else "")
+            + (f", temperature_tuning={self.temperature_tuning}" if self.temperature_tuning is not None else "")
             + (", attention_sinks=True" if self.sinks is not None else "")
             + (", alibi=True" if self.alibi_slopes is not None else "")
             + (", output_gate=True" if self.output_gate else "")
@@ -760,6 +769,9 @@ class MultiHeadAttention(nn.Module):
                 q, k = s.apply_partial_rotary(q, k, cos, sin, self.rope_interleaved)
         if self.qk_norm_after_rope:  # HunYuan: the rotated queries and keys normalised, and so cached
             q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
+        tuning = self.temperature_tuning
+        if tuning is not None:  # Llama 4's NoPE layers: each query scaled by its cache index
+            q = s.tune_query_temperature(q, 0 if kv_cache is None else kv_cache.seen, *tuning)
         if kv_cache is None:
             k, v = s.attend_to_new(k, v)
         else:

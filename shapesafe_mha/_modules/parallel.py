@@ -131,6 +131,7 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         attention_sinks=module.sinks is not None,
         alibi=module.alibi_slopes is not None,
         output_gate=module.output_gate,
+        temperature_tuning=module.temperature_tuning,  # a factor by position: the same on every rank's heads
         device=weight.device,
         dtype=weight.dtype,
     )
@@ -242,11 +243,11 @@ class HeadParallelAttention(nn.Module):
         """Keep this rank's share of `module`: its query heads, the KV heads they read, `o_proj`'s columns.
 
         Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
-        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, attention sinks and ALiBi slopes (each rank
-        its heads'), dropout, the biases each projection has). The QK-norm weights, whole on every rank, get the
-        gradient summed over the ranks. The result is verified: on a float64 copy, a causal forward and a decoding
-        step of the probe, computed head-parallel (collective: every rank joins), equal `module`'s
-        (`verify=False` skips it).
+        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, temperature tuning, attention sinks and
+        ALiBi slopes (each rank its heads'), dropout, the biases each projection has). The QK-norm weights, whole
+        on every rank, get the gradient summed over the ranks. The result is verified: on a float64 copy, a causal
+        forward and a decoding step of the probe, computed head-parallel (collective: every rank joins), equal
+        `module`'s (`verify=False` skips it).
 
         Raises:
             ConfigError: torch.distributed is not initialised, or the heads cannot be split over the

@@ -44,6 +44,7 @@ class TraceConfig:
     clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (OLMo)
     qk_norm_after_rope: bool = False  # the per-head QK-norm after RoPE (HunYuan)
     output_gate: bool = False  # the merged heads times sigmoid(gate), the gate from q_proj (Qwen3-Next)
+    temperature_tuning: tuple[int, float] | None = None  # queries scaled by position (Llama 4's NoPE layers)
     alibi: bool = False  # ALiBi: each head's scores biased by slope * (kv_pos - q_pos) (Bloom, MPT)
 
 
@@ -107,6 +108,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "clip_qkv": config.clip_qkv,
         "qk_norm_after_rope": config.qk_norm_after_rope,
         "output_gate": config.output_gate,
+        "temperature_tuning": config.temperature_tuning,
         "alibi": config.alibi,
         "device": device,
         "dtype": dtype,

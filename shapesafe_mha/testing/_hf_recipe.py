@@ -35,7 +35,7 @@ from .._compute.reference import NormKind, NormOver, RopeStyle, _layer_norm
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
 from .._interop.adapters import NAMES, load_weights
-from .._interop.hf import BLOCK_ORDER, block_fused, rope_interleaved, sincos_rope
+from .._interop.hf import BLOCK_ORDER, block_fused, own_variant, rope_interleaved, sincos_rope
 
 OWNER = "check_hf_attention()"
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -359,7 +359,15 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         if in_layer:
             sizes["rotary_dim"] = 8  # of the tiny head's 16 features
         config = tiny_config(config_cls, **sizes)
-        module = attention_cls(config, layer_idx=layers[0][0])
+        try:
+            module = attention_cls(config, layer_idx=layers[0][0])
+        except ValueError:
+            if sizes.get("num_key_value_heads") != 1:
+                raise
+            # a class that takes no single KV head (DiffLlama splits its values in two along them): built as MHA
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+            config = tiny_config(config_cls, **sizes)
+            module = attention_cls(config, layer_idx=layers[0][0])
         if not forward.get("position_embeddings") and (has_rope or in_layer):
             raise refuse(name, "RoPE applied inside the layer from position_ids (no position_embeddings argument)")
         if in_layer:
@@ -653,6 +661,9 @@ def _out_norm(module: nn.Module, name: str, config: Any) -> float | None:
 def _refuse_unloaded(module: nn.Module, name: str, fused: str | None) -> None:
     """Parameters the check would not draw (sinks, other norms, gates, experts) are refused by name, and norms
     without parameters too (Gemma 3n's v_norm)."""
+    variant = own_variant(n for n, _ in module.named_parameters(recurse=False))
+    if variant is not None:
+        raise refuse(name, variant)
     known = {n for names in QK_NORMS for n in names} | set(OUT_NORMS) | {SHARED_QK_NORM}
     norms = [n for n, _ in module.named_children() if "norm" in n.lower() and n not in known]
     if norms:
