@@ -719,6 +719,7 @@ ALIBI_CASES = {
     "bloom-6-heads": ("bloom", 6, {}),  # not a power of two: Bloom's interpolated slopes
     "mpt-8-heads": ("mpt", 8, {}),
     "mpt-6-heads-clip-qkv": ("mpt", 6, {"attn_config": {"clip_qkv": 0.4}}),  # MPT's own interleaved slopes
+    "mpt-8-heads-softmax-scale": ("mpt", 8, {"attn_config": {"softmax_scale": 0.3}}),  # query_pre_attn_scalar 0.3**-2
 }
 
 
@@ -774,11 +775,12 @@ def _softmax_in_float64(layer: Any) -> Iterator[None]:
 def test_bloom_and_mpt_alibi_from_hf_equal_the_layer_full_and_decoding(case: str, float64_softmax: bool) -> None:
     """float64: our module from from_hf (its slopes those the model passes) equals the layer's causal forward,
     and prefill then token-by-token decoding through our KVCache equals the layer's through its DynamicCache, step
-    for step. Bloom and MPT take the softmax in float32: 1e-6 as they are (measured: 8e-7 at most), 1e-10 with
-    that step lifted to float64 (measured: 6e-15 at most)."""
+    for step. Bloom and MPT take the softmax in float32: 1e-6 as they are (measured: 9e-7 at most), 1e-10 with
+    that step lifted to float64 (measured: 9e-15 at most)."""
     layer, config = _alibi_layer(case)
     ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
     assert ours.alibi_slopes is not None and ours.clip_qkv == (0.4 if "clip" in case else None)
+    assert ours.scale == (pytest.approx(0.3) if "scale" in case else None)  # MPT's attn_config.softmax_scale
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
     bloom_slopes = build_alibi_tensor(torch.ones(1, 2), config.num_attention_heads, torch.float64)[:, 0, 1]
