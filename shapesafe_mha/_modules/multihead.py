@@ -905,7 +905,7 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ConfigError: the configuration has no `nn.MultiheadAttention` equivalent (GQA/MQA,
                 `num_heads * d_head != d_model`, or a variant: RoPE, QK-norm, a window, softcapping,
-                `query_pre_attn_scalar`), named.
+                `query_pre_attn_scalar`, sinks, ALiBi), named.
         """
         from .._interop.torch_nn import to_torch
 
