@@ -33,6 +33,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "output_gate": {"output_gate": True},
     "temperature_tuning": {"temperature_tuning": (2, 0.5)},
     "chunk_size": {"chunk_size": 2},
+    "alibi": {"alibi": True},
 }
 
 

@@ -286,6 +286,11 @@ MUTANTS: list[Mutant] = [
       "the trace calls anything in range a view, whatever its storage", "tests/test_aliasing.py"),
     M("_core/trace.py", "            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:", "            if False:",
       "the allocation recorder records nothing", "tests/test_allocations.py"),
+    # --- ALiBi (Bloom, MPT) ---
+    M("_compute/kernels.py", "    distance = (keys - queries[:, None]).to(slopes.dtype)",
+      "    distance = (queries[:, None] - keys).to(slopes.dtype)", "ALiBi's distance the wrong way (far keys favoured)",
+      "tests/test_variants.py::test_alibi_weights_a_key_d_positions_back_by_minus_d_times_its_heads_slope",
+      "tests/test_variants_hf.py::test_bloom_and_mpt_alibi_from_hf_equal_the_layer_full_and_decoding"),
     # --- attention sinks (gpt-oss) ---
     M("_compute/kernels.py", "        return torch.softmax(with_sinks, dim=-1)[..., :-1]", "        return torch.softmax(with_sinks, dim=-1)[..., 1:]",
       "the first key's weight dropped after the softmax instead of the sink's", SINKS_HF),

@@ -118,6 +118,22 @@ def _softcap(scores: Tensor, cap: float | None) -> Tensor:
     return scores if cap is None else cap * torch.tanh(scores / cap)
 
 
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's slopes (Press et al.), float64: for `n` heads a power of two, head `h = 1..n` gets `2 ** (-8 h / n)`;
+    otherwise the largest power of two `n` below gives its `n` slopes, and the rest are every other slope of `2n`
+    heads, `2 ** (-4 h / n)` for `h = 1, 3, 5, ...` (as Bloom's and MPT's models build them).
+
+    Example:
+        >>> from shapesafe_mha.reference import alibi_slopes
+        >>> alibi_slopes(4).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    power = 2 ** int(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * h / power) for h in range(1, power + 1)]
+    extra = [2.0 ** (-4.0 * h / power) for h in range(1, 2 * power + 1, 2)]
+    return torch.tensor(slopes + extra[: num_heads - power], dtype=torch.float64)
+
+
 def _head_mask(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,
@@ -189,6 +205,7 @@ def per_head_attention(
     qk_norm_after_rope: bool = False,
     qk_norm_bias: tuple[Tensor, Tensor] | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     clip_qkv: float | None = None,
     temperature_tuning: tuple[int, float] | None = None,
     chunk_size: int | None = None,
@@ -204,7 +221,7 @@ def per_head_attention(
 
     For head `h` with KV head `g = h // (num_heads // num_kv_heads)` (or `h % num_kv_heads` with
     `kv_heads="interleaved"`):
-    `head_h = softmax(softcap(score_mod((x W_Q[h]) (k W_K[g])^T * scale)) + mask) (v W_V[g])`, then
+    `head_h = softmax(softcap(score_mod((x W_Q[h]) (k W_K[g])^T * scale)) + alibi_h + mask) (v W_V[g])`, then
     `out = concat(head_0, ..., head_{H-1}) W_O^T + b_O`. Masks follow `MultiHeadAttention`:
     bool `attn_mask` True = may attend, float added; `key_padding_mask` True = padding;
     `is_causal` lower-right aligned; `mask_mod` True = may attend; a key must be allowed by every
@@ -250,6 +267,9 @@ def per_head_attention(
         out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
         sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
+        alibi_slopes: `(num_heads,)`: ALiBi (Bloom, MPT): head `h`'s score of query `i` for key `j` gets
+            `alibi_slopes[h] * (j - (kv_seq - seq + i))`, the query at its lower-right aligned position, after the
+            softcap.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         output_gate: `(w_gate (num_heads * d_head, d_model), b_gate or None)`: each head's output times
@@ -313,6 +333,9 @@ def per_head_attention(
             v = v.clamp(-clip_qkv, clip_qkv)
         scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
         scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
+        if alibi_slopes is not None:  # key j's distance from query i at its position kv_seq - seq + i, times the slope
+            distance = torch.arange(kv_seq)[None, :] - (kv_seq - seq + torch.arange(seq))[:, None]
+            scores = scores + alibi_slopes[head].to(scores) * distance.to(scores)
         scores = scores + _head_mask(
             attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod, chunk_size
         )

@@ -251,6 +251,9 @@ def trace(
     chunk_size: Annotated[
         int | None, typer.Option(min=1, metavar="INT", help="chunked attention: a query sees its chunk only (Llama 4)")
     ] = None,
+    alibi: Annotated[
+        bool, typer.Option("--alibi/--no-alibi", help="ALiBi position biases, a slope per head (Bloom, MPT)")
+    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -295,7 +298,7 @@ def trace(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
                 qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate, temperature_tuning,
-                chunk_size,
+                chunk_size, alibi,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

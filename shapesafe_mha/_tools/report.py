@@ -46,6 +46,7 @@ class TraceConfig:
     output_gate: bool = False  # the merged heads times sigmoid(gate), the gate from q_proj (Qwen3-Next)
     temperature_tuning: tuple[int, float] | None = None  # queries scaled by position (Llama 4's NoPE layers)
     chunk_size: int | None = None  # each query sees the keys of its own chunk only (Llama 4's chunked layers)
+    alibi: bool = False  # ALiBi: each head's scores biased by slope * (kv_pos - q_pos) (Bloom, MPT)
 
 
 @dataclass
@@ -110,6 +111,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "output_gate": config.output_gate,
         "temperature_tuning": config.temperature_tuning,
         "chunk_size": config.chunk_size,
+        "alibi": config.alibi,
         "device": device,
         "dtype": dtype,
     }
