@@ -290,6 +290,11 @@ MUTANTS: list[Mutant] = [
       "the trace calls anything in range a view, whatever its storage", "tests/test_aliasing.py"),
     M("_core/trace.py", "            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:", "            if False:",
       "the allocation recorder records nothing", "tests/test_allocations.py"),
+    # --- ALiBi (Bloom, MPT) ---
+    M("_compute/kernels.py", "    distance = (keys - queries[:, None]).to(slopes.dtype)",
+      "    distance = (queries[:, None] - keys).to(slopes.dtype)", "ALiBi's distance the wrong way (far keys favoured)",
+      "tests/test_variants.py::test_alibi_weights_a_key_d_positions_back_by_minus_d_times_its_heads_slope",
+      "tests/test_variants_hf.py::test_bloom_and_mpt_alibi_from_hf_equal_the_layer_full_and_decoding"),
     # --- attention sinks (gpt-oss) ---
     M("_compute/kernels.py", "        return torch.softmax(with_sinks, dim=-1)[..., :-1]", "        return torch.softmax(with_sinks, dim=-1)[..., 1:]",
       "the first key's weight dropped after the softmax instead of the sink's", SINKS_HF),
@@ -304,6 +309,10 @@ MUTANTS: list[Mutant] = [
       "            q = s.tune_query_temperature(q, 0, *tuning)",
       "Llama 4's temperature tuning counts each decoding step's query from position 0",
       "tests/test_variants_hf.py::test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_nope_layer[3-True-sdpa]"),
+    M("_compute/kernels.py", "        left = ((~key_padding_mask).cumsum(-1) == 0).sum(-1)[:, None, None]",
+      "        left = torch.zeros_like(key_padding_mask[:, :1, None], dtype=torch.long)",
+      "Llama 4's chunks counted from cache index 0 in a left-padded batch, not from each sequence's first token",
+      "tests/test_variants_hf.py::test_llama4_chunked_layers_load_their_chunks_forward_decoding_and_left_padded[sdpa]"),
     M("_compute/kernels.py", "    factor = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0",
       "    factor = torch.log1p(torch.floor(positions / floor_scale)) * attn_scale + 1.0",
       "Llama 4's temperature tuning steps one position late",

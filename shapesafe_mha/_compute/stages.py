@@ -16,9 +16,11 @@ from torch import Tensor, nn
 
 from .._core.contract import stage
 from .._core.dims import (
+    AlibiSlopes,
     AttnMask,
     Bias,
     CacheBuffer,
+    FoldedBias,
     FoldedMask,
     FoldedProbabilities,
     FoldedQueries,
@@ -610,6 +612,15 @@ def visible_masks(
     )
 
 
+@stage(name="chunk_mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
+def chunk_masks(
+    q: Heads, k: KVHeads, attn_mask: AttnMask | None, key_padding_mask: PaddingMask | None, chunk: int
+) -> AttnMask:
+    """Llama 4's chunked attention: `attn_mask` restricted to the keys of each query's own chunk of `chunk`
+    positions, counted from each sequence's first real key."""
+    return K.chunk_mask(attn_mask, key_padding_mask, q, k, chunk)
+
+
 @stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
 def combine_masks(
     q: Heads,
@@ -671,6 +682,13 @@ def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Hea
     return K.zero_rows(K.unfold(out, num_heads), rows)
 
 
+@stage(name="alibi")
+def alibi_bias(slopes: AlibiSlopes, q: Heads, k: KVHeads) -> FoldedBias:
+    """ALiBi (Bloom, MPT): `slopes[h] * (kv_pos - q_pos)` for each query head's row and key, laid out as the
+    folded queries, the queries at their lower-right aligned positions."""
+    return K.alibi_bias(slopes, k.shape[1], q.shape[2], k.shape[2])
+
+
 @stage(name="weights_folded", trace=("",))
 def folded_weights(
     q: FoldedQueries,
@@ -679,11 +697,12 @@ def folded_weights(
     scale: float | None,
     softcap: float | None,
     sinks: Sinks | None = None,
+    bias: FoldedBias | None = None,
 ) -> FoldedProbabilities:
     """The probabilities of the folded queries; with `sinks` (gpt-oss) one more logit per query head takes part
-    in each row's softmax and is dropped after it."""
+    in each row's softmax and is dropped after it; `bias` (ALiBi's) is added to the scores after the softcap."""
     rows = None if sinks is None else K.folded_sinks(sinks, k.shape[1], q.shape[2] * k.shape[1] // sinks.shape[0])
-    return K.probabilities(q, k, mask, scale, softcap, rows)
+    return K.probabilities(q, k, mask, scale, softcap, rows, bias)
 
 
 @stage(name="weights")
@@ -736,6 +755,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "attend_to_new": attend_to_new,
     "append_to_cache": append_to_cache,
     "visible_masks": visible_masks,
+    "chunk_masks": chunk_masks,
     "combine_masks": combine_masks,
     "attend_heads": attend_heads,
     "attend_native": attend_native,
@@ -744,6 +764,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "fold_mask": fold_mask,
     "attend_folded": attend_folded,
     "unfold": unfold,
+    "alibi_bias": alibi_bias,
     "folded_weights": folded_weights,
     "unfold_weights": unfold_weights,
     "weigh_values": weigh_values,

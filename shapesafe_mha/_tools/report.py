@@ -46,6 +46,8 @@ class TraceConfig:
     qk_norm_after_rope: bool = False  # the per-head QK-norm after RoPE (HunYuan)
     output_gate: bool = False  # the merged heads times sigmoid(gate), the gate from q_proj (Qwen3-Next)
     temperature_tuning: tuple[int, float] | None = None  # queries scaled by position (Llama 4's NoPE layers)
+    chunk_size: int | None = None  # each query sees the keys of its own chunk only (Llama 4's chunked layers)
+    alibi: bool = False  # ALiBi: each head's scores biased by slope * (kv_pos - q_pos) (Bloom, MPT)
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters: llama3, yarn, dynamic, longrope
     qk_norm_centred: bool = False  # the QK-norm a LayerNorm without bias (Cohere)
 
@@ -113,6 +115,8 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "qk_norm_after_rope": config.qk_norm_after_rope,
         "output_gate": config.output_gate,
         "temperature_tuning": config.temperature_tuning,
+        "chunk_size": config.chunk_size,
+        "alibi": config.alibi,
         "device": device,
         "dtype": dtype,
     }

@@ -126,6 +126,9 @@ class Recipe:
     # attn_scale + 1 at cache index i, which the check draws (floor_scale, attn_scale) and the reference computes
     temperature: bool = False
     chunk: int | None = None  # Llama 4's attention_chunk_size of its chunked_attention layers
+    # ALiBi biases its model passes in (Bloom's `alibi`, MPT's `position_bias`: the forward's keyword), built by the
+    # modeling module's own function; the reference computes them from its own slopes (`alibi_slopes`)
+    alibi: str | None = None
 
     def rotary_dim(self, d_head: int) -> int | None:
         return None if self.rotary_factor == 1.0 else int(d_head * self.rotary_factor)
@@ -320,6 +323,9 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             raise refuse(name, f"a layer built as {name}({taken}), not from (config, layer_idx)")
         forward = inspect.signature(attention_cls.forward).parameters
         passed = _PASSED | ({"alibi"} if getattr(config_cls(), "alibi", None) is False else set())  # Falcon: None
+        alibi = _alibi_keyword(attention_cls, config_cls, forward)
+        if alibi is not None:  # Bloom's alibi and residual, MPT's position_bias: built as their models build them
+            passed |= {alibi, "residual"}
         extra = [p for p, v in forward.items() if p not in passed and v.default is v.empty
                  and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]  # fmt: skip
         if extra:
@@ -438,6 +444,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         qk_norm_layers=None if len(holding) == len(modules) else frozenset(holding),
         temperature=bool(getattr(default, "attn_temperature_tuning", False)) and bool(nope),
         chunk=chunk,
+        alibi=alibi,
         config_cls=config_cls,
         width_free=fields["has_head_dim"]
         and not tied
@@ -465,6 +472,18 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         has_head_dim=fields["has_head_dim"],
         has_bias_switch=fields["has_bias_switch"],
     )
+
+
+def _alibi_keyword(attention_cls: type[nn.Module], config_cls: type, forward: Any) -> str | None:
+    """The forward's keyword for ALiBi biases its model builds with the modeling module's own function: Bloom's
+    `alibi` (`build_alibi_tensor`; Falcon's too where `config.alibi` is set, refused by that field), MPT's
+    `position_bias` (`build_mpt_alibi_tensor`); None for a layer that takes none."""
+    modeling = importlib.import_module(attention_cls.__module__)
+    if "position_bias" in forward and hasattr(modeling, "build_mpt_alibi_tensor"):
+        return "position_bias"
+    if "alibi" in forward and getattr(config_cls(), "alibi", True) and hasattr(modeling, "build_alibi_tensor"):
+        return "alibi"
+    return None
 
 
 def _pre_attn_scale(config: Any) -> float:
