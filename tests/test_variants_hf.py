@@ -523,6 +523,22 @@ def _llama4_forward(
     return layer(x, position_embeddings=rotary(x, positions), attention_mask=mask, cache=cache)[0]
 
 
+def _llama4_equal_forward_and_decoding(ours: Any, layer: Any, rotary: Any, x: torch.Tensor, **tol: float) -> None:
+    """Ours equals the Llama 4 layer in one causal forward and decoding step by step through our cache, and its
+    decoding through its own DynamicCache (a prefill of 2, then one position at a time)."""
+    with torch.no_grad():
+        expected = _llama4_forward(layer, rotary, x)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        cache = ours.new_cache(batch=2, capacity=SEQ)
+        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
+        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
+        theirs = transformers.DynamicCache(config=layer.config)
+        hf_steps = [_llama4_forward(layer, rotary, x[:, :2], 0, theirs)]
+        hf_steps += [_llama4_forward(layer, rotary, x[:, i : i + 1], i, theirs) for i in range(2, SEQ)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(hf_steps, dim=1), **tol)
+
+
 # Llama 4's temperature tuning with a floor scale the test's 11 positions cross three times (its own is 8192)
 TUNED = {"attn_temperature_tuning": True, "floor_scale": 3, "attn_scale": 0.4}
 
@@ -549,17 +565,7 @@ def test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_n
         assert (ours.rope_theta, ours.qk_norm) == (None, False)
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
     tol = {"atol": 1e-5, "rtol": 1e-5} if layer_idx == 0 else {"atol": 1e-10, "rtol": 1e-8}
-    with torch.no_grad():
-        expected = _llama4_forward(layer, rotary, x)
-        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
-        cache = ours.new_cache(batch=2, capacity=SEQ)
-        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
-        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
-        theirs = transformers.DynamicCache(config=layer.config)
-        hf_steps = [_llama4_forward(layer, rotary, x[:, :2], 0, theirs)]
-        hf_steps += [_llama4_forward(layer, rotary, x[:, i : i + 1], i, theirs) for i in range(2, SEQ)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(hf_steps, dim=1), **tol)
+    _llama4_equal_forward_and_decoding(ours, layer, rotary, x, **tol)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
@@ -573,17 +579,8 @@ def test_llama4_chunked_layers_load_their_chunks_forward_decoding_and_left_padde
     assert ours.chunk_size == 3
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
     tol = {"atol": 1e-5, "rtol": 1e-5}
+    _llama4_equal_forward_and_decoding(ours, layer, rotary, x, **tol)
     with torch.no_grad():
-        expected = _llama4_forward(layer, rotary, x)
-        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
-        cache = ours.new_cache(batch=2, capacity=SEQ)
-        steps = [ours(x[:, :2], is_causal=True, kv_cache=cache)]
-        steps += [ours(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2, SEQ)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), expected, **tol)
-        theirs = transformers.DynamicCache(config=layer.config)
-        hf_steps = [_llama4_forward(layer, rotary, x[:, :2], 0, theirs)]
-        hf_steps += [_llama4_forward(layer, rotary, x[:, i : i + 1], i, theirs) for i in range(2, SEQ)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(hf_steps, dim=1), **tol)
         real = torch.ones(2, SEQ, dtype=torch.long)
         real[1, :2] = 0
         padded = _llama4_forward(layer, rotary, x, padding=real)
