@@ -791,15 +791,6 @@ def test_a_bug_planted_in_cohere_qk_norm_is_refused_by_from_hf(monkeypatch: pyte
         hf.verify_against_hf("MultiHeadAttention.from_hf()", ours, layer)
 
 
-def test_head_parallel_refuses_a_qk_norm_with_weights_for_each_head_by_name() -> None:
-    """What HeadParallelAttention.from_module (and a parallel trace) raise before any communication."""
-    from shapesafe_mha._modules.parallel import refuse_unsharded_norm
-
-    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, qk_norm=True, qk_norm_over="per_head")
-    with pytest.raises(ssm.ConfigError, match=r"^owner\(\): qk_norm_over='per_head' holds QK-norm weights for each"):
-        refuse_unsharded_norm(module, "owner()")
-
-
 def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_by_from_hf() -> None:
     """DiffLlama computes two softmax maps per head and subtracts them, weighted by a learned lambda: neither the
     per-head reference nor MultiHeadAttention computes that, so both refuse it naming the variant (not a build
