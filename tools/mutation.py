@@ -68,7 +68,9 @@ YARN_MODULE = "tests/test_rope.py::test_module_with_yarn_equals_the_per_head_ref
 MODS = "tests/test_mods.py"
 BY_LENGTH_TABLES = "tests/test_rope_by_length.py::test_tables_by_length_equal_transformers_bit_for_bit"
 BY_LENGTH_HF = "tests/test_rope_by_length.py::test_from_hf_equals_the_layer_one_shot_and_decoding_as_its_model_decodes"
-BY_LENGTH_PROBE = "tests/test_rope_by_length.py::test_frequencies_that_never_turn_are_refused_by_the_probe_in_its_decoding_step"
+BY_LENGTH_PROBE = (
+    "tests/test_rope_by_length.py::test_frequencies_that_never_turn_are_refused_by_the_probe_in_its_decoding_step"
+)
 COHERE_HF = "tests/test_variants_hf.py::test_cohere_qk_norm_equals_the_reference_and_round_trips"
 FLEX = "tests/test_flex.py"
 
