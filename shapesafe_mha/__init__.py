@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._compute.rotary import apply_partial_rotary as apply_partial_rotary
     from ._compute.rotary import apply_rotary as apply_rotary
     from ._compute.rotary import inverse_frequencies as inverse_frequencies
+    from ._compute.rotary import long_frequencies as long_frequencies
     from ._compute.stages import attention_weights as attention_weights
     from ._compute.stages import group_queries as group_queries
     from ._compute.stages import merge_heads as merge_heads
@@ -60,6 +61,7 @@ _WHERE = {
     "apply_partial_rotary": "_compute.rotary",
     "apply_rotary": "_compute.rotary",
     "inverse_frequencies": "_compute.rotary",
+    "long_frequencies": "_compute.rotary",
     "expect": "_core.shapecheck",
     "shape_scope": "_core.shapecheck",
     "shapecheck": "_core.shapecheck",
@@ -114,6 +116,7 @@ __all__ = [
     "flex_attention",
     "group_queries",
     "inverse_frequencies",
+    "long_frequencies",
     "merge_heads",
     "project",
     "prove",

@@ -181,6 +181,48 @@ class Olmo2KeysUnnormed(Olmo2Attention):
         return self.o_proj(_attend(self, modeling_olmo2, q, k, v, attention_mask)), None
 
 
+class CohereQKNormConfig(CohereConfig):
+    """CohereConfig with `use_qk_norm=True` by default: the check builds a class from its config class's defaults."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("use_qk_norm", True)
+        super().__init__(**kwargs)
+
+
+class _CohereNormed(CohereAttention):
+    """Cohere's forward with `use_qk_norm`, its norms computed by `_norms` (the bugs below replace it)."""
+
+    def _norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any = None,  # type: ignore[override]
+                cache: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k = self._norms(self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = modeling_cohere.apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        return self.o_proj(_attend(self, modeling_cohere, q, k, v, attention_mask)), None
+
+
+class CohereKeysUnnormed(_CohereNormed):
+    """Cohere's QK-norm of each head: the keys' norm left out."""
+
+    def _norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), k  # the bug: self.k_norm not applied
+
+
+class CohereNormNotCentred(_CohereNormed):
+    """Cohere's QK-norm of each head computed as an RMSNorm with its weights: each head's mean not subtracted."""
+
+    def _norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # the bug: x - mean(x) was meant
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.q_norm.variance_epsilon) * weight
+
+        return rms(q, self.q_norm.weight), rms(k, self.k_norm.weight)
+
+
 class GraniteMultiplierIgnored(GraniteAttention):
     """attention_multiplier: the scores scaled by 1/sqrt(head_dim) instead."""
 
@@ -351,6 +393,10 @@ VARIANT_BUGS = [
                HunYuanDenseV1Config, _none, "RoPE/positions", 'QK-norm applied before RoPE'),
     VariantBug("QK LayerNorm of each head", "Persimmon: the keys normalised with the queries' LayerNorm",
                PersimmonKeysNormedAsQueries, PersimmonConfig, _none, "heads"),
+    VariantBug("QK LayerNorm of each head, weights of its own", "Cohere: the keys' norm left out",
+               CohereKeysUnnormed, CohereQKNormConfig, _none, "heads"),
+    VariantBug("QK LayerNorm of each head, centred", "Cohere: an RMSNorm where its LayerNorm was meant",
+               CohereNormNotCentred, CohereQKNormConfig, _none, "heads", "QK-norm an RMSNorm where a LayerNorm"),
     VariantBug("output norm of the merged heads", "BitNet: attn_sub_norm left out", BitNetSubNormSkipped,
                BitNetConfig, _none, "heads", "the merged heads' norm not applied"),
     VariantBug("QK-norm over every head", "OLMo-2: the keys' norm left out", Olmo2KeysUnnormed, Olmo2Config,

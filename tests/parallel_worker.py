@@ -27,6 +27,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "window": {"window": 2},
     "softcap": {"logit_softcap": 0.7},
     "qk_norm": {"qk_norm": True},
+    "qk_norm_per_head": {"qk_norm": True, "qk_norm_over": "per_head", "qk_norm_centred": True},  # Cohere's
     "scalar": {"query_pre_attn_scalar": 3.0},
     "sinks": {"attention_sinks": True},
     "clip_qkv": {"clip_qkv": 0.3},

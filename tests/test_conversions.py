@@ -57,7 +57,6 @@ REFUSED = {
     "olmo clip_qkv of 0": ("olmo", {"clip_qkv": 0.0}, r"config.clip_qkv=0.0: a clip bound must be a positive number"),
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
     "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),
-    "cohere use_qk_norm": ("cohere", {"use_qk_norm": True}, r"q_norm='CohereLayerNorm'"),
 }
 
 

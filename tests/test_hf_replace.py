@@ -36,6 +36,14 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = 
     # interleaved RoPE, computed in float32 inside by transformers' Cohere
     "cohere (interleaved RoPE)": ("CohereConfig", {}, "sdpa", torch.float64, 1e-6),
     "glm (partial, interleaved RoPE)": ("GlmConfig", {}, "sdpa", torch.float64, 1e-10),
+    # dynamic RoPE: the prompts (9) within max_position_embeddings, the generations past it (each step rescaled)
+    "llama (dynamic RoPE past 12 positions)": (
+        "LlamaConfig", {"max_position_embeddings": 12, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                                                           "rope_theta": 10000.0}},
+        "sdpa", torch.float64, 1e-10,
+    ),
+    # Cohere's use_qk_norm (a LayerNorm of each head, its weights adopted) computed in float32 inside
+    "cohere (use_qk_norm of each head)": ("CohereConfig", {"use_qk_norm": True}, "sdpa", torch.float64, 1e-6),
     # QK-norm over every head (OLMo-2), of 1 + weight with sliding layers (Gemma 3): RMSNorms in float32 inside
     "olmo2 (QK-norm over every head)": ("Olmo2Config", {}, "sdpa", torch.float64, 1e-6),
     "gemma3 (1 + weight QK-norm, window 3)": ("Gemma3TextConfig", {"sliding_window": 3}, "sdpa", torch.float64, 1e-6),
@@ -270,16 +278,19 @@ def test_gptj_is_replaced_and_codegens_blocks_are_left_both_generating_their_own
 
 @pytest.mark.parametrize(("config_name", "options"), [("GPTBigCodeConfig", {"multi_query": True, "resid_pdrop": 0.0}),
                                                        ("FalconConfig", {"new_decoder_architecture": True,
-                                                                         "num_kv_heads": 2})])  # fmt: skip
+                                                                         "num_kv_heads": 2}),
+                                                       ("Phi3Config", {"num_key_value_heads": 2,
+                                                                       "pad_token_id": 0})])  # fmt: skip
 def test_a_multi_query_or_grouped_fused_layer_is_left_named_with_why(config_name: str, options: dict[str, Any]) -> None:
-    """GPTBigCode's multi-query c_attn and Falcon-40B's grouped query_key_value convert with from_hf, as copies of
-    the fused weight: a replacement would not train the model's own parameters, so the layers are left, named."""
+    """GPTBigCode's multi-query c_attn, Falcon-40B's grouped query_key_value and Phi-3's stacked qkv_proj convert
+    with from_hf, as copies of the fused weight: a replacement would not train the model's own parameters, so the
+    layers are left, named."""
     sizes = {k: SIZES[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")}
     config = getattr(transformers, config_name)(**sizes, **options)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64)
     done = shapesafe_mha.hf.replace_attention(model)
     assert not done.replaced and len(done.left) == 2
-    assert all("the query rows beside one key's and value's" in why for why in done.left.values())
+    assert all("the query rows beside the keys' and values'" in why for why in done.left.values())
     layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
     assert ssm.MultiHeadAttention.from_hf(layer).num_kv_heads == (1 if "multi_query" in options else 2)

@@ -8,7 +8,7 @@ a bug planted in the variant is caught, the property that broke named on the rep
 
 import pytest
 import torch
-from hf_variant_bugs import VARIANT_BUGS, VariantBug
+from hf_variant_bugs import VARIANT_BUGS, CohereQKNormConfig, VariantBug
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,6 +22,9 @@ VARIANTS = {
     "partial rotary, per-head fused QKV (GPT-NeoX)": ("gpt_neox.GPTNeoXAttention", "GPTNeoXConfig", "sdpa", 1e-10),
     "partial, interleaved RoPE (GLM)": ("glm.GlmAttention", "GlmConfig", "sdpa", 1e-10),
     "interleaved RoPE (Cohere)": ("cohere.CohereAttention", "CohereConfig", "sdpa", None),
+    # its LayerNorm and its RoPE compute in float32 inside: the float32-rounding tolerance
+    "QK LayerNorm of each head, weights of its own (Cohere's use_qk_norm)": (
+        "cohere.CohereAttention", CohereQKNormConfig, "sdpa", None),
     "NoPE full layers, windowed sliding layers (Cohere 2)": ("cohere2.Cohere2Attention", "Cohere2Config", "sdpa", None),
     "QK-norm of each head (Qwen3)": ("qwen3.Qwen3Attention", "Qwen3Config", "sdpa", None),
     "QK-norm over every head (OLMo-2)": ("olmo2.Olmo2Attention", "Olmo2Config", "sdpa", None),
@@ -56,12 +59,13 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _classes(where: str, config_name: str) -> tuple[type, type]:
+def _classes(where: str, config: str | type) -> tuple[type, type]:
+    """The attention class, and the config class (by its name in transformers, or a class of ours)."""
     import importlib
 
     model, name = where.split(".")
     modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
-    return getattr(modeling, name), getattr(transformers, config_name)
+    return getattr(modeling, name), getattr(transformers, config) if isinstance(config, str) else config
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

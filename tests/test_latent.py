@@ -228,11 +228,40 @@ def test_a_rope_type_we_do_not_compute_is_refused_by_its_field() -> None:
     config = transformers.DeepseekV3Config(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=8,
         qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1,
-        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
     )  # fmt: skip
-    refused = r"^LatentAttention.from_hf\(\): rope_parameters\['rope_type'\]='dynamic'"
+    refused = r"^LatentAttention.from_hf\(\): rope_parameters\['rope_type'\]='linear'"
     with pytest.raises(ssm.ConfigError, match=refused):
         ssm.LatentAttention.from_hf(DeepseekV3Attention(config, layer_idx=0))
+
+
+@pytest.mark.parametrize("context", [5, 64])
+def test_dynamic_rope_loads_and_frequencies_that_never_turn_are_refused(
+    context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek-V3 with dynamic RoPE: its rotary part scaled past max_position_embeddings as transformers scales it,
+    verified by the probe (a second one from context - 5 on, where the plain one stays short); frequencies that
+    never turn are refused in the decoding step that passes the length."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from shapesafe_mha._compute import rotary
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=8,
+        qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1, max_position_embeddings=context,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = DeepseekV3Attention(config, layer_idx=0).double()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.5, 0.5)
+    assert ssm.LatentAttention.from_hf(layer).rotary.context == context
+    never = rotary.inverse_frequencies  # the bug: the short frequencies at every length
+    monkeypatch.setattr(rotary, "long_frequencies", lambda d, theta, scaling, length, **held: never(d, theta, scaling))
+    where = "a decoding step" + (f" at {context}" if context > 5 else "")
+    with pytest.raises(ssm.ConfigError, match=rf"differs from DeepseekV3Attention by .* in {where} \(probe"):
+        ssm.LatentAttention.from_hf(layer)
 
 
 def test_a_layer_scaling_scores_otherwise_than_its_yarn_config_is_refused_naming_scaling() -> None:

@@ -111,8 +111,8 @@ def test_rotary_errors_name_what_is_wrong() -> None:
         ssm.MultiHeadAttention(20, 4, rope_theta=10000.0)
     with pytest.raises(ssm.ConfigError, match="positions were given, but this module has no rotary embeddings"):
         ssm.MultiHeadAttention(32, 4)(x, positions=torch.zeros(2, 5, dtype=torch.long))
-    with pytest.raises(ssm.ConfigError, match="rope_type='longrope' is not supported"):
-        ssm.RotaryEmbedding(8, 10000.0, {"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ssm.ConfigError, match="rope_type='linear' is not supported"):
+        ssm.RotaryEmbedding(8, 10000.0, {"rope_type": "linear", "factor": 4.0})
     with pytest.raises(ssm.ConfigError, match=r"rope_parameters\['original_max_position_embeddings'\] must be"):
         ssm.RotaryEmbedding(8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
     cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], dtype=torch.float32)
@@ -130,9 +130,9 @@ def test_rotary_messages_suggest_the_fix_and_name_the_table() -> None:
     with pytest.raises(ssm.ConfigError, match=r"d_head=1 is odd, .*\(for example 2\)\.$"):
         ssm.RotaryEmbedding(1)
     with pytest.raises(ssm.ConfigError) as raised:
-        ssm.RotaryEmbedding(8, 10000.0, {"type": "longrope", "factor": 4.0})
+        ssm.RotaryEmbedding(8, 10000.0, {"type": "linear", "factor": 4.0})
     assert str(raised.value) == (
-        "RotaryEmbedding(): rope_type='longrope' is not supported (only default, llama3, yarn); "
+        "RotaryEmbedding(): rope_type='linear' is not supported (only default, llama3, yarn, dynamic, longrope); "
         "its positions would differ from the model's."
     )
     cos, sin = ssm.RotaryEmbedding(8)(torch.arange(5)[None], dtype=torch.float64)

@@ -21,7 +21,9 @@ def variants(draw: Any) -> dict[str, Any]:
     """Options of the variants, each on or off, values small enough to matter at the drawn sizes."""
     return {
         "qk_norm": draw(st.booleans(), label="qk_norm"),
-        "qk_norm_over": draw(st.sampled_from(["head", "all"]), label="qk_norm_over"),
+        # "per_head": each head's own weights (Cohere's), with or without its centring
+        "qk_norm_over": draw(st.sampled_from(["head", "all", "per_head"]), label="qk_norm_over"),
+        "qk_norm_centred": draw(st.booleans(), label="qk_norm_centred"),  # a LayerNorm without bias, per head
         "qk_norm_offset": draw(st.sampled_from([0.0, 1.0]), label="qk_norm_offset"),  # 1.0: Gemma 3's 1 + weight
         "window": draw(st.one_of(st.none(), st.integers(1, 12)), label="window"),
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
@@ -52,9 +54,21 @@ def _rope_options(config: Any, options: dict[str, Any]) -> dict[str, Any]:
     return {"rope_dim": rope_dim, "rope_interleaved": options.get("rope_interleaved", False)}
 
 
+def _centred(options: dict[str, Any]) -> bool:
+    """The drawn QK-norm subtracts each head's mean (Cohere's): only a norm of each head can."""
+    return options.get("qk_norm_centred", False) and options["qk_norm"] and options["qk_norm_over"] != "all"
+
+
+def _offset(options: dict[str, Any]) -> float:
+    """The drawn QK-norm's scale offset (Gemma 3's 1 + weight): only an RMSNorm with one weight for every head."""
+    plain = not _centred(options) and options.get("qk_norm_over") != "per_head"
+    return options.get("qk_norm_offset", 0.0) if plain else 0.0
+
+
 def _after_rope(options: dict[str, Any]) -> bool:
-    """The drawn QK-norm comes after RoPE: only a per-head one can (HunYuan's)."""
-    return options.get("qk_norm_after_rope", False) and options["qk_norm"] and options["qk_norm_over"] == "head"
+    """The drawn QK-norm comes after RoPE: only a per-head RMSNorm can (HunYuan's)."""
+    head = options["qk_norm"] and options["qk_norm_over"] == "head" and not _centred(options)
+    return options.get("qk_norm_after_rope", False) and head
 
 
 def _gated(options: dict[str, Any]) -> bool:
@@ -66,7 +80,8 @@ def _gated(options: dict[str, Any]) -> bool:
 def _module_options(options: dict[str, Any]) -> dict[str, Any]:
     kept = {k: v for k, v in options.items() if k not in ("rope_share", "rope_interleaved")}
     chunk = options.get("chunk_size") if options.get("window") is None else None
-    return {**kept, "qk_norm_after_rope": _after_rope(options), "output_gate": _gated(options), "chunk_size": chunk}
+    return {**kept, "qk_norm_after_rope": _after_rope(options), "output_gate": _gated(options), "chunk_size": chunk,
+            "qk_norm_centred": _centred(options), "qk_norm_offset": _offset(options)}  # fmt: skip
 
 
 def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.MultiHeadAttention:
@@ -90,8 +105,8 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():  # learned norm weights, not the ones they start at
             for norm in (module.q_norm, module.k_norm):
-                width = norm.weight.shape[0]  # d_head, or every head's features (qk_norm_over="all")
-                norm.weight.copy_(torch.rand(width, generator=generator, dtype=torch.float64) + 0.5)
+                shape = norm.weight.shape  # d_head, every head's features ("all") or (heads, d_head) ("per_head")
+                norm.weight.copy_(torch.rand(shape, generator=generator, dtype=torch.float64) + 0.5)
     if options.get("attention_sinks"):
         sinks = data.draw(st.lists(st.floats(-3.0, 3.0), min_size=config.num_heads, max_size=config.num_heads))
         with torch.no_grad():  # logits near the scores' size, where a sink takes a share of each row
@@ -100,7 +115,7 @@ def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.Mu
 
 
 def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[str, Any], **kwargs: Any) -> torch.Tensor:
-    offset = options.get("qk_norm_offset", 0.0)  # the reference's RMSNorm scales by its weights: offset + weight
+    offset = _offset(options)  # the reference's RMSNorm scales by its weights: offset + weight
     norms = (offset + module.q_norm.weight, offset + module.k_norm.weight) if options["qk_norm"] else None
     scalar = options["query_pre_attn_scalar"]
     return per_head_attention(
@@ -111,7 +126,8 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, clip_qkv=options.get("clip_qkv"),
         alibi_slopes=module.alibi_slopes,
         qk_norm_after_rope=_after_rope(options), output_gate=module.gate_weights() if module.output_gate else None,
-        temperature_tuning=options.get("temperature_tuning"), chunk_size=module.chunk_size, **kwargs,
+        qk_norm_centred=_centred(options), temperature_tuning=options.get("temperature_tuning"),
+        chunk_size=module.chunk_size, **kwargs,
     )  # fmt: skip
 
 
@@ -261,7 +277,19 @@ def test_reset_of_a_window_cache_that_slid_starts_over() -> None:
         ({"rope_theta": 1e4, "rope_dim": 6}, r"rope_dim=6, but the rotary part of a head must be an even int in"),
         ({"rope_theta": 1e4, "rope_dim": 2.0}, r"rope_dim=2.0, but the rotary part"),
         ({"rope_theta": 1e4, "rope_interleaved": 1}, r"rope_interleaved must be True or False, but got 1"),
-        ({"qk_norm": True, "qk_norm_over": "rows"}, r"qk_norm_over must be 'head' .* or 'all' .* but got 'rows'"),
+        (
+            {"qk_norm": True, "qk_norm_over": "rows"},
+            r"qk_norm_over must be 'head' .*, 'all' .* or 'per_head' .* but got 'rows'",
+        ),
+        ({"qk_norm_centred": True}, r"qk_norm_centred=True needs qk_norm=True over each head"),
+        (
+            {"qk_norm": True, "qk_norm_over": "all", "qk_norm_centred": True},
+            r"qk_norm_centred=True needs qk_norm=True over each head .* qk_norm_over='all'",
+        ),
+        (
+            {"qk_norm": True, "qk_norm_over": "per_head", "qk_norm_offset": 1.0},
+            r"qk_norm_offset=1.0 with qk_norm_centred=False, qk_norm_over='per_head': the scale 1 \+ weight",
+        ),
         ({"qk_norm": True, "qk_norm_offset": float("nan")}, r"qk_norm_offset must be a finite number .* got nan"),
         ({"qk_norm": True, "qk_norm_offset": "1"}, r"qk_norm_offset must be a finite number \(Gemma 3: 1.0\)"),
     ],
@@ -324,6 +352,23 @@ def test_qk_norm_over_every_head_is_proven_for_every_batch_and_seq(decode: bool)
     assert proof.ok, proof.failures
     rows = {name: (named, symbolic) for name, named, symbolic in proof.stages}
     assert rows["k_norm"] == ("batch new num_kv_heads*d_head", "(batch, 1, 16)" if decode else "(batch, seq, 16)")
+
+
+def test_a_qk_norm_of_each_head_with_its_own_weights_is_traced_and_proven() -> None:
+    """qk_norm_over="per_head", qk_norm_centred (Cohere): HeadNorms of (heads, d_head) weights in the qk_norm stage,
+    the keys' at num_kv_heads; with unit weights each head's features have mean 0 and variance 1."""
+    module = ssm.MultiHeadAttention(32, 4, 2, qk_norm=True, qk_norm_over="per_head", qk_norm_centred=True,
+                                    norm_eps=0.0, rope_theta=1e4)  # fmt: skip
+    assert (module.q_norm.weight.shape, module.k_norm.weight.shape) == ((4, 8), (2, 8))
+    assert "qk_norm_over='per_head', qk_norm_centred=True" in repr(module)
+    q = module.q_norm(torch.randn(2, 4, 5, 8, dtype=torch.float32))
+    torch.testing.assert_close(q.mean(-1), torch.zeros(2, 4, 5), atol=1e-5, rtol=0)
+    torch.testing.assert_close((q * q).mean(-1), torch.ones(2, 4, 5), atol=1e-4, rtol=0)
+    config = ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4, qk_norm=True, qk_norm_over="per_head",
+                             qk_norm_centred=True, rope_theta=1e4)  # fmt: skip
+    walk = {s.name: s for s in ssm.trace_forward(config).stages}
+    assert walk["k_norm"].named_shape == "batch num_kv_heads new d_head"
+    assert ssm.prove(module, is_causal=True).ok and ssm.prove(module, is_causal=True, decode=True).ok
 
 
 def test_a_qk_norm_offset_of_one_scales_by_one_plus_weight_and_starts_at_a_scale_of_one() -> None:

@@ -52,6 +52,9 @@ CASES = {
     "nemotron-partial-rotary": ("nemotron", 0, {"num_key_value_heads": 2}, {"rope_dim": 4, "rope_interleaved": False}),
     # interleaved RoPE: adjacent pairs, shown by the rotary table (Cohere) or apply_rotary_pos_emb (the others)
     "cohere-interleaved": ("cohere", 0, {"num_key_value_heads": 2}, {"rope_dim": 8, "rope_interleaved": True}),
+    # Cohere's use_qk_norm: a LayerNorm without bias of each head, with weights of its own (num_heads, head_dim)
+    "cohere-qk-norm-per-head": ("cohere", 0, {"num_key_value_heads": 2, "use_qk_norm": True},
+                                {"qk_norm_over": "per_head", "qk_norm_centred": True, "rope_interleaved": True}),
     "helium-interleaved": ("helium", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
     "ernie4_5-interleaved": ("ernie4_5", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
     "glm-partial-interleaved": (
@@ -217,7 +220,7 @@ def test_a_qk_norm_other_than_both_rmsnorms_is_refused_by_its_field() -> None:
         setattr(layer, name, Squared(8, eps=1e-6))
         with torch.no_grad():
             getattr(layer, name).weight.uniform_(0.1, 0.5)
-    with pytest.raises(ssm.ConfigError, match=r"q_norm='Squared': it computes neither weight \* x / rms\(x\) nor"):
+    with pytest.raises(ssm.ConfigError, match=r"q_norm='Squared': it computes neither weight \* x / rms\(x\), "):
         ssm.MultiHeadAttention.from_hf(layer)
 
 
@@ -734,6 +737,58 @@ def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     assert torch.equal(getattr(back, name).weight, getattr(layer, name).weight)
     theirs_bias, back_bias = getattr(layer, name).bias, getattr(back, name).bias  # Falcon's: None
     assert (back_bias is None and theirs_bias is None) or torch.equal(back_bias, theirs_bias)
+
+
+def test_cohere_qk_norm_equals_the_reference_and_round_trips() -> None:
+    """Cohere's use_qk_norm loaded as qk_norm_over='per_head', qk_norm_centred=True: our module equals the per-head
+    reference (each head's LayerNorm without bias, with its own row of weights) to 1e-10 in float64, and to_hf
+    writes back a layer computing what the original computes (1e-12); a module with one weight for every head is
+    refused by to_hf, naming qk_norm_over."""
+    layer, _ = _layer("cohere-qk-norm-per-head", "sdpa")
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        norms = (ours.q_norm.weight, ours.k_norm.weight)
+        expected = ssm.reference.per_head_attention(
+            x, x, x, ours.weights(), num_heads=4, num_kv_heads=2, is_causal=True, rope_theta=ours.rope_theta,
+            rope_style="interleaved", qk_norm=norms, norm_eps=1e-5, qk_norm_over="per_head", qk_norm_centred=True,
+        )  # fmt: skip
+        torch.testing.assert_close(ours(x, is_causal=True), expected, atol=1e-10, rtol=1e-8)
+    _round_trip("cohere-qk-norm-per-head")
+    shared = ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=ours.rope_theta, rope_interleaved=True,
+                                    qk_norm=True, qk_norm_centred=True, norm_eps=1e-5)  # fmt: skip
+    with pytest.raises(ssm.ConfigError, match=r"qk_norm_over='per_head' \(module: 'head'\)"):
+        shared.to_hf(layer.config)
+
+
+def _one_row_for_every_head(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """Bug: head 0's row of a per-head QK-norm's weights used for every head."""
+    centred = x - x.mean(dim=-1, keepdim=True)
+    return centred * torch.rsqrt((centred * centred).mean(dim=-1, keepdim=True) + self.eps) * self.weight[0]
+
+
+def test_a_bug_planted_in_cohere_qk_norm_is_refused_by_from_hf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bugs in Cohere's QK-norm: a conversion that forgets the centring is refused by the probe of its norms
+    (naming q_norm); one row of weights for every head is refused by the same probe; a forward that skips the
+    key's norm is refused by the layer's probe."""
+    from shapesafe_mha._compute import norms
+    from shapesafe_mha._interop import hf
+
+    layer, _ = _layer("cohere-qk-norm-per-head", "sdpa")
+    read = hf.variant_options
+    with monkeypatch.context() as patched:
+        patched.setattr(hf, "variant_options", lambda *a: {k: v for k, v in read(*a).items() if k != "qk_norm_centred"})
+        with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention.from_hf\(\): q_norm='CohereLayerNorm': it "):
+            ssm.MultiHeadAttention.from_hf(layer)
+    with monkeypatch.context() as patched:
+        patched.setattr(norms.HeadNorm, "forward", _one_row_for_every_head)
+        with pytest.raises(ssm.ConfigError, match=r"q_norm='CohereLayerNorm': it computes neither"):
+            ssm.MultiHeadAttention.from_hf(layer)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    ours.k_norm.register_forward_hook(lambda module, args, out: args[0])  # the keys' norm skipped
+    where = r"differs from CohereAttention by [0-9.]+ in a (causal forward|decoding step)"
+    with pytest.raises(ssm.ConfigError, match=where):
+        hf.verify_against_hf("MultiHeadAttention.from_hf()", ours, layer)
 
 
 def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_by_from_hf() -> None:

@@ -66,6 +66,12 @@ YARN_TO_HF = "tests/test_rope.py::test_to_hf_carries_yarn_and_a_factor_left_out_
 YARN_BY_TYPE = "tests/test_rope.py::test_yarn_kept_per_layer_type_is_truncated_as_transformers_reads_it"
 YARN_MODULE = "tests/test_rope.py::test_module_with_yarn_equals_the_per_head_reference"
 MODS = "tests/test_mods.py"
+BY_LENGTH_TABLES = "tests/test_rope_by_length.py::test_tables_by_length_equal_transformers_bit_for_bit"
+BY_LENGTH_HF = "tests/test_rope_by_length.py::test_from_hf_equals_the_layer_one_shot_and_decoding_as_its_model_decodes"
+BY_LENGTH_PROBE = (
+    "tests/test_rope_by_length.py::test_frequencies_that_never_turn_are_refused_by_the_probe_in_its_decoding_step"
+)
+COHERE_HF = "tests/test_variants_hf.py::test_cohere_qk_norm_equals_the_reference_and_round_trips"
 FLEX = "tests/test_flex.py"
 
 MUTANTS: list[Mutant] = [
@@ -326,8 +332,8 @@ MUTANTS: list[Mutant] = [
       "        return [rows[:, :group].flatten(0, 2), rows[:, group + 1].flatten(0, 1), rows[:, group].flatten(0, 1)]",
       "Falcon-40B's grouped query_key_value read with each group's key and value swapped",
       "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[falcon-grouped-sdpa]"),
-    M("_interop/hf.py", "    widths = [config.num_attention_heads * head_dim, head_dim, head_dim]",
-      "    widths = [head_dim, config.num_attention_heads * head_dim, head_dim]",
+    M("_interop/hf.py", "    widths = [config.num_attention_heads * head_dim, kv, kv]",
+      "    widths = [kv, config.num_attention_heads * head_dim, kv]",
       "a multi-query [q; k; v] read with the key first",
       "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[gpt_bigcode-multi-query-sdpa]"),
     M("testing/_hf_recipe.py", "        return torch.stack((q.unflatten(0, (heads, -1)), g.unflatten(0, (heads, -1))), 1).flatten(0, 2)",
@@ -348,7 +354,8 @@ MUTANTS: list[Mutant] = [
       "YaRN cos/sin tables not multiplied by the attention factor", YARN_TABLES, YARN_CAUGHT),
     M("_compute/rotary.py", "    if mscale and mscale_all_dim:", "    if False:",
       "YaRN attention factor ignores DeepSeek's mscale and mscale_all_dim", YARN_TABLES),
-    M("_compute/rotary.py", "    if given is not None:\n        return given", "    if False:\n        return given",
+    M("_compute/rotary.py", "    if given is not None:\n        return given\n    factor = _number(scaling, \"factor\")",
+      "    if False:\n        return given\n    factor = _number(scaling, \"factor\")",
       "YaRN attention factor given in the config ignored", YARN_TABLES),
     M("_compute/rotary.py", "    if truncate:\n", "    if True:\n", "YaRN ramp ends rounded even with truncate=False", YARN_TABLES),
     M("_compute/rotary.py", "    kept = 1 - ramp", "    kept = ramp", "YaRN slows the fast frequencies and keeps the slow ones", YARN_TABLES),
@@ -428,7 +435,26 @@ MUTANTS: list[Mutant] = [
     M("_compute/norms.py", "        return F.rms_norm(x, (x.shape[-1],), None, self.eps) * (self.offset + self.weight)",
       "        return F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight",
       "Gemma's QK-norm scales by weight, not offset + weight", VARIANTS, VARIANTS_HF),
-    M("_modules/multihead.py", "            if offset:\n", "            if False:\n", "qk_norm_offset ignored: a plain RMSNorm", VARIANTS),
+    M("_modules/multihead.py", "            elif offset:\n", "            elif False:\n", "qk_norm_offset ignored: a plain RMSNorm", VARIANTS),
+    # --- RoPE scaled by length (dynamic, LongRoPE) and Cohere's QK-norm of each head ---
+    M("_compute/rotary.py", "        if self.by_length and self.scaling is not None and positions.numel():",
+      "        if False:", "RoPE scaled by length never turns (dynamic unscaled, LongRoPE's short factors, at every length)",
+      BY_LENGTH_TABLES),
+    M("_compute/rotary.py", "            length = positions.max() + 1\n", "            length = torch.tensor(positions.shape[-1])\n",
+      "a call's length read as its number of new positions, not max(positions) + 1 (decoding never turns)",
+      BY_LENGTH_HF),
+    M("_compute/rotary.py", "    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(context))",
+      "    return 1.0", "LongRoPE's attention factor left out", BY_LENGTH_TABLES),
+    M("_interop/hf.py", "    return context - probe.PROMPT if isinstance(context, int) and context > probe.PROMPT else 0",
+      "    return 0", "from_hf's probe never passes the length where a RoPE scaled by length turns", BY_LENGTH_PROBE),
+    M("_compute/norms.py", "            x = x - x.mean(dim=-1, keepdim=True)\n", "",
+      "Cohere's QK-norm an RMSNorm: each head's mean not subtracted", COHERE_HF),
+    M("_modules/parallel.py", "        for proj in (self.local.k_proj, self.local.v_proj, *([k_norm] if k_norm is not None else [])):",
+      "        for proj in (self.local.k_proj, self.local.v_proj):",
+      "head-parallel: a replicated KV head's per-head QK-norm rows step on each rank's share of their gradient",
+      "tests/test_parallel.py::test_sharded_equals_unsharded_on_every_rank[4]"),
+    M("_compute/norms.py", "else self.weight[:, None, :]", "else self.weight[:1, None, :]",
+      "a QK-norm with weights of each head normalises every head with head 0's", COHERE_HF),
     M("_interop/hf.py", "        for offset in (0.0, 1.0):\n", "        for offset in (0.0,):\n",
       "from_hf does not know Gemma 3's 1 + weight norm", VARIANTS_HF),
     M("_interop/hf.py", "        layer_cls = named or getattr(modeling, f\"{kind.removesuffix('Text')}Attention\")",

@@ -1,4 +1,5 @@
-"""The RMSNorm of Gemma's QK-norm: weights stored as offsets, the scale `offset + weight`."""
+"""The norms of QK-norm: Gemma's RMSNorm with weights stored as offsets (the scale `offset + weight`), and
+Cohere's norm of each head with weights of its own."""
 
 import torch
 import torch.nn.functional as F
@@ -36,3 +37,46 @@ class OffsetRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), None, self.eps) * (self.offset + self.weight)
+
+
+class HeadNorm(nn.Module):
+    """A norm of each head's `d_head` features with weights of its own for every head (Cohere's QK-norm):
+    `(x - mean(x)) / sqrt(var(x) + eps) * weight[h]` (`centred`, a LayerNorm without bias), or
+    `x / sqrt(mean(x**2) + eps) * weight[h]`, for the features of head `h`.
+
+    It takes heads on axis 1, `(batch, heads, seq, d_head)`, as the split queries and keys hold them; its
+    weights are `(heads, d_head)`, ones at first (`heads=None`: one `(d_head,)` weight for every head).
+
+    Example:
+        >>> import torch
+        >>> from shapesafe_mha._compute.norms import HeadNorm
+        >>> norm = HeadNorm(4, 8, eps=1e-5, centred=True)
+        >>> norm.weight.shape, norm(torch.randn(2, 4, 3, 8)).shape
+        (torch.Size([4, 8]), torch.Size([2, 4, 3, 8]))
+    """
+
+    def __init__(
+        self,
+        heads: int | None,
+        width: int,
+        eps: float,
+        centred: bool,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps, self.centred = eps, centred
+        shape = (width,) if heads is None else (heads, width)
+        self.weight = nn.Parameter(torch.ones(shape, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, centred={self.centred}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.centred:
+            x = x - x.mean(dim=-1, keepdim=True)
+            normed = x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.eps)
+        else:
+            normed = F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        weight = self.weight if self.weight.dim() == 1 else self.weight[:, None, :]  # head h's, at its every position
+        return normed * weight

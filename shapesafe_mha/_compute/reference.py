@@ -36,9 +36,10 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
 
 KVHeads = Literal["grouped", "interleaved"]
 RopeStyle = Literal["half", "interleaved"]
-NormOver = Literal["head", "all"]
-RopeFrequencies = tuple[Tensor, float] | None  # (inv_freq, attention_factor) of scaled RoPE
-NormKind = Literal["rms", "layer"]
+NormOver = Literal["head", "all", "per_head"]
+# (inv_freq, attention_factor) of scaled RoPE; inv_freq `(d_rope/2,)`, or `(#batch, seq, d_rope/2)`: each position's own
+RopeFrequencies = tuple[Tensor, float] | None
+NormKind = Literal["rms", "layer", "centred"]  # "centred": a LayerNorm without bias (Cohere)
 # FlexAttention's signatures (torch.nn.attention.flex_attention): `score_mod(score, b, h, q_idx, kv_idx)`
 # returns the modified score; `mask_mod(b, h, q_idx, kv_idx)` returns True where the query may attend.
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -70,7 +71,9 @@ def _rotate_pairs(
     """One head's features, each pair turned by the angle `position * theta**(-2i/d_head)`.
 
     With `frequencies=(inv_freq, factor)` (scaled RoPE), pair `i` turns by `position * inv_freq[i]` instead,
-    and cos and sin are multiplied by `factor` (YaRN's attention factor) before the cast.
+    and cos and sin are multiplied by `factor` (YaRN's attention factor) before the cast; an `inv_freq` of
+    `(#batch, seq, d_rope/2)` gives each position its own frequencies (RoPE scaled by the length of the call that
+    rotated it).
 
     Pair `i` is features `(i, i + d_head/2)` in the "half" style (Llama, Mistral, Qwen: rotate_half),
     features `(2i, 2i+1)` in the "interleaved" style (GPT-J, the RoFormer paper).
@@ -198,12 +201,14 @@ def per_head_attention(
     rope_style: RopeStyle = "half",
     rotary_dim: int | None = None,
     rope_frequencies: RopeFrequencies = None,
+    key_rope_frequencies: RopeFrequencies = None,
     kv_heads: KVHeads = "grouped",
     qk_norm: tuple[Tensor, Tensor] | None = None,
     norm_eps: float = 1e-6,
     qk_norm_over: NormOver = "head",
     qk_norm_after_rope: bool = False,
     qk_norm_bias: tuple[Tensor, Tensor] | None = None,
+    qk_norm_centred: bool = False,
     sinks: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
     clip_qkv: float | None = None,
@@ -251,19 +256,28 @@ def per_head_attention(
             "interleaved" pairs `2i` with `2i+1` (GPT-J).
         rotary_dim: rotate only each head's first `rotary_dim` features (partial rotary: Phi,
             StableLM, GPT-NeoX), pairing them within that part; default all `d_head`.
-        rope_frequencies: `(inv_freq, attention_factor)` of scaled RoPE (llama3, YaRN; transformers'
+        rope_frequencies: `(inv_freq, attention_factor)` of scaled RoPE (llama3, YaRN, dynamic, LongRoPE; transformers'
             `ROPE_INIT_FUNCTIONS` return them): pair `i` turns by `position * inv_freq[i]`, and cos and sin
-            are multiplied by `attention_factor`; default `theta`'s frequencies, factor 1.
+            are multiplied by `attention_factor`; default `theta`'s frequencies, factor 1. `inv_freq` may be
+            `(#batch, seq, d_rope/2)`, each query position's own: RoPE scaled by length ("dynamic",
+            "longrope") turns each call by the frequencies of its length, `max(positions) + 1`.
+        key_rope_frequencies: the keys' `(inv_freq, attention_factor)`, `inv_freq` `(d_rope/2,)` or
+            `(#batch, kv_seq, d_rope/2)`; default `rope_frequencies`. Decoding with RoPE scaled by length keeps
+            each cached key as the call that wrote it turned it: its frequencies, not the query's.
         kv_heads: which KV head query head `h` reads: "grouped" `h // group` (transformers'
             repeat_kv, torch's enable_gqa), "interleaved" `h % num_kv_heads` (x-transformers).
         qk_norm: `(q_weight, k_weight)`, each `(d_head,)`: RMS-normalise every head's query and
             key with these weights (and `norm_eps`) before RoPE.
         qk_norm_over: "head" normalises each head's `d_head` features (Qwen3); "all" normalises
             every head's features together (OLMo-2: weights `(num_heads * d_head,)` and
-            `(num_kv_heads * d_head,)`), each head then taking its slice.
+            `(num_kv_heads * d_head,)`), each head then taking its slice; "per_head" normalises each head's
+            features with that head's row of the weights (Cohere: `(num_heads, d_head)` and
+            `(num_kv_heads, d_head)`).
         qk_norm_after_rope: normalise after RoPE instead of before (HunYuan).
         qk_norm_bias: `(q_bias, k_bias)`, each `(d_head,)`: the QK-norm is a LayerNorm of each head
             (`(x - mean) / sqrt(var + eps) * weight + bias`, Persimmon) instead of an RMSNorm.
+        qk_norm_centred: the per-head QK-norm is a LayerNorm without bias (Cohere): each head's mean
+            subtracted first.
         out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
         sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
@@ -312,14 +326,20 @@ def per_head_attention(
         if clip_qkv is not None:  # OLMo: each projected feature clamped (after OLMoE's norm over every head)
             q, k = q.clamp(-clip_qkv, clip_qkv), k.clamp(-clip_qkv, clip_qkv)
         per_head = None if qk_norm_over == "all" else qk_norm
-        if per_head is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
+        if per_head is not None and qk_norm_over == "per_head":  # Cohere: each head its own row of weights
+            per_head = (qk_norm[0][head], qk_norm[1][kv_head]) if qk_norm is not None else None
+        if per_head is not None and qk_norm_centred and qk_norm_bias is None:  # LayerNorm without bias (Cohere)
+            zeros = torch.zeros_like(per_head[0])
+            q, k = _layer_norm(q, per_head[0], zeros, norm_eps), _layer_norm(k, per_head[1], zeros, norm_eps)
+        elif per_head is not None and qk_norm_bias is not None:  # LayerNorm of each head (Persimmon)
             q = _layer_norm(q, per_head[0], qk_norm_bias[0], norm_eps)
             k = _layer_norm(k, per_head[1], qk_norm_bias[1], norm_eps)
         elif per_head is not None and not qk_norm_after_rope:
             q, k = _rms_norm(q, per_head[0], norm_eps), _rms_norm(k, per_head[1], norm_eps)
         if rope_theta is not None:
             q = _rotate_part(q, where, rope_theta, rope_style, rotary_dim, rope_frequencies)
-            k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim, rope_frequencies)
+            key_frequencies = rope_frequencies if key_rope_frequencies is None else key_rope_frequencies
+            k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim, key_frequencies)
         if qk_norm is not None and qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
         if temperature_tuning is not None:  # Llama 4's NoPE layers: each query sharpened by its index

@@ -6,6 +6,13 @@ so the score between two positions depends only on their distance; interleaved R
 features, passing the rest unrotated. Tables are computed as
 transformers computes them (frequencies and angles in float32, then cast), so a layer loaded with
 `MultiHeadAttention.from_hf` computes what the Hugging Face layer computes.
+
+Two scalings choose their frequencies by the length of each call, `max(positions) + 1`, as transformers'
+`dynamic_rope_update` does: "dynamic" (NTK) raises theta once a call reaches past `max_position_embeddings`,
+"longrope" (Phi-3) turns from its short factors to its long ones past `original_max_position_embeddings`. The
+keys a cache holds keep the rotation of the call that wrote them, so decoding past that length is not a one-shot
+forward over the same positions (whose keys all turn by the longest call's frequencies): it is what a
+transformers model decoding through its `DynamicCache` computes.
 """
 
 import math
@@ -21,7 +28,9 @@ from .._core.errors import ConfigError
 from .._core.messages import mismatch
 from . import kernels as K
 
-SUPPORTED_SCALING = ("default", "llama3", "yarn")
+SUPPORTED_SCALING = ("default", "llama3", "yarn", "dynamic", "longrope")
+# Scalings whose frequencies depend on the length of each call (transformers' `dynamic_rope_update`).
+BY_LENGTH = ("dynamic", "longrope")
 
 
 def check_rotary_width(d_head: int, owner: str, name: str = "d_head") -> None:
@@ -62,7 +71,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def attention_factor(scaling: Mapping[str, Any] | None = None) -> float:
     """The factor the cos/sin tables are multiplied by: 1 but for YaRN, whose `attention_factor` is given or is
-    `0.1 * log(factor) + 1` (with DeepSeek's `mscale`/`mscale_all_dim`, the ratio of two such terms).
+    `0.1 * log(factor) + 1` (with DeepSeek's `mscale`/`mscale_all_dim`, the ratio of two such terms), and for
+    LongRoPE, whose `attention_factor` is given or is `sqrt(1 + log(factor) / log(original_max_position_embeddings))`
+    (1 where `factor <= 1`), for short and long factors alike.
 
     Example:
         >>> import shapesafe_mha as ssm
@@ -71,8 +82,10 @@ def attention_factor(scaling: Mapping[str, Any] | None = None) -> float:
         1.1386
 
     Raises:
-        ConfigError: a YaRN field is missing or not a number (named).
+        ConfigError: a YaRN or LongRoPE field is missing or not a number (named).
     """
+    if scaling is not None and _kind(scaling) == "longrope":
+        return _longrope_factor(scaling)
     if scaling is None or _kind(scaling) != "yarn":
         return 1.0
     given = _number(scaling, "attention_factor", required=False)
@@ -117,8 +130,127 @@ def _yarn(d_head: int, theta: float, scaling: Mapping[str, Any]) -> Tensor:
     return (1.0 / (factor * powers)) * (1 - kept) + (1.0 / powers) * kept
 
 
+def _longrope_factor(scaling: Mapping[str, Any]) -> float:
+    """LongRoPE's attention factor, as transformers' `_compute_longrope_parameters` sets it."""
+    given = _number(scaling, "attention_factor", required=False)
+    if given is not None:
+        return given
+    context = _context(scaling)
+    factor = _number(scaling, "factor", required=False)
+    if factor is None:
+        raise ConfigError(
+            "RotaryEmbedding(): rope_parameters['factor'] (or 'attention_factor') must be given for "
+            "rope_type='longrope'; transformers takes it as max_position_embeddings / original_max_position_embeddings."
+        )
+    if factor > 1.0 and context == 1:
+        raise ConfigError(
+            "RotaryEmbedding(): rope_parameters['original_max_position_embeddings']=1 leaves LongRoPE's attention "
+            "factor undefined (it divides by log(1) = 0); give rope_parameters['attention_factor']."
+        )
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(context))
+
+
+def _context(scaling: Mapping[str, Any]) -> int:
+    """The length past which a scaling by length turns: dynamic's `max_position_embeddings`, longrope's original."""
+    field = "max_position_embeddings" if _kind(scaling) == "dynamic" else "original_max_position_embeddings"
+    value = _number(scaling, field)
+    if not isinstance(value, int):
+        raise ConfigError(
+            f"RotaryEmbedding(): rope_parameters[{field!r}] must be a positive int for rope_type={_kind(scaling)!r}, "
+            f"but got {value!r}."
+        )
+    return value
+
+
+def _extension_factors(scaling: Mapping[str, Any], field: str, d_head: int) -> Tensor:
+    """LongRoPE's `short_factor` or `long_factor`: one positive number for each of the `d_head / 2` pairs."""
+    value = scaling.get(field)
+    numbers = isinstance(value, list | tuple) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in value
+    )
+    if not numbers or not isinstance(value, list | tuple) or len(value) != d_head // 2:
+        raise ConfigError(
+            f"RotaryEmbedding(): rope_parameters[{field!r}] must be a list of d_head/2={d_head // 2} positive numbers "
+            f"(one for each pair of the rotated features) for rope_type='longrope', but got {value!r}."
+        )
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _longrope(d_head: int, theta: float, scaling: Mapping[str, Any], field: str) -> Tensor:
+    """LongRoPE: each pair's frequency divided by its factor, `1 / (factor[i] * theta ** (2i / d_head))`."""
+    factors = _extension_factors(scaling, field, d_head)
+    return 1.0 / (factors * theta ** (torch.arange(0, d_head, 2, dtype=torch.int64).float() / d_head))
+
+
+def _dynamic(d_head: int, theta: float, scaling: Mapping[str, Any], length: Tensor | int) -> Tensor:
+    """Dynamic NTK: theta raised to `theta * (factor * length / context - (factor - 1)) ** (d / (d - 2))` for a call
+    `length` long (at least `context`), as transformers computes it: at its init (`length <= context`) in Python
+    floats, past it, from the tensor of the call's length, in float32 tensors (which round otherwise)."""
+    factor, context = _number(scaling, "factor"), _context(scaling)
+    if d_head < 4:
+        raise ConfigError(
+            f"RotaryEmbedding(): rope_type='dynamic' needs d_head >= 4 rotated features (its exponent is "
+            f"d / (d - 2)), but got d_head={d_head}."
+        )
+    if not isinstance(length, Tensor) and length > context:
+        length = torch.tensor(length)
+    if isinstance(length, Tensor):
+        length = torch.maximum(length, torch.tensor(context, dtype=length.dtype, device=length.device))
+    else:
+        length = context
+    base = theta * ((factor * length / context) - (factor - 1)) ** (d_head / (d_head - 2))
+    device = length.device if isinstance(length, Tensor) else None
+    return 1.0 / (base ** (torch.arange(0, d_head, 2, dtype=torch.int64, device=device).float() / d_head))
+
+
+def long_frequencies(
+    d_head: int,
+    theta: float,
+    scaling: Mapping[str, Any],
+    length: Tensor | int,
+    *,
+    short: Tensor | None = None,
+    long: Tensor | None = None,
+) -> Tensor:
+    """The frequencies of a call `length` long (`max(positions) + 1`) under a scaling by length: for "dynamic"
+    those of NTK scaling at `length` once past `max_position_embeddings`, for "longrope" the long factors' once
+    past `original_max_position_embeddings`; below, the frequencies `inverse_frequencies` gives.
+
+    Example:
+        >>> from shapesafe_mha import long_frequencies
+        >>> dynamic = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 16}
+        >>> long_frequencies(8, 10000.0, dynamic, 16), long_frequencies(8, 10000.0, dynamic, 32)[1:]
+        (tensor([1.0000, 0.1000, 0.0100, 0.0010]), tensor([0.0693, 0.0048, 0.0003]))
+
+    Arguments:
+        d_head, theta, scaling: as `inverse_frequencies` takes them (`d_head` the rotated width).
+        length: the call's `max(positions) + 1`, an int or a 0-d tensor (then chosen on its device, no sync).
+        short, long: the frequencies below and past the turn where already computed (a module's buffers).
+
+    Returns:
+        `(d_head / 2,)` float32 frequencies, one set for the whole call.
+
+    Raises:
+        ConfigError: `scaling` is not a scaling by length, or a field is missing or wrong (named).
+    """
+    kind = _kind(scaling)
+    if kind not in BY_LENGTH:
+        raise ConfigError(f"long_frequencies(): rope_type={kind!r} does not depend on the length (only {BY_LENGTH}).")
+    short = inverse_frequencies(d_head, theta, scaling) if short is None else short
+    if kind == "dynamic":
+        long = _dynamic(d_head, theta, scaling, length)
+    elif long is None:
+        long = _longrope(d_head, theta, scaling, "long_factor")
+    if not isinstance(length, Tensor):
+        return long if length > _context(scaling) else short
+    # One set for the whole call, chosen on the device (no sync), as transformers' torch.where chooses.
+    return torch.where(length > _context(scaling), long.to(length.device), short.to(length.device))
+
+
 def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | None = None) -> Tensor:
-    """`1 / theta ** (2i / d_head)` for each pair `i`, in float32; llama3- or YaRN-style scaling if asked for.
+    """`1 / theta ** (2i / d_head)` for each pair `i`, in float32; llama3- or YaRN-style scaling if asked for;
+    for the scalings by length ("dynamic", "longrope"), the frequencies of calls no longer than their context
+    (dynamic's unscaled, longrope's short factors'; `long_frequencies` gives those of a longer call).
 
     Example:
         >>> from shapesafe_mha import inverse_frequencies
@@ -127,7 +259,8 @@ def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | 
 
     Raises:
         ConfigError: `d_head` is odd, `theta` is not positive, `scaling` asks for a RoPE type other than
-            "default", "llama3" and "yarn", or one of its fields is missing or not a number (named).
+            "default", "llama3", "yarn", "dynamic" and "longrope", or one of its fields is missing or not a
+            number (named).
     """
     check_rotary_width(d_head, "RotaryEmbedding()")
     if not isinstance(theta, int | float) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
@@ -143,6 +276,11 @@ def inverse_frequencies(d_head: int, theta: float, scaling: Mapping[str, Any] | 
         )
     if kind == "yarn":
         return _yarn(d_head, theta, scaling)
+    if kind == "dynamic":  # transformers' init: the length is max_position_embeddings, theta as given
+        return _dynamic(d_head, theta, scaling, _context(scaling))
+    if kind == "longrope":
+        _extension_factors(scaling, "long_factor", d_head)  # checked now, not at the first long call
+        return _longrope(d_head, theta, scaling, "short_factor")
     factor, low, high = (_number(scaling, f) for f in ("factor", "low_freq_factor", "high_freq_factor"))
     context = _number(scaling, "original_max_position_embeddings")
     wavelength = 2 * math.pi / inv_freq
@@ -170,8 +308,12 @@ class RotaryEmbedding(nn.Module):
     Arguments:
         d_head: the width of the rotated features (even): a head's, or its rotary part's (partial rotary).
         theta: the base of the frequencies (`rope_theta`).
-        scaling: transformers' `rope_parameters`/`rope_scaling` dict; "default", "llama3" and "yarn" types
-            (YaRN's tables are multiplied by its `attention_factor`, as transformers' rotary classes do).
+        scaling: transformers' `rope_parameters`/`rope_scaling` dict; "default", "llama3", "yarn", "dynamic"
+            and "longrope" types (YaRN's and LongRoPE's tables are multiplied by their `attention_factor`, as
+            transformers' rotary classes do). "dynamic" takes `factor` and `max_position_embeddings` (which
+            transformers reads from the config), "longrope" `short_factor`, `long_factor` (`d_head / 2` each),
+            `original_max_position_embeddings` and `factor` or `attention_factor`; both choose each call's
+            frequencies by its length, `max(positions) + 1` (see `long_frequencies`).
         interleaved: tables for adjacent pairs, each angle twice in a row (`apply_rotary(..., interleaved=True)`),
             instead of `cat(angles, angles)` for halves.
     """
@@ -183,6 +325,11 @@ class RotaryEmbedding(nn.Module):
         self.d_head, self.theta, self.interleaved = d_head, theta, bool(interleaved)
         self.scaling = dict(scaling) if scaling else None
         self.register_buffer("inv_freq", inverse_frequencies(d_head, theta, scaling), persistent=False)
+        self.by_length = _kind(scaling) in BY_LENGTH
+        self.context = _context(scaling) if scaling is not None and self.by_length else None
+        longrope = scaling is not None and _kind(scaling) == "longrope"
+        long = _longrope(d_head, theta, scaling, "long_factor") if scaling is not None and longrope else None
+        self.register_buffer("long_inv_freq", long, persistent=False)  # None but for LongRoPE
         self.attention_factor = attention_factor(scaling)
         # Not in the state_dict: computed again after every load, so a module made on the meta device, then
         # `to_empty()` and loaded (how large models are built), has frequencies and not uninitialized memory.
@@ -193,6 +340,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
         with torch.no_grad():
             inv_freq.copy_(inverse_frequencies(self.d_head, self.theta, self.scaling))
+            long: Tensor | None = self.long_inv_freq  # pyright: ignore[reportAssignmentType]
+            if long is not None and self.scaling is not None:
+                long.copy_(_longrope(self.d_head, self.theta, self.scaling, "long_factor"))
 
     def extra_repr(self) -> str:
         return (
@@ -204,15 +354,19 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin, `(batch, seq, d_head)` in `dtype`, for integer `positions` `(batch, seq)`."""
         inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
+        long: Tensor | None = self.long_inv_freq  # pyright: ignore[reportAssignmentType]
         if inv_freq.dtype in _ROUNDING:  # `module.to(torch.bfloat16)` rounds buffers: angles off by radians at 4k
-            inv_freq = inverse_frequencies(self.d_head, self.theta, self.scaling)
+            inv_freq, long = inverse_frequencies(self.d_head, self.theta, self.scaling), None
+        if self.by_length and self.scaling is not None and positions.numel():  # the call's length picks them
+            length = positions.max() + 1
+            inv_freq = long_frequencies(self.d_head, self.theta, self.scaling, length, short=inv_freq, long=long)
         angles = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
         if self.interleaved:  # each pair's angle twice in a row, for features (2i, 2i+1)
             angles = angles.repeat_interleave(2, dim=-1)
         else:
             angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos(), angles.sin()
-        if self.attention_factor != 1.0:  # YaRN: in float32, before the cast, as transformers multiplies
+        if self.attention_factor != 1.0:  # YaRN, LongRoPE: in float32, before the cast, as transformers multiplies
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 

@@ -75,20 +75,35 @@ def probe_tokens(d_model: int, device: torch.device, dtype: torch.dtype, batch: 
     return torch.randn(batch, PROMPT + 1, d_model, generator=generator, dtype=torch.float64).to(device, dtype)
 
 
+def shifted(what: str, shift: int) -> str:
+    """The name of a probe's output whose rotary positions start at `shift` (0: the plain probe's name)."""
+    if not shift:
+        return what
+    return f"{what} at positions {shift}..{shift + PROMPT - 1}" if what == FORWARD else f"{what} at {shift + PROMPT}"
+
+
 def our_outputs(
-    module: Any, x: Tensor, *, decode: bool = True, unrotated: bool = False, cache: Any = None
+    module: Any, x: Tensor, *, decode: bool = True, unrotated: bool = False, cache: Any = None, shift: int = 0
 ) -> Outputs:
     """A causal prefill of the prompt through `cache` (default `module.new_cache(batch, PROMPT + 1)`) and one
     decoding step after it; without `decode`, the causal forward alone. `unrotated` puts every position at 0,
-    so rotary embeddings rotate nothing (to tell RoPE from the rest)."""
+    so rotary embeddings rotate nothing (to tell RoPE from the rest); `shift` starts the rotary positions there
+    (a RoPE scaled by length, past the length it turns at)."""
     prompt, step = x[:, :PROMPT], x[:, PROMPT:]
+
+    def at(start: int, chunk: Tensor) -> dict[str, Tensor]:
+        if not shift:
+            return {}
+        positions = torch.arange(start, start + chunk.shape[1], device=x.device)
+        return {"positions": positions.expand(chunk.shape[0], -1)}
+
     with torch.no_grad():
         if not decode:
             options = {"positions": torch.zeros(prompt.shape[:2], dtype=torch.long, device=x.device)}
             return {FORWARD: module(prompt, is_causal=True, **(options if unrotated else {}))}
         held = module.new_cache(x.shape[0], PROMPT + 1) if cache is None else cache
-        outputs = {FORWARD: module(prompt, is_causal=True, kv_cache=held)}
-        outputs[DECODING] = module(step, is_causal=True, kv_cache=held)
+        outputs = {shifted(FORWARD, shift): module(prompt, is_causal=True, kv_cache=held, **at(shift, prompt))}
+        outputs[shifted(DECODING, shift)] = module(step, is_causal=True, kv_cache=held, **at(shift + PROMPT, step))
     return outputs
 
 

@@ -6,8 +6,9 @@ Granite's `attention_multiplier` (loaded as `query_pre_attn_scalar = multiplier*
 (`partial_rotary_factor`, in `rope_parameters` since transformers 5) and interleaved RoPE (shown on the
 model's own rotary tables and `apply_rotary_pos_emb`, which no config field names; GPT-J's and CodeGen's RoPE of
 `rotary_dim` features, with a theta read from their own tables) become the module's options; a variant it does
-not compute (RoPE scaling other than llama3 and YaRN, a QK-norm other than RMSNorm) is a `ConfigError` naming the
-config field, never a silently different layer.
+not compute (RoPE scaling other than llama3, YaRN, dynamic and LongRoPE; a QK-norm other than an RMSNorm, Gemma 3's
+`1 + weight` or Cohere's LayerNorm of each head) is a `ConfigError` naming the config field, never a silently
+different layer.
 """
 
 import importlib
@@ -60,6 +61,14 @@ def rope_of(config: Any, layer_type: str | None = None) -> tuple[float | None, d
     scaling = {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
     if kind == "yarn":
         scaling.update(_yarn_as_computed(config, scaling))
+    if kind == "dynamic":  # the length past which it scales is the config's, not the parameters'
+        scaling.pop("original_max_position_embeddings", None)
+        scaling["max_position_embeddings"] = config.max_position_embeddings
+    if kind == "longrope" and scaling.get("factor") is None and scaling.get("attention_factor") is None:
+        # as `_compute_longrope_parameters` takes it (Phi-3 gives no factor)
+        original = scaling.get("original_max_position_embeddings")
+        if original:
+            scaling["factor"] = config.max_position_embeddings / original
     return theta, (scaling if kind != "default" else None)
 
 
@@ -242,6 +251,8 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["norm_eps"] = _norm_eps(norms[0])
         options["qk_norm_over"] = _norm_over(norms[0], config)
         options["qk_norm_offset"] = _norm_offset(norms[0])
+        if _norm_centred(norms[0]):  # Cohere's LayerNorm without bias (what load_norms' probe verifies)
+            options["qk_norm_centred"] = True
         if after_rope:
             options["qk_norm_after_rope"] = True
     softcap = getattr(config, "attn_logit_softcapping", None)
@@ -348,9 +359,12 @@ def qk_norm_names(layer: nn.Module) -> tuple[tuple[str, str], bool]:
 
 
 def _norm_over(norm: Any, config: Any) -> str:
-    """"head" for a QK-norm of each head's d_head features, "all" for one of every head's together (OLMo-2)."""
+    """"head" for a QK-norm of each head's d_head features, "all" for one of every head's together (OLMo-2),
+    "per_head" for one of each head's features with weights of its own, `(heads, head_dim)` (Cohere)."""
     weight = getattr(norm, "weight", None)
     head_dim = _head_dim(config)
+    if isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[-1] == head_dim:
+        return "per_head"
     width = weight.shape[-1] if isinstance(weight, Tensor) and weight.dim() == 1 else None
     return "all" if width not in (None, head_dim) and width == config.num_attention_heads * head_dim else "head"
 
@@ -372,6 +386,21 @@ def _norm_offset(norm: Any) -> float:
     return 0.0
 
 
+def _norm_centred(norm: Any) -> bool:
+    """Whether a QK-norm subtracts each row's mean first (Cohere's LayerNorm without bias), shown on a probe of
+    the norm with its own weights over its weights' shape; any other norm is False here, and refused by
+    `load_norms`'s probe."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() not in (1, 2) or weight.device.type == "meta":
+        return False
+    x = torch.randn(3, *weight.shape, generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        got = norm(x)
+        centred = x - x.mean(-1, keepdim=True)
+        expected = centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + _norm_eps(norm)) * weight
+        return got.shape == x.shape and bool(torch.allclose(got, expected, rtol=1e-3, atol=1e-5))
+
+
 def _norm_eps(norm: Any) -> float:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(eps, float):
@@ -389,10 +418,15 @@ def load_norms(module: Any, attention: nn.Module) -> None:
         with torch.no_grad():
             held = getattr(theirs, "weight", None)
             ours.weight.copy_(torch.ones_like(ours.weight) if their_name == SHARED_QK_NORM else held)
-            probe = torch.randn(3, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
+            probe = torch.randn(3, *ours.weight.shape, generator=torch.Generator().manual_seed(0))
             probe = probe.to(device=ours.weight.device, dtype=ours.weight.dtype)
-            if not torch.allclose(theirs(probe), ours(probe), rtol=1e-3, atol=1e-5):
-                why = "it computes neither weight * x / rms(x) nor (1 + weight) * x / rms(x) (Gemma 3's)"
+            # theirs on (positions, heads, d_head) where its weights are per head (Cohere's, before the transpose)
+            mine = ours(probe.transpose(0, 1)[None])[0].transpose(0, 1) if probe.dim() == 3 else ours(probe)
+            if not torch.allclose(theirs(probe), mine, rtol=1e-3, atol=1e-5):
+                why = (
+                    "it computes neither weight * x / rms(x), (1 + weight) * x / rms(x) (Gemma 3's) nor "
+                    "weight * (x - mean) / std(x) (Cohere's)"
+                )
                 if their_name == SHARED_QK_NORM:
                     why = "a QK-norm without weight that computes other than x / rms(x) (Llama 4's L2 norm)"
                 raise _refuse(name, type(theirs).__name__, why)
@@ -423,7 +457,6 @@ BLOCK_ORDER = ("q_proj", "v_proj", "k_proj")
 # Config fields of layers that compute a variant we do not (each is None or False where they do not).
 _UNSUPPORTED_FIELDS = {
     "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
-    "use_qk_norm": "QK-norm over every head (Cohere)",
     # Falcon's ALiBi: slopes rounded to bfloat16, scaled by 1/sqrt(head_dim), and added twice under eager (in the
     # layer and in the mask its model builds) but once under sdpa; Bloom's and MPT's load (alibi_slopes_of)
     "alibi": "Falcon's ALiBi position biases (computed differently by its eager and sdpa paths)",
@@ -490,18 +523,27 @@ def _split_grouped(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: in
 
 def stacked_fused(layer: nn.Module) -> nn.Linear | None:
     """Falcon-7B's `query_key_value` and GPTBigCode's `c_attn` under `multi_query`: every head's query rows, then
-    the one key head's, then the one value head's; or None."""
+    the one key head's, then the one value head's; Phi-3's `qkv_proj` (no `mp_num`): every query head's rows, then
+    every KV head's key rows, then their value rows; or None."""
     fused = _fused(layer)
-    return fused if fused is not None and _multi_query(layer) else None
+    if fused is not None and _multi_query(layer):
+        return fused
+    held = getattr(layer, "qkv_proj", None)
+    if isinstance(held, nn.Linear) and fused is None and block_fused(layer) is None:
+        if not isinstance(getattr(layer, "q_proj", None), nn.Module):
+            return held
+    return None
 
 
 def _split_stacked(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
-    """The q/k/v projections a multi-query fused projection holds, `[q (num_heads * d_head); k (d_head); v (d_head)]`
-    rows, as `(weight, bias)` pairs (views of it)."""
-    widths = [config.num_attention_heads * head_dim, head_dim, head_dim]
+    """The q/k/v projections a stacked fused projection holds, `[q (num_heads * d_head); k (num_kv_heads * d_head);
+    v (num_kv_heads * d_head)]` rows (one KV head under multi_query), as `(weight, bias)` pairs (views of it)."""
+    kv = _kv_heads(config) * head_dim
+    widths = [config.num_attention_heads * head_dim, kv, kv]
     if tuple(fused.weight.shape) != (sum(widths), config.hidden_size):
-        why = f"the config's sizes make a multi-query [q; k; v] of {(sum(widths), config.hidden_size)}"
-        raise _refuse(f"{_fused_name(layer)}.weight", tuple(fused.weight.shape), why)
+        kind = "multi-query" if _multi_query(layer) else "stacked"
+        why = f"the config's sizes make a {kind} [q; k; v] of {(sum(widths), config.hidden_size)}"
+        raise _refuse(f"{_stacked_name(layer)}.weight", tuple(fused.weight.shape), why)
     rows = fused.weight.detach().split(widths)
     biases = (None,) * 3 if fused.bias is None else fused.bias.detach().split(widths)
     names = ("q_proj", "k_proj", "v_proj")
@@ -539,6 +581,10 @@ def _kv_heads(config: Any) -> int:
 
 def _fused_name(layer: nn.Module) -> str:
     return next(n for n in _FUSED_NAMES if isinstance(getattr(layer, n, None), nn.Linear))
+
+
+def _stacked_name(layer: nn.Module) -> str:
+    return next(n for n in (*_FUSED_NAMES, "qkv_proj") if isinstance(getattr(layer, n, None), nn.Linear))
 
 
 def block_fused(layer: nn.Module) -> tuple[nn.Linear, int] | None:
@@ -606,15 +652,16 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     (q_name, k_name), _ = qk_norm_names(attention)
     every = {q_name: heads * d_head, k_name: (getattr(config, "num_key_value_heads", None) or heads) * d_head}
     over = _norm_over(getattr(attention, q_name, None), config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for name in (q_name, k_name):
         norm = getattr(attention, name, None)
         weight = getattr(norm, "weight", None)
-        width = d_head if over == "head" else every[name]
-        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != (width,)):
-            shape = None if not isinstance(weight, Tensor) else tuple(weight.shape)
+        shape = {"head": (d_head,), "all": (every[name],)}.get(over, (heads if name == q_name else kv_heads, d_head))
+        if norm is not None and (not isinstance(weight, Tensor) or tuple(weight.shape) != shape):
+            held = None if not isinstance(weight, Tensor) else tuple(weight.shape)
             why = (
-                f"it normalises features {shape}, neither each head's d_head={d_head} nor every head's "
-                f"together ({every[name]}), as q_norm does"
+                f"it normalises features {held}, neither each head's d_head={d_head}, every head's "
+                f"together ({every[name]}) nor each head's with weights of its own, as q_norm does"
             )
             raise _refuse(name, type(norm).__name__, why)
     dropout = getattr(attention, "resid_dropout", None)  # GPT-J, CodeGen: a dropout of the layer's output
@@ -625,8 +672,7 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
         raise _refuse("config.hidden_dropout", hidden, "a dropout of the layer's output is not computed here")
     for field, what in _UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, None)
-        shared = field == "use_qk_norm" and not any(hasattr(attention, n) for n in ("q_norm", "k_norm"))
-        if value is not None and value is not False and not shared:  # Llama 4: its qk_norm, or none on NoPE layers
+        if value is not None and value is not False:
             raise _refuse(f"config.{field}", value, f"{what} is not computed here")
 
 
@@ -661,7 +707,7 @@ def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool 
     if blocks is not None:  # CodeGen: blocks of [q; v; k] rows
         projections.update(_split_blocks(attention, *blocks, config))
     stacked = stacked_fused(attention)
-    if stacked is not None:  # Falcon-7B, GPTBigCode: multi-query, every query head's rows and then one key, one value
+    if stacked is not None:  # Falcon-7B, GPTBigCode (multi-query), Phi-3: the query rows, then the keys', the values'
         projections.update(_split_stacked(attention, stacked, config, head_dim))
     grouped = grouped_fused(attention)
     if grouped is not None:  # Falcon-40B: for each KV head, its group's query rows, then its key's and value's
@@ -673,8 +719,8 @@ def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool 
     if missing:
         raise ConfigError(
             f"{_OWNER}: {type(attention).__name__} has no nn.Linear {', '.join(missing)}; only the q/k/v/o_proj layout "
-            "(Llama, Mistral, Qwen2; Phi's dense and GPT-J's out_proj as o_proj), GPT-NeoX's per-head query_key_value "
-            "and CodeGen's qkv_proj are supported."
+            "(Llama, Mistral, Qwen2; Phi's dense and GPT-J's out_proj as o_proj), GPT-NeoX's per-head query_key_value, "
+            "Phi-3's stacked qkv_proj and CodeGen's qkv_proj in blocks are supported."
         )
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
@@ -755,13 +801,20 @@ def _rotary_for(layer: nn.Module, config: Any) -> Any:
 
 
 def hf_outputs(
-    layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: bool = False, config: Any = None
+    layer: nn.Module,
+    x: Tensor,
+    *,
+    decode: bool = True,
+    unrotated: bool = False,
+    config: Any = None,
+    shift: int = 0,
 ) -> probe.Outputs:
     """`layer` called as its model calls it (its rotary class, its mask function, a `DynamicCache`) on the probe.
 
-    The causal forward is a prefill through the cache (so two calls in all). A layer built alone has no
-    attention implementation set, which its model would set: eager meanwhile, which is what the layer then
-    runs. `unrotated`: cos/sin for position 0 everywhere (the mask keeps the real positions). `config`: the
+    The causal forward is a prefill through the cache (so two calls in all), one rotary class serving both, as
+    one serves a model's generation. A layer built alone has no attention implementation set, which its model
+    would set: eager meanwhile, which is what the layer then runs. `unrotated`: cos/sin for position 0
+    everywhere (the mask keeps the real positions); `shift`: cos/sin for positions from `shift` on. `config`: the
     model's, for a layer that keeps none (default `layer.config`). Bloom's layer is given its block's residual as
     0 (the attention alone; its output dropout, `hidden_dropout`, is refused where it is not 0) and the `alibi`
     its model builds with `build_alibi_tensor`; MPT's the `position_bias` of `build_mpt_alibi_tensor` and a bool
@@ -775,7 +828,7 @@ def hf_outputs(
     if unset:
         config._attn_implementation = "eager"  # transformers' default for a model; unset again below
     try:
-        return _hf_outputs(layer, config, x, decode, unrotated, DynamicCache, create_causal_mask,
+        return _hf_outputs(layer, config, x, decode, unrotated, shift, DynamicCache, create_causal_mask,
                            create_sliding_window_causal_mask)  # fmt: skip
     finally:
         if unset:
@@ -783,7 +836,15 @@ def hf_outputs(
 
 
 def _hf_outputs(
-    layer: nn.Module, config: Any, x: Tensor, decode: bool, unrotated: bool, cache_cls: Any, causal: Any, sliding: Any
+    layer: nn.Module,
+    config: Any,
+    x: Tensor,
+    decode: bool,
+    unrotated: bool,
+    shift: int,
+    cache_cls: Any,
+    causal: Any,
+    sliding: Any,
 ) -> probe.Outputs:
     create_causal_mask, create_sliding_window_causal_mask, DynamicCache = causal, sliding, cache_cls
     layer_type = _layer_type(layer, config)
@@ -814,7 +875,7 @@ def _hf_outputs(
         kwargs: dict[str, Any] = {"attention_mask": mask, layer_cache_word: cache}
         if rotary is not None:
             takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
-            angles = positions * 0 if unrotated else positions
+            angles = positions * 0 if unrotated else positions + shift
             kwargs["position_embeddings"] = rotary(chunk, angles, *([layer_type] if takes_type else []))
         if takes_kwargs or "position_ids" in parameters:
             kwargs["position_ids"] = positions
@@ -838,17 +899,19 @@ def _hf_outputs(
         # a hybrid model's config may call this index another kind of layer: then a plain cache
         attention_layer = layer_type in (None, "full_attention", "sliding_attention", "chunked_attention")
         cache = DynamicCache(config=config) if attention_layer else DynamicCache()
-        outputs = {probe.FORWARD: call(prompt, 0, cache)}
-        outputs[probe.DECODING] = call(step, probe.PROMPT, cache)
+        outputs = {probe.shifted(probe.FORWARD, shift): call(prompt, 0, cache)}
+        outputs[probe.shifted(probe.DECODING, shift)] = call(step, probe.PROMPT, cache)
     return outputs
 
 
 _CACHE_WORDS = ("cache", "past_key_values", "past_key_value", "layer_past")  # GPT-NeoX: layer_past
 
 
-def _run_source(owner: str, layer: nn.Module, x: Tensor, config: Any, decode: bool = True) -> probe.Outputs:
+def _run_source(
+    owner: str, layer: nn.Module, x: Tensor, config: Any, decode: bool = True, shift: int = 0
+) -> probe.Outputs:
     try:
-        return hf_outputs(layer, x, decode=decode, config=config)
+        return hf_outputs(layer, x, decode=decode, config=config, shift=shift)
     except Exception as error:
         raise ConfigError(
             f"{owner}: {type(layer).__name__} could not be run as its model runs it, to verify the conversion "
@@ -868,6 +931,11 @@ def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module, config: A
         theirs = _run_source(owner, theirs_probed, x, config)
         windowed = getattr(ours_probed, "window", None) is not None  # a window cache is as long as its window
         ours = probe.our_outputs(ours_probed, x, cache=_plain_cache(ours_probed, x.shape[0]) if windowed else None)
+        shift = _turning_shift(ours_probed)
+        if shift:  # RoPE scaled by length: a prefill up to the length it turns at, and a decoding step past it
+            theirs.update(_run_source(owner, theirs_probed, x, config, shift=shift))
+            cache = _plain_cache(ours_probed, x.shape[0]) if windowed else None
+            ours.update(probe.our_outputs(ours_probed, x, cache=cache, shift=shift))
         source = type(layer).__name__
         try:
             probe.verify(owner, ours, theirs, source=source)
@@ -875,6 +943,15 @@ def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module, config: A
             suspects = _suspects(ours_probed, theirs_probed, x, config)
             probe.verify(owner, ours, theirs, source=source, suspects=suspects)
             raise
+
+
+def _turning_shift(module: Any) -> int:
+    """Where a second probe starts its rotary positions so that its prefill ends at the length a RoPE scaled by
+    length turns at (dynamic's `max_position_embeddings`, longrope's original one) and its decoding step passes it;
+    0 where the module has no such RoPE, or the plain probe already reaches past it."""
+    rotary = getattr(module, "rotary", None)
+    context = getattr(rotary, "context", None)
+    return context - probe.PROMPT if isinstance(context, int) and context > probe.PROMPT else 0
 
 
 def _plain_cache(module: Any, batch: int) -> Any:
@@ -956,6 +1033,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "window": module.window,
         "qk_norm": module.qk_norm or None,
         "qk_norm_over": module.qk_norm_over if module.qk_norm else None,
+        "qk_norm_centred": module.qk_norm_centred or None,
         "qk_norm_offset": module.qk_norm_offset if module.qk_norm else None,
         "qk_norm_after_rope": module.qk_norm_after_rope or None,
         "logit_softcap": module.logit_softcap,

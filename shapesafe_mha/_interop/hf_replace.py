@@ -148,9 +148,9 @@ def _why_left(module: nn.Module) -> str | None:
         )
     if stacked_fused(module) is not None or grouped_fused(module) is not None:
         return (
-            "its fused projection holds the query rows beside one key's and value's (multi-query) or each KV head's "
-            "group (Falcon-40B), which from_hf loads as copies: the replacement would not hold the model's own "
-            "parameters"
+            "its fused projection holds the query rows beside the keys' and values' (Phi-3's qkv_proj; multi-query: "
+            "one key's and value's) or each KV head's group (Falcon-40B), which from_hf loads as copies: the "
+            "replacement would not hold the model's own parameters"
         )
     if block_fused(module) is not None:
         return (

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compute.reference import per_head_attention
-from .._compute.rotary import inverse_frequencies
+from .._compute.rotary import inverse_frequencies, long_frequencies
 from .._core import probe
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
@@ -100,11 +100,34 @@ def verify_weights(module: Any, weights: AttentionWeights) -> None:
         if rotary is not None and rotary.scaling is not None:  # scaled RoPE: the reference takes its frequencies
             frequencies = inverse_frequencies(rotary.d_head, rotary.theta, rotary.scaling)
             options["rope_frequencies"] = (frequencies, rotary.attention_factor)
+        by_length = rotary is not None and rotary.by_length
         with torch.no_grad():  # the first rows of a causal forward are the causal forward of the prompt
-            whole = per_head_attention(x, x, x, held, is_causal=True, **options)
-        theirs = {probe.FORWARD: whole[:, : probe.PROMPT], probe.DECODING: whole[:, probe.PROMPT :]}
+            if by_length:  # the prefill turned by the frequencies of its length, the decoding step by its own
+                whole = per_head_attention(x, x, x, held, is_causal=True,
+                                           **_frequencies_at(rotary, options, probe.PROMPT))  # fmt: skip
+                step = _decoded_by_length(x, held, rotary, options)
+            else:
+                whole = step = per_head_attention(x, x, x, held, is_causal=True, **options)
+        theirs = {probe.FORWARD: whole[:, : probe.PROMPT], probe.DECODING: step[:, probe.PROMPT :]}
         ours = probe.our_outputs(ours_probed, x)
         probe.verify(owner, ours, theirs, source="the per-head reference of these weights")
+
+
+def _frequencies_at(rotary: Any, options: dict[str, Any], length: int) -> dict[str, Any]:
+    """`options` with the frequencies of a call `length` long (RoPE scaled by length)."""
+    frequencies = long_frequencies(rotary.d_head, rotary.theta, rotary.scaling, length)
+    return {**options, "rope_frequencies": (frequencies, rotary.attention_factor)}
+
+
+def _decoded_by_length(x: Tensor, held: AttentionWeights, rotary: Any, options: dict[str, Any]) -> Tensor:
+    """The reference of the probe's decoding step under RoPE scaled by length: its query and its key turned by the
+    frequencies of its call (`PROMPT + 1` long), the cached keys by the prefill's (`PROMPT` long)."""
+    prefill = long_frequencies(rotary.d_head, rotary.theta, rotary.scaling, probe.PROMPT)
+    step = long_frequencies(rotary.d_head, rotary.theta, rotary.scaling, probe.PROMPT + 1)
+    keys = torch.stack([prefill] * probe.PROMPT + [step])[None]  # each key position's own frequencies
+    stepped = _frequencies_at(rotary, options, probe.PROMPT + 1)
+    return per_head_attention(x, x, x, held, is_causal=True, key_rope_frequencies=(keys, rotary.attention_factor),
+                              **stepped)  # fmt: skip
 
 
 def from_weights(

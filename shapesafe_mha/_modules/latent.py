@@ -460,7 +460,8 @@ class LatentAttention(nn.Module):
         q_lora_rank: width of the queries' bottleneck; None projects queries directly.
         bias: biases on `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj` (DeepSeek's `attention_bias`).
         rope_theta: base of the rotary frequencies.
-        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("yarn": DeepSeek-V3, Kimi K2), or None.
+        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("yarn": DeepSeek-V3, Kimi K2; the
+            others `RotaryEmbedding` takes), or None.
         scale: the score scale; default `(d_nope + d_rope) ** -0.5` (DeepSeek-V3's YaRN multiplies it by the
             square of its `mscale_all_dim` factor, which `from_hf` reads).
         interleaved: rotate feature pairs `(2i, 2i+1)` (DeepSeek's `rope_interleave`), not `(i, i + d/2)`.

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from .._compute import kernels as K
 from .._compute.cache import KVCache
 from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state
-from .._compute.norms import OffsetRMSNorm
+from .._compute.norms import HeadNorm, OffsetRMSNorm
 from .._compute.rotary import (
     RotaryEmbedding,
     apply_partial_rotary,
@@ -261,7 +261,9 @@ class MultiHeadAttention(nn.Module):
         bias: biases on all four projections.
         dropout: dropout on the attention probabilities, in training mode.
         rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
-        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3", "yarn"), or None.
+        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3", "yarn"; "dynamic" and
+            "longrope", whose frequencies follow each call's length, `max(positions) + 1`: decoding then turns
+            each step by its own, as a transformers model decoding through its cache does), or None.
         rope_dim: partial rotary: rotate only the first `rope_dim` features of each query and key head
             (even, at most `d_head`), the rest passed through, with the frequencies spaced over those
             `rope_dim` (Phi, StableLM, GLM: transformers' `partial_rotary_factor * head_dim`); default
@@ -272,7 +274,11 @@ class MultiHeadAttention(nn.Module):
             weights (`q_norm`, `k_norm` submodules), as Qwen3 and Gemma 3 do.
         qk_norm_over: "head" (default): each head's `d_head` features, weights `(d_head,)`; "all": every
             head's features together, before the head split (OLMo-2), weights `(num_heads * d_head,)` for
-            the queries and `(num_kv_heads * d_head,)` for the keys.
+            the queries and `(num_kv_heads * d_head,)` for the keys; "per_head": each head's `d_head` features
+            with weights of its own, `(num_heads, d_head)` for the queries and `(num_kv_heads, d_head)` for the
+            keys (Cohere's `use_qk_norm`; the norms are then `HeadNorm`s).
+        qk_norm_centred: the QK-norm subtracts each head's mean first, a LayerNorm without bias
+            (`(x - mean) / sqrt(var + eps) * weight`, Cohere), instead of an RMSNorm; per head only.
         qk_norm_offset: the QK-norm scales by `qk_norm_offset + weight` (Gemma 3, whose checkpoints store
             the scale's offset from 1: `1.0`; the norms are then `OffsetRMSNorm`s); default 0, `nn.RMSNorm`.
         qk_norm_after_rope: the per-head QK-norm comes after RoPE instead of before it (HunYuan), so the
@@ -334,6 +340,7 @@ class MultiHeadAttention(nn.Module):
         rope_interleaved: bool = False,
         qk_norm: bool = False,
         qk_norm_over: str = "head",
+        qk_norm_centred: bool = False,
         qk_norm_offset: float = 0.0,
         qk_norm_after_rope: bool = False,
         norm_eps: float = 1e-6,
@@ -400,26 +407,46 @@ class MultiHeadAttention(nn.Module):
             self.rotary = RotaryEmbedding(self.rope_dim or d_head, rope_theta, rope_scaling, rope_interleaved)
             self.rotary.to(device=device)
         self.qk_norm = bool(qk_norm)
-        if qk_norm_over not in ("head", "all"):
+        if qk_norm_over not in ("head", "all", "per_head"):
             raise ConfigError(
-                f"{owner}: qk_norm_over must be 'head' (each head's d_head features) or 'all' (every head's "
-                f"together, OLMo-2), but got {qk_norm_over!r}."
+                f"{owner}: qk_norm_over must be 'head' (each head's d_head features), 'all' (every head's "
+                f"together, OLMo-2) or 'per_head' (each head's, with weights of its own, Cohere), but got "
+                f"{qk_norm_over!r}."
             )
         self.qk_norm_over = qk_norm_over
+        if not isinstance(qk_norm_centred, bool) or (qk_norm_centred and (not qk_norm or qk_norm_over == "all")):
+            raise ConfigError(
+                f"{owner}: qk_norm_centred=True needs qk_norm=True over each head (qk_norm_over='head' or "
+                f"'per_head'), but got qk_norm_centred={qk_norm_centred!r}, qk_norm={qk_norm!r}, "
+                f"qk_norm_over={qk_norm_over!r}."
+            )
+        self.qk_norm_centred = qk_norm_centred
         offset = qk_norm_offset
         if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
             raise ConfigError(f"{owner}: qk_norm_offset must be a finite number (Gemma 3: 1.0), but got {offset!r}.")
         self.qk_norm_offset = float(offset)
-        if not isinstance(qk_norm_after_rope, bool) or (qk_norm_after_rope and (not qk_norm or qk_norm_over != "head")):
+        if offset and (qk_norm_centred or qk_norm_over == "per_head"):
             raise ConfigError(
-                f"{owner}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head'), but got "
-                f"qk_norm_after_rope={qk_norm_after_rope!r}, qk_norm={qk_norm!r}, qk_norm_over={qk_norm_over!r}."
+                f"{owner}: qk_norm_offset={offset!r} with qk_norm_centred={qk_norm_centred!r}, "
+                f"qk_norm_over={qk_norm_over!r}: the scale 1 + weight is Gemma 3's RMSNorm with one weight for every "
+                "head; no model offsets a centred norm or one with weights for each head."
+            )
+        after = qk_norm_after_rope
+        if not isinstance(after, bool) or (after and (not qk_norm or qk_norm_over != "head" or qk_norm_centred)):
+            raise ConfigError(
+                f"{owner}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head', an RMSNorm: "
+                f"HunYuan's), but got qk_norm_after_rope={after!r}, qk_norm={qk_norm!r}, qk_norm_over={qk_norm_over!r}"
+                + (", qk_norm_centred=True." if qk_norm_centred else ".")
             )
         self.qk_norm_after_rope = qk_norm_after_rope
         if qk_norm:
             every = qk_norm_over == "all"
             widths = (num_heads * d_head, num_kv_heads * d_head) if every else (d_head, d_head)
-            if offset:
+            if qk_norm_over == "per_head" or qk_norm_centred:  # Cohere: a norm of each head, its own weights
+                heads = (num_heads, num_kv_heads) if qk_norm_over == "per_head" else (None, None)
+                self.q_norm = HeadNorm(heads[0], d_head, norm_eps, qk_norm_centred, **factory)
+                self.k_norm = HeadNorm(heads[1], d_head, norm_eps, qk_norm_centred, **factory)
+            elif offset:
                 self.q_norm = OffsetRMSNorm(widths[0], norm_eps, float(offset), **factory)
                 self.k_norm = OffsetRMSNorm(widths[1], norm_eps, float(offset), **factory)
             else:
@@ -499,7 +526,8 @@ class MultiHeadAttention(nn.Module):
             + (f", rope_dim={self.rope_dim}" if self.rope_dim not in (None, self.d_head) else "")
             + (", rope_interleaved=True" if self.rope_interleaved else "")
             + (", qk_norm=True" if self.qk_norm else "")
-            + (", qk_norm_over='all'" if self.qk_norm and self.qk_norm_over == "all" else "")
+            + (f", qk_norm_over={self.qk_norm_over!r}" if self.qk_norm and self.qk_norm_over != "head" else "")
+            + (", qk_norm_centred=True" if self.qk_norm_centred else "")
             + (f", qk_norm_offset={self.qk_norm_offset}" if self.qk_norm and self.qk_norm_offset else "")
             + (", qk_norm_after_rope=True" if self.qk_norm_after_rope else "")
             + (f", window={self.window}" if self.window is not None else "")
@@ -862,11 +890,13 @@ class MultiHeadAttention(nn.Module):
         """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
 
         For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike; Phi's `dense` as
-        o_proj; GPT-NeoX's per-head fused `query_key_value` as q/k/v_proj), configured by `attention.config`:
-        sizes, GQA, biases per projection, dropout, RoPE (default, llama3 or YaRN scaling; tables computed as
+        o_proj; GPT-NeoX's per-head fused `query_key_value` and Phi-3's stacked `qkv_proj` as q/k/v_proj),
+        configured by `attention.config`: sizes, GQA, biases per projection, dropout, RoPE (default, llama3, YaRN,
+        dynamic or LongRoPE scaling; tables computed as
         transformers computes them; partial rotary from `partial_rotary_factor`, interleaved pairs read
         from the model's own rotary parts), and the variants: sliding window, QK-norm, logit softcapping,
-        `query_pre_attn_scalar`; ALiBi (Bloom's per-head fused `query_key_value`, MPT's `Wqkv`), with the slopes
+        `query_pre_attn_scalar` (QK-norm: per head, over every head, `1 + weight`, Cohere's LayerNorm of each
+        head); ALiBi (Bloom's per-head fused `query_key_value`, MPT's `Wqkv`), with the slopes
         their model passes them, read from transformers' own `build_alibi_tensor` / `build_mpt_alibi_tensor`.
         Bloom's and MPT's layers keep no config: pass their model's, `from_hf(layer, config=model.config)`.
         Call it `is_causal=True`; positions
@@ -891,7 +921,7 @@ class MultiHeadAttention(nn.Module):
 
         Raises:
             ConfigError: a variant computed differently here (another RoPE scaling, a QK-norm other
-                than RMSNorm, latent attention), named by its config field or the submodule; or the
+                than those above, latent attention), named by its config field or the submodule; or the
                 converted layer differs from `attention` on the probe.
         """
         from .._interop.hf import from_hf

@@ -97,7 +97,8 @@ def refuse_unsharded_norm(module: MultiHeadAttention, owner: str) -> None:
     if module.qk_norm and module.qk_norm_over == "all":
         raise ConfigError(
             f"{owner}: qk_norm_over='all' normalises every head's features together (OLMo-2), so a rank holding "
-            "some of the heads cannot compute it; only a per-head QK-norm (qk_norm_over='head') is split by heads."
+            "some of the heads cannot compute it; only a QK-norm of each head (qk_norm_over='head' or 'per_head') "
+            "is split by heads."
         )
 
 
@@ -121,6 +122,8 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         rope_dim=module.rope_dim if rotary is not None else None,
         rope_interleaved=module.rope_interleaved,
         qk_norm=module.qk_norm,
+        qk_norm_over=module.qk_norm_over,
+        qk_norm_centred=module.qk_norm_centred,
         qk_norm_offset=module.qk_norm_offset,
         qk_norm_after_rope=module.qk_norm_after_rope,
         norm_eps=module.q_norm.eps if module.qk_norm else 1e-6,  # pyright: ignore[reportArgumentType]
@@ -154,10 +157,11 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
             local.sinks.copy_(module.sinks[shard.q_heads.start : shard.q_heads.stop])  # pyright: ignore[reportOptionalMemberAccess]
         if module.alibi_slopes is not None:  # one slope per query head: this rank's heads' (not the sequence's start)
             local.alibi_slopes.copy_(module.alibi_slopes[shard.q_heads.start : shard.q_heads.stop])  # pyright: ignore[reportOptionalMemberAccess]
-        if module.qk_norm:  # one weight per feature of a head, the same for every head
-            for name in ("q_norm", "k_norm"):
+        if module.qk_norm:  # one weight per feature of a head for every head, or each head's own row (Cohere's)
+            for name, heads in (("q_norm", shard.q_heads), ("k_norm", shard.kv_heads)):
                 mine_norm: Any = local._modules[name]
-                mine_norm.weight.copy_(getattr(module, name).weight)
+                held = getattr(module, name).weight
+                mine_norm.weight.copy_(held[heads.start : heads.stop] if module.qk_norm_over == "per_head" else held)
     local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum
     out_bias = None
     if module.o_proj.bias is not None:
@@ -246,9 +250,10 @@ class HeadParallelAttention(nn.Module):
         Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
         softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, temperature tuning, chunked attention,
         attention sinks and ALiBi slopes (each rank its heads'), dropout, the biases each projection has). The
-        QK-norm weights, whole on every rank, get the gradient summed over the ranks. The result is verified: on a
-        float64 copy, a causal forward and a decoding step of the probe, computed head-parallel (collective: every
-        rank joins), equal `module`'s (`verify=False` skips it).
+        QK-norm weights, whole on every rank, get the gradient summed over the ranks; weights of each head (Cohere's,
+        `qk_norm_over='per_head'`) are split with their heads, each rank holding its heads' rows. The result is
+        verified: on a float64 copy, a causal forward and a decoding step of the probe, computed head-parallel
+        (collective: every rank joins), equal `module`'s (`verify=False` skips it).
 
         Raises:
             ConfigError: torch.distributed is not initialised, or the heads cannot be split over the
@@ -279,7 +284,11 @@ class HeadParallelAttention(nn.Module):
 
     def _sync_shared_norm_gradients(self) -> None:
         """QK-norm weights are every head's, held whole on every rank: each rank's gradient is its heads' share,
-        so the shares are summed over the group in backward, and every rank's optimizer steps alike."""
+        so the shares are summed over the group in backward, and every rank's optimizer steps alike. Weights of each
+        head (qk_norm_over='per_head') are the rank's own rows: nothing to sum (a replicated KV head's are summed
+        with its projections)."""
+        if self.local.qk_norm_over == "per_head":
+            return
         for name in ("q_norm", "k_norm"):
             norm: Any = self.local._modules.get(name)
             if norm is not None:
@@ -300,7 +309,8 @@ class HeadParallelAttention(nn.Module):
             subgroup = dist.new_group(ranks)
             if kv_head == shard.kv_heads.start:
                 mine = subgroup
-        for proj in (self.local.k_proj, self.local.v_proj):
+        k_norm = self.local._modules.get("k_norm") if self.local.qk_norm_over == "per_head" else None
+        for proj in (self.local.k_proj, self.local.v_proj, *([k_norm] if k_norm is not None else [])):
             for param in proj.parameters():
                 param.register_hook(lambda grad, sub=mine: _summed(grad, sub))
 
@@ -397,9 +407,19 @@ class HeadParallelAttention(nn.Module):
                 full[shard.q_heads.start : shard.q_heads.stop] = sinks.grad
             dist.all_reduce(full, group=self.group)
             grads["sinks"] = full
-        for name in ("q_norm", "k_norm"):  # summed over the ranks in backward already
+        per_head = self.local.qk_norm and self.local.qk_norm_over == "per_head"
+        for name, heads, count in (("q_norm", shard.q_heads, self.num_heads), ("k_norm", shard.kv_heads,
+                                                                              self.num_kv_heads)):  # fmt: skip
             norm: Any = self.local._modules.get(name)
-            if norm is not None:
+            if norm is not None and per_head:  # each rank's rows, a replicated KV head's counted once
+                full = norm.weight.new_zeros((count, d_head))
+                if norm.weight.grad is not None and (
+                    not shard.replicated_kv or name == "q_norm" or shard.rank == shard.kv_sharers[0]
+                ):
+                    full[heads.start : heads.stop] = norm.weight.grad
+                dist.all_reduce(full, group=self.group)
+                grads[f"{name}.weight"] = full
+            elif norm is not None:  # summed over the ranks in backward already
                 grad = norm.weight.grad
                 grads[f"{name}.weight"] = grad.clone() if grad is not None else torch.zeros_like(norm.weight)
         if self.out_bias is not None:

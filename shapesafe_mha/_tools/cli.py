@@ -40,6 +40,7 @@ class DType(StrEnum):
 class NormOver(StrEnum):
     head = "head"
     all = "all"
+    per_head = "per_head"
 
 
 class Format(StrEnum):
@@ -227,8 +228,15 @@ def trace(
         bool, typer.Option("--rope-interleaved/--rope-halves", help="RoPE on adjacent pairs (Cohere, GLM)")
     ] = False,
     qk_norm_over: Annotated[
-        NormOver, typer.Option(help="QK-norm over each head's features, or all heads' at once (OLMo-2)")
+        NormOver,
+        typer.Option(
+            help="QK-norm over each head's features, all heads' at once (OLMo-2), or per_head: each head's "
+            "with weights of its own (Cohere)"
+        ),
     ] = NormOver.head,
+    qk_norm_centred: Annotated[
+        bool, typer.Option("--qk-norm-centred/--qk-norm-rms", help="QK-norm a LayerNorm without bias (Cohere)")
+    ] = False,
     qk_norm_offset: Annotated[
         float, typer.Option(metavar="FLOAT", help="the QK-norm scales by FLOAT + weight (Gemma 3: 1)")
     ] = 0.0,
@@ -298,7 +306,7 @@ def trace(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
                 qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate, temperature_tuning,
-                chunk_size, alibi,
+                chunk_size, alibi, None, qk_norm_centred,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

@@ -38,7 +38,8 @@ class TraceConfig:
     logit_softcap: float | None = None  # softcapped scores (Gemma 2)
     rope_dim: int | None = None  # partial rotary: the rotated features of each head (Phi, GLM)
     rope_interleaved: bool = False  # RoPE on adjacent pairs (Cohere, GLM)
-    qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2)
+    qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2); "per_head":
+    # each head's own weights (Cohere)
     qk_norm_offset: float = 0.0  # 1.0: the QK-norm scales by 1 + weight (Gemma 3)
     attention_sinks: bool = False  # a learned logit per head in each softmax, dropped after it (gpt-oss)
     clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (OLMo)
@@ -47,6 +48,8 @@ class TraceConfig:
     temperature_tuning: tuple[int, float] | None = None  # queries scaled by position (Llama 4's NoPE layers)
     chunk_size: int | None = None  # each query sees the keys of its own chunk only (Llama 4's chunked layers)
     alibi: bool = False  # ALiBi: each head's scores biased by slope * (kv_pos - q_pos) (Bloom, MPT)
+    rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters: llama3, yarn, dynamic, longrope
+    qk_norm_centred: bool = False  # the QK-norm a LayerNorm without bias (Cohere)
 
 
 @dataclass
@@ -102,7 +105,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "rope_interleaved": config.rope_interleaved,
         "qk_norm": config.qk_norm,
         "qk_norm_over": config.qk_norm_over,
+        "qk_norm_centred": config.qk_norm_centred,
         "qk_norm_offset": config.qk_norm_offset,
+        "rope_scaling": config.rope_scaling,
         "window": config.window,
         "logit_softcap": config.logit_softcap,
         "attention_sinks": config.attention_sinks,

@@ -74,6 +74,7 @@ class Scenario:
     output_gate: tuple[Tensor, Tensor | None] | None = None
     qk_norm_after_rope: bool = False
     qk_norm_bias: tuple[Tensor, Tensor] | None = None
+    qk_norm_centred: bool = False
     out_norm: tuple[Tensor, float] | None = None
 
     def expected(self) -> Tensor:
@@ -106,6 +107,7 @@ class Scenario:
             output_gate=self.output_gate,
             qk_norm_after_rope=self.qk_norm_after_rope,
             qk_norm_bias=self.qk_norm_bias,
+            qk_norm_centred=self.qk_norm_centred,
             out_norm=self.out_norm,
         )
 
@@ -327,10 +329,13 @@ def _layer_variants(s: Scenario) -> list[Variant]:
     out: list[Variant] = []
     if s.qk_norm is not None:
         out.append(("QK-norm", "QK-norm not applied", lambda t: replace(t, qk_norm=None, qk_norm_bias=None)))
-        if s.rope_theta is not None and s.qk_norm_bias is None and s.qk_norm_over == "head":
+        if s.rope_theta is not None and s.qk_norm_bias is None and s.qk_norm_over == "head" and not s.qk_norm_centred:
             where = "before" if s.qk_norm_after_rope else "after"
             out.append(("QK-norm", f"QK-norm applied {where} RoPE",
                         lambda t: replace(t, qk_norm_after_rope=not t.qk_norm_after_rope)))  # fmt: skip
+        if s.qk_norm_centred:  # Cohere's LayerNorm without bias
+            out.append(("QK-norm", "QK-norm an RMSNorm where a LayerNorm (each head's mean subtracted) was meant",
+                        lambda t: replace(t, qk_norm_centred=False)))  # fmt: skip
     if s.logit_softcap is not None:
         out.append(("softcap", "logit softcapping not applied", lambda t: replace(t, logit_softcap=None)))
     if s.window is not None:

@@ -177,7 +177,7 @@ class _Target:
             pair, shifts = [], []
             for name in r.qk_norm.names:
                 norm: Any = getattr(module, name)
-                wanted = data.draw(_norm_weights(norm.weight.shape[0], dtype, weights.w_q.device), label=name)
+                wanted = data.draw(_norm_weights(tuple(norm.weight.shape), dtype, weights.w_q.device), label=name)
                 with torch.no_grad():
                     norm.weight.copy_(wanted - r.qk_norm.offset)
                     if r.qk_norm.kind == "layer":
@@ -267,7 +267,7 @@ class _Target:
         return DynamicCache(config=layer.config)
 
 
-def _norm_weights(width: int, dtype: torch.dtype, device: Any) -> st.SearchStrategy[Tensor]:
+def _norm_weights(width: int | tuple[int, ...], dtype: torch.dtype, device: Any) -> st.SearchStrategy[Tensor]:
     """QK-norm weights around 1 (the scale a trained norm keeps), drawn from a seed."""
     return st.integers(0, 2**31 - 1).map(
         lambda seed: (torch.rand(width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5)
@@ -385,6 +385,7 @@ def _scenario(
         qk_norm=layer.qk_norm,
         norm_eps=1e-6 if target.recipe.qk_norm is None else target.recipe.qk_norm.eps,
         qk_norm_over="head" if target.recipe.qk_norm is None else target.recipe.qk_norm.over,
+        qk_norm_centred=target.recipe.qk_norm is not None and target.recipe.qk_norm.kind == "centred",
         window=layer.window,
         logit_softcap=layer.softcap,
         sinks=layer.sinks,

@@ -64,7 +64,9 @@ _CACHE_WORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 @dataclass(frozen=True)
 class QKNorm:
-    """An RMSNorm of queries and keys: `weight * x / rms(x)`, `(offset + weight)` where Gemma 3's is.
+    """An RMSNorm of queries and keys: `weight * x / rms(x)`, `(offset + weight)` where Gemma 3's is; Persimmon's
+    LayerNorm (`kind="layer"`), Cohere's LayerNorm without bias of each head with weights of its own
+    (`kind="centred"`, `over="per_head"`).
 
     Where it sits is read from the submodules' names, transformers' convention: `q_norm`/`k_norm` before
     RoPE (Qwen3, Gemma 3, OLMo-2), `query_layernorm`/`key_layernorm` after it (HunYuan).
@@ -261,16 +263,24 @@ def _complex_style(table: Tensor, width: int, name: str) -> RopeStyle:
     return "interleaved"
 
 
-def _norm_of(norm: nn.Module, width: int, name: str, label: str) -> tuple[NormKind, float, float]:
+def _norm_of(
+    norm: nn.Module, width: int, name: str, label: str, heads: int | None = None
+) -> tuple[NormKind, float, float]:
     """`(kind, offset, eps)` of a norm, shown on a probe: "rms" computes `(offset + weight) * x / sqrt(mean(x**2) +
-    eps)`; "layer" (a bias beside the weight: Persimmon's LayerNorm) `weight * (x - mean) / sqrt(var + eps) + bias`."""
+    eps)`; "layer" (a bias beside the weight: Persimmon's LayerNorm) `weight * (x - mean) / sqrt(var + eps) + bias`;
+    "centred" (no bias: Cohere's) `weight * (x - mean) / sqrt(var + eps)`. With `heads`, its weights are
+    `(heads, width)`, each head's own (Cohere's), and it is probed on `(positions, heads, width)`."""
     weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if not isinstance(weight, Tensor) or weight.shape != (width,) or not isinstance(eps, float):
-        raise refuse(name, f"{label}={type(norm).__name__} (not a norm of {width} features with an epsilon)")
+    shape = (width,) if heads is None else (heads, width)
+    if not isinstance(weight, Tensor) or weight.shape != shape or not isinstance(eps, float):
+        features = width if heads is None else shape
+        raise refuse(name, f"{label}={type(norm).__name__} (not a norm of {features} features with an epsilon)")
+    if heads is not None and isinstance(bias, Tensor):
+        raise refuse(name, f"{label}={type(norm).__name__}, a norm of each head with a bias")
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, width, generator=generator, dtype=torch.float64)
-    drawn = torch.rand(width, generator=generator, dtype=torch.float64) + 0.5
+    x = torch.randn(3, *shape, generator=generator, dtype=torch.float64)
+    drawn = torch.rand(shape, generator=generator, dtype=torch.float64) + 0.5
     shift = torch.randn(width, generator=generator, dtype=torch.float64)
     probe = norm.double()
     saved = [t.detach().clone() for t in (weight, bias) if isinstance(t, Tensor)]
@@ -290,11 +300,16 @@ def _norm_of(norm: nn.Module, width: int, name: str, label: str) -> tuple[NormKi
                 got = probe(x)
             if torch.allclose(got, x / rms * drawn, rtol=1e-5, atol=1e-6):
                 return "rms", offset, eps
+        with torch.no_grad():
+            weight.copy_(drawn)
+            got = probe(x)
+        if torch.allclose(got, _layer_norm(x, drawn, torch.zeros_like(drawn), eps), rtol=1e-5, atol=1e-6):
+            return "centred", 0.0, eps
     finally:
         with torch.no_grad():
             for held, value in zip((t for t in (weight, bias) if isinstance(t, Tensor)), saved, strict=True):
                 held.copy_(value)
-    raise refuse(name, f"{label}={type(norm).__name__}, a norm other than weight * x / rms(x)")
+    raise refuse(name, f"{label}={type(norm).__name__}, a norm other than weight * x / rms(x) or a LayerNorm")
 
 
 def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation: str) -> Recipe:
@@ -634,16 +649,22 @@ def _qk_norm(module: nn.Module, name: str, config: Any) -> QKNorm | None:
         config.num_attention_heads,
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
     )
-    q_width = getattr(norms[0], "weight", torch.zeros(0)).shape[-1]
+    q_weight = getattr(norms[0], "weight", torch.zeros(0))
+    q_width = q_weight.shape[-1]
     over: NormOver = "head" if q_width == d else "all"
-    widths = (d, d) if over == "head" else (heads * d, kv_heads * d)
+    if q_weight.dim() == 2 and q_width == d:  # Cohere: weights (heads, head_dim), each head's own
+        over = "per_head"
+    widths = (d, d) if over != "all" else (heads * d, kv_heads * d)
+    each = (heads, kv_heads) if over == "per_head" else (None, None)
     (q_kind, q_offset, q_eps), k_norm = (
-        _norm_of(n, w, name, label) for n, w, label in zip(norms, widths, labels, strict=True)
+        _norm_of(n, w, name, label, h) for n, w, label, h in zip(norms, widths, labels, each, strict=True)
     )
     if (q_kind, q_offset, q_eps) != k_norm:
         raise refuse(name, "a query norm and a key norm that differ in kind")
-    if (after_rope or q_kind == "layer") and over == "all":
+    if (after_rope or q_kind != "rms") and over == "all":
         raise refuse(name, f"a QK-norm over every head ({q_kind}{', after RoPE' if after_rope else ''})")
+    if after_rope and (q_kind != "rms" or over == "per_head"):
+        raise refuse(name, f"a QK-norm after RoPE other than an RMSNorm of one weight for every head ({q_kind})")
     return QKNorm(q_offset, q_eps, over, labels, after_rope, q_kind)
 
 
