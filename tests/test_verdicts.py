@@ -499,3 +499,87 @@ def test_with_a_hook_on_the_module_decoding_still_equals_one_causal_forward() ->
     cache = module.new_cache(2, 8)
     steps = [module(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(4)]
     torch.testing.assert_close(torch.cat(steps, 1), module(x, is_causal=True), atol=1e-10, rtol=1e-8)
+
+
+def _same_relations(a: tuple[int, ...], b: tuple[int, ...], constants: frozenset[int]) -> bool:
+    """What a shape check can tell apart, stated directly: sizes that are 0, 1 or a constant are seen as they are,
+    any other only through which sizes equal it."""
+    if len(a) != len(b):
+        return False
+    kept = [(x < 2 or x in constants, y < 2 or y in constants) for x, y in zip(a, b, strict=True)]
+    if any(kx != ky or (kx and x != y) for (kx, ky), x, y in zip(kept, a, b, strict=True)):
+        return False
+    return all((a[i] == a[j]) == (b[i] == b[j]) for i in range(len(a)) for j in range(len(a)))
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ((5,), (1,)),  # another size is not a broadcast one
+        ((5, 6), (5, 5)),  # two sizes are not one
+        ((5, 6, 7), (5, 6, 1)),
+        ((2, 3, 2), (4, 5, 4)),  # 2 is a size like any other: decoding from 2 keys to 3 keeps the key
+        ((2, 3), (3, 2)),
+        ((0, 1, 4, 9), (0, 1, 4, 8)),
+        ((0, 1, 4, 9), (1, 0, 4, 9)),
+        ((3, 4), (3, 5)),  # 4 is the module's constant here
+        ((7, 7, 3), (9, 9, 3)),
+    ],
+)
+def test_relational_keys_agree_exactly_when_a_check_cannot_tell_the_sizes_apart(
+    a: tuple[int, ...], b: tuple[int, ...]
+) -> None:
+    from shapesafe_mha._core.contract import relational
+
+    constants = frozenset({4})
+    assert (relational(a, constants) == relational(b, constants)) == _same_relations(a, b, constants)
+
+
+@given(sizes=st.lists(st.integers(0, 9), max_size=6), offset=st.integers(1, 20))
+def test_relational_keys_stay_the_same_when_every_free_size_moves_alike(sizes: list[int], offset: int) -> None:
+    from shapesafe_mha._core.contract import relational
+
+    constants = frozenset({4})
+    moved = tuple(s if s < 2 or s in constants else s + 100 * offset for s in sizes)
+    assert relational(tuple(sizes), constants) == relational(moved, constants)
+    assert _same_relations(tuple(sizes), moved, constants)
+
+
+def test_the_verdict_memo_never_holds_more_than_max_verdicts() -> None:
+    from shapesafe_mha._core.contract import MAX_VERDICTS, Verdicts
+
+    verdicts = Verdicts()
+    for n in range(MAX_VERDICTS + 2):
+        verdicts.remember((n,), ("relations", n))
+        assert len(verdicts.exact) <= MAX_VERDICTS and len(verdicts.relations) <= MAX_VERDICTS
+    assert (MAX_VERDICTS + 1,) in verdicts.exact  # the newest is kept when the memo is forgotten
+
+
+def test_a_call_known_by_its_relations_is_then_known_by_its_exact_key() -> None:
+    """The relations key is asked for only when the exact key misses: once a call was answered by its relations,
+    the same call again is one lookup."""
+    from shapesafe_mha._core.contract import Verdicts
+
+    verdicts = Verdicts()
+    verdicts.remember(("exact", 5), ("relations",))
+    assert verdicts.known(("exact", 6), lambda: ("relations",))
+
+    def never() -> Any:
+        raise AssertionError("the relations key was asked for a call already known exactly")
+
+    assert verdicts.known(("exact", 6), never)
+    assert not verdicts.known(("exact", 7))
+
+
+def test_a_verdict_remembered_outside_autocast_does_not_cover_a_call_inside_it() -> None:
+    """A float16 module decoding into its float16 cache passes; under bfloat16 autocast the same call computes
+    bfloat16 keys, which that cache does not hold: refused, as on a fresh module, not let through by the verdict."""
+    module = ssm.MultiHeadAttention(16, 4, 2, dtype=torch.float16)
+    cache = module.new_cache(1, 8)
+    module(torch.randn(1, 2, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
+    module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+        ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"
+    ):
+        module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
+    assert len(cache) == 3
