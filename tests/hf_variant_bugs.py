@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import (
     BitNetConfig,
+    BloomConfig,
     CodeGenConfig,
     CohereConfig,
     Gemma2Config,
@@ -25,6 +26,7 @@ from transformers import (
     HunYuanDenseV1Config,
     Llama4TextConfig,
     MistralConfig,
+    MptConfig,
     Olmo2Config,
     PersimmonConfig,
     PhiConfig,
@@ -34,6 +36,8 @@ from transformers import (
 )
 from transformers.models.bitnet import modeling_bitnet
 from transformers.models.bitnet.modeling_bitnet import BitNetAttention
+from transformers.models.bloom import modeling_bloom
+from transformers.models.bloom.modeling_bloom import BloomAttention
 from transformers.models.codegen import modeling_codegen
 from transformers.models.codegen.modeling_codegen import CodeGenAttention
 from transformers.models.cohere import modeling_cohere
@@ -54,6 +58,8 @@ from transformers.models.llama.modeling_llama import rotate_half as llama_rotate
 from transformers.models.llama4 import modeling_llama4
 from transformers.models.llama4.modeling_llama4 import Llama4TextAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.mpt import modeling_mpt
+from transformers.models.mpt.modeling_mpt import MptAttention
 from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
 from transformers.models.persimmon import modeling_persimmon
@@ -243,6 +249,20 @@ def _sinks_dropped(original: Callable[..., Any]) -> Callable[..., Any]:
     return attention
 
 
+def _slopes_reversed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def slopes(num_heads: int, device: Any) -> Any:
+        return original(num_heads, device).flip(0)  # the bug: head h given head (n - 1 - h)'s slope
+
+    return slopes
+
+
+def _biases_over_the_keys_reversed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def biases(*a: Any, **kw: Any) -> Any:
+        return original(*a, **kw).flip(-1)  # the bug: the newest key biased as the oldest, and so on
+
+    return biases
+
+
 def _window_one_longer(sliding_window: int) -> Callable[..., bool]:
     def inner_mask(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
         return kv_idx > q_idx - sliding_window - 1  # the bug: each query sees one key more than its window
@@ -373,6 +393,13 @@ VARIANT_BUGS = [
                lambda: _patched(Llama4TextAttention, "forward", _llama4_forward("keys unnormed")), "heads"),
     VariantBug("chunked attention", "Llama 4: chunks one key longer than attention_chunk_size", Llama4TextAttention,
                Llama4TextConfig, lambda: _patched(masking_utils, "chunked_overlay", _chunks_one_longer), "heads"),
+    VariantBug("ALiBi (Bloom)", "Bloom: the slopes in the reverse head order", BloomAttention, BloomConfig,
+               lambda: _patched(modeling_bloom, "_get_alibi_slopes",
+                                _slopes_reversed(modeling_bloom._get_alibi_slopes)), "heads",
+               "ALiBi slopes in the reverse head order"),
+    VariantBug("ALiBi (MPT)", "MPT: the biases laid over the keys back to front", MptAttention, MptConfig,
+               lambda: _patched(modeling_mpt, "build_mpt_alibi_tensor",
+                                _biases_over_the_keys_reversed(modeling_mpt.build_mpt_alibi_tensor)), "heads"),
     VariantBug("output gate", "Qwen3-Next: the gate left out", Qwen3NextGateDropped, Qwen3NextConfig, _none, "heads",
                "the output gate not applied"),
     VariantBug("temperature tuning of NoPE layers", "Llama 4: the scale read one position early",

@@ -31,6 +31,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sinks": {"attention_sinks": True},
     "clip_qkv": {"clip_qkv": 0.3},
     "output_gate": {"output_gate": True},
+    "temperature_tuning": {"temperature_tuning": (2, 0.5)},
+    "chunk_size": {"chunk_size": 2},
+    "alibi": {"alibi": True},
 }
 
 

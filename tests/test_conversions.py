@@ -200,6 +200,7 @@ def test_to_hf_compares_rope_scaling_and_dropout_and_verifies_the_layer() -> Non
         {"qk_norm": True},
         {"query_pre_attn_scalar": 4.0},
         {"attention_sinks": True},
+        {"alibi": True},
         {"clip_qkv": 1.0},
     ],
 )

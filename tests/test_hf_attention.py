@@ -52,8 +52,9 @@ def test_a_planted_bug_is_caught_and_its_property_named(bug: Bug) -> None:
 
 
 def test_what_the_reference_does_not_compute_is_refused_by_name() -> None:
-    """gpt-oss's sinks under sdpa (which drops them), Bloom's ALiBi and a layer without an output projection: a
-    ConfigError whose first line names the class and the variant or layout, not a failed check."""
+    """gpt-oss's sinks under sdpa (which drops them), Bloom under sdpa (its layer computes attention itself, with no
+    sdpa path) and a layer without an output projection: a ConfigError whose first line names the class and the
+    variant or layout, not a failed check."""
     from transformers import BertConfig, BloomConfig, GptOssConfig
     from transformers.models.bert.modeling_bert import BertSelfAttention
     from transformers.models.bloom.modeling_bloom import BloomAttention
@@ -63,7 +64,7 @@ def test_what_the_reference_does_not_compute_is_refused_by_name() -> None:
 
     refusals = [
         (GptOssAttention, GptOssConfig, "sdpa", r"GptOssAttention: attention sinks under sdpa"),
-        (BloomAttention, BloomConfig, "eager", r"BloomAttention: a forward that needs residual, alibi"),
+        (BloomAttention, BloomConfig, "sdpa", r"BloomAttention: attention computed by the layer itself under sdpa"),
         (BertSelfAttention, BertConfig, "eager", r"BertSelfAttention: a layer without an output projection"),
     ]
     for attention_cls, config_cls, implementation, reason in refusals:

@@ -45,6 +45,14 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = 
     "gemma2 (eager: softcap, window 3)": (
         "Gemma2Config", {"sliding_window": 3, "attn_logit_softcapping": 5.0}, "eager", torch.float32, 1e-5,
     ),
+    # Llama 4: a chunked rope layer (chunks of 3, its weightless QK-norm after RoPE) and a NoPE layer with its
+    # temperature tuning (a floor scale the prompt crosses); RoPE and the L2 norm in float32 inside
+    "llama4 (chunks of 3, a tuned NoPE layer)": (
+        "Llama4TextConfig", {"attention_chunk_size": 3, "no_rope_layers": [1, 0], "attn_temperature_tuning": True,
+                             "floor_scale": 3, "attn_scale": 0.4, "intermediate_size_mlp": 64, "moe_layers": [],
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        "sdpa", torch.float64, 1e-6,
+    ),
     # attention sinks (the model's own parameter, adopted), YaRN, a sliding layer 0; gpt-oss has no sdpa
     "gpt_oss (eager: sinks, window 3)": (
         "GptOssConfig", {"sliding_window": 3, "num_local_experts": 4, "num_experts_per_tok": 2}, "eager",

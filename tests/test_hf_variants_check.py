@@ -47,6 +47,9 @@ VARIANTS = {
     "output gate, 1 + weight QK-norm, partial rotary (Qwen3-Next)": (
         "qwen3_next.Qwen3NextAttention", "Qwen3NextConfig", "sdpa", None),
     "output gate (Qwen3.5)": ("qwen3_5.Qwen3_5Attention", "Qwen3_5TextConfig", "sdpa", None),
+    # ALiBi biases as their models build them (their only implementation, eager: the softmax in float32)
+    "ALiBi, per-head fused query_key_value, residual 0 (Bloom)": ("bloom.BloomAttention", "BloomConfig", "eager", None),
+    "ALiBi as position_bias, [q; k; v] Wqkv (MPT)": ("mpt.MptAttention", "MptConfig", "eager", None),
     # its RoPE and its L2 norm compute in float32 inside ("x.float()"): the float32-rounding tolerance
     "complex RoPE, weightless QK-norm after it, NoPE layers' temperature, chunked layers (Llama 4)": (
         "llama4.Llama4TextAttention", "Llama4TextConfig", "sdpa", None),

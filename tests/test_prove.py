@@ -63,14 +63,18 @@ def test_rope_is_proven_too() -> None:
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize(
     "options",
-    [{"rope_theta": 10000.0}, {"rope_theta": 10000.0, "qk_norm": True, "window": 16, "logit_softcap": 30.0}],
-    ids=["rope", "every-variant"],
-)
+    [{"rope_theta": 10000.0}, {"rope_theta": 10000.0, "qk_norm": True, "window": 16, "logit_softcap": 30.0},
+     {"alibi": True}],
+    ids=["rope", "every-variant", "alibi"],
+)  # fmt: skip
 def test_rope_and_the_variants_are_proven_for_prefill_and_decoding(options: dict, decode: bool) -> None:  # type: ignore[type-arg]
     """The sliding window's mask is built for every size under export, so no guard on seq > window;
-    decoding's positions start at the cache's symbolic length."""
+    decoding's positions start at the cache's symbolic length; ALiBi's biases are built for every seq and kv_seq."""
     proof = ssm.prove(ssm.MultiHeadAttention(64, 8, 2, **options), is_causal=True, decode=decode)
     assert proof.ok, proof.failures
+    if options.get("alibi"):
+        named = {name: named for name, named, _ in proof.stages}
+        assert named["alibi"] == "num_kv_heads group*seq kv_seq"
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])

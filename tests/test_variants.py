@@ -27,9 +27,16 @@ def variants(draw: Any) -> dict[str, Any]:
         "logit_softcap": draw(st.one_of(st.none(), st.floats(0.05, 5.0)), label="logit_softcap"),
         "query_pre_attn_scalar": draw(st.one_of(st.none(), st.floats(0.5, 300.0)), label="query_pre_attn_scalar"),
         "attention_sinks": draw(st.booleans(), label="attention_sinks"),
+        "alibi": draw(st.booleans(), label="alibi"),  # Bloom's and MPT's position biases, beside RoPE or not
         "qk_norm_after_rope": draw(st.booleans(), label="qk_norm_after_rope"),  # HunYuan, with a per-head norm
         "output_gate": draw(st.booleans(), label="output_gate"),  # Qwen3-Next's, without clip_qkv or an "all" norm
         "clip_qkv": draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="clip_qkv"),  # bounds the projections meet
+        # Llama 4's: floor scales the drawn sequences cross, so the factor steps within them
+        "temperature_tuning": draw(
+            st.one_of(st.none(), st.tuples(st.integers(1, 6), st.floats(0.05, 2.0))), label="temperature_tuning"
+        ),
+        # Llama 4's chunked attention: chunks shorter than the drawn sequences (not beside a window: refused)
+        "chunk_size": draw(st.one_of(st.none(), st.integers(1, 6)), label="chunk_size"),
         # with RoPE: rotate a part of each head (drawn as a share of d_head, rounded to pairs), pairs adjacent
         "rope_share": draw(st.one_of(st.none(), st.floats(0.0, 1.0)), label="rope_share"),
         "rope_interleaved": draw(st.booleans(), label="rope_interleaved"),
@@ -58,7 +65,8 @@ def _gated(options: dict[str, Any]) -> bool:
 
 def _module_options(options: dict[str, Any]) -> dict[str, Any]:
     kept = {k: v for k, v in options.items() if k not in ("rope_share", "rope_interleaved")}
-    return {**kept, "qk_norm_after_rope": _after_rope(options), "output_gate": _gated(options)}
+    chunk = options.get("chunk_size") if options.get("window") is None else None
+    return {**kept, "qk_norm_after_rope": _after_rope(options), "output_gate": _gated(options), "chunk_size": chunk}
 
 
 def _module(config: Any, options: dict[str, Any], data: st.DataObject) -> ssm.MultiHeadAttention:
@@ -101,16 +109,18 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, options: dict[st
         logit_softcap=options["logit_softcap"], scale=None if scalar is None else scalar**-0.5,
         rotary_dim=module.rope_dim, rope_style="interleaved" if module.rope_interleaved else "half",
         qk_norm_over=options.get("qk_norm_over", "head"), sinks=module.sinks, clip_qkv=options.get("clip_qkv"),
+        alibi_slopes=module.alibi_slopes,
         qk_norm_after_rope=_after_rope(options), output_gate=module.gate_weights() if module.output_gate else None,
-        **kwargs,
+        temperature_tuning=options.get("temperature_tuning"), chunk_size=module.chunk_size, **kwargs,
     )  # fmt: skip
 
 
 @given(data=st.data(), options=variants())
 def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options: dict[str, Any]) -> None:
-    """Any mix of QK-norm, window, softcap, query scale, attention sinks, clip_qkv and an output gate, with or
-    without RoPE (full or partial, halves or adjacent pairs), causal or not, padded or not, MHA/GQA/MQA: the
-    module (with and without grad, so every path) equals the reference, head by head."""
+    """Any mix of QK-norm, window, softcap, query scale, attention sinks, ALiBi, clip_qkv, an output gate,
+    temperature tuning and chunked attention, with or without RoPE (full or partial, halves or adjacent pairs),
+    causal or not, padded or not, MHA/GQA/MQA: the module (with and without grad, so every path) equals the
+    reference, head by head."""
     rope = data.draw(st.booleans(), label="rope")
     config = data.draw(attention_configs(cross=False, max_seq=24, rope=rope), label="config")
     module = _module(config, options, data)
@@ -363,8 +373,11 @@ COMPILED_VARIANTS = {
     "window": {"window": 3},
     "softcap": {"logit_softcap": 2.0, "query_pre_attn_scalar": 5},
     "attention sinks": {"attention_sinks": True},
+    "ALiBi": {"alibi": True},
     "clip_qkv": {"clip_qkv": 0.5},
     "output gate": {"output_gate": True},
+    "temperature tuning": {"temperature_tuning": (2, 0.5)},
+    "chunked attention": {"chunk_size": 3},
     "partial rotary": {"rope_theta": 10000.0, "rope_dim": 4},
     "interleaved RoPE": {"rope_theta": 10000.0, "rope_interleaved": True},
     "partial, interleaved RoPE": {"rope_theta": 10000.0, "rope_dim": 2, "rope_interleaved": True},
@@ -446,3 +459,29 @@ def test_an_infinite_cap_or_a_bad_norm_eps_is_refused(kwargs: dict[str, Any], me
                                              softcap=float("inf"))  # fmt: skip
         else:
             ssm.LatentAttention(16, 4, kv_lora_rank=6, d_nope=3, d_rope=2, d_value=5, norm_eps=kwargs["norm_eps"])
+
+
+def test_alibi_weights_a_key_d_positions_back_by_minus_d_times_its_heads_slope() -> None:
+    """With queries of zeros every score is its ALiBi bias alone: a head's weights are softmax(-d * slope) over the
+    keys d positions back (causal, lower-right aligned, decoding after a prefill included), the slopes Press et al.'s
+    2 ** (-8 h / n) for 8 heads; alibi= other than a bool is a ConfigError."""
+    module = ssm.MultiHeadAttention(16, 8, 2, alibi=True, dtype=torch.float64)
+    assert module.alibi_slopes is not None and "alibi_slopes" in module.state_dict()
+    torch.testing.assert_close(module.alibi_slopes, 2.0 ** (-torch.arange(1, 9, dtype=torch.float64)))
+    with torch.no_grad():
+        module.q_proj.weight.zero_()
+        module.q_proj.bias.zero_()  # pyright: ignore[reportOptionalMemberAccess]
+        x = torch.randn(1, 5, 16, dtype=torch.float64)
+        _, weights = module(x, is_causal=True, need_weights=True)
+        cache = module.new_cache(1, 7)
+        module(x, is_causal=True, kv_cache=cache)
+        _, step = module(torch.randn(1, 2, 16, dtype=torch.float64), is_causal=True, kv_cache=cache, need_weights=True)
+    back = torch.arange(5)[:, None] - torch.arange(5)[None, :]
+    slopes = module.alibi_slopes[:, None, None]
+    expected = (-back * slopes).masked_fill(back < 0, float("-inf")).softmax(-1)
+    torch.testing.assert_close(weights[0], expected, **F64)
+    back = torch.arange(5, 7)[:, None] - torch.arange(7)[None, :]
+    expected = (-back * slopes).masked_fill(back < 0, float("-inf")).softmax(-1)
+    torch.testing.assert_close(step[0], expected, **F64)
+    with pytest.raises(ssm.ConfigError, match="alibi must be True or False, but got 'yes'"):
+        ssm.MultiHeadAttention(16, 8, alibi="yes")  # pyright: ignore[reportArgumentType]

@@ -5,8 +5,11 @@ CodeGen, which rotate `rotary_dim` features with tables of their own), Llama 4 (
 QK-norm after RoPE, NoPE layers), loaded with `MultiHeadAttention.from_hf` and computed as the HF model computes
 them, full forward and decoding."""
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -352,7 +355,8 @@ def test_to_hf_round_trips_a_qk_norm_over_every_head_and_names_a_per_head_one() 
 
 
 def _sinks_dropped(original: Any) -> Any:
-    return lambda q, k, mask, scale, softcap=None, sinks=None: original(q, k, mask, scale, softcap)
+    return lambda q, k, mask, scale, softcap=None, sinks=None, bias=None: original(q, k, mask, scale, softcap,
+                                                                                  bias=bias)  # fmt: skip
 
 
 def _sinks_of_the_heads_reversed(original: Any) -> Any:
@@ -502,34 +506,23 @@ def _llama4(layer_idx: int, implementation: str, **kwargs: Any) -> tuple[Any, An
     return llama4, layer, llama4.Llama4TextRotaryEmbedding(config)
 
 
-def _llama4_forward(layer: Any, rotary: Any, x: torch.Tensor, start: int = 0, cache: Any = None) -> torch.Tensor:
-    """Called as Llama4TextModel calls it: its complex freqs_cis, uncast, and transformers' causal mask."""
+def _llama4_forward(
+    layer: Any, rotary: Any, x: torch.Tensor, start: int = 0, cache: Any = None, padding: Any = None
+) -> torch.Tensor:
+    """Called as Llama4TextModel calls it: its complex freqs_cis, uncast, and transformers' causal mask (chunked on
+    a chunked_attention layer); `padding` is the 2-D attention_mask (1 = a real token)."""
+    from transformers.masking_utils import create_chunked_causal_mask
+
     positions = torch.arange(start, start + x.shape[1])[None]
-    mask = create_causal_mask(config=layer.config, inputs_embeds=x, attention_mask=None, cache=cache,
-                              position_ids=positions)  # fmt: skip
+    chunked = layer.config.layer_types[layer.layer_idx] == "chunked_attention"
+    make = create_chunked_causal_mask if chunked else create_causal_mask
+    mask = make(config=layer.config, inputs_embeds=x, attention_mask=padding, cache=cache, position_ids=positions)
     return layer(x, position_embeddings=rotary(x, positions), attention_mask=mask, cache=cache)[0]
 
 
-@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
-@pytest.mark.parametrize("layer_idx", [0, 3])
-def test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_nope_layer(
-    implementation: str, layer_idx: int
-) -> None:
-    """Llama 4: a rope layer's RoPE from its complex table (adjacent pairs) and its qk_norm, an L2 norm without
-    weight after RoPE, loaded as qk_norm=True of weight 1 with rms_norm_eps, qk_norm_after_rope; a NoPE layer
-    (no_rope_layers, temperature tuning off) without RoPE or norm. float64, forward and decoding step by step,
-    against the layer and against its own DynamicCache decoding: 1e-5 on the rope layer (it rotates and normalises in
-    float32 inside: about 6e-7 apart), 1e-10 on the NoPE layer (its eager softmax too stays in float64)."""
-    _, layer, rotary = _llama4(layer_idx, implementation, attn_temperature_tuning=False)
-    ours = ssm.MultiHeadAttention.from_hf(layer)
-    if layer_idx == 0:
-        loaded = (ours.rope_theta, ours.rope_interleaved, ours.qk_norm, ours.qk_norm_after_rope)
-        assert loaded == (1e4, True, True, True)
-        assert ours.q_norm.eps == layer.config.rms_norm_eps and torch.equal(ours.k_norm.weight, torch.ones(8).double())
-    else:
-        assert (ours.rope_theta, ours.qk_norm) == (None, False)
-    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if layer_idx == 0 else {"atol": 1e-10, "rtol": 1e-8}
+def _llama4_equal_forward_and_decoding(ours: Any, layer: Any, rotary: Any, x: torch.Tensor, **tol: float) -> None:
+    """Ours equals the Llama 4 layer in one causal forward and decoding step by step through our cache, and its
+    decoding through its own DynamicCache (a prefill of 2, then one position at a time)."""
     with torch.no_grad():
         expected = _llama4_forward(layer, rotary, x)
         torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
@@ -543,20 +536,113 @@ def test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_n
         torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(hf_steps, dim=1), **tol)
 
 
-def test_llama4_chunked_layers_and_temperature_tuning_are_refused_by_their_fields() -> None:
-    """What MultiHeadAttention does not compute is refused naming the config field, never loaded as full attention:
-    a chunked_attention layer (attention_chunk_size) and a NoPE layer's temperature tuning."""
-    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=8192)
-    with pytest.raises(ssm.ConfigError, match=r"config.attention_chunk_size=8192.*chunked attention \(Llama 4\)"):
-        ssm.MultiHeadAttention.from_hf(chunked)
-    _, tuned, _ = _llama4(3, "sdpa", attn_temperature_tuning=True)
-    with pytest.raises(ssm.ConfigError, match=r"config.attn_temperature_tuning=True.*temperature tuning"):
-        ssm.MultiHeadAttention.from_hf(tuned)
+# Llama 4's temperature tuning with a floor scale the test's 11 positions cross three times (its own is 8192)
+TUNED = {"attn_temperature_tuning": True, "floor_scale": 3, "attn_scale": 0.4}
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize(("layer_idx", "tuned"), [(0, False), (3, False), (3, True), (0, True)])
+def test_llama4_loads_its_complex_rope_and_weightless_qk_norm_after_it_and_its_nope_layer(
+    implementation: str, layer_idx: int, tuned: bool
+) -> None:
+    """Llama 4: a rope layer's RoPE from its complex table (adjacent pairs) and its qk_norm, an L2 norm without
+    weight after RoPE, loaded as qk_norm=True of weight 1 with rms_norm_eps, qk_norm_after_rope; a NoPE layer
+    (no_rope_layers) without RoPE or norm, and with its temperature tuning where the config asks (only NoPE layers
+    tune). float64, forward and decoding step by step, against the layer and against its own DynamicCache decoding:
+    1e-5 on the rope layer (it rotates and normalises in float32 inside: about 6e-7 apart), 1e-10 on the NoPE
+    layer (its eager softmax too stays in float64; the tuning factor is float32 in both)."""
+    _, layer, rotary = _llama4(layer_idx, implementation, **(TUNED if tuned else {"attn_temperature_tuning": False}))
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.temperature_tuning == ((3, 0.4) if tuned and layer_idx == 3 else None)
+    if layer_idx == 0:
+        loaded = (ours.rope_theta, ours.rope_interleaved, ours.qk_norm, ours.qk_norm_after_rope)
+        assert loaded == (1e4, True, True, True)
+        assert ours.q_norm.eps == layer.config.rms_norm_eps and torch.equal(ours.k_norm.weight, torch.ones(8).double())
+    else:
+        assert (ours.rope_theta, ours.qk_norm) == (None, False)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if layer_idx == 0 else {"atol": 1e-10, "rtol": 1e-8}
+    _llama4_equal_forward_and_decoding(ours, layer, rotary, x, **tol)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_llama4_chunked_layers_load_their_chunks_forward_decoding_and_left_padded(implementation: str) -> None:
+    """A chunked_attention layer (attention_chunk_size=3, so the test's 11 positions make four chunks) loads as
+    chunk_size=3: float64, forward and decoding step by step equal the layer (1e-5: it rotates and normalises in
+    float32 inside, about 5e-7 apart) and its own decoding through DynamicCache (whose chunked layer keeps a
+    sliding window); with the second sequence left-padded by 2, the chunks start at its first real token in both."""
+    _, layer, rotary = _llama4(0, implementation, attention_chunk_size=3, attn_temperature_tuning=False)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.chunk_size == 3
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    tol = {"atol": 1e-5, "rtol": 1e-5}
+    _llama4_equal_forward_and_decoding(ours, layer, rotary, x, **tol)
+    with torch.no_grad():
+        real = torch.ones(2, SEQ, dtype=torch.long)
+        real[1, :2] = 0
+        padded = _llama4_forward(layer, rotary, x, padding=real)
+        ours_padded = ours(x, is_causal=True, key_padding_mask=real == 0)
+        torch.testing.assert_close(ours_padded[:, 2:], padded[:, 2:], **tol)  # the padded queries' rows are HF's own
+
+
+@pytest.mark.parametrize("bug", ["forgotten", "chunks not shifted by the padding"])
+def test_a_conversion_or_a_module_that_gets_llama4_s_chunks_wrong_is_caught(
+    bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bugs in chunked attention: from_hf reading the layer as full attention (its layer type renamed
+    upstream) is refused by the probe, naming the call that differs; a module counting the chunks from cache
+    index 0 in a left-padded batch differs from the layer on the padded sequence's real tokens."""
+    from shapesafe_mha._compute import kernels
+    from shapesafe_mha._interop import hf
+
+    _, layer, rotary = _llama4(0, "sdpa", attention_chunk_size=3, attn_temperature_tuning=False)
+    if bug == "forgotten":
+        read = hf.variant_options
+        monkeypatch.setattr(hf, "variant_options", lambda *a: {k: v for k, v in read(*a).items() if k != "chunk_size"})
+        with pytest.raises(ssm.ConfigError, match=r"differs from Llama4TextAttention by .* in a causal forward"):
+            ssm.MultiHeadAttention.from_hf(layer)
+        return
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    chunk_mask = kernels.chunk_mask
+    monkeypatch.setattr(kernels, "chunk_mask", lambda a, kpm, q, k, chunk: chunk_mask(a, None, q, k, chunk))
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    real = torch.ones(2, SEQ, dtype=torch.long)
+    real[1, :2] = 0
+    with torch.no_grad():
+        padded = _llama4_forward(layer, rotary, x, padding=real)
+        ours_padded = ours(x, is_causal=True, key_padding_mask=real == 0)
+    assert (ours_padded[1, 2:] - padded[1, 2:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("bug", ["forgotten", "counted without the cache"])
+def test_a_conversion_or_a_module_that_gets_llama4_s_temperature_tuning_wrong_is_refused_by_the_probe(
+    bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bugs in the temperature tuning of a NoPE layer: from_hf reading the config as if it were off (a
+    field renamed upstream), or the module scaling each decoding step's query as if it were the first position
+    (its cache index not counted). The probe refuses both, naming the call that differs (the probe's prompt is
+    short: its decoding step, the first past the floor scale, differs first)."""
+    from shapesafe_mha._compute import stages
+    from shapesafe_mha._interop import hf
+
+    _, layer, _ = _llama4(3, "sdpa", **TUNED)
+    if bug == "forgotten":
+        read = hf.variant_options
+        off = "temperature_tuning"
+        monkeypatch.setattr(hf, "variant_options", lambda *a: {k: v for k, v in read(*a).items() if k != off})
+        differs = r"differs from Llama4TextAttention by .* in a (causal forward|decoding step)"
+    else:
+        tune = stages.tune_query_temperature.fn
+        monkeypatch.setattr(stages.tune_query_temperature, "fn", lambda q, start, *a: tune(q, 0, *a))
+        differs = r"differs from Llama4TextAttention by .* in a decoding step"
+    with pytest.raises(ssm.ConfigError, match=differs):
+        ssm.MultiHeadAttention.from_hf(layer)
 
 
 def test_to_hf_round_trips_llama4_and_refuses_weighted_norms_and_chunked_layers() -> None:
     """Llama 4: from_hf then to_hf gives a layer computing the same (its qk_norm holds no weight, so ours must be
-    ones); a module whose norm weights are not ones, or a config whose layer 0 is chunked, is refused by name."""
+    ones); a module whose norm weights are not ones, or a config whose layer 0 is chunked while the module is not,
+    is refused by name; a chunked module round-trips to its chunked config."""
     _, layer, rotary = _llama4(0, "sdpa", attn_temperature_tuning=False)
     ours = ssm.MultiHeadAttention.from_hf(layer)
     back = ours.to_hf(layer.config).to(torch.float64).eval()
@@ -567,9 +653,13 @@ def test_to_hf_round_trips_llama4_and_refuses_weighted_norms_and_chunked_layers(
         ours.k_norm.weight.mul_(2)
     with pytest.raises(ssm.ConfigError, match=r"k_norm's weights are not all 1, but Llama4TextAttention's qk_norm"):
         ours.to_hf(layer.config)
-    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=8192)
-    with pytest.raises(ssm.ConfigError, match=r"config.attention_chunk_size=8192: chunked attention \(Llama 4\)"):
+    _, chunked, _ = _llama4(0, "sdpa", attention_chunk_size=3)
+    with pytest.raises(ssm.ConfigError, match=r"computes another variant: chunk_size=3 \(module: None\)"):
         ssm.MultiHeadAttention.from_hf(layer).to_hf(chunked.config)
+    back = ssm.MultiHeadAttention.from_hf(chunked).to_hf(chunked.config).to(torch.float64).eval()
+    with torch.no_grad():
+        expected = _llama4_forward(chunked, rotary, x)
+        torch.testing.assert_close(_llama4_forward(back, rotary, x), expected, atol=1e-12, rtol=0)
 
 
 def test_a_conversion_that_rotates_llama4_halves_is_refused_by_its_probe(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -644,3 +734,214 @@ def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     assert torch.equal(getattr(back, name).weight, getattr(layer, name).weight)
     theirs_bias, back_bias = getattr(layer, name).bias, getattr(back, name).bias  # Falcon's: None
     assert (back_bias is None and theirs_bias is None) or torch.equal(back_bias, theirs_bias)
+
+
+def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_by_from_hf() -> None:
+    """DiffLlama computes two softmax maps per head and subtracts them, weighted by a learned lambda: neither the
+    per-head reference nor MultiHeadAttention computes that, so both refuse it naming the variant (not a build
+    failure: the tiny layer takes no single KV head, so the check builds it with as many as it has heads)."""
+    from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
+
+    from shapesafe_mha.testing.hf import check_hf_attention
+
+    named = r"DiffLlamaAttention: differential attention \(DiffLlama: two softmax maps"
+    with pytest.raises(ssm.ConfigError, match=named):
+        check_hf_attention(DiffLlamaAttention, transformers.DiffLlamaConfig)
+    config = transformers.DiffLlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(ssm.ConfigError, match=r"lambda_q1.*the layer computes differential attention"):
+        ssm.MultiHeadAttention.from_hf(DiffLlamaAttention(config, layer_idx=0))
+
+
+def test_to_hf_round_trips_llama4_s_temperature_tuning_and_refuses_a_module_without_it() -> None:
+    """A config whose layer 0 is a tuned NoPE layer: from_hf then to_hf gives a layer equal to the original on the
+    same input (float64); a module without the tuning is refused for that config, naming temperature_tuning."""
+    _, layer, rotary = _llama4(0, "sdpa", no_rope_layers=[0, 1, 1, 1], **TUNED)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.temperature_tuning == (3, 0.4)
+    back = ours.to_hf(layer.config)
+    x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _llama4_forward(layer, rotary, x)
+        torch.testing.assert_close(_llama4_forward(back, rotary, x), expected, atol=1e-12, rtol=0)
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, dtype=torch.float64)
+    refused = r"computes another variant: temperature_tuning=\(3, 0.4\) \(module: None\)"
+    with pytest.raises(ssm.ConfigError, match=refused):
+        plain.to_hf(layer.config)
+
+
+# ALiBi: Bloom's and MPT's layers keep no config and take their biases from their model (Bloom's `alibi`, MPT's
+# `position_bias`); called here as BloomModel and MptModel call them, with transformers' own functions.
+ALIBI_CASES = {
+    # name: (model type, heads, config keywords)
+    "bloom-8-heads": ("bloom", 8, {}),
+    "bloom-6-heads": ("bloom", 6, {}),  # not a power of two: Bloom's interpolated slopes
+    "mpt-8-heads": ("mpt", 8, {}),
+    "mpt-6-heads-clip-qkv": ("mpt", 6, {"attn_config": {"clip_qkv": 0.4}}),  # MPT's own interleaved slopes
+    "mpt-8-heads-softmax-scale": ("mpt", 8, {"attn_config": {"softmax_scale": 0.3}}),  # query_pre_attn_scalar 0.3**-2
+}
+
+
+def _alibi_layer(case: str) -> tuple[Any, Any]:
+    model_type, heads, kwargs = ALIBI_CASES[case]
+    if model_type == "bloom":
+        config: Any = transformers.BloomConfig(hidden_size=4 * heads, n_head=heads, n_layer=1, **kwargs)
+        from transformers.models.bloom.modeling_bloom import BloomAttention as layer_cls
+    else:
+        config = transformers.MptConfig(d_model=4 * heads, n_heads=heads, n_layers=1, **kwargs)
+        from transformers.models.mpt.modeling_mpt import MptAttention as layer_cls
+    config._attn_implementation = "eager"  # their models' only implementation
+    torch.manual_seed(0)
+    layer = layer_cls(config, layer_idx=0).to(torch.float64).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.6, 0.6)
+    return layer, config
+
+
+def _alibi_hf_forward(layer: Any, config: Any, x: torch.Tensor, padding: Any = None, cache: Any = None) -> Any:
+    """The layer called as BloomModel / MptModel call it: `padding` the 2-D attention mask (1 = token) over every
+    position, cached and new; Bloom's residual 0, so that its output is the attention alone."""
+    start = 0 if cache is None else cache.get_seq_length()
+    every = torch.ones(x.shape[0], start + x.shape[1], dtype=torch.long) if padding is None else padding
+    mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=padding, cache=cache)
+    modeling = _classes_of(layer)
+    if config.model_type == "bloom":
+        alibi = modeling.build_alibi_tensor(every, config.n_head, x.dtype)  # positions counted over real tokens
+        out = layer(x, torch.zeros_like(x), alibi, mask, layer_past=cache)
+    else:
+        bias = modeling.build_mpt_alibi_tensor(config.n_heads, config.max_seq_len)
+        out = layer(x, bias, cache=cache, attention_mask=None if mask is None else mask.to(torch.bool))
+    return out[0]
+
+
+@contextlib.contextmanager
+def _softmax_in_float64(layer: Any) -> Iterator[None]:
+    """The layer's one float32 step lifted: Bloom's `F.softmax(..., dtype=torch.float32)`, MPT's `.float()` of its
+    scores before the softmax; so that it computes in float64 throughout."""
+    modeling = _classes_of(layer)
+    if type(layer).__name__ == "BloomAttention":
+        softmax = torch.nn.functional.softmax
+        with mock.patch.object(modeling.F, "softmax", lambda t, dim=-1, dtype=None: softmax(t, dim=dim)):
+            yield
+    else:
+        with mock.patch.object(torch.Tensor, "float", lambda t: t):
+            yield
+
+
+@pytest.mark.parametrize("float64_softmax", [False, True])
+@pytest.mark.parametrize("case", list(ALIBI_CASES))
+def test_bloom_and_mpt_alibi_from_hf_equal_the_layer_full_and_decoding(case: str, float64_softmax: bool) -> None:
+    """float64: our module from from_hf (its slopes those the model passes) equals the layer's causal forward,
+    and prefill then token-by-token decoding through our KVCache equals the layer's through its DynamicCache, step
+    for step. Bloom and MPT take the softmax in float32: 1e-6 as they are (measured: 9e-7 at most), 1e-10 with
+    that step lifted to float64 (measured: 9e-15 at most)."""
+    layer, config = _alibi_layer(case)
+    ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    assert ours.alibi_slopes is not None and ours.clip_qkv == (0.4 if "clip" in case else None)
+    assert ours.scale == (pytest.approx(0.3) if "scale" in case else None)  # MPT's attn_config.softmax_scale
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    bloom_slopes = build_alibi_tensor(torch.ones(1, 2), config.num_attention_heads, torch.float64)[:, 0, 1]
+    torch.testing.assert_close(ours.alibi_slopes, bloom_slopes, atol=0, rtol=0)  # MPT's are the same at 6 and 8 heads
+    tol = {"atol": 1e-10, "rtol": 1e-10} if float64_softmax else {"atol": 1e-6, "rtol": 1e-6}
+    x = torch.randn(2, SEQ, config.hidden_size, dtype=torch.float64)
+    with torch.no_grad(), _softmax_in_float64(layer) if float64_softmax else contextlib.nullcontext():
+        expected = _alibi_hf_forward(layer, config, x)
+        torch.testing.assert_close(ours(x, is_causal=True), expected, **tol)
+        theirs_cache, our_cache = transformers.DynamicCache(config=config), ours.new_cache(2, SEQ)
+        for start, stop in [(0, 3), *((i, i + 1) for i in range(3, SEQ))]:
+            step = x[:, start:stop]
+            theirs = _alibi_hf_forward(layer, config, step, cache=theirs_cache)
+            torch.testing.assert_close(ours(step, is_causal=True, kv_cache=our_cache), theirs, **tol)
+            torch.testing.assert_close(theirs, expected[:, start:stop], **tol)
+    plain = ssm.MultiHeadAttention(config.hidden_size, config.num_attention_heads, clip_qkv=ours.clip_qkv,
+                                   dtype=torch.float64)  # fmt: skip
+    plain.load_state_dict({k: v for k, v in ours.state_dict().items() if k != "alibi_slopes"}, strict=False)
+    with torch.no_grad():
+        assert (plain(x, is_causal=True) - expected).abs().max() > 1e-2  # the biases mattered
+
+
+@pytest.mark.parametrize("case", ["bloom-6-heads", "mpt-8-heads"])
+def test_a_left_padded_batch_with_alibi_equals_the_layer_on_every_real_token(case: str) -> None:
+    """Bloom counts key positions over the real tokens (`cumsum` of the attention mask), MPT by index, and ours
+    by index: after left padding each query's biases differ from Bloom's by one constant per row, which the softmax
+    cancels, so a left-padded batch with key_padding_mask equals the layer on every real token (1e-6)."""
+    layer, config = _alibi_layer(case)
+    ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    x = torch.randn(2, SEQ, config.hidden_size, dtype=torch.float64)
+    padding = torch.ones(2, SEQ, dtype=torch.long)
+    padding[0, :4] = 0  # the first sequence left-padded by 4
+    with torch.no_grad():
+        expected = _alibi_hf_forward(layer, config, x, padding=padding)
+        got = ours(x, is_causal=True, key_padding_mask=padding == 0)
+    real = padding.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-6, rtol=1e-6)
+
+
+def _slopes_of_the_heads_reversed(original: Any) -> Any:
+    return lambda layer, config: original(layer, config).flip(0)
+
+
+def _keys_reversed(original: Any) -> Any:
+    return lambda slopes, num_kv_heads, seq, kv_seq: original(slopes, num_kv_heads, seq, kv_seq).flip(-1)
+
+
+@pytest.mark.parametrize("case", ["bloom-8-heads", "mpt-6-heads-clip-qkv"])
+@pytest.mark.parametrize(("where", "name", "bug"), [("hf", "alibi_slopes_of", _slopes_of_the_heads_reversed),
+                                                    ("kernels", "alibi_bias", _keys_reversed)])  # fmt: skip
+def test_a_bug_planted_in_alibi_is_refused_by_from_hf(
+    case: str, where: str, name: str, bug: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slopes loaded in the reverse head order, or our bias laid over the keys back to front: from_hf's probe
+    refuses the conversion, naming the output that differs most (the causal forward or the decoding step)."""
+    from shapesafe_mha._compute import kernels
+    from shapesafe_mha._interop import hf
+
+    layer, config = _alibi_layer(case)
+    target = {"hf": hf, "kernels": kernels}[where]
+    monkeypatch.setattr(target, name, bug(getattr(target, name)))
+    source = type(layer).__name__
+    with pytest.raises(ssm.ConfigError, match=rf"differs from {source} by .* in a (causal forward|decoding step)"):
+        ssm.MultiHeadAttention.from_hf(layer, config=config)
+
+
+@pytest.mark.parametrize("case", ["bloom-6-heads", "mpt-6-heads-clip-qkv"])
+def test_to_hf_round_trips_alibi_and_refuses_other_slopes_or_none(case: str) -> None:
+    """from_hf then to_hf writes Bloom's per-head fused and MPT's [q; k; v] rows back, row for row, and the layer
+    written back computes what the original does; a module with other slopes, or none, is refused by name."""
+    layer, config = _alibi_layer(case)
+    ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    back = ours.to_hf(config).to(torch.float64).eval()
+    for (name, theirs), (_, mine) in zip(layer.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(theirs, mine), name
+    other = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    with torch.no_grad():
+        other.alibi_slopes.copy_(other.alibi_slopes.flip(0))  # pyright: ignore[reportOptionalMemberAccess]
+    with pytest.raises(ssm.ConfigError, match=r"alibi_slopes are .* model passes it"):
+        other.to_hf(config)
+    plain = ssm.MultiHeadAttention(config.hidden_size, config.num_attention_heads, clip_qkv=ours.clip_qkv,
+                                   bias=ours.bias)  # fmt: skip
+    with pytest.raises(ssm.ConfigError, match=r"alibi=True \(module: None\)"):
+        plain.to_hf(config)
+
+
+def test_falcon_alibi_is_refused_by_its_field() -> None:
+    """Falcon's ALiBi (config.alibi=True) is computed otherwise by its eager path (the biases added in the layer and
+    again in its model's mask) than by its sdpa path (once): refused by field, naming it."""
+    config = transformers.FalconConfig(hidden_size=32, num_attention_heads=4, alibi=True)
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    with pytest.raises(ssm.ConfigError, match=r"config\.alibi=True: Falcon's ALiBi"):
+        ssm.MultiHeadAttention.from_hf(FalconAttention(config, layer_idx=0))
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 5, 6, 7, 8, 12, 16, 24, 40, 64, 96])
+def test_the_default_alibi_slopes_are_blooms_for_any_head_count(num_heads: int) -> None:
+    """MultiHeadAttention(alibi=True)'s slopes, float64, equal transformers' Bloom slopes for powers of two and for
+    the counts between, where Bloom interleaves every other slope of twice the heads. Bloom raises a float32 base to
+    the head's power, its rounding multiplied by the power: 1e-5 relative (exact where the base is a power of 2)."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    ours = ssm.MultiHeadAttention(num_heads, num_heads, alibi=True, dtype=torch.float64).alibi_slopes
+    theirs = build_alibi_tensor(torch.ones(1, 2), num_heads, torch.float64)[:, 0, 1]
+    torch.testing.assert_close(ours, theirs, atol=0, rtol=1e-5)

@@ -36,6 +36,14 @@ def unfold(out: Tensor, num_heads: int) -> Tensor:
     return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
 
 
+def tune_temperature(q: Tensor, start: int, floor_scale: int, attn_scale: float) -> Tensor:
+    """Llama 4's temperature tuning (NoPE layers): the queries at cache index `i` (`start` + their index) times
+    `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))`, the factor in float32 as transformers makes it."""
+    positions = torch.arange(start, start + q.shape[2], device=q.device, dtype=torch.float32)
+    factor = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * factor[:, None]).to(q.dtype)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """`(x1, x2) -> (-x2, x1)` over the two halves of the last axis."""
     first, second = x.chunk(2, dim=-1)
@@ -104,6 +112,29 @@ def combine_masks(
             return mask4 if allowed is None else allowed & mask4
         return mask4 if allowed is None else mask4.masked_fill(~allowed, -math.inf)
     return allowed
+
+
+def chunk_mask(
+    attn_mask: Tensor | None, key_padding_mask: Tensor | None, q: Tensor, k: Tensor, chunk: int
+) -> Tensor:
+    """Llama 4's chunked attention as a mask joined to `attn_mask` (bool: and; float: -inf where hidden): a query
+    sees only the keys of its own chunk of `chunk` positions (query i at position kv_seq - seq + i), the chunks
+    counted from each sequence's first real key (after its left padding in `key_padding_mask`, as transformers
+    counts them)."""
+    seq, kv_seq = q.shape[2], k.shape[2]
+    queries = torch.arange(kv_seq - seq, kv_seq, device=q.device)[:, None]
+    keys = torch.arange(kv_seq, device=q.device)[None, :]
+    if key_padding_mask is None:
+        same = queries.div(chunk, rounding_mode="floor") == keys.div(chunk, rounding_mode="floor")
+    else:
+        left = ((~key_padding_mask).cumsum(-1) == 0).sum(-1)[:, None, None]  # leading padding of each sequence
+        own = (queries - left).div(chunk, rounding_mode="floor") == (keys - left).div(chunk, rounding_mode="floor")
+        same = own[:, None]
+    if attn_mask is None:
+        return same
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & same
+    return torch.where(same, attn_mask, -math.inf)
 
 
 def window_matters(window: int | None, kv_seq: int) -> bool:
@@ -262,8 +293,10 @@ def probabilities(
     scale: float | None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """`softmax(softcap(q @ k.T * scale) + mask)` over the last axis; `softcap(s) = c * tanh(s / c)` (Gemma 2).
+    """`softmax(softcap(q @ k.T * scale) + bias + mask)` over the last axis; `softcap(s) = c * tanh(s / c)`
+    (Gemma 2), `bias` a score bias broadcast against the scores (ALiBi's, `alibi_bias`).
 
     `sinks` (gpt-oss's attention sinks, one logit per query row, `(..., rows, 1)`) take part in the softmax's
     sum and are dropped after it: each row's probabilities then sum to less than 1."""
@@ -271,6 +304,8 @@ def probabilities(
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
     if sinks is not None:
@@ -284,6 +319,30 @@ def folded_sinks(sinks: Tensor, num_kv_heads: int, seq: int) -> Tensor:
     group * seq, 1)`: a group's heads end to end, each repeated over its `seq` positions."""
     per_group = sinks.unflatten(0, (num_kv_heads, -1))
     return per_group[..., None].expand(*per_group.shape, seq).flatten(1, 2)[..., None]
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's slopes, one per head, float64: `2 ** (-8 * h / n)` for heads `h = 1..n` where `n = num_heads` is a
+    power of two (Press et al.); otherwise those of the largest power of two `n` below, then every other slope of
+    `2 * n` heads (`2 ** (-4 * h / n)`, `h = 1, 3, 5, ...`) for the rest, as Bloom's `build_alibi_tensor` does."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * h / closest) for h in range(1, closest + 1)]
+    slopes += [2.0 ** (-4.0 * h / closest) for h in range(1, 2 * (num_heads - closest), 2)]
+    return torch.tensor(slopes, dtype=torch.float64)
+
+
+def alibi_bias(slopes: Tensor, num_kv_heads: int, seq: int, kv_seq: int) -> Tensor:
+    """ALiBi's score bias laid out as the folded queries' rows, `(num_kv_heads, group * seq, kv_seq)`: query head
+    `h`'s row for query `i` is `slopes[h] * (j - (kv_seq - seq + i))` for key `j`, the query at its lower-right
+    aligned position (as `is_causal` places it), so a key `d` positions back is biased by `-d * slopes[h]`."""
+    keys = torch.arange(kv_seq, device=slopes.device)
+    queries = torch.arange(seq, device=slopes.device) + (kv_seq - seq)
+    per_group = slopes.unflatten(0, (num_kv_heads, -1))
+    # a row's slope and its distances, each laid out as the folded rows by expand/repeat and flatten (as
+    # `folded_sinks`, `fold_mask`), so that export's symbolic shapes need no guard on seq
+    per_row = per_group[..., None].expand(*per_group.shape, seq).flatten(1, 2)
+    distance = (keys - queries[:, None]).to(slopes.dtype).repeat(per_group.shape[1], 1)
+    return per_row[..., None] * distance
 
 
 def zero_rows(x: Tensor, rows: Tensor | None) -> Tensor:

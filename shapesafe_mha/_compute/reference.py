@@ -118,6 +118,22 @@ def _softcap(scores: Tensor, cap: float | None) -> Tensor:
     return scores if cap is None else cap * torch.tanh(scores / cap)
 
 
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's slopes (Press et al.), float64: for `n` heads a power of two, head `h = 1..n` gets `2 ** (-8 h / n)`;
+    otherwise the largest power of two `n` below gives its `n` slopes, and the rest are every other slope of `2n`
+    heads, `2 ** (-4 h / n)` for `h = 1, 3, 5, ...` (as Bloom's and MPT's models build them).
+
+    Example:
+        >>> from shapesafe_mha.reference import alibi_slopes
+        >>> alibi_slopes(4).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    power = 2 ** int(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * h / power) for h in range(1, power + 1)]
+    extra = [2.0 ** (-4.0 * h / power) for h in range(1, 2 * power + 1, 2)]
+    return torch.tensor(slopes + extra[: num_heads - power], dtype=torch.float64)
+
+
 def _head_mask(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,
@@ -129,6 +145,7 @@ def _head_mask(
     like: Tensor,
     window: int | None = None,
     mask_mod: MaskMod | None = None,
+    chunk: int | None = None,
 ) -> Tensor:
     """An additive `(batch, seq, kv_seq)` mask for one head: 0 where allowed, -inf where not."""
     additive = torch.zeros(batch, seq, kv_seq, dtype=like.dtype, device=like.device)
@@ -139,6 +156,15 @@ def _head_mask(
             blocked[:, i, max(position + 1, 0) :] = True  # every key after its own position
         if window is not None:
             blocked[:, i, : max(position - window + 1, 0)] = True  # every key window or more positions back
+    if chunk is not None:  # Llama 4: only the keys of the query's own chunk, counted from the first real key
+        for b in range(batch):
+            start = 0
+            while key_padding_mask is not None and start < kv_seq and bool(key_padding_mask[b, start]):
+                start += 1
+            for i in range(seq):
+                first = start + (kv_seq - seq + i - start) // chunk * chunk  # the query's chunk begins here
+                blocked[b, i, : max(first, 0)] = True
+                blocked[b, i, max(first + chunk, 0) :] = True
     if key_padding_mask is not None:
         blocked |= key_padding_mask[:, None, :]
     if mask_mod is not None:
@@ -179,7 +205,10 @@ def per_head_attention(
     qk_norm_after_rope: bool = False,
     qk_norm_bias: tuple[Tensor, Tensor] | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     clip_qkv: float | None = None,
+    temperature_tuning: tuple[int, float] | None = None,
+    chunk_size: int | None = None,
     output_gate: tuple[Tensor, Tensor | None] | None = None,
     out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
@@ -192,7 +221,7 @@ def per_head_attention(
 
     For head `h` with KV head `g = h // (num_heads // num_kv_heads)` (or `h % num_kv_heads` with
     `kv_heads="interleaved"`):
-    `head_h = softmax(softcap(score_mod((x W_Q[h]) (k W_K[g])^T * scale)) + mask) (v W_V[g])`, then
+    `head_h = softmax(softcap(score_mod((x W_Q[h]) (k W_K[g])^T * scale)) + alibi_h + mask) (v W_V[g])`, then
     `out = concat(head_0, ..., head_{H-1}) W_O^T + b_O`. Masks follow `MultiHeadAttention`:
     bool `attn_mask` True = may attend, float added; `key_padding_mask` True = padding;
     `is_causal` lower-right aligned; `mask_mod` True = may attend; a key must be allowed by every
@@ -238,10 +267,17 @@ def per_head_attention(
         out_norm: `(weight, eps)`: RMS-normalise the merged heads before `W_O` (BitNet's attn_sub_norm).
         sinks: `(num_heads,)`: attention sinks (gpt-oss's `s_aux`), one extra logit per head that takes
             part in the softmax and is dropped after it, so the weights of the keys sum to less than 1.
+        alibi_slopes: `(num_heads,)`: ALiBi (Bloom, MPT): head `h`'s score of query `i` for key `j` gets
+            `alibi_slopes[h] * (j - (kv_seq - seq + i))`, the query at its lower-right aligned position, after the
+            softcap.
         window: a query sees only keys fewer than `window` positions before it (lower-right aligned).
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         output_gate: `(w_gate (num_heads * d_head, d_model), b_gate or None)`: each head's output times
             `sigmoid(x W_gate[h] + b_gate[h])` before the output projection (Qwen3-Next).
+        chunk_size: a query sees only the keys of its own chunk of `chunk_size` positions (Llama 4), counted
+            from each sequence's first key that `key_padding_mask` does not hide.
+        temperature_tuning: `(floor_scale, attn_scale)`: the query at index `i` times
+            `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4's NoPE layers).
         clip_qkv: each projected query, key and value feature clamped to `[-clip_qkv, clip_qkv]` (OLMo),
             after a QK-norm over every head (OLMoE) and before a per-head one.
         scale: the score scale; default `1/sqrt(d_head)`.
@@ -286,13 +322,22 @@ def per_head_attention(
             k = _rotate_part(k, key_positions, rope_theta, rope_style, rotary_dim, rope_frequencies)
         if qk_norm is not None and qk_norm_after_rope:
             q, k = _rms_norm(q, qk_norm[0], norm_eps), _rms_norm(k, qk_norm[1], norm_eps)
+        if temperature_tuning is not None:  # Llama 4's NoPE layers: each query sharpened by its index
+            floor_scale, attn_scale = temperature_tuning
+            index = torch.arange(1, seq + 1, dtype=torch.float32, device=q.device)
+            # in float32 as transformers makes it (log1p: the float64 comparison needs the same rounding)
+            factor = 1.0 + attn_scale * torch.log1p(torch.div(index, floor_scale, rounding_mode="floor"))
+            q = (q * factor[:, None]).to(q.dtype)
         v = _linear(value, *_rows(weights.w_v, weights.b_v, kv_head, d_head))
         if clip_qkv is not None:
             v = v.clamp(-clip_qkv, clip_qkv)
         scaled = q @ k.transpose(-1, -2) * (1 / math.sqrt(d_head) if scale is None else scale)
         scores = _softcap(_score_mod(scaled, score_mod, head), logit_softcap)
+        if alibi_slopes is not None:  # key j's distance from query i at its position kv_seq - seq + i, times the slope
+            distance = torch.arange(kv_seq)[None, :] - (kv_seq - seq + torch.arange(seq))[:, None]
+            scores = scores + alibi_slopes[head].to(scores) * distance.to(scores)
         scores = scores + _head_mask(
-            attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod
+            attn_mask, key_padding_mask, is_causal, head, batch, seq, kv_seq, scores, window, mask_mod, chunk_size
         )
         if sinks is not None:  # one more logit per head, in the softmax's sum and dropped after it
             sink = sinks[head].to(scores.dtype).expand(*scores.shape[:-1], 1)

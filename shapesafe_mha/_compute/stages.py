@@ -16,9 +16,11 @@ from torch import Tensor, nn
 
 from .._core.contract import stage
 from .._core.dims import (
+    AlibiSlopes,
     AttnMask,
     Bias,
     CacheBuffer,
+    FoldedBias,
     FoldedMask,
     FoldedProbabilities,
     FoldedQueries,
@@ -486,6 +488,28 @@ def clip_projections(
     return q.clamp(-bound, bound), k.clamp(-bound, bound), v.clamp(-bound, bound)
 
 
+@stage(name="temperature", trace=("q_tuned",))
+def tune_query_temperature(q: Heads, start: int, floor_scale: int, attn_scale: float) -> Heads:
+    """Llama 4's temperature tuning of its NoPE layers: the queries at cache index `start + i` scaled by
+    `1 + attn_scale * log(1 + floor((start + i + 1) / floor_scale))`, so far positions' scores sharpen."""
+    return K.tune_temperature(q, start, floor_scale, attn_scale)
+
+
+def check_temperature_tuning(owner: str, tuning: Any) -> tuple[int, float] | None:
+    """`(floor_scale, attn_scale)` from `tuning`, or None; `ConfigError` unless a positive int and a finite number."""
+    if tuning is None:
+        return None
+    pair = tuple(tuning) if isinstance(tuning, tuple | list) else ()
+    if len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 1 or isinstance(
+        pair[1], bool
+    ) or not isinstance(pair[1], int | float) or not math.isfinite(pair[1]):
+        raise ConfigError(
+            f"{owner}temperature_tuning must be (floor_scale, attn_scale): a positive int and a finite number "
+            f"(Llama 4: (8192, 0.1)), but got {tuning!r}."
+        )
+    return pair[0], float(pair[1])
+
+
 @stage(name="keys", trace=("", ""), sources={"result": "key"})
 def attend_to_new(k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
     """Without a cache the keys attended over are the new ones (`kv_seq` is `new`)."""
@@ -588,6 +612,15 @@ def visible_masks(
     )
 
 
+@stage(name="chunk_mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
+def chunk_masks(
+    q: Heads, k: KVHeads, attn_mask: AttnMask | None, key_padding_mask: PaddingMask | None, chunk: int
+) -> AttnMask:
+    """Llama 4's chunked attention: `attn_mask` restricted to the keys of each query's own chunk of `chunk`
+    positions, counted from each sequence's first real key."""
+    return K.chunk_mask(attn_mask, key_padding_mask, q, k, chunk)
+
+
 @stage(name="mask", public=("attn_mask", "key_padding_mask"), precheck=precheck_masks, explain=explain_mask)
 def combine_masks(
     q: Heads,
@@ -649,6 +682,13 @@ def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Hea
     return K.zero_rows(K.unfold(out, num_heads), rows)
 
 
+@stage(name="alibi")
+def alibi_bias(slopes: AlibiSlopes, q: Heads, k: KVHeads) -> FoldedBias:
+    """ALiBi (Bloom, MPT): `slopes[h] * (kv_pos - q_pos)` for each query head's row and key, laid out as the
+    folded queries, the queries at their lower-right aligned positions."""
+    return K.alibi_bias(slopes, k.shape[1], q.shape[2], k.shape[2])
+
+
 @stage(name="weights_folded", trace=("",))
 def folded_weights(
     q: FoldedQueries,
@@ -657,11 +697,12 @@ def folded_weights(
     scale: float | None,
     softcap: float | None,
     sinks: Sinks | None = None,
+    bias: FoldedBias | None = None,
 ) -> FoldedProbabilities:
     """The probabilities of the folded queries; with `sinks` (gpt-oss) one more logit per query head takes part
-    in each row's softmax and is dropped after it."""
+    in each row's softmax and is dropped after it; `bias` (ALiBi's) is added to the scores after the softcap."""
     rows = None if sinks is None else K.folded_sinks(sinks, k.shape[1], q.shape[2] * k.shape[1] // sinks.shape[0])
-    return K.probabilities(q, k, mask, scale, softcap, rows)
+    return K.probabilities(q, k, mask, scale, softcap, rows, bias)
 
 
 @stage(name="weights")
@@ -710,9 +751,11 @@ FORWARD_STAGES: dict[str, Any] = {
     "normalize_qk": normalize_qk,
     "normalize_qk_inner": normalize_qk_inner,
     "clip_projections": clip_projections,
+    "tune_query_temperature": tune_query_temperature,
     "attend_to_new": attend_to_new,
     "append_to_cache": append_to_cache,
     "visible_masks": visible_masks,
+    "chunk_masks": chunk_masks,
     "combine_masks": combine_masks,
     "attend_heads": attend_heads,
     "attend_native": attend_native,
@@ -721,6 +764,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "fold_mask": fold_mask,
     "attend_folded": attend_folded,
     "unfold": unfold,
+    "alibi_bias": alibi_bias,
     "folded_weights": folded_weights,
     "unfold_weights": unfold_weights,
     "weigh_values": weigh_values,

@@ -262,12 +262,19 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
             raise _refuse("attention_multiplier", multiplier, "only a positive multiplier, alone, is supported")
         options["query_pre_attn_scalar"] = float(multiplier) ** -2
         expected = float(multiplier)
+    softmax_scale = getattr(attention, "softmax_scale", None)  # MPT: attn_config.softmax_scale, else 1/sqrt(head_dim)
+    if isinstance(softmax_scale, float) and scalar is None and multiplier is None:
+        if abs(softmax_scale - expected) > 1e-12:
+            options["query_pre_attn_scalar"] = softmax_scale**-2
+        expected = softmax_scale
     scaling = getattr(attention, "scaling", expected)
     if abs(scaling - expected) > 1e-12:
         raise _refuse("scaling", scaling, f"only 1/sqrt(query_pre_attn_scalar or head_dim) = {expected:g} is supported")
     if not getattr(attention, "is_causal", True):
         raise _refuse("is_causal", False, "only causal (decoder) attention layers are supported")
     clip = getattr(config, "clip_qkv", None)
+    if not hasattr(config, "clip_qkv"):  # MPT: attn_config.clip_qkv, read by the layer (`if self.clip_qkv:`)
+        clip = getattr(attention, "clip_qkv", None) or None
     if clip is not None:  # OLMo, OLMoE: the projections clamped before the head split
         if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0:
             raise _refuse("config.clip_qkv", clip, "a clip bound must be a positive number (None: no clipping)")
@@ -277,7 +284,52 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["output_gate"] = True  # Qwen3-Next: each head's queries, then its gate (what the probe verifies)
     if isinstance(getattr(attention, "sinks", None), nn.Parameter):  # gpt-oss: one logit per head, its s_aux
         options["attention_sinks"] = True
+    if _layer_type(attention, config) == "chunked_attention":  # Llama 4: each query sees its chunk's keys
+        chunk = getattr(config, "attention_chunk_size", None)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not chunk > 0:
+            raise _refuse("config.attention_chunk_size", chunk, "a chunked layer needs a positive int chunk size")
+        options["chunk_size"] = chunk
+    index = getattr(attention, "layer_idx", 0) or 0
+    if getattr(config, "attn_temperature_tuning", False) and not _rotates(config, index):  # Llama 4's NoPE layers
+        floor_scale, attn_scale = getattr(config, "floor_scale", None), getattr(config, "attn_scale", None)
+        if isinstance(floor_scale, bool) or not isinstance(floor_scale, int) or not floor_scale > 0:
+            raise _refuse("config.floor_scale", floor_scale, "temperature tuning needs a positive int floor_scale")
+        if isinstance(attn_scale, bool) or not isinstance(attn_scale, int | float) or not math.isfinite(attn_scale):
+            raise _refuse("config.attn_scale", attn_scale, "temperature tuning needs a finite attn_scale")
+        options["temperature_tuning"] = (floor_scale, float(attn_scale))
+    if alibi_slopes_of(attention, config) is not None:  # Bloom, MPT: biases its model passes in
+        options["alibi"] = True
     return options
+
+
+def alibi_slopes_of(layer: nn.Module, config: Any) -> Tensor | None:
+    """The ALiBi slopes `layer`'s model passes it, one per head (float64), or None for a layer that takes none.
+
+    Read from the model's own function, called as the model calls it: Bloom's `build_alibi_tensor` (its forward
+    takes `alibi`; Falcon's too, where `config.alibi` is set: refused before, by field) and MPT's
+    `build_mpt_alibi_tensor` (its forward takes `position_bias`; MptModel passes no `alibi_bias_max`, so 8
+    whatever `attn_config` says), over two positions: a head's slope is its bias of key 1 less that of key 0.
+    """
+    built = model_biases(layer, config, 2, torch.ones(1, 2, dtype=torch.long), torch.float64)
+    return None if built is None else (built[:, 0, 1] - built[:, 0, 0]).double()
+
+
+def model_biases(
+    layer: nn.Module, config: Any, kv_len: int, attention_mask: Tensor, dtype: torch.dtype
+) -> Tensor | None:
+    """The ALiBi biases `layer`'s model builds for `kv_len` keys, as it passes them (Bloom: `(batch * heads, 1,
+    kv_len)` from `attention_mask`, the 2-D padding mask; MPT: `(heads, 1, max_seq_len)`, of which the layer takes
+    the last `kv_len`), or None for a layer that takes none."""
+    parameters = inspect.signature(layer.forward).parameters
+    modeling = _modeling(layer)
+    heads = config.num_attention_heads
+    device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+    if "position_bias" in parameters and hasattr(modeling, "build_mpt_alibi_tensor"):
+        length = max(getattr(config, "max_seq_len", kv_len), kv_len)
+        return modeling.build_mpt_alibi_tensor(heads, length, device=device)
+    if "alibi" in parameters and getattr(config, "alibi", True) and hasattr(modeling, "build_alibi_tensor"):
+        return modeling.build_alibi_tensor(attention_mask.to(device), heads, dtype)
+    return None
 
 
 # Llama 4's one QK-norm without weight, for queries and keys, after RoPE
@@ -352,15 +404,19 @@ def _head_dim(config: Any) -> int:
 
 def _attention_dropout(config: Any) -> float:
     """The dropout of the attention weights: `attention_dropout`, GPT-J's and CodeGen's `attn_pdrop`."""
-    return float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", 0.0) or 0.0)
+    found = getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", 0.0)
+    return float(found or getattr(getattr(config, "attn_config", None), "attn_pdrop", 0.0) or 0.0)  # MPT's
 
 
 # The output projection's names: Llama's o_proj, Phi's dense, GPT-J's and CodeGen's out_proj, GPTBigCode's c_proj.
 _OUTPUT_NAMES = ("o_proj", "dense", "out_proj", "c_proj")
 # A fused [q; k; v] projection's names: GPT-NeoX's, Persimmon's and Falcon's query_key_value, GPTBigCode's c_attn.
 _FUSED_NAMES = ("query_key_value", "c_attn")
+# MPT's Wqkv: every head's query rows, then every head's key rows, then every head's value rows (its chunk(3)).
+_CHUNKED_NAMES = ("Wqkv",)
 _QK_NORMS_LOADED = tuple(n for p in _QK_NORM_NAMES for n in p)
-_LOADED = ("q_proj", "k_proj", "v_proj", *_FUSED_NAMES, "qkv_proj", *_OUTPUT_NAMES, *_QK_NORMS_LOADED)
+_LOADED = ("q_proj", "k_proj", "v_proj", *_FUSED_NAMES, *_CHUNKED_NAMES, "qkv_proj", *_OUTPUT_NAMES,
+           *_QK_NORMS_LOADED)  # fmt: skip
 # CodeGen's qkv_proj: its rows in blocks (one for each model-parallel shard it was trained on), each block's rows
 # its share of the queries, then of the values, then of the keys, as its forward splits them.
 BLOCK_ORDER = ("q_proj", "v_proj", "k_proj")
@@ -368,8 +424,20 @@ BLOCK_ORDER = ("q_proj", "v_proj", "k_proj")
 _UNSUPPORTED_FIELDS = {
     "qk_layernorm": "QK LayerNorm (StableLM, Phi, Persimmon)",
     "use_qk_norm": "QK-norm over every head (Cohere)",
-    "alibi": "ALiBi position biases (Falcon's alibi, Bloom)",
+    # Falcon's ALiBi: slopes rounded to bfloat16, scaled by 1/sqrt(head_dim), and added twice under eager (in the
+    # layer and in the mask its model builds) but once under sdpa; Bloom's and MPT's load (alibi_slopes_of)
+    "alibi": "Falcon's ALiBi position biases (computed differently by its eager and sdpa paths)",
 }
+# Parameters of a layer's own that name the variant it computes, where we compute none of it.
+OWN_PARAMETER_VARIANTS = {
+    "lambda_q1": "differential attention (DiffLlama: two softmax maps of each head's halves subtracted, weighted by "
+    "a lambda learned from lambda_q1, lambda_k1, lambda_q2, lambda_k2, then a norm)",
+}
+
+
+def own_variant(names: Any) -> str | None:
+    """The variant a layer's own parameters name (`OWN_PARAMETER_VARIANTS`), or None."""
+    return next((OWN_PARAMETER_VARIANTS[n] for n in names if n in OWN_PARAMETER_VARIANTS), None)
 
 
 def _fused(layer: nn.Module) -> nn.Linear | None:
@@ -440,6 +508,25 @@ def _split_stacked(layer: nn.Module, fused: nn.Linear, config: Any, head_dim: in
     return {n: SimpleNamespace(weight=w, bias=b) for n, w, b in zip(names, rows, biases, strict=True)}
 
 
+def chunked_fused(layer: nn.Module) -> nn.Linear | None:
+    """MPT's `Wqkv` (`[q; k; v]`, each `num_heads * head_dim` rows, split by `chunk(3)`), or None."""
+    if isinstance(getattr(layer, "q_proj", None), nn.Module):
+        return None
+    return next((f for n in _CHUNKED_NAMES if isinstance(f := getattr(layer, n, None), nn.Linear)), None)
+
+
+def _split_chunked(fused: nn.Linear, config: Any, head_dim: int) -> dict[str, Any]:
+    """The q/k/v projections MPT's `Wqkv` holds, as `(weight, bias)` pairs (views of it)."""
+    width = config.num_attention_heads * head_dim
+    if tuple(fused.weight.shape) != (3 * width, config.hidden_size):
+        why = f"the config's sizes make [q; k; v] of {(3 * width, config.hidden_size)}"
+        raise _refuse("Wqkv.weight", tuple(fused.weight.shape), why)
+    rows = fused.weight.detach().split(width)
+    biases = (None,) * 3 if fused.bias is None else fused.bias.detach().split(width)
+    names = ("q_proj", "k_proj", "v_proj")
+    return {n: SimpleNamespace(weight=w, bias=b) for n, w, b in zip(names, rows, biases, strict=True)}
+
+
 def _kv_heads(config: Any) -> int:
     """The KV heads a config makes: Falcon's and GPTBigCode's multi_query 1 (else every head), Falcon-40B's
     num_kv_heads (its new_decoder_architecture), else num_key_value_heads (all heads where it is unset)."""
@@ -504,6 +591,9 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     if isinstance(sinks, nn.Parameter) and tuple(sinks.shape) != (config.num_attention_heads,):
         why = f"attention sinks are one logit per query head ({config.num_attention_heads},)"
         raise _refuse("sinks", tuple(sinks.shape), why)
+    variant = own_variant(own)
+    if variant is not None:
+        raise _refuse("parameters", own, f"the layer computes {variant}, which MultiHeadAttention does not")
     if own:
         raise _refuse(
             "parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded"
@@ -530,19 +620,14 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     dropout = getattr(attention, "resid_dropout", None)  # GPT-J, CodeGen: a dropout of the layer's output
     if isinstance(dropout, nn.Dropout) and dropout.p > 0:
         raise _refuse("resid_pdrop", dropout.p, "a dropout of the layer's output (resid_dropout) is not computed here")
+    hidden = getattr(attention, "hidden_dropout", None)  # Bloom: its output dropped out before the residual is added
+    if isinstance(hidden, float) and hidden > 0:
+        raise _refuse("config.hidden_dropout", hidden, "a dropout of the layer's output is not computed here")
     for field, what in _UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, None)
         shared = field == "use_qk_norm" and not any(hasattr(attention, n) for n in ("q_norm", "k_norm"))
         if value is not None and value is not False and not shared:  # Llama 4: its qk_norm, or none on NoPE layers
             raise _refuse(f"config.{field}", value, f"{what} is not computed here")
-    index = getattr(attention, "layer_idx", 0) or 0
-    if _layer_type(attention, config) == "chunked_attention":
-        chunk = getattr(config, "attention_chunk_size", None)
-        why = "chunked attention (Llama 4) is not computed here; attention_chunk_size=None makes its layers full"
-        raise _refuse("config.attention_chunk_size", chunk, why)
-    if not _rotates(config, index) and getattr(config, "attn_temperature_tuning", False):
-        why = "Llama 4's temperature tuning of NoPE layers' queries by position is not computed here"
-        raise _refuse("config.attn_temperature_tuning", config.attn_temperature_tuning, why)
 
 
 def _rotates(config: Any, index: int) -> bool:
@@ -552,11 +637,15 @@ def _rotates(config: Any, index: int) -> bool:
     return not switches or index >= len(switches) or bool(switches[index])
 
 
-def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
-    """Build `cls` (a `MultiHeadAttention`) computing what `attention`, a transformers layer, computes."""
-    config = getattr(attention, "config", None)
+def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool = True) -> Any:
+    """Build `cls` (a `MultiHeadAttention`) computing what `attention`, a transformers layer, computes; `config` is
+    its model's, for a layer that keeps none (Bloom's, MPT's)."""
+    config = getattr(attention, "config", None) if config is None else config
     if config is None:
-        raise ConfigError(f"{_OWNER}: {type(attention).__name__} has no .config; pass a transformers attention layer.")
+        raise ConfigError(
+            f"{_OWNER}: {type(attention).__name__} has no .config; pass a transformers attention layer, and for one "
+            "that keeps no config (Bloom's, MPT's) its model's: from_hf(layer, config=model.config)."
+        )
     if isinstance(getattr(attention, "kv_a_proj_with_mqa", None), nn.Linear):
         raise ConfigError(
             f"{_OWNER}: {type(attention).__name__} is multi-head latent attention (kv_a_proj_with_mqa); "
@@ -577,6 +666,9 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     grouped = grouped_fused(attention)
     if grouped is not None:  # Falcon-40B: for each KV head, its group's query rows, then its key's and value's
         projections.update(_split_grouped(attention, grouped, config, head_dim))
+    chunked = chunked_fused(attention)
+    if chunked is not None:  # MPT: every head's query rows, then their keys', then their values'
+        projections.update(_split_chunked(chunked, config, head_dim))
     missing = [names[name] for name, proj in projections.items() if not isinstance(proj, nn.Linear | SimpleNamespace)]
     if missing:
         raise ConfigError(
@@ -594,7 +686,7 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     elif hasattr(config, "rotary_dim"):  # GPT-J, CodeGen: RoPE of their own tables, on rotary_dim features
         theta, options["rope_dim"], options["rope_interleaved"] = in_layer_rope(attention, config, head_dim)
     num_heads = config.num_attention_heads
-    multi_head = fused is None and blocks is None
+    multi_head = fused is None and blocks is None and chunked is None
     num_kv_heads = _kv_heads(config) if multi_head or stacked is not None or grouped is not None else num_heads
     q_proj = projections["q_proj"]
     module = cls(
@@ -624,6 +716,8 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
     with torch.no_grad():
         if module.sinks is not None:
             module.sinks.copy_(attention.sinks)
+        if module.alibi_slopes is not None:  # the slopes its model passes (Bloom's, MPT's), not ours
+            module.alibi_slopes.copy_(alibi_slopes_of(attention, config))  # pyright: ignore[reportArgumentType]
         for name, theirs in projections.items():
             ours = module._modules[name]
             ours.weight.copy_(theirs.weight)
@@ -633,7 +727,7 @@ def from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> Any:
                 ours.bias.copy_(theirs.bias)
     module.train(attention.training)
     if verify:
-        verify_against_hf(_OWNER, module, attention)
+        verify_against_hf(_OWNER, module, attention, config)
     return module
 
 
@@ -660,17 +754,23 @@ def _rotary_for(layer: nn.Module, config: Any) -> Any:
     return rotary_cls(config=config)
 
 
-def hf_outputs(layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: bool = False) -> probe.Outputs:
+def hf_outputs(
+    layer: nn.Module, x: Tensor, *, decode: bool = True, unrotated: bool = False, config: Any = None
+) -> probe.Outputs:
     """`layer` called as its model calls it (its rotary class, its mask function, a `DynamicCache`) on the probe.
 
     The causal forward is a prefill through the cache (so two calls in all). A layer built alone has no
     attention implementation set, which its model would set: eager meanwhile, which is what the layer then
-    runs. `unrotated`: cos/sin for position 0 everywhere (the mask keeps the real positions).
+    runs. `unrotated`: cos/sin for position 0 everywhere (the mask keeps the real positions). `config`: the
+    model's, for a layer that keeps none (default `layer.config`). Bloom's layer is given its block's residual as
+    0 (the attention alone; its output dropout, `hidden_dropout`, is refused where it is not 0) and the `alibi`
+    its model builds with `build_alibi_tensor`; MPT's the `position_bias` of `build_mpt_alibi_tensor` and a bool
+    mask, as MptModel passes them.
     """
     from transformers import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    config: Any = layer.config
+    config = layer.config if config is None else config
     unset = getattr(config, "_attn_implementation", None) is None
     if unset:
         config._attn_implementation = "eager"  # transformers' default for a model; unset again below
@@ -692,6 +792,10 @@ def _hf_outputs(
     else:
         sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
     make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    if layer_type == "chunked_attention":  # Llama 4's, as its model masks it
+        from transformers.masking_utils import create_chunked_causal_mask
+
+        make_mask = create_chunked_causal_mask
     mask_parameters = inspect.signature(make_mask).parameters
     cache_word = "cache" if "cache" in mask_parameters else "past_key_values"
     parameters = inspect.signature(layer.forward).parameters
@@ -700,11 +804,13 @@ def _hf_outputs(
     rotary = _rotary_for(layer, config) if "position_embeddings" in parameters else None
     if rotary is not None:
         rotary = rotary.to(x.device)
+    layer_idx = getattr(layer, "layer_idx", None)
 
     def call(chunk: Tensor, start: int, cache: Any) -> Tensor:
         positions = torch.arange(start, start + chunk.shape[1], device=x.device)[None]
+        index = {"layer_idx": layer_idx} if "layer_idx" in mask_parameters and layer_idx is not None else {}
         mask = make_mask(config=config, inputs_embeds=chunk, attention_mask=None, position_ids=positions,
-                         **{cache_word: cache})  # fmt: skip
+                         **{cache_word: cache}, **index)  # fmt: skip  (the cache layer this one writes)
         kwargs: dict[str, Any] = {"attention_mask": mask, layer_cache_word: cache}
         if rotary is not None:
             takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
@@ -714,8 +820,14 @@ def _hf_outputs(
             kwargs["position_ids"] = positions
         if "cache_position" in parameters:
             kwargs["cache_position"] = positions[0]
-        if "alibi" in parameters:  # Falcon: None where its config has no ALiBi (refused where it has)
-            kwargs["alibi"] = None
+        if "residual" in parameters:  # Bloom adds its block's residual to the output: 0, the attention alone
+            kwargs["residual"] = torch.zeros_like(chunk)
+        bias_word = next((w for w in ("alibi", "position_bias") if w in parameters), None)
+        if bias_word is not None:  # Bloom's, MPT's ALiBi as its model builds it; Falcon's None (its alibi refused)
+            every = torch.ones(chunk.shape[0], start + chunk.shape[1], dtype=torch.long, device=x.device)
+            kwargs[bias_word] = model_biases(layer, config, every.shape[1], every, chunk.dtype)
+        if bias_word == "position_bias" and mask is not None:  # MptModel: create_causal_mask(...).to(torch.bool)
+            kwargs["attention_mask"] = mask.to(torch.bool)
         out = layer(chunk, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -724,7 +836,7 @@ def _hf_outputs(
         if not decode:
             return {probe.FORWARD: call(prompt, 0, None)}
         # a hybrid model's config may call this index another kind of layer: then a plain cache
-        attention_layer = layer_type in (None, "full_attention", "sliding_attention")
+        attention_layer = layer_type in (None, "full_attention", "sliding_attention", "chunked_attention")
         cache = DynamicCache(config=config) if attention_layer else DynamicCache()
         outputs = {probe.FORWARD: call(prompt, 0, cache)}
         outputs[probe.DECODING] = call(step, probe.PROMPT, cache)
@@ -734,9 +846,9 @@ def _hf_outputs(
 _CACHE_WORDS = ("cache", "past_key_values", "past_key_value", "layer_past")  # GPT-NeoX: layer_past
 
 
-def _run_source(owner: str, layer: nn.Module, x: Tensor, decode: bool = True) -> probe.Outputs:
+def _run_source(owner: str, layer: nn.Module, x: Tensor, config: Any, decode: bool = True) -> probe.Outputs:
     try:
-        return hf_outputs(layer, x, decode=decode)
+        return hf_outputs(layer, x, decode=decode, config=config)
     except Exception as error:
         raise ConfigError(
             f"{owner}: {type(layer).__name__} could not be run as its model runs it, to verify the conversion "
@@ -745,21 +857,22 @@ def _run_source(owner: str, layer: nn.Module, x: Tensor, decode: bool = True) ->
         ) from error
 
 
-def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module) -> None:
-    """Raise `ConfigError` unless `module` computes what the transformers `layer` computes, on the probe."""
+def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module, config: Any = None) -> None:
+    """Raise `ConfigError` unless `module` computes what the transformers `layer` computes, on the probe
+    (`config`: its model's, default `layer.config`)."""
     if not (probe.probeable(module) and probe.probeable(layer)):
         return  # meta holds no values to compare
-    config: Any = layer.config
+    config = layer.config if config is None else config
     with probe.probing(layer) as theirs_probed, probe.probing(module) as ours_probed:
         x = probe.probe_tokens(config.hidden_size, probe.device_of(layer), probe.dtype_of(theirs_probed))
-        theirs = _run_source(owner, theirs_probed, x)
+        theirs = _run_source(owner, theirs_probed, x, config)
         windowed = getattr(ours_probed, "window", None) is not None  # a window cache is as long as its window
         ours = probe.our_outputs(ours_probed, x, cache=_plain_cache(ours_probed, x.shape[0]) if windowed else None)
         source = type(layer).__name__
         try:
             probe.verify(owner, ours, theirs, source=source)
         except ConfigError:
-            suspects = _suspects(ours_probed, theirs_probed, x)
+            suspects = _suspects(ours_probed, theirs_probed, x, config)
             probe.verify(owner, ours, theirs, source=source, suspects=suspects)
             raise
 
@@ -771,13 +884,13 @@ def _plain_cache(module: Any, batch: int) -> Any:
     return KVCache(batch, module.num_kv_heads, capacity, module.d_head, dtype=weight.dtype, device=weight.device)
 
 
-def _suspects(ours: Any, theirs: nn.Module, x: Tensor) -> list[str]:
+def _suspects(ours: Any, theirs: nn.Module, x: Tensor, config: Any) -> list[str]:
     """What a difference comes from, where a second probe tells: RoPE, if both agree with nothing rotated."""
     if getattr(ours, "rotary", None) is None:
         return []
     try:
         probe.verify("", probe.our_outputs(ours, x, decode=False, unrotated=True),
-                     hf_outputs(theirs, x, decode=False, unrotated=True), source="")  # fmt: skip
+                     hf_outputs(theirs, x, decode=False, unrotated=True, config=config), source="")  # fmt: skip
     except ConfigError:
         return []
     return [
@@ -798,10 +911,6 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
             f"MultiHeadAttention.to_hf(): no transformers attention class for model_type={config.model_type!r}."
         ) from None
     first_type = (getattr(config, "layer_types", None) or [None])[0]  # to_hf builds layer 0
-    if first_type == "chunked_attention":
-        why = "chunked attention (Llama 4) is not computed by this module; attention_chunk_size=None makes it full"
-        raise ConfigError(f"MultiHeadAttention.to_hf(): config.attention_chunk_size={config.attention_chunk_size!r}: "
-                          f"{why}.")  # fmt: skip
     theta, scaling = rope_of(config, first_type)
     if not _rotates(config, 0):
         theta, scaling = None, None  # layer 0 is a NoPE layer (no_rope_layers)
@@ -853,7 +962,10 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
         "clip_qkv": module.clip_qkv,
         "attention_sinks": module.sinks is not None or None,
+        "alibi": module.alibi_slopes is not None or None,
         "output_gate": module.output_gate or None,
+        "temperature_tuning": module.temperature_tuning,
+        "chunk_size": module.chunk_size,
     }
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
     if different:
@@ -872,7 +984,18 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
                 getattr(theirs, their_name).weight.copy_(module._modules[name].weight)
         if module.sinks is not None:
             theirs.sinks.copy_(module.sinks)
+        if module.alibi_slopes is not None:  # the layer holds none: its model passes them, and they must be ours
+            given = alibi_slopes_of(theirs, config)
+            if given is None or not torch.allclose(given.to(module.alibi_slopes), module.alibi_slopes):
+                raise ConfigError(
+                    f"MultiHeadAttention.to_hf(): alibi_slopes are {module.alibi_slopes.tolist()} here, but "
+                    f"{layer_cls.__name__}'s model passes it {None if given is None else given.tolist()}; it cannot "
+                    "hold this module."
+                )
         fused, blocks = per_head_fused(theirs), block_fused(theirs)
+        chunked = chunked_fused(theirs)
+        if chunked is not None:
+            _write_stacked(module, chunked, layer_cls.__name__)
         stacked, grouped = stacked_fused(theirs), grouped_fused(theirs)
         if fused is not None:
             _write_per_head(module, fused, layer_cls.__name__)
@@ -882,7 +1005,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
             _write_stacked(module, stacked, layer_cls.__name__)
         if grouped is not None:
             _write_grouped(module, grouped, layer_cls.__name__)
-        held = (fused, blocks, stacked, grouped)
+        held = (fused, blocks, stacked, grouped, chunked)
         for name, their_name in projection_names(theirs).items():
             if any(f is not None for f in held) and name != "o_proj":
                 continue
@@ -898,7 +1021,7 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
                 other.bias.copy_(mine.bias)
     theirs.train(module.training)
     if verify:
-        verify_against_hf("MultiHeadAttention.to_hf()", module, theirs)
+        verify_against_hf("MultiHeadAttention.to_hf()", module, theirs, config)
     return theirs
 
 

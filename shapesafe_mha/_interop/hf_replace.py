@@ -25,7 +25,15 @@ from .._core.dims import Tokens
 from .._core.errors import ConfigError, ShapesafeError
 from .._core.probe import probeable
 from .._modules.multihead import MultiHeadAttention
-from .hf import block_fused, grouped_fused, per_head_fused, projection_names, qk_norm_names, stacked_fused
+from .hf import (
+    SHARED_QK_NORM,
+    block_fused,
+    grouped_fused,
+    per_head_fused,
+    projection_names,
+    qk_norm_names,
+    stacked_fused,
+)
 from .hf_backend import layer_name, refuse_unknown
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
@@ -204,7 +212,8 @@ def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[
     its rotary embedding the one `shared` holds for its frequencies (made from its own, the first time)."""
     for name, their_name in projection_names(theirs).items():
         setattr(ours, name, getattr(theirs, their_name))
-    if ours.qk_norm:
+    weightless = isinstance(getattr(theirs, SHARED_QK_NORM, None), nn.Module)  # Llama 4's: ours keep their ones
+    if ours.qk_norm and not weightless:
         for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(theirs)[0], strict=True):
             ours._modules[name].weight = getattr(theirs, their_name).weight  # pyright: ignore[reportOptionalMemberAccess]
     if ours.sinks is not None:  # gpt-oss's attention sinks: the model's own parameter, trained in its place
@@ -218,6 +227,9 @@ def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[
             rotary.__class__ = SharedRotary
             shared[kind] = rotary
         ours.rotary = shared[kind]
+    # Llama 4's chunked layers: the mask transformers builds is chunked already, for the keys its sliding cache
+    # returns (whose indices are not positions once it slides), so ours adds none
+    ours.chunk_size = None
     ours.__class__ = HFAttention  # as torch's parametrize does: the same module, another forward
     layer: Any = ours
     layer.hf_path, layer.replaced = path, type(theirs).__name__
@@ -284,7 +296,7 @@ class HFAttention(MultiHeadAttention):
                 attn_mask=attention_mask,
                 is_causal=attention_mask is None,
                 kv_cache=kv_cache,
-                positions=positions,
+                positions=positions if self.rotary is not None else None,  # a NoPE layer (Llama 4, SmolLM3) has none
             )
         except ShapesafeError as error:
             raise type(error)(f"{layer_name(self)}: {error}") from None

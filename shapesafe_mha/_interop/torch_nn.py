@@ -27,6 +27,7 @@ def _variants(module: Any) -> list[str]:
         "query_pre_attn_scalar": module.query_pre_attn_scalar,
         "clip_qkv": module.clip_qkv,
         "attention_sinks": module.sinks is not None or None,
+        "alibi": module.alibi_slopes is not None or None,
         "output_gate": module.output_gate or None,
     }
     return [f"{name}={value!r}" for name, value in options.items() if value is not None]

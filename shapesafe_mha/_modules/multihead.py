@@ -28,6 +28,7 @@ from .._compute.stages import (
     autocast_on,
     check_cache,
     check_groups,
+    check_temperature_tuning,
     check_variants,
     explain_mask,
     positive_count,
@@ -292,6 +293,20 @@ class MultiHeadAttention(nn.Module):
         attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
             (zeros at first), takes part in each row's softmax and is dropped after it, so a head may give
             less than all of its weight to the keys. The scores are then computed here, not by SDPA.
+        temperature_tuning: `(floor_scale, attn_scale)`, Llama 4's temperature tuning of its NoPE layers:
+            the queries at cache index `i` (counted over every call into a `kv_cache`) are multiplied by
+            `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4:
+            `(8192, 0.1)`, on layers without RoPE).
+        chunk_size: Llama 4's chunked attention (`attention_chunk_size`): a query sees only the keys of its own
+            chunk of `chunk_size` positions (with `is_causal`, those up to itself), the chunks counted from
+            each sequence's first real key (after the left padding `key_padding_mask` shows, as transformers
+            counts them). Not with a `window`.
+        alibi: ALiBi position biases (Bloom, MPT) instead of position embeddings: each head `h` adds
+            `alibi_slopes[h] * (kv_pos - q_pos)` to its scores (after the scale and the softcap), the query at
+            its lower-right aligned position, so a key `d` positions back costs `d * slope`. `alibi_slopes` is a
+            buffer (saved in the state dict), Press et al.'s geometric slopes at first (`2 ** (-8 * h / n)`,
+            Bloom's interpolation for a head count not a power of two); overwrite it for others (MPT's). The
+            scores are then computed here, not by SDPA.
         device, dtype: of the parameters.
 
     Raises:
@@ -301,6 +316,8 @@ class MultiHeadAttention(nn.Module):
             `query_pre_attn_scalar` not a positive number, or `rope_dim` / `rope_interleaved` are given
             without `rope_theta` or `rope_dim` is not an even int in `[2, d_head]`.
     """
+
+    alibi_slopes: Tensor | None  # ALiBi's slopes, one per query head (a buffer; None without ALiBi)
 
     def __init__(
         self,
@@ -325,7 +342,10 @@ class MultiHeadAttention(nn.Module):
         query_pre_attn_scalar: float | None = None,
         clip_qkv: float | None = None,
         attention_sinks: bool = False,
+        alibi: bool = False,
         output_gate: bool = False,
+        temperature_tuning: tuple[int, float] | None = None,
+        chunk_size: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -414,9 +434,26 @@ class MultiHeadAttention(nn.Module):
         self.sinks: nn.Parameter | None = None
         if attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
+        if not isinstance(alibi, bool):
+            raise ConfigError(f"{owner}: alibi must be True or False, but got {alibi!r}.")
+        slopes = None
+        if alibi:  # not learned: a buffer, kept in the state dict so that loaded slopes (MPT's) stay
+            slopes = K.alibi_slopes(num_heads).to(device=device, dtype=dtype or torch.get_default_dtype())
+        self.register_buffer("alibi_slopes", slopes)
         variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
         self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
         variant = variant or attention_sinks or clip_qkv is not None or output_gate
+        self.temperature_tuning = check_temperature_tuning(f"{owner}: ", temperature_tuning)
+        chunked = chunk_size is not None
+        if chunked and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ConfigError(f"{owner}: chunk_size must be a positive int (Llama 4: 8192), but got {chunk_size!r}.")
+        if chunk_size is not None and window is not None:
+            raise ConfigError(
+                f"{owner}: chunk_size={chunk_size} with window={window}: no model computes both, and a window cache "
+                "would drop keys a chunk still sees; pass one of them."
+            )
+        self.chunk_size = chunk_size
+        variant = variant or self.temperature_tuning is not None or chunk_size is not None or alibi
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
@@ -469,7 +506,10 @@ class MultiHeadAttention(nn.Module):
             + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
             + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
             + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv is not None else "")
+            + (f", temperature_tuning={self.temperature_tuning}" if self.temperature_tuning is not None else "")
+            + (f", chunk_size={self.chunk_size}" if self.chunk_size is not None else "")
             + (", attention_sinks=True" if self.sinks is not None else "")
+            + (", alibi=True" if self.alibi_slopes is not None else "")
             + (", output_gate=True" if self.output_gate else "")
         )
 
@@ -744,6 +784,9 @@ class MultiHeadAttention(nn.Module):
                 q, k = s.apply_partial_rotary(q, k, cos, sin, self.rope_interleaved)
         if self.qk_norm_after_rope:  # HunYuan: the rotated queries and keys normalised, and so cached
             q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
+        tuning = self.temperature_tuning
+        if tuning is not None:  # Llama 4's NoPE layers: each query scaled by its cache index
+            q = s.tune_query_temperature(q, 0 if kv_cache is None else kv_cache.seen, *tuning)
         if kv_cache is None:
             k, v = s.attend_to_new(k, v)
         else:
@@ -751,8 +794,12 @@ class MultiHeadAttention(nn.Module):
             masked = attn_mask is not None or key_padding_mask is not None
             if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
                 attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
+        if self.chunk_size is not None:  # Llama 4: a query sees only the keys of its own chunk
+            attn_mask = s.chunk_masks(q, k, attn_mask, key_padding_mask, self.chunk_size)
         scale, softcap, sinks = self.scale, self.logit_softcap, self._parameters.get("sinks")
-        explicit = need_weights or softcap is not None or sinks is not None  # the scores computed here, not by SDPA
+        slopes = self._buffers.get("alibi_slopes")
+        # the scores computed here, not by SDPA
+        explicit = need_weights or softcap is not None or sinks is not None or slopes is not None
         dropout_p = self.dropout if self.training else 0.0
         native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
         mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window, native)
@@ -773,7 +820,8 @@ class MultiHeadAttention(nn.Module):
                 may_empty = may_empty and (explicit or not K.zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
                 folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
             if explicit:
-                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap, sinks)
+                bias = None if slopes is None else s.alibi_bias(slopes, q, k)
+                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap, sinks, bias)
                 if need_weights:
                     weights = s.unfold_weights(folded_weights, num_heads, rows)
                 out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)
@@ -810,7 +858,7 @@ class MultiHeadAttention(nn.Module):
         return from_torch(cls, module)
 
     @classmethod
-    def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "MultiHeadAttention":
+    def from_hf(cls, attention: nn.Module, *, config: Any = None, verify: bool = True) -> "MultiHeadAttention":
         """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
 
         For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike; Phi's `dense` as
@@ -818,7 +866,10 @@ class MultiHeadAttention(nn.Module):
         sizes, GQA, biases per projection, dropout, RoPE (default, llama3 or YaRN scaling; tables computed as
         transformers computes them; partial rotary from `partial_rotary_factor`, interleaved pairs read
         from the model's own rotary parts), and the variants: sliding window, QK-norm, logit softcapping,
-        `query_pre_attn_scalar`. Call it `is_causal=True`; positions
+        `query_pre_attn_scalar`; ALiBi (Bloom's per-head fused `query_key_value`, MPT's `Wqkv`), with the slopes
+        their model passes them, read from transformers' own `build_alibi_tensor` / `build_mpt_alibi_tensor`.
+        Bloom's and MPT's layers keep no config: pass their model's, `from_hf(layer, config=model.config)`.
+        Call it `is_causal=True`; positions
         default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
         the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
 
@@ -845,7 +896,7 @@ class MultiHeadAttention(nn.Module):
         """
         from .._interop.hf import from_hf
 
-        return from_hf(cls, attention, verify=verify)
+        return from_hf(cls, attention, config=config, verify=verify)
 
     def to_hf(self, config: Any, *, verify: bool = True) -> nn.Module:
         """The transformers attention layer for `config` (a LlamaConfig, Qwen2Config, ...), with these weights.
@@ -871,7 +922,7 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ConfigError: the configuration has no `nn.MultiheadAttention` equivalent (GQA/MQA,
                 `num_heads * d_head != d_model`, or a variant: RoPE, QK-norm, a window, softcapping,
-                `query_pre_attn_scalar`), named.
+                `query_pre_attn_scalar`, sinks, ALiBi), named.
         """
         from .._interop.torch_nn import to_torch
 

@@ -129,7 +129,10 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         query_pre_attn_scalar=module.query_pre_attn_scalar,
         clip_qkv=module.clip_qkv,
         attention_sinks=module.sinks is not None,
+        alibi=module.alibi_slopes is not None,
         output_gate=module.output_gate,
+        temperature_tuning=module.temperature_tuning,  # a factor by position: the same on every rank's heads
+        chunk_size=module.chunk_size,  # a mask by position: the same on every rank's heads
         device=weight.device,
         dtype=weight.dtype,
     )
@@ -149,6 +152,8 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
         local.o_proj.weight.copy_(module.o_proj.weight[:, q_rows])
         if module.sinks is not None:  # one logit per query head: this rank's heads'
             local.sinks.copy_(module.sinks[shard.q_heads.start : shard.q_heads.stop])  # pyright: ignore[reportOptionalMemberAccess]
+        if module.alibi_slopes is not None:  # one slope per query head: this rank's heads' (not the sequence's start)
+            local.alibi_slopes.copy_(module.alibi_slopes[shard.q_heads.start : shard.q_heads.stop])  # pyright: ignore[reportOptionalMemberAccess]
         if module.qk_norm:  # one weight per feature of a head, the same for every head
             for name in ("q_norm", "k_norm"):
                 mine_norm: Any = local._modules[name]
@@ -239,11 +244,11 @@ class HeadParallelAttention(nn.Module):
         """Keep this rank's share of `module`: its query heads, the KV heads they read, `o_proj`'s columns.
 
         Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
-        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, attention sinks (each rank its heads'),
-        dropout, the biases each projection has). The QK-norm weights, whole on every rank, get the gradient
-        summed over the ranks. The result is verified: on a float64 copy, a causal forward and a decoding
-        step of the probe, computed head-parallel (collective: every rank joins), equal `module`'s
-        (`verify=False` skips it).
+        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, temperature tuning, chunked attention,
+        attention sinks and ALiBi slopes (each rank its heads'), dropout, the biases each projection has). The
+        QK-norm weights, whole on every rank, get the gradient summed over the ranks. The result is verified: on a
+        float64 copy, a causal forward and a decoding step of the probe, computed head-parallel (collective: every
+        rank joins), equal `module`'s (`verify=False` skips it).
 
         Raises:
             ConfigError: torch.distributed is not initialised, or the heads cannot be split over the

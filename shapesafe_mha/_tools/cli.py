@@ -244,6 +244,16 @@ def trace(
     output_gate: Annotated[
         bool, typer.Option("--output-gate/--no-output-gate", help="heads gated by q_proj's gate (Qwen3-Next)")
     ] = False,
+    temperature_tuning: Annotated[
+        tuple[int, float] | None,
+        typer.Option(metavar="FLOOR SCALE", help="queries scaled by position (Llama 4's NoPE layers: 8192 0.1)"),
+    ] = None,
+    chunk_size: Annotated[
+        int | None, typer.Option(min=1, metavar="INT", help="chunked attention: a query sees its chunk only (Llama 4)")
+    ] = None,
+    alibi: Annotated[
+        bool, typer.Option("--alibi/--no-alibi", help="ALiBi position biases, a slope per head (Bloom, MPT)")
+    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -287,7 +297,8 @@ def trace(
             config = TraceConfig(
                 d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
                 qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
-                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate,
+                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate, temperature_tuning,
+                chunk_size, alibi,
             )  # fmt: skip
             report = trace_forward(config)
     except ShapesafeError as error:

@@ -44,6 +44,9 @@ class TraceConfig:
     clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (OLMo)
     qk_norm_after_rope: bool = False  # the per-head QK-norm after RoPE (HunYuan)
     output_gate: bool = False  # the merged heads times sigmoid(gate), the gate from q_proj (Qwen3-Next)
+    temperature_tuning: tuple[int, float] | None = None  # queries scaled by position (Llama 4's NoPE layers)
+    chunk_size: int | None = None  # each query sees the keys of its own chunk only (Llama 4's chunked layers)
+    alibi: bool = False  # ALiBi: each head's scores biased by slope * (kv_pos - q_pos) (Bloom, MPT)
 
 
 @dataclass
@@ -106,6 +109,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "clip_qkv": config.clip_qkv,
         "qk_norm_after_rope": config.qk_norm_after_rope,
         "output_gate": config.output_gate,
+        "temperature_tuning": config.temperature_tuning,
+        "chunk_size": config.chunk_size,
+        "alibi": config.alibi,
         "device": device,
         "dtype": dtype,
     }

@@ -70,6 +70,7 @@ class Scenario:
     window: int | None = None
     logit_softcap: float | None = None
     sinks: Tensor | None = None
+    alibi_slopes: Tensor | None = None
     output_gate: tuple[Tensor, Tensor | None] | None = None
     qk_norm_after_rope: bool = False
     qk_norm_bias: tuple[Tensor, Tensor] | None = None
@@ -101,6 +102,7 @@ class Scenario:
             window=self.window,
             logit_softcap=self.logit_softcap,
             sinks=self.sinks,
+            alibi_slopes=self.alibi_slopes,
             output_gate=self.output_gate,
             qk_norm_after_rope=self.qk_norm_after_rope,
             qk_norm_bias=self.qk_norm_bias,
@@ -337,6 +339,11 @@ def _layer_variants(s: Scenario) -> list[Variant]:
         out.append(("window", "sliding window one key longer", lambda t: replace(t, window=longer)))
     if s.sinks is not None:
         out.append(("sinks", "attention sinks left out of the softmax", lambda t: replace(t, sinks=None)))
+    if s.alibi_slopes is not None:
+        out.append(("ALiBi", "ALiBi biases not applied", lambda t: replace(t, alibi_slopes=None)))
+        reversed_slopes = s.alibi_slopes.flip(0)
+        out.append(("ALiBi", "ALiBi slopes in the reverse head order",
+                    lambda t: replace(t, alibi_slopes=reversed_slopes)))  # fmt: skip
     if s.output_gate is not None:
         out.append(("output gate", "the output gate not applied", lambda t: replace(t, output_gate=None)))
     if s.out_norm is not None:

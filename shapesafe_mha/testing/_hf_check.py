@@ -9,7 +9,8 @@ for decoding. What the class computes beyond plain attention is read first (`_hf
 QK-norms, softcapping, other scales, windows, partial or interleaved RoPE, GPT-J's and CodeGen's RoPE
 of `config.rotary_dim` features, which the check draws, with a theta read from their own tables, NoPE
 layers, sinks, an output norm, Llama 4's chunked layers as a `mask_mod` and its NoPE layers' temperature tuning as
-a `score_mod`, each with sizes drawn small enough to matter) and handed to the per-head reference, which computes it
+a `score_mod`, Bloom's and MPT's ALiBi biases built by their modeling module's own function, each with sizes drawn
+small enough to matter) and handed to the per-head reference, which computes it
 itself; anything else is refused by name. Four properties run in turn, so a failure names what broke: heads,
 RoPE/positions, padding/mask, decoding/cache.
 
@@ -32,8 +33,9 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
+from .._compute.reference import alibi_slopes
 from .._core.weights import AttentionWeights
-from .._interop.hf import sincos_rope
+from .._interop.hf import model_biases, sincos_rope
 from ._diagnose import Scenario
 from ._hf_recipe import (
     OUT_NORMS,
@@ -213,10 +215,27 @@ class _Target:
         )
 
     def call(
-        self, layer: _Layer, x: Tensor, positions: Tensor, mask: Tensor | None, cache: Any, neutral: bool
+        self,
+        layer: _Layer,
+        x: Tensor,
+        positions: Tensor,
+        mask: Tensor | None,
+        cache: Any,
+        neutral: bool,
+        padding: Tensor | None = None,
     ) -> Tensor:
-        """One call, as the model's forward makes it; `neutral` passes the tables of position 0 (no rotation)."""
+        """One call, as the model's forward makes it; `neutral` passes the tables of position 0 (no rotation);
+        `padding` is the 2-D attention mask (1 = token) over every position, cached and new, where there is one."""
         kwargs: dict[str, Any] = {"attention_mask": mask, self.recipe.cache_keyword: cache}
+        alibi = self.recipe.alibi
+        if alibi is not None:  # Bloom, MPT: the biases their model builds, over every key; Bloom's residual 0
+            kv_len = int(positions[0, -1]) + 1
+            every = torch.ones(x.shape[0], kv_len, dtype=torch.long, device=x.device) if padding is None else padding
+            kwargs[alibi] = model_biases(layer.module, layer.config, kv_len, every, x.dtype)
+            if "residual" in self.keywords:
+                kwargs["residual"] = torch.zeros_like(x)
+            if alibi == "position_bias" and mask is not None:  # MptModel: create_causal_mask(...).to(torch.bool)
+                kwargs["attention_mask"] = mask.to(torch.bool)
         if self.recipe.takes_position_embeddings:
             if layer.rotary is None:
                 size = layer.weights.w_q.shape[0] // layer.config.num_attention_heads
@@ -230,7 +249,7 @@ class _Target:
             kwargs["position_ids"] = positions
         if "cache_position" in self.keywords:
             kwargs["cache_position"] = positions[0]
-        if "alibi" in self.keywords:
+        if "alibi" in self.keywords and alibi is None:
             kwargs["alibi"] = None  # as the model passes it where the config switches ALiBi off (Falcon)
         with torch.no_grad():
             out = layer.module(x, **kwargs)
@@ -306,7 +325,7 @@ def _padding(target: _Target, c: AttentionConfig, data: Any, dtype: torch.dtype,
     def run(weights: AttentionWeights) -> Tensor:
         load_layer_weights(layer.module, weights, target.recipe, c.num_heads, layer.gate)
         mask = target.mask(layer, x, real.long(), None, positions)
-        return target.call(layer, x, positions, mask, None, neutral=False)[real]
+        return target.call(layer, x, positions, mask, None, neutral=False, padding=real.long())[real]
 
     scenario = _scenario(target, layer, x, c, rope=layer.theta is not None, padding=~real)
     side = "left" if left else "right"
@@ -369,6 +388,7 @@ def _scenario(
         window=layer.window,
         logit_softcap=layer.softcap,
         sinks=layer.sinks,
+        alibi_slopes=alibi_slopes(c.num_heads) if target.recipe.alibi is not None else None,
         output_gate=None if layer.gate is None else (layer.gate[0].double(), _double(layer.gate[1])),
         qk_norm_after_rope=target.recipe.qk_norm is not None and target.recipe.qk_norm.after_rope,
         out_norm=layer.out_norm,
@@ -463,7 +483,7 @@ def check_hf_attention(
     Raises:
         ConfigError: the class computes what the reference does not, or cannot be built and called
             as its model does; the first line names the class and the variant or layout
-            (`check_hf_attention(): BloomAttention: a forward that needs residual, alibi is not
+            (`check_hf_attention(): BertSelfAttention: a layer without an output projection is not
             computed by the per-head reference; ...`). Never raised for a failed property.
         AssertionError: the first property that fails, named in brackets on the report's first
             line (`[RoPE/positions] LlamaAttention (eager, float32) differs from the per-head

@@ -35,7 +35,7 @@ from .._compute.reference import NormKind, NormOver, RopeStyle, _layer_norm
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
 from .._interop.adapters import NAMES, load_weights
-from .._interop.hf import BLOCK_ORDER, block_fused, rope_interleaved, sincos_rope
+from .._interop.hf import BLOCK_ORDER, block_fused, own_variant, rope_interleaved, sincos_rope
 
 OWNER = "check_hf_attention()"
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -124,6 +124,9 @@ class Recipe:
     # attn_scale + 1 at cache index i, which the check draws (floor_scale, attn_scale) and the reference computes
     temperature: bool = False
     chunk: int | None = None  # Llama 4's attention_chunk_size of its chunked_attention layers
+    # ALiBi biases its model passes in (Bloom's `alibi`, MPT's `position_bias`: the forward's keyword), built by the
+    # modeling module's own function; the reference computes them from its own slopes (`alibi_slopes`)
+    alibi: str | None = None
 
     def rotary_dim(self, d_head: int) -> int | None:
         return None if self.rotary_factor == 1.0 else int(d_head * self.rotary_factor)
@@ -305,6 +308,9 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
             raise refuse(name, f"a layer built as {name}({taken}), not from (config, layer_idx)")
         forward = inspect.signature(attention_cls.forward).parameters
         passed = _PASSED | ({"alibi"} if getattr(config_cls(), "alibi", None) is False else set())  # Falcon: None
+        alibi = _alibi_keyword(attention_cls, config_cls, forward)
+        if alibi is not None:  # Bloom's alibi and residual, MPT's position_bias: built as their models build them
+            passed |= {alibi, "residual"}
         extra = [p for p, v in forward.items() if p not in passed and v.default is v.empty
                  and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]  # fmt: skip
         if extra:
@@ -353,7 +359,15 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         if in_layer:
             sizes["rotary_dim"] = 8  # of the tiny head's 16 features
         config = tiny_config(config_cls, **sizes)
-        module = attention_cls(config, layer_idx=layers[0][0])
+        try:
+            module = attention_cls(config, layer_idx=layers[0][0])
+        except ValueError:
+            if sizes.get("num_key_value_heads") != 1:
+                raise
+            # a class that takes no single KV head (DiffLlama splits its values in two along them): built as MHA
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+            config = tiny_config(config_cls, **sizes)
+            module = attention_cls(config, layer_idx=layers[0][0])
         if not forward.get("position_embeddings") and (has_rope or in_layer):
             raise refuse(name, "RoPE applied inside the layer from position_ids (no position_embeddings argument)")
         if in_layer:
@@ -415,6 +429,7 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         qk_norm_layers=None if len(holding) == len(modules) else frozenset(holding),
         temperature=bool(getattr(default, "attn_temperature_tuning", False)) and bool(nope),
         chunk=chunk,
+        alibi=alibi,
         config_cls=config_cls,
         width_free=fields["has_head_dim"]
         and not tied
@@ -442,6 +457,18 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         has_head_dim=fields["has_head_dim"],
         has_bias_switch=fields["has_bias_switch"],
     )
+
+
+def _alibi_keyword(attention_cls: type[nn.Module], config_cls: type, forward: Any) -> str | None:
+    """The forward's keyword for ALiBi biases its model builds with the modeling module's own function: Bloom's
+    `alibi` (`build_alibi_tensor`; Falcon's too where `config.alibi` is set, refused by that field), MPT's
+    `position_bias` (`build_mpt_alibi_tensor`); None for a layer that takes none."""
+    modeling = importlib.import_module(attention_cls.__module__)
+    if "position_bias" in forward and hasattr(modeling, "build_mpt_alibi_tensor"):
+        return "position_bias"
+    if "alibi" in forward and getattr(config_cls(), "alibi", True) and hasattr(modeling, "build_alibi_tensor"):
+        return "alibi"
+    return None
 
 
 def _pre_attn_scale(config: Any) -> float:
@@ -634,6 +661,9 @@ def _out_norm(module: nn.Module, name: str, config: Any) -> float | None:
 def _refuse_unloaded(module: nn.Module, name: str, fused: str | None) -> None:
     """Parameters the check would not draw (sinks, other norms, gates, experts) are refused by name, and norms
     without parameters too (Gemma 3n's v_norm)."""
+    variant = own_variant(n for n, _ in module.named_parameters(recurse=False))
+    if variant is not None:
+        raise refuse(name, variant)
     known = {n for names in QK_NORMS for n in names} | set(OUT_NORMS) | {SHARED_QK_NORM}
     norms = [n for n, _ in module.named_children() if "norm" in n.lower() and n not in known]
     if norms:
