@@ -583,3 +583,53 @@ def test_a_verdict_remembered_outside_autocast_does_not_cover_a_call_inside_it()
     ):
         module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
     assert len(cache) == 3
+
+
+def _nearly_full_cache_and_a_retyped_output_projection() -> tuple[ssm.MultiHeadAttention, ssm.KVCache]:
+    """A module whose cache has room for one more position, and whose o_proj weight became float64 in place (its
+    shape kept, so a verdict's key cannot see it): the call fails in o_proj, after writing the cache."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = module.new_cache(1, 4)
+    module(torch.randn(1, 2, 16), is_causal=True, kv_cache=cache)
+    module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
+    return module, cache
+
+
+def test_a_failure_after_the_cache_write_is_explained_from_the_cache_as_it_was() -> None:
+    """After a verdict, the unchecked call fails past its cache write and is run again checked to explain it: that
+    run starts from the cache before the call (a full one would add a capacity error of its own), so the warm module
+    reports what a fresh one reports, and the cache keeps its length."""
+    outcomes = []
+    for warm in (True, False):
+        module, cache = _nearly_full_cache_and_a_retyped_output_projection()
+        if not warm:
+            module._verdicts.forget()
+        module.o_proj.weight.data = module.o_proj.weight.data.double()
+        outcomes.append(_outcome(lambda m=module, c=cache: m(torch.randn(1, 1, 16), is_causal=True, kv_cache=c)))
+        assert len(cache) == 3
+    assert outcomes[0][0] != "ok"
+    _same(outcomes[0], outcomes[1])
+
+
+class _FailsOnce(nn.Linear):
+    """A projection whose next call raises torch's kind of error once (a transient failure), when armed."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("transient")
+        return super().forward(x)
+
+
+def test_after_a_verdict_an_error_the_checks_do_not_reproduce_reaches_the_caller_as_raised() -> None:
+    """The unchecked call fails, the checked run passes: the caller gets that failure itself, not another error."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    module.q_proj = _FailsOnce(16, 16)
+    x = torch.randn(1, 3, 16)
+    module(x)
+    module.q_proj.armed = True
+    with pytest.raises(RuntimeError, match=r"^transient$"):
+        module(x)

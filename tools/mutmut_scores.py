@@ -318,6 +318,12 @@ EQUIVALENT: dict[str, str] = {
         "a free size numbered -2 - i instead of -1 - i: still distinct negatives, never 0, 1 or a constant, and keys "
         "are only compared for equality"
     ),
+    f"{_CO}x_remembered_forward__mutmut_15": (
+        "check = None for False where the verdict is known: check is only read for truth (not check, if check)"
+    ),
+    f"{_CO}x_remembered_forward__mutmut_26": (
+        "`state is not None or cache is not None` for `and`: state is None exactly when cache is (state() is a tuple)"
+    ),
     f"{_CO}xǁCallKeyǁrelations__mutmut_10": (
         "`kv_seq is not None` for `is None`: the flag is negated in every key alike, and keys are only compared for "
         "equality"
