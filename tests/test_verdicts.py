@@ -633,3 +633,26 @@ def test_after_a_verdict_an_error_the_checks_do_not_reproduce_reaches_the_caller
     module.q_proj.armed = True
     with pytest.raises(RuntimeError, match=r"^transient$"):
         module(x)
+
+
+def test_a_repeated_module_call_is_known_by_its_exact_key() -> None:
+    """The relations key is computed on first sight only (asked for, then remembered): the same call again is found
+    by its exact key, without abstracting its sizes."""
+    from shapesafe_mha._core.contract import CallKey
+
+    computed: list[Any] = []
+    original = CallKey.relations
+
+    def counted(self: CallKey, constants: frozenset[int]) -> Any:
+        computed.append(self)
+        return original(self, constants)
+
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(1, 3, 16)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(CallKey, "relations", counted)
+        module(x)  # first sight: asked for (the exact key missed), then remembered
+        first = len(computed)
+        for _ in range(2):
+            module(x)
+    assert first > 0 and len(computed) == first

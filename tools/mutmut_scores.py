@@ -321,9 +321,13 @@ EQUIVALENT: dict[str, str] = {
     f"{_CO}x_remembered_forward__mutmut_15": (
         "check = None for False where the verdict is known: check is only read for truth (not check, if check)"
     ),
-    f"{_CO}x_remembered_forward__mutmut_26": (
-        "`state is not None or cache is not None` for `and`: state is None exactly when cache is (state() is a tuple)"
-    ),
+    **{
+        f"{_CO}x_remembered_forward__mutmut_{n}": (
+            "`state is not None or cache is not None` for `and`: state is None exactly when cache is (state() is a "
+            "tuple)"
+        )
+        for n in (26, 44)
+    },
     f"{_CO}xǁCallKeyǁrelations__mutmut_10": (
         "`kv_seq is not None` for `is None`: the flag is negated in every key alike, and keys are only compared for "
         "equality"
