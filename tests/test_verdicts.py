@@ -656,3 +656,30 @@ def test_a_repeated_module_call_is_known_by_its_exact_key() -> None:
         for _ in range(2):
             module(x)
     assert first > 0 and len(computed) == first
+
+
+class _Narrows(nn.Linear):
+    """A projection that, once armed, returns four features fewer (state no verdict key can see)."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out[..., :-4] if self.armed else out
+
+
+def test_a_submodule_returning_another_width_after_a_verdict_is_explained_as_on_a_fresh_module() -> None:
+    """The unchecked call fails in torch; run again checked it is our ShapeError naming q_proj, the same line a
+    module with no verdict gives."""
+    outcomes = []
+    for warm in (True, False):
+        module = ssm.MultiHeadAttention(16, 4, 2)
+        module.q_proj = _Narrows(16, 16)
+        x = torch.randn(1, 3, 16)
+        module(x)
+        if not warm:
+            module._verdicts.forget()
+        module.q_proj.armed = True
+        outcomes.append(_outcome(lambda m=module, x=x: m(x)))
+    assert outcomes[0][0] == "ShapeError" and "q_proj returned a wrong value" in outcomes[0][1], outcomes[0]
+    _same(outcomes[0], outcomes[1])
