@@ -255,6 +255,7 @@ def test_reset_of_a_window_cache_that_slid_starts_over() -> None:
         ({"window": 2.5}, "window must be a positive int"),
         ({"logit_softcap": -1.0}, "logit softcap must be a finite positive number"),
         ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a finite positive number"),
+        ({"clip_qkv": 0}, r"\): clip_qkv must be a finite positive number, but got 0\.$"),
         ({"rope_dim": 2}, r"rope_dim was given, but the module has no rotary embeddings \(rope_theta=None\)"),
         ({"rope_interleaved": True}, r"rope_interleaved was given, but the module has no rotary embeddings"),
         ({"rope_theta": 1e4, "rope_dim": 3}, r"rope_dim=3, but .* an even int in \[2, d_head=4\] \(for example 2\)"),

@@ -286,6 +286,10 @@ EQUIVALENT: dict[str, str] = {
     # --- stages ---
     **{f"{_S}x_same_device_and_dtype__mutmut_{n}": _BOOL_NEVER_REFUSED for n in (15, 16)},
     **{f"{_S}x_same_device_and_dtype__mutmut_{n}": _PLAIN_NOT_MASK for n in (31, 33)},
+    f"{_S}x_check_variants__mutmut_1": (
+        "norm_eps's default 1.0 instead of 0.0: the default is only validated (is it a finite number >= 0), and both "
+        "are; every caller that norms passes its own epsilon"
+    ),
     f"{_S}x_explain_mask__mutmut_4": (
         "failure.arg or 'XXXX' for or '': both look up an argument no stage has, and get None"
     ),
