@@ -318,6 +318,15 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (3, 5, 6)
     },
+    **{
+        f"{_CO}xǁStageǁresult_names__mutmut_{n}": "zip's strict=None or left out: the same as strict=False"
+        for n in (14, 17)
+    },
+    f"{_CO}xǁSessionǁreport__mutmut_6": "zip's strict=None: the same as strict=False",
+    f"{_CO}xǁStageǁresult_names__mutmut_18": (
+        "zip strict=True: every stage whose result is reported names each part of it (trace, or one result and its "
+        "name), so the lengths agree; the one that does not, KVCache.append's, is only used to check arguments"
+    ),
     f"{_CO}x_relational__mutmut_11": (
         "a free size numbered -2 - i instead of -1 - i: still distinct negatives, never 0, 1 or a constant, and keys "
         "are only compared for equality"
