@@ -517,3 +517,25 @@ def test_while_compiling_a_public_stage_calls_its_function_as_given_and_checks_n
     assert not isinstance(caught.value, ssm.ShapeError)
     for a, b in zip(compiled, expected, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_dimension_a_stage_returned_first_is_said_to_come_from_that_stage() -> None:
+    """In a session, a size bound by a stage's result (not by an argument) is named after that stage when a later
+    stage disagrees with it."""
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import Session, stage
+
+    @stage()
+    def widen_twice(x: Float[torch.Tensor, "batch seq d_model"]) -> Float[torch.Tensor, "batch seq d_wide"]:
+        return torch.cat([x, x], dim=-1)
+
+    @stage()
+    def narrow(y: Float[torch.Tensor, "batch seq d_wide"]) -> Float[torch.Tensor, "batch seq d_wide"]:
+        return y
+
+    with pytest.raises(ssm.ShapeError) as caught, Session("forward()") as session:
+        session.call(widen_twice, torch.ones(1, 2, 4))
+        session.call(narrow, torch.ones(1, 2, 5))
+    first = str(caught.value).splitlines()[0]
+    assert first == "forward(): at narrow, y has d_wide=5 (axis 2), but widen_twice set d_wide=8."

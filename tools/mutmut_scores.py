@@ -322,7 +322,7 @@ EQUIVALENT: dict[str, str] = {
         f"{_CO}xǁStageǁresult_names__mutmut_{n}": "zip's strict=None or left out: the same as strict=False"
         for n in (14, 17)
     },
-    f"{_CO}xǁSessionǁreport__mutmut_6": "zip's strict=None: the same as strict=False",
+    **{f"{_CO}xǁSessionǁreport__mutmut_{n}": "zip's strict=None or left out: the same as strict=False" for n in (6, 9)},
     f"{_CO}xǁStageǁresult_names__mutmut_18": (
         "zip strict=True: every stage whose result is reported names each part of it (trace, or one result and its "
         "name), so the lengths agree; the one that does not, KVCache.append's, is only used to check arguments"
