@@ -539,3 +539,24 @@ def test_a_dimension_a_stage_returned_first_is_said_to_come_from_that_stage() ->
         session.call(narrow, torch.ones(1, 2, 5))
     first = str(caught.value).splitlines()[0]
     assert first == "forward(): at narrow, y has d_wide=5 (axis 2), but widen_twice set d_wide=8."
+
+
+def test_a_result_without_a_named_shape_is_reported_with_no_dimensions() -> None:
+    """The trace still sees the tensor a stage returns when its annotation names no dimensions (here: none)."""
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import Session, stage
+
+    @stage(trace=("rows",))
+    def first_row(x: Float[torch.Tensor, "batch seq d_model"]):  # no result annotation, on purpose
+        return x[0]
+
+    seen: list[tuple[str, str, tuple[int, ...]]] = []
+    with Session("f()", observer=lambda name, dims, value: seen.append((name, dims, tuple(value.shape)))) as session:
+        session.call(first_row, torch.ones(2, 3, 4))
+    assert seen == [("rows", "", (3, 4))]
+
+
+def test_a_public_stage_called_with_a_wrong_keyword_is_a_type_error_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"^split_heads\(\): missing a required argument: 'num_heads'$"):
+        ssm.split_heads(torch.randn(1, 3, 8), heads=2)  # pyright: ignore[reportCallIssue]
