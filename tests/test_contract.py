@@ -560,3 +560,32 @@ def test_a_result_without_a_named_shape_is_reported_with_no_dimensions() -> None
 def test_a_public_stage_called_with_a_wrong_keyword_is_a_type_error_naming_it() -> None:
     with pytest.raises(TypeError, match=r"^split_heads\(\): missing a required argument: 'num_heads'$"):
         ssm.split_heads(torch.randn(1, 3, 8), heads=2)  # pyright: ignore[reportCallIssue]
+
+
+def test_a_size_a_later_stage_binds_is_said_to_come_from_the_users_argument_or_from_that_stage() -> None:
+    """After the first stage of a session, an argument a stage lists as public binds its sizes under its own name (the
+    user passed it); any other binds them under the stage's name (the stage was given it by an earlier one)."""
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import Session, stage
+
+    Extra = Float[torch.Tensor, "batch seq d_extra"]
+
+    def take(x: Float[torch.Tensor, "batch seq d_model"], y: Extra) -> Extra:
+        return y
+
+    def check(z: Extra) -> Extra:
+        return z
+
+    @stage()
+    def begin(x: Float[torch.Tensor, "batch seq d_model"]) -> Float[torch.Tensor, "batch seq d_model"]:
+        return x
+
+    for options, source in (({"public": ("y",)}, "y"), ({}, "take")):
+        taking, checking = stage(name="take", **options)(take), stage()(check)
+        with pytest.raises(ssm.ShapeError) as caught, Session("forward()") as session:
+            session.call(begin, torch.ones(1, 2, 4))
+            session.call(taking, torch.ones(1, 2, 4), torch.ones(1, 2, 3))
+            session.call(checking, torch.ones(1, 2, 5))
+        line = str(caught.value).splitlines()[0]
+        assert line == f"forward(): at check, z has d_extra=5 (axis 2), but {source} set d_extra=3.", options

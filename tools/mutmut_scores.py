@@ -327,6 +327,10 @@ EQUIVALENT: dict[str, str] = {
         "zip strict=True: every stage whose result is reported names each part of it (trace, or one result and its "
         "name), so the lengths agree; the one that does not, KVCache.append's, is only used to check arguments"
     ),
+    f"{_CO}xǁSessionǁcheck_arguments__mutmut_22": (
+        "a stage's sources looked up by None instead of the argument's name: no stage keys its sources by an argument "
+        "(they hold only 'result', which report reads), so the fallback is taken either way"
+    ),
     f"{_CO}x_relational__mutmut_11": (
         "a free size numbered -2 - i instead of -1 - i: still distinct negatives, never 0, 1 or a constant, and keys "
         "are only compared for equality"
