@@ -331,6 +331,9 @@ EQUIVALENT: dict[str, str] = {
         "a stage's sources looked up by None instead of the argument's name: no stage keys its sources by an argument "
         "(they hold only 'result', which report reads), so the fallback is taken either way"
     ),
+    f"{_CO}xǁSessionǁfits__mutmut_22": (
+        "bind's label made None: bind uses it only in its misfit's message, which it never reads (only `is None`)"
+    ),
     f"{_CO}x_relational__mutmut_11": (
         "a free size numbered -2 - i instead of -1 - i: still distinct negatives, never 0, 1 or a constant, and keys "
         "are only compared for equality"
