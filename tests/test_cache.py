@@ -320,3 +320,15 @@ def test_a_module_writing_its_cache_under_vmap_is_named_in_the_refusal() -> None
             torch.vmap(lambda x, c=cache: module(x, kv_cache=c))(torch.randn(3, 1, 2, 16))
         assert str(raised.value).startswith("MultiHeadAttention.forward(): kv_cache cannot be written under torch.vmap")
         module(torch.randn(1, 2, 16), kv_cache=module.new_cache(1, 8))  # a verdict for that call's shapes
+
+
+def test_a_cache_of_an_integer_dtype_is_refused_at_its_first_append() -> None:
+    """Its buffer is the witness the append check is seeded with, and it must be floating point: a ShapeError
+    naming the dtype, before anything is written (the message's word for the buffer pinned as it is)."""
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.int64)
+    new = torch.zeros(1, 2, 1, 4, dtype=torch.int64)
+    with pytest.raises(ssm.ShapeError) as caught:
+        cache.append(new, new)
+    first = str(caught.value).splitlines()[0]
+    assert first == "KVCache.append(): witness has dtype int64, but it must be floating point."
+    assert len(cache) == 0

@@ -319,3 +319,273 @@ def test_a_relational_verdict_keeps_a_broadcast_one_apart() -> None:
     module(x, attn_mask=torch.ones(1, 8, 5, 5, dtype=torch.bool))
     with pytest.raises(ssm.ShapeError, match=r"attn_mask has batch=3 \(axis 0\), but query set batch=2"):
         module(x, attn_mask=torch.ones(3, 8, 5, 5, dtype=torch.bool))
+
+
+def test_a_bad_switch_says_both_ways_to_set_it() -> None:
+    """Refusing SHAPESAFE_MHA_UNCHECKED=maybe names the spellings that turn checks off and those that keep them."""
+    from shapesafe_mha._core.contract import parse_switch
+
+    with pytest.raises(ssm.ConfigError) as caught:
+        parse_switch("maybe")
+    assert str(caught.value) == (
+        "SHAPESAFE_MHA_UNCHECKED='maybe' is not a switch: use 1, true, yes or on to turn the checks off, "
+        "or 0, false, no, off or nothing to keep them."
+    )
+
+
+# A stage made here, at runtime: the package's own stages are made at import, before any test runs.
+
+
+def _refuse_float64(arguments: dict[str, Any]) -> None:
+    from shapesafe_mha._core.messages import mismatch
+
+    if arguments["x"].dtype == torch.float64:
+        raise mismatch("x is float64, which widen refuses.", arg="x")
+
+
+def _validate_even(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    from shapesafe_mha._core.messages import mismatch
+
+    if dims["d_model"] % 2:
+        raise mismatch(f"x has d_model={dims['d_model']}, which widen needs even.", arg="x")
+
+
+def _explain_widen(arguments: dict[str, Any], failure: Any) -> str | None:
+    return "Pad x to an even width." if "even" in failure.sentence else None
+
+
+def _make_widen(**options: Any) -> Any:
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import stage
+
+    def widen(x: Float[torch.Tensor, "batch seq d_model"], times: int) -> Float[torch.Tensor, "batch seq d_model"]:
+        """x times `times`, its shape kept (a test's stage)."""
+        return x[..., : x.shape[-1] // times].repeat(1, 1, times) if times > 1 else x
+
+    return stage(**options)(widen)
+
+
+def test_a_stage_made_at_runtime_runs_its_function_and_keeps_its_name_and_docstring() -> None:
+    widen = _make_widen()
+    x = torch.arange(8.0).reshape(1, 2, 4)
+    assert torch.equal(widen(x, 1), x)
+    assert widen.__name__ == "widen" and widen.__doc__ == "x times `times`, its shape kept (a test's stage)."
+    named = _make_widen(name="stretch")
+    with pytest.raises(ssm.ShapeError, match=r"^stretch\(\): "):
+        named(torch.zeros(1, 2), 1)
+    with pytest.raises(ssm.ShapeError, match=r"^widen\(\): "):
+        widen(torch.zeros(1, 2), 1)
+
+
+def test_a_stage_made_at_runtime_checks_its_result() -> None:
+    """A result whose width is not its argument's is caught, and named as the stage's result."""
+    widen = _make_widen()
+    with pytest.raises(ssm.ShapeError, match=r"^widen\(\): widen returned a wrong value: the result has d_model=6"):
+        widen(torch.zeros(1, 2, 7), 2)  # 7 // 2 * 2 = 6 features back
+
+
+def test_a_stage_without_a_result_annotation_checks_only_its_arguments() -> None:
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import stage
+
+    @stage()
+    def first_row(x: Float[torch.Tensor, "batch seq d_model"]):  # no result annotation, on purpose
+        return x[0]
+
+    assert first_row(torch.ones(2, 3, 4)).shape == (3, 4)
+    with pytest.raises(ssm.ShapeError, match=r"^first_row\(\): x must be 3-D"):
+        first_row(torch.ones(3, 4))
+
+
+def test_a_stage_made_at_runtime_runs_its_precheck_validate_and_explain() -> None:
+    """The three hooks each refuse what they are for, and explain's fix follows the sentence."""
+    widen = _make_widen(precheck=_refuse_float64, validate=_validate_even, explain=_explain_widen)
+    assert widen(torch.ones(1, 2, 4), 2).shape == (1, 2, 4)
+    with pytest.raises(ssm.ShapeError, match=r"^widen\(\): x is float64, which widen refuses\.\n"):
+        widen(torch.ones(1, 2, 4, dtype=torch.float64), 2)
+    first = r"^widen\(\): x has d_model=5, which widen needs even\. Pad x to an even width\.\n"
+    with pytest.raises(ssm.ShapeError, match=first):
+        widen(torch.ones(1, 2, 5), 1)
+
+
+def test_a_stage_after_another_in_one_session_names_what_it_got_from_the_user_plainly() -> None:
+    """In a session of several stages, a later stage's failure on an argument it names public reads as the user's
+    argument; on any other argument it is prefixed with where it happened (`at <stage>,`)."""
+    from shapesafe_mha._core.contract import Session
+
+    plain = _make_widen(name="widen", public=("x",), precheck=_refuse_float64)
+    inner = _make_widen(name="widen", precheck=_refuse_float64)
+    for widen, prefix in ((plain, ""), (inner, "at widen, ")):
+        with pytest.raises(ssm.ShapeError) as caught, Session("forward()") as session:
+            session.call(_make_widen(name="first"), torch.ones(1, 2, 4), 1)
+            session.call(widen, torch.ones(1, 2, 4, dtype=torch.float64), 1)
+        assert str(caught.value).splitlines()[0] == f"forward(): {prefix}x is float64, which widen refuses."
+
+
+def test_a_stage_reports_each_result_under_its_trace_name() -> None:
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import Session, stage
+
+    Tokens = Float[torch.Tensor, "batch seq d_model"]
+
+    @stage(trace=("left", "right"))
+    def halves(x: Tokens) -> tuple[Tokens, Tokens]:
+        return x, -x
+
+    seen: list[tuple[str, str]] = []
+    with Session("f()", observer=lambda name, dims, value: seen.append((name, dims))) as session:
+        session.call(halves, torch.ones(1, 2, 3))
+    assert seen == [("left", "batch seq d_model"), ("right", "batch seq d_model")]
+
+
+def _counting_sessions(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[str]:
+    """Replace `module.Session` by one that notes each session opened (what a full check costs)."""
+    opened: list[str] = []
+    original = module.Session
+
+    class Counted(original):
+        def __init__(self, owner: str, **kwargs: Any) -> None:
+            opened.append(owner)
+            super().__init__(owner, **kwargs)
+
+    monkeypatch.setattr(module, "Session", Counted)
+    return opened
+
+
+def test_a_public_stage_is_checked_once_per_signature() -> None:
+    """The second call with the same shapes, dtypes, ints, floats and bools is not checked again; another int is."""
+    import shapesafe_mha._core.contract as contract
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        opened = _counting_sessions(monkeypatch, contract)
+        x = torch.randn(1, 3, 8)
+        for _ in range(2):
+            ssm.split_heads(x, 2)
+        q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+        for _ in range(2):
+            ssm.scaled_dot_product_attention(q, k, k, is_causal=True, scale=0.5)
+        ssm.split_heads(x, 4)
+    assert opened == ["split_heads()", "scaled_dot_product_attention()", "split_heads()"]
+
+
+def test_a_remembered_stage_verdict_is_per_keyword() -> None:
+    """window=1 accepted does not vouch for is_causal=1: the same value under another name is another call."""
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    ssm.scaled_dot_product_attention(q, k, k, window=1)
+    with pytest.raises(ssm.ShapeError, match="is_causal must be bool, but got int 1"):
+        ssm.scaled_dot_product_attention(q, k, k, is_causal=1)  # pyright: ignore[reportArgumentType]
+
+
+def _attention_each_way(q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
+    return [
+        ssm.scaled_dot_product_attention(q, k, k, is_causal=True, scale=0.25),
+        ssm.attention_weights(q, k, is_causal=True, window=2),
+    ]
+
+
+def test_a_public_stage_passes_keywords_through_unchecked_and_in_a_shape_scope() -> None:
+    """Under unchecked() and inside a shape_scope a public stage computes what it computes on its own, keyword
+    arguments included."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    expected = _attention_each_way(q, k)
+    with ssm.unchecked():
+        unchecked = _attention_each_way(q, k)
+    with ssm.shape_scope():
+        scoped = _attention_each_way(q, k)
+    for got in (unchecked, scoped):
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_while_compiling_a_public_stage_calls_its_function_as_given_and_checks_nothing() -> None:
+    """The branch dynamo takes (compiling() true, not measurable with mutants under torch.compile): the same
+    values, keyword arguments included, and a wrong shape reaches torch unexplained."""
+    import shapesafe_mha._core.contract as contract
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    expected = _attention_each_way(q, k)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(contract, "compiling", lambda: True)
+        compiled = _attention_each_way(q, k)
+        with pytest.raises(RuntimeError) as caught:
+            ssm.split_heads(torch.randn(1, 3, 8), 3)
+    assert not isinstance(caught.value, ssm.ShapeError)
+    for a, b in zip(compiled, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_dimension_a_stage_returned_first_is_said_to_come_from_that_stage() -> None:
+    """In a session, a size bound by a stage's result (not by an argument) is named after that stage when a later
+    stage disagrees with it."""
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import Session, stage
+
+    @stage()
+    def widen_twice(x: Float[torch.Tensor, "batch seq d_model"]) -> Float[torch.Tensor, "batch seq d_wide"]:
+        return torch.cat([x, x], dim=-1)
+
+    @stage()
+    def narrow(y: Float[torch.Tensor, "batch seq d_wide"]) -> Float[torch.Tensor, "batch seq d_wide"]:
+        return y
+
+    with pytest.raises(ssm.ShapeError) as caught, Session("forward()") as session:
+        session.call(widen_twice, torch.ones(1, 2, 4))
+        session.call(narrow, torch.ones(1, 2, 5))
+    first = str(caught.value).splitlines()[0]
+    assert first == "forward(): at narrow, y has d_wide=5 (axis 2), but widen_twice set d_wide=8."
+
+
+def test_a_result_without_a_named_shape_is_reported_with_no_dimensions() -> None:
+    """The trace still sees the tensor a stage returns when its annotation names no dimensions (here: none)."""
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import Session, stage
+
+    @stage(trace=("rows",))
+    def first_row(x: Float[torch.Tensor, "batch seq d_model"]):  # no result annotation, on purpose
+        return x[0]
+
+    seen: list[tuple[str, str, tuple[int, ...]]] = []
+    with Session("f()", observer=lambda name, dims, value: seen.append((name, dims, tuple(value.shape)))) as session:
+        session.call(first_row, torch.ones(2, 3, 4))
+    assert seen == [("rows", "", (3, 4))]
+
+
+def test_a_public_stage_called_with_a_wrong_keyword_is_a_type_error_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"^split_heads\(\): missing a required argument: 'num_heads'$"):
+        ssm.split_heads(torch.randn(1, 3, 8), heads=2)  # pyright: ignore[reportCallIssue]
+
+
+def test_a_size_a_later_stage_binds_is_said_to_come_from_the_users_argument_or_from_that_stage() -> None:
+    """After the first stage of a session, an argument a stage lists as public binds its sizes under its own name (the
+    user passed it); any other binds them under the stage's name (the stage was given it by an earlier one)."""
+    from jaxtyping import Float
+
+    from shapesafe_mha._core.contract import Session, stage
+
+    Extra = Float[torch.Tensor, "batch seq d_extra"]
+
+    def take(x: Float[torch.Tensor, "batch seq d_model"], y: Extra) -> Extra:
+        return y
+
+    def check(z: Extra) -> Extra:
+        return z
+
+    @stage()
+    def begin(x: Float[torch.Tensor, "batch seq d_model"]) -> Float[torch.Tensor, "batch seq d_model"]:
+        return x
+
+    for options, source in (({"public": ("y",)}, "y"), ({}, "take")):
+        taking, checking = stage(name="take", **options)(take), stage()(check)
+        with pytest.raises(ssm.ShapeError) as caught, Session("forward()") as session:
+            session.call(begin, torch.ones(1, 2, 4))
+            session.call(taking, torch.ones(1, 2, 4), torch.ones(1, 2, 3))
+            session.call(checking, torch.ones(1, 2, 5))
+        line = str(caught.value).splitlines()[0]
+        assert line == f"forward(): at check, z has d_extra=5 (axis 2), but {source} set d_extra=3.", options

@@ -1,5 +1,6 @@
 """Every shape, dtype, device and config mistake gets the library's error with a one-line, specific message."""
 
+import functools
 import re
 from typing import Any
 
@@ -469,3 +470,201 @@ def test_a_tuple_whose_failing_part_is_another_librarys_array_gets_the_annotatio
     """No reason of ours for a numpy part: the tuple is named with its annotation (not a crash while explaining)."""
     first = _message(lambda: _with_array(_z(3), (np.ones(4, dtype=np.float32), 1))).splitlines()[0]
     assert first == "_with_array(): pair does not satisfy its annotation tuple[jaxtyping.Float[ndarray, 'd'], int]."
+
+
+def _window_cache_seen_7() -> tuple[ssm.MultiHeadAttention, ssm.KVCache]:
+    module = ssm.MultiHeadAttention(16, 4, window=3)
+    cache = module.new_cache(1, 4)
+    for _ in range(6):
+        module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
+    return module, cache
+
+
+def _a_mask_over_the_kept_positions_only(name: str) -> None:
+    """A window cache that has seen 7 positions and kept 3, and a mask over the kept ones and the new one."""
+    module, cache = _window_cache_seen_7()
+    mask = torch.ones(1, cache.kept + 1).bool() if name == "attn_mask" else torch.zeros(1, cache.kept + 1).bool()
+    module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache, **{name: mask})
+
+
+def _latent_with_a_float64_cache() -> None:
+    small = ssm.LatentAttention(16, 4, kv_lora_rank=6, d_nope=3, d_rope=2, d_value=5)
+    small(torch.randn(1, 3, 16), kv_cache=small.new_cache(1, 8).to(torch.float64))
+
+
+def _under_bf16_autocast_a_padding_mask_on_meta() -> None:
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module(
+            torch.randn(2, 3, 16),
+            attn_mask=torch.zeros(3, 3, dtype=torch.float64),  # another float dtype: autocast's to cast
+            key_padding_mask=torch.zeros(2, 3, dtype=torch.bool, device="meta"),
+        )
+
+
+_Q, _K = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
+_UNFLATTEN = "From (batch*num_heads, seq, kv_seq): attn_mask.unflatten(0, (batch, -1))."
+_FORWARD_FLOAT_MASK = (
+    "MultiHeadAttention.forward(): attn_mask has dtype float64; a float mask is added to the scores, so it must be "
+    "float32 like the module (or bool: True = may attend)."
+)
+# (what, the call, the error, its whole first line): the explicit checks of the stages, each sentence pinned
+STAGE_REFUSALS: list[tuple[str, Any, type[Exception], str]] = [
+    (
+        "a float mask of another dtype",
+        lambda: ssm.scaled_dot_product_attention(_Q, _K, _K, attn_mask=torch.zeros(4, 6, dtype=torch.float64)),
+        ssm.ShapeError,
+        "scaled_dot_product_attention(): attn_mask has dtype float64, but q has float32; a float mask is added to the "
+        "scores, so cast it (attn_mask.to(q.dtype)).",
+    ),
+    (
+        "nn.MultiheadAttention's 3-D float mask of another dtype",
+        lambda: ssm.scaled_dot_product_attention(_Q, _K, _K, attn_mask=torch.zeros(2, 4, 6, dtype=torch.float64)),
+        ssm.ShapeError,
+        "scaled_dot_product_attention(): attn_mask has dtype float64, but q has float32; a float mask is added to the "
+        f"scores, so cast it (attn_mask.to(q.dtype)). {_UNFLATTEN}",
+    ),
+    (
+        "nn.MultiheadAttention's 3-D mask on another device",
+        lambda: ssm.scaled_dot_product_attention(
+            _Q, _K, _K, attn_mask=torch.ones(2, 4, 6, dtype=torch.bool, device="meta")
+        ),
+        ssm.ShapeError,
+        "scaled_dot_product_attention(): attn_mask is on meta, but q is on cpu; move them to one device (for example "
+        f"attn_mask.to(q.device)). {_UNFLATTEN}",
+    ),
+    (
+        "more KV heads than query heads",
+        lambda: ssm.scaled_dot_product_attention(
+            torch.randn(1, 2, 4, 8), torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
+        ),
+        ssm.ShapeError,
+        "scaled_dot_product_attention(): q has num_heads=2 (axis 1), which is not a multiple of k's num_kv_heads=4; "
+        "each KV head must serve a whole group of query heads; are q and k swapped?",
+    ),
+    (
+        "dropout of 1",
+        lambda: ssm.scaled_dot_product_attention(_Q, _K, _K, dropout_p=1.0),
+        ssm.ConfigError,
+        "scaled_dot_product_attention(): dropout_p must be in [0, 1), but got 1.0.",
+    ),
+    (
+        "a window of 0",
+        lambda: ssm.scaled_dot_product_attention(_Q, _K, _K, window=0),
+        ssm.ConfigError,
+        "scaled_dot_product_attention(): window must be a positive int (the keys a query sees, itself included), "
+        "but got 0.",
+    ),
+    (
+        "no heads",
+        lambda: ssm.split_heads(torch.randn(1, 3, 8), 0),
+        ssm.ConfigError,
+        "split_heads(): num_heads must be a positive int, but got 0.",
+    ),
+    (
+        "no KV heads",
+        lambda: ssm.group_queries(_Q, 0),
+        ssm.ConfigError,
+        "group_queries(): num_kv_heads must be a positive int, but got 0.",
+    ),
+    (
+        "KV heads that do not divide the query heads",
+        lambda: ssm.group_queries(torch.randn(1, 8, 4, 8), 3),
+        ssm.ShapeError,
+        "group_queries(): q has num_heads=8 (axis 1), which num_kv_heads=3 does not divide; each KV head must serve a "
+        "whole group of query heads.",
+    ),
+    (
+        "a bias of another dtype",
+        lambda: ssm.project(torch.randn(1, 3, 8), torch.randn(4, 8), torch.randn(4, dtype=torch.float64)),
+        ssm.ShapeError,
+        "project(): bias has dtype float64, but x has float32; cast one of them (for example bias.to(x.dtype)).",
+    ),
+    (
+        "a dict for a cache",
+        lambda: ssm.MultiHeadAttention(16, 4, 2)(torch.randn(1, 3, 16), kv_cache={}),
+        ssm.ShapeError,
+        "MultiHeadAttention.forward(): kv_cache must be a shapesafe_mha.KVCache, but got dict; make one with "
+        "module.new_cache(batch, capacity).",
+    ),
+    (
+        "a cache of another dtype",
+        lambda: ssm.MultiHeadAttention(16, 4, 2)(
+            torch.randn(1, 3, 16), kv_cache=ssm.KVCache(1, 2, 8, 4, dtype=torch.float64)
+        ),
+        ssm.ShapeError,
+        "MultiHeadAttention.forward(): kv_cache holds float64 on cpu, but the module computes float32 on cpu; use "
+        "module.new_cache(batch, capacity) or kv_cache.to(torch.float32, 'cpu').",
+    ),
+    (
+        "a latent cache of another dtype",
+        _latent_with_a_float64_cache,
+        ssm.ShapeError,
+        "LatentAttention.forward(): kv_cache holds float64 on cpu, but the module computes float32 on cpu; use "
+        "module.new_cache(batch, capacity).",
+    ),
+    (
+        "a module's float mask of another dtype",
+        lambda: ssm.MultiHeadAttention(16, 4, 2)(
+            torch.randn(2, 3, 16), attn_mask=torch.zeros(3, 3, dtype=torch.float64)
+        ),
+        ssm.ShapeError,
+        _FORWARD_FLOAT_MASK,
+    ),
+    (
+        "a module's 3-D float mask of another dtype",
+        lambda: ssm.MultiHeadAttention(16, 4, 2)(
+            torch.randn(2, 3, 16), attn_mask=torch.zeros(8, 3, 3, dtype=torch.float64)
+        ),
+        ssm.ShapeError,
+        f"{_FORWARD_FLOAT_MASK} {_UNFLATTEN}",
+    ),
+    (
+        "a float mask of another dtype on meta",  # autocast is asked about, and meta has none
+        lambda: ssm.MultiHeadAttention(16, 4, 2, device="meta")(
+            torch.randn(2, 3, 16, device="meta"), attn_mask=torch.zeros(3, 3, dtype=torch.float64, device="meta")
+        ),
+        ssm.ShapeError,
+        _FORWARD_FLOAT_MASK,
+    ),
+    (
+        "under autocast, a padding mask on another device beside a float mask of another dtype",
+        _under_bf16_autocast_a_padding_mask_on_meta,
+        ssm.ShapeError,
+        "MultiHeadAttention.forward(): key_padding_mask is on meta, but the module's parameters are on cpu. "
+        "key_padding_mask is (batch, kv_seq) bool, True = padding.",
+    ),
+    *(
+        (
+            f"a window cache's {name} over the kept positions only",
+            functools.partial(_a_mask_over_the_kept_positions_only, name),
+            ssm.ShapeError,
+            f"MultiHeadAttention.forward(): {name} covers 5 key positions, but the sliding-window kv_cache has seen 7 "
+            "(cached and new); with a window, masks cover every position seen (the cache keeps the last 3).",
+        )
+        for name in ("attn_mask", "key_padding_mask")
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "call", "error", "first"), STAGE_REFUSALS, ids=[r[0].replace(" ", "_") for r in STAGE_REFUSALS]
+)
+def test_a_stage_refusal_says_what_is_wrong_and_the_fix(
+    what: str, call: Any, error: type[Exception], first: str
+) -> None:
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value).splitlines()[0] == first
+
+
+def test_a_value_of_the_wrong_width_gets_no_hint_meant_for_another_mistake() -> None:
+    """v's d_head wrong, where kv_seq equals d_head and v's width equals seq: neither 'k looks transposed' nor
+    'are q and k swapped' applies, and the message offers neither."""
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 4)
+    with pytest.raises(ssm.ShapeError) as caught:
+        ssm.scaled_dot_product_attention(q, k, v)
+    assert (
+        str(caught.value).splitlines()[0]
+        == "scaled_dot_product_attention(): v has d_head=4 (axis 3), but q set d_head=8."
+    )

@@ -610,3 +610,51 @@ def test_right_variadic_tuples_and_lists_pass_and_a_tuple_of_one_takes_one() -> 
         assert first_of_one(torch.ones(3), (torch.ones(3),)).shape == (3,)
     line = first_line(lambda: first_of_one(torch.ones(3), (torch.ones(3), torch.ones(3))))
     assert line == "first_of_one(): parts must be a tuple of 1, but got a tuple of 2."
+
+
+def _count_sessions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Note each session a decorated call opens (what a full check costs)."""
+    import shapesafe_mha._core.shapecheck as shapecheck
+
+    opened: list[str] = []
+    original = shapecheck.Session
+
+    class Counted(original):
+        def __init__(self, owner: str, **kwargs: Any) -> None:
+            opened.append(owner)
+            super().__init__(owner, **kwargs)
+
+    monkeypatch.setattr(shapecheck, "Session", Counted)
+    return opened
+
+
+def test_a_decorated_call_is_checked_once_per_signature_tuples_of_ints_included() -> None:
+    @ssm.shapecheck
+    def pick(x: Float[Tensor, "batch seq"], where: tuple[int, int]) -> Float[Tensor, "batch seq"]:
+        return x
+
+    @ssm.shapecheck
+    def scaled(x: Float[Tensor, "batch seq"]) -> Float[Tensor, "batch seq"]:
+        return ssm.expect(x * 2, "batch seq")
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        opened = _count_sessions(monkeypatch)
+        for _ in range(2):
+            pick(torch.zeros(2, 3), (0, 1))
+            scaled(torch.zeros(2, 3))
+        pick(torch.zeros(2, 3), (1, 1))
+    assert [o.split("(")[0].rsplit(".", 1)[-1] for o in opened] == ["pick", "scaled", "pick"], opened
+
+
+def test_an_expectation_reached_only_on_a_later_call_is_still_checked() -> None:
+    """A first call that made no expectation vouches for nothing an `expect` says on a later call."""
+
+    @ssm.shapecheck
+    def rows(x: Float[Tensor, "batch seq"]) -> Float[Tensor, "batch seq"]:
+        if bool(x.sum() > 0):
+            ssm.expect(x, "batch 4")
+        return x
+
+    rows(torch.zeros(2, 3))  # no expectation on this path
+    with pytest.raises(ssm.ShapeError, match=r"^expect\(\): expectation 1 has 4=3 \(axis 1\)"):
+        rows(torch.ones(2, 3))

@@ -271,6 +271,9 @@ def test_reset_of_a_window_cache_that_slid_starts_over() -> None:
         ({"window": 2.5}, "window must be a positive int"),
         ({"logit_softcap": -1.0}, "logit softcap must be a finite positive number"),
         ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a finite positive number"),
+        ({"clip_qkv": 0}, r"\): clip_qkv must be a finite positive number, but got 0\.$"),
+        ({"logit_softcap": True}, r"logit softcap must be a finite positive number, but got True\.$"),  # not 1.0
+        ({"query_pre_attn_scalar": "8"}, r"query_pre_attn_scalar must be a finite positive number, but got '8'\.$"),
         ({"rope_dim": 2}, r"rope_dim was given, but the module has no rotary embeddings \(rope_theta=None\)"),
         ({"rope_interleaved": True}, r"rope_interleaved was given, but the module has no rotary embeddings"),
         ({"rope_theta": 1e4, "rope_dim": 3}, r"rope_dim=3, but .* an even int in \[2, d_head=4\] \(for example 2\)"),
@@ -492,6 +495,7 @@ def test_a_cache_with_a_narrower_window_than_the_module_is_refused() -> None:
         ({"logit_softcap": float("inf")}, "logit softcap must be a finite positive number"),
         ({"qk_norm": True, "norm_eps": -1.0}, "norm_eps must be a finite number >= 0"),
         ({"qk_norm": True, "norm_eps": "1e-6"}, "norm_eps must be a finite number >= 0"),
+        ({"qk_norm": True, "norm_eps": float("inf")}, "norm_eps must be a finite number >= 0"),
     ],
 )
 def test_an_infinite_cap_or_a_bad_norm_eps_is_refused(kwargs: dict[str, Any], message: str) -> None:

@@ -499,3 +499,187 @@ def test_with_a_hook_on_the_module_decoding_still_equals_one_causal_forward() ->
     cache = module.new_cache(2, 8)
     steps = [module(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in range(4)]
     torch.testing.assert_close(torch.cat(steps, 1), module(x, is_causal=True), atol=1e-10, rtol=1e-8)
+
+
+def _same_relations(a: tuple[int, ...], b: tuple[int, ...], constants: frozenset[int]) -> bool:
+    """What a shape check can tell apart, stated directly: sizes that are 0, 1 or a constant are seen as they are,
+    any other only through which sizes equal it."""
+    if len(a) != len(b):
+        return False
+    kept = [(x < 2 or x in constants, y < 2 or y in constants) for x, y in zip(a, b, strict=True)]
+    if any(kx != ky or (kx and x != y) for (kx, ky), x, y in zip(kept, a, b, strict=True)):
+        return False
+    return all((a[i] == a[j]) == (b[i] == b[j]) for i in range(len(a)) for j in range(len(a)))
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ((5,), (1,)),  # another size is not a broadcast one
+        ((5, 6), (5, 5)),  # two sizes are not one
+        ((5, 6, 7), (5, 6, 1)),
+        ((2, 3, 2), (4, 5, 4)),  # 2 is a size like any other: decoding from 2 keys to 3 keeps the key
+        ((2, 3), (3, 2)),
+        ((0, 1, 4, 9), (0, 1, 4, 8)),
+        ((0, 1, 4, 9), (1, 0, 4, 9)),
+        ((3, 4), (3, 5)),  # 4 is the module's constant here
+        ((7, 7, 3), (9, 9, 3)),
+    ],
+)
+def test_relational_keys_agree_exactly_when_a_check_cannot_tell_the_sizes_apart(
+    a: tuple[int, ...], b: tuple[int, ...]
+) -> None:
+    from shapesafe_mha._core.contract import relational
+
+    constants = frozenset({4})
+    assert (relational(a, constants) == relational(b, constants)) == _same_relations(a, b, constants)
+
+
+@given(sizes=st.lists(st.integers(0, 9), max_size=6), offset=st.integers(1, 20))
+def test_relational_keys_stay_the_same_when_every_free_size_moves_alike(sizes: list[int], offset: int) -> None:
+    from shapesafe_mha._core.contract import relational
+
+    constants = frozenset({4})
+    moved = tuple(s if s < 2 or s in constants else s + 100 * offset for s in sizes)
+    assert relational(tuple(sizes), constants) == relational(moved, constants)
+    assert _same_relations(tuple(sizes), moved, constants)
+
+
+def test_the_verdict_memo_never_holds_more_than_max_verdicts() -> None:
+    from shapesafe_mha._core.contract import MAX_VERDICTS, Verdicts
+
+    verdicts = Verdicts()
+    for n in range(MAX_VERDICTS + 2):
+        verdicts.remember((n,), ("relations", n))
+        assert len(verdicts.exact) <= MAX_VERDICTS and len(verdicts.relations) <= MAX_VERDICTS
+    assert (MAX_VERDICTS + 1,) in verdicts.exact  # the newest is kept when the memo is forgotten
+
+
+def test_a_call_known_by_its_relations_is_then_known_by_its_exact_key() -> None:
+    """The relations key is asked for only when the exact key misses: once a call was answered by its relations,
+    the same call again is one lookup."""
+    from shapesafe_mha._core.contract import Verdicts
+
+    verdicts = Verdicts()
+    verdicts.remember(("exact", 5), ("relations",))
+    assert verdicts.known(("exact", 6), lambda: ("relations",))
+
+    def never() -> Any:
+        raise AssertionError("the relations key was asked for a call already known exactly")
+
+    assert verdicts.known(("exact", 6), never)
+    assert not verdicts.known(("exact", 7))
+
+
+def test_a_verdict_remembered_outside_autocast_does_not_cover_a_call_inside_it() -> None:
+    """A float16 module decoding into its float16 cache passes; under bfloat16 autocast the same call computes
+    bfloat16 keys, which that cache does not hold: refused, as on a fresh module, not let through by the verdict."""
+    module = ssm.MultiHeadAttention(16, 4, 2, dtype=torch.float16)
+    cache = module.new_cache(1, 8)
+    module(torch.randn(1, 2, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
+    module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+        ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"
+    ):
+        module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
+    assert len(cache) == 3
+
+
+def _nearly_full_cache_and_a_retyped_output_projection() -> tuple[ssm.MultiHeadAttention, ssm.KVCache]:
+    """A module whose cache has room for one more position, and whose o_proj weight became float64 in place (its
+    shape kept, so a verdict's key cannot see it): the call fails in o_proj, after writing the cache."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = module.new_cache(1, 4)
+    module(torch.randn(1, 2, 16), is_causal=True, kv_cache=cache)
+    module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
+    return module, cache
+
+
+def test_a_failure_after_the_cache_write_is_explained_from_the_cache_as_it_was() -> None:
+    """After a verdict, the unchecked call fails past its cache write and is run again checked to explain it: that
+    run starts from the cache before the call (a full one would add a capacity error of its own), so the warm module
+    reports what a fresh one reports, and the cache keeps its length."""
+    outcomes = []
+    for warm in (True, False):
+        module, cache = _nearly_full_cache_and_a_retyped_output_projection()
+        if not warm:
+            module._verdicts.forget()
+        module.o_proj.weight.data = module.o_proj.weight.data.double()
+        outcomes.append(_outcome(lambda m=module, c=cache: m(torch.randn(1, 1, 16), is_causal=True, kv_cache=c)))
+        assert len(cache) == 3
+    assert outcomes[0][0] != "ok"
+    _same(outcomes[0], outcomes[1])
+
+
+class _FailsOnce(nn.Linear):
+    """A projection whose next call raises torch's kind of error once (a transient failure), when armed."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("transient")
+        return super().forward(x)
+
+
+def test_after_a_verdict_an_error_the_checks_do_not_reproduce_reaches_the_caller_as_raised() -> None:
+    """The unchecked call fails, the checked run passes: the caller gets that failure itself, not another error."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    module.q_proj = _FailsOnce(16, 16)
+    x = torch.randn(1, 3, 16)
+    module(x)
+    module.q_proj.armed = True
+    with pytest.raises(RuntimeError, match=r"^transient$"):
+        module(x)
+
+
+def test_a_repeated_module_call_is_known_by_its_exact_key() -> None:
+    """The relations key is computed on first sight only (asked for, then remembered): the same call again is found
+    by its exact key, without abstracting its sizes."""
+    from shapesafe_mha._core.contract import CallKey
+
+    computed: list[Any] = []
+    original = CallKey.relations
+
+    def counted(self: CallKey, constants: frozenset[int]) -> Any:
+        computed.append(self)
+        return original(self, constants)
+
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    x = torch.randn(1, 3, 16)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(CallKey, "relations", counted)
+        module(x)  # first sight: asked for (the exact key missed), then remembered
+        first = len(computed)
+        for _ in range(2):
+            module(x)
+    assert first > 0 and len(computed) == first
+
+
+class _Narrows(nn.Linear):
+    """A projection that, once armed, returns four features fewer (state no verdict key can see)."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out[..., :-4] if self.armed else out
+
+
+def test_a_submodule_returning_another_width_after_a_verdict_is_explained_as_on_a_fresh_module() -> None:
+    """The unchecked call fails in torch; run again checked it is our ShapeError naming q_proj, the same line a
+    module with no verdict gives."""
+    outcomes = []
+    for warm in (True, False):
+        module = ssm.MultiHeadAttention(16, 4, 2)
+        module.q_proj = _Narrows(16, 16)
+        x = torch.randn(1, 3, 16)
+        module(x)
+        if not warm:
+            module._verdicts.forget()
+        module.q_proj.armed = True
+        outcomes.append(_outcome(lambda m=module, x=x: m(x)))
+    assert outcomes[0][0] == "ShapeError" and "q_proj returned a wrong value" in outcomes[0][1], outcomes[0]
+    _same(outcomes[0], outcomes[1])

@@ -62,6 +62,41 @@ _MASK_BUILT_ANYWAY = (
     "the explicit mask built where None (torch's own is_causal, or nothing to mask) meant the same keys: the window "
     "hides none (kv_seq <= window, or no window), or the query is a single one, which sees every key"
 )
+_S = "shapesafe_mha._compute.stages."
+_CO = "shapesafe_mha._core.contract."
+_MEMBERSHIP_NOTE = (
+    "the default note made False: only shapecheck reads a note (exact.get: None, False or True), and it always "
+    "passes its own; a stage, a cache, hf's backend and the modules test their memos for membership only"
+)
+_TUPLE_KEYS = (
+    "changes only the branch for an exact key that is not a tuple: every caller's key is one (signature_key, "
+    "annotation_key, a method's key, a cache's, hf's call key, CallKey)"
+)
+_BOOL_NEVER_REFUSED = (
+    "a bool mask's dtype no longer skipped: the checks after it refuse only floating tensors, so a bool one passes "
+    "them all the same and reaches its annotation"
+)
+_PLAIN_NOT_MASK = (
+    "drops `arg` from the float dtype refusal of q, k, v, x, weight or bias (a float mask takes the branch above): "
+    "these stages are called at top level only (never prefixed), and their explain hook reads `arg` only for k with "
+    "dim d_head, v with dim kv_seq, or a mask, never with dim None for k or v"
+)
+_CACHE_KIND_ARG = (
+    "drops or renames `arg` of the wrong-kind kv_cache refusal: a wrong kind is refused by the forward's own precheck "
+    "(top level, never prefixed) before any cache stage sees it, and no explain hook looks for kv_cache"
+)
+_CACHE_DTYPE_ARG = (
+    "drops `arg` of the cache dtype refusal: the cache stages that reach it list kv_cache in `public`, so it is "
+    "plain either way (tests/test_errors.py pins the line), and no explain hook looks for kv_cache"
+)
+_K_IS_A_TENSOR = (
+    "the fix for a k that is not a tensor: append_to_cache's k is split_key's result, checked as a tensor before, "
+    "and unchecked forwards call the raw functions (no precheck)"
+)
+_SEEN_DETAIL = (
+    "drops or renames `arg`/`dim` of the window-masks refusal: window_masks has no explain hook (the only reader of "
+    "`dim`) and lists both masks in `public`, so it is never prefixed"
+)
 _NO_NONE_SUBMODULE = (
     "continue -> break at a None submodule: module_state is given MultiHeadAttention's and LatentAttention's "
     "submodules only, and none of them is ever None"
@@ -247,6 +282,75 @@ EQUIVALENT: dict[str, str] = {
     ),
     f"{_R}x_check_rotary_width__mutmut_11": (
         "d_head > 2 for d_head > 1: they differ only at d_head == 2, which is even and never reaches the message"
+    ),
+    # --- stages ---
+    **{f"{_S}x_same_device_and_dtype__mutmut_{n}": _BOOL_NEVER_REFUSED for n in (15, 16)},
+    **{f"{_S}x_same_device_and_dtype__mutmut_{n}": _PLAIN_NOT_MASK for n in (31, 33)},
+    f"{_S}x_check_variants__mutmut_1": (
+        "norm_eps's default 1.0 instead of 0.0: the default is only validated (is it a finite number >= 0), and both "
+        "are; every caller that norms passes its own epsilon"
+    ),
+    f"{_S}x_explain_mask__mutmut_4": (
+        "failure.arg or 'XXXX' for or '': both look up an argument no stage has, and get None"
+    ),
+    f"{_S}x__validate_attention__mutmut_20": (
+        "'are q and k swapped?' also where num_kv_heads == num_heads: that many KV heads divide the query heads, so "
+        "the message is never reached"
+    ),
+    **{f"{_S}x_check_cache__mutmut_{n}": _CACHE_KIND_ARG for n in (5, 7, 11, 12)},
+    **{f"{_S}x_check_cache__mutmut_{n}": _CACHE_DTYPE_ARG for n in (30, 32)},
+    **{f"{_S}x__precheck_cache__mutmut_{n}": _K_IS_A_TENSOR for n in (6, 7)},
+    **{f"{_S}x__validate_seen__mutmut_{n}": _SEEN_DETAIL for n in (19, 20, 22, 23, 28, 29)},
+    # --- contract ---
+    **{
+        f"{_CO}xǁ_Offǁ__repr____mutmut_{n}": (
+            "the OFF sentinel's repr: nothing prints it (no message, trace or doc); mode is compared to it by identity"
+        )
+        for n in (1, 2)
+    },
+    f"{_CO}xǁVerdictsǁremember__mutmut_1": _MEMBERSHIP_NOTE,
+    f"{_CO}x__add__mutmut_1": _MEMBERSHIP_NOTE,
+    **{f"{_CO}xǁVerdictsǁremember__mutmut_{n}": _TUPLE_KEYS for n in (3, 5)},
+    **{
+        f"{_CO}xǁStageǁ__init____mutmut_{n}": (
+            "include_extras dropped or falsy: it keeps only typing.Annotated metadata, and no stage annotates with "
+            "Annotated (jaxtyping's arrays are classes); tests/test_contract.py makes stages at runtime for the rest"
+        )
+        for n in (3, 5, 6)
+    },
+    **{
+        f"{_CO}xǁStageǁresult_names__mutmut_{n}": "zip's strict=None or left out: the same as strict=False"
+        for n in (14, 17)
+    },
+    **{f"{_CO}xǁSessionǁreport__mutmut_{n}": "zip's strict=None or left out: the same as strict=False" for n in (6, 9)},
+    f"{_CO}xǁStageǁresult_names__mutmut_18": (
+        "zip strict=True: every stage whose result is reported names each part of it (trace, or one result and its "
+        "name), so the lengths agree; the one that does not, KVCache.append's, is only used to check arguments"
+    ),
+    f"{_CO}xǁSessionǁcheck_arguments__mutmut_22": (
+        "a stage's sources looked up by None instead of the argument's name: no stage keys its sources by an argument "
+        "(they hold only 'result', which report reads), so the fallback is taken either way"
+    ),
+    f"{_CO}xǁSessionǁfits__mutmut_22": (
+        "bind's label made None: bind uses it only in its misfit's message, which it never reads (only `is None`)"
+    ),
+    f"{_CO}x_relational__mutmut_11": (
+        "a free size numbered -2 - i instead of -1 - i: still distinct negatives, never 0, 1 or a constant, and keys "
+        "are only compared for equality"
+    ),
+    f"{_CO}x_remembered_forward__mutmut_15": (
+        "check = None for False where the verdict is known: check is only read for truth (not check, if check)"
+    ),
+    **{
+        f"{_CO}x_remembered_forward__mutmut_{n}": (
+            "`state is not None or cache is not None` for `and`: state is None exactly when cache is (state() is a "
+            "tuple)"
+        )
+        for n in (26, 44)
+    },
+    f"{_CO}xǁCallKeyǁrelations__mutmut_10": (
+        "`kv_seq is not None` for `is None`: the flag is negated in every key alike, and keys are only compared for "
+        "equality"
     ),
 }
 
