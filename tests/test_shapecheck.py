@@ -614,18 +614,11 @@ def test_right_variadic_tuples_and_lists_pass_and_a_tuple_of_one_takes_one() -> 
 
 def _count_sessions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Note each session a decorated call opens (what a full check costs)."""
+    from test_contract import _counting_sessions
+
     import shapesafe_mha._core.shapecheck as shapecheck
 
-    opened: list[str] = []
-    original = shapecheck.Session
-
-    class Counted(original):
-        def __init__(self, owner: str, **kwargs: Any) -> None:
-            opened.append(owner)
-            super().__init__(owner, **kwargs)
-
-    monkeypatch.setattr(shapecheck, "Session", Counted)
-    return opened
+    return _counting_sessions(monkeypatch, shapecheck)
 
 
 def test_a_decorated_call_is_checked_once_per_signature_tuples_of_ints_included() -> None:
