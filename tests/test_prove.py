@@ -9,6 +9,7 @@ from prove_modules import UserAttention
 from torch import nn
 
 import shapesafe_mha as ssm
+from shapesafe_mha.dims import Tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {"mha": 8, "gqa": 2, "mqa": 1}
@@ -148,3 +149,142 @@ def test_the_cli_proves_and_exits_by_the_outcome() -> None:
     assert ok.exit_code == 0 and "proven for" in ok.stdout, ok.output
     bad = CliRunner().invoke(app, ["prove", "--module", "prove_modules:view_seq"])
     assert bad.exit_code == 1 and "seq: " in bad.stdout, bad.output
+
+
+def test_a_failed_proof_prints_not_proven_its_columns_and_every_failure() -> None:
+    """The title says NOT proven where a failure was found and proven (without NOT) where none; the table's columns
+    are named; every failure line follows the table."""
+    failed = ssm.prove(UserAttention(bug="truncate"))
+    text = str(failed)
+    assert "NOT proven for batch in [1, 64], seq in [1, 2048]" in " ".join(text.split())  # the title wraps
+    assert re.search(r"\bstage\b.*\bnamed shape\b.*\bsymbolic shape\b", text), text
+    assert failed.failures and all(failure in text for failure in failed.failures)
+    assert "NOT proven" not in str(ssm.prove(UserAttention()))
+
+
+class _Raises(nn.Module):
+    """A module whose forward raises `error` at every size (not a size-specific bug export can place)."""
+
+    d_model = 64
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise self.error
+
+
+def test_the_printout_is_120_columns_wide_whatever_the_terminal_and_prints_nothing_itself(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """str() lays the proof out for 120 columns (a long failure folds there, a terminal of 80 or 300 columns
+    notwithstanding), and only returns the text: nothing is written to stdout by building it."""
+    proof = ssm.prove(_Raises(RuntimeError("w" * 300)))
+    for columns in ("80", "300"):
+        monkeypatch.setenv("COLUMNS", columns)
+        text = str(proof)
+        assert max(len(line) for line in text.splitlines()) == 120, columns
+    assert capsys.readouterr().out == ""
+
+
+def test_an_error_export_cannot_place_is_quoted_short_and_one_without_text_by_its_type() -> None:
+    """The failure quotes the first 180 characters of the error's first line (a report line stays readable), or,
+    where the error has no text, its type."""
+    long = ssm.prove(_Raises(RuntimeError("w" * 300 + "\nthe second line")))
+    quoted = [failure.split(": the module fails at some ")[1] for failure in long.failures]
+    assert quoted and all(text.endswith(": " + "w" * 180) and "second" not in text for text in quoted), long.failures
+    silent = ssm.prove(_Raises(RuntimeError()))
+    assert silent.failures and all(failure.endswith(": RuntimeError") for failure in silent.failures), silent.failures
+
+
+def test_a_failure_names_the_sizes_that_fail_and_writes_torchs_symbols_as_them() -> None:
+    """A view with the sequence length written in fails with seq alone symbolic (torch's symbol for it written
+    `seq`), with batch alone symbolic (`batch`), and at batch = seq = 1 (no symbol: both named)."""
+    proof = ssm.prove(UserAttention(bug="view_seq"))
+    named = [failure.split(": the module fails at some ")[0] for failure in proof.failures]
+    assert named == ["seq", "batch", "batch or seq"], proof.failures
+    assert all(
+        f.startswith(f"{who}: the module fails at some {who}: ") for who, f in zip(named, proof.failures, strict=True)
+    )
+    assert "size 192*seq" in proof.failures[0] and "size 320*batch" in proof.failures[1], proof.failures
+    assert not any(re.search(r"\bs\d+\b", failure) for failure in proof.failures), proof.failures
+
+
+class _PositionTable(nn.Module):
+    """A learned table of 16 positions added where the sequence belongs: the code works at seq 16 only."""
+
+    d_model = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(1, 16, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table
+
+
+def test_a_size_the_code_fixes_is_named_with_its_value() -> None:
+    """Export specializes seq to the table's 16 positions (the example size, the range's low end): the failure says
+    the code fixes seq to 16, in so many words."""
+    assert ssm.prove(_PositionTable(), seq=(16, 64)).failures == [
+        "seq: the code fixes seq to 16 (a view, slice or buffer of that size where seq belongs)"
+    ]
+
+
+def test_a_guard_is_written_without_the_ranges_own_lower_bound() -> None:
+    """torch's guard `2 <= seq and seq <= 512` is the range's own bound and the branch's: only the branch is said."""
+    proof = ssm.prove(UserAttention(bug="truncate"))
+    assert proof.failures == [
+        "seq: the shapes hold only where seq <= 512 (a branch, view or buffer that depends on seq)"
+    ]
+
+
+@ssm.shapecheck
+def first_branch(x: Tokens) -> Tokens:
+    if x.shape[1] > 30:  # each planted branch tightens the bound on seq: a guard of its own
+        x = x * 2
+    return x
+
+
+@ssm.shapecheck
+def inner_branch(x: Tokens) -> Tokens:
+    if x.shape[1] > 20:
+        x = x * 3
+    return x
+
+
+@ssm.shapecheck
+def outer_branch(x: Tokens) -> Tokens:
+    if x.shape[1] > 25:
+        x = x * 4
+    return inner_branch(x)
+
+
+class _Branches(nn.Module):
+    """An undecorated forward with a branch of its own, then two decorated calls in turn, the second calling a third."""
+
+    d_model = 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 40:
+            x = x + 1
+        return outer_branch(first_branch(x))
+
+
+def test_each_size_specific_branch_is_placed_in_the_innermost_decorated_call_that_made_it() -> None:
+    """Every decorated call that made a guard is named once, in the order the guards were made: a guard inside a
+    nested call belongs to the nested one, not to its caller; the undecorated forward's own guard to none."""
+    proof = ssm.prove(_Branches())
+    assert len(proof.failures) == 1, proof.failures
+    assert proof.failures[0].endswith(" in first_branch(), outer_branch(), inner_branch()"), proof.failures
+
+
+def test_decoding_passes_the_forward_keyword_arguments_on() -> None:
+    """decode=True runs the step with the keyword arguments given: need_weights=True adds the weights stage, and a
+    keyword LatentAttention's forward does not take is its failure."""
+    module = ssm.MultiHeadAttention(64, 8, 2)
+    assert "weights" in [name for name, _, _ in ssm.prove(module, decode=True, need_weights=True).stages]
+    mla = ssm.LatentAttention(64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
+    refused = ssm.prove(mla, decode=True, need_weights=True)
+    assert not refused.ok and all("unexpected keyword argument 'need_weights'" in f for f in refused.failures)
