@@ -6,7 +6,7 @@ implementation with one classic mistake planted, whose report names the property
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 import shapesafe_mha as ssm
 from shapesafe_mha import AttentionWeights, ConfigError
 from shapesafe_mha.reference import per_head_attention
-from shapesafe_mha.testing import AttentionConfig, check_attention, check_module
+from shapesafe_mha.testing import ALL_KINDS, AttentionConfig, check_attention, check_module
 
 EXAMPLES = 15  # per check: each draw runs the reference head by head, so keep the budget small (CI has 2 cores)
 
@@ -84,6 +84,28 @@ def test_a_temperature_indexed_per_kv_head_is_caught_and_named() -> None:
     assert re.search(r"num_kv_heads=\d+, d_head", report) and "(mha," not in report
 
 
+def per_example_temperature_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Query head h's temperature, times one of each example of the batch: the mod reads b as well as h."""
+    return score / (temperature(h) * (1.0 + 0.5 * b))
+
+
+def test_a_mistake_in_a_mod_that_reads_the_batch_index_is_named_too() -> None:
+    """The report's variants give the mod every index it receives, b included: a temperature indexed per KV head is
+    named for a mod that also reads the example b, as for one that does not."""
+
+    def fn(x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **_: Any) -> Tensor:
+        q, k, v = heads_of(x, w, num_heads, num_kv_heads)
+        per_kv_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+        examples = 1.0 + 0.5 * torch.arange(x.shape[0])
+        scaled = q / (temperature(per_kv_head)[:, None, None] * examples[:, None, None, None]).to(q.dtype)
+        return out_of(ssm.scaled_dot_product_attention(scaled, k, v, is_causal=is_causal), w)
+
+    report = report_of(
+        lambda: check_attention(fn, score_mod=per_example_temperature_mod, kinds=("gqa",), max_examples=EXAMPLES)
+    )
+    assert "score_mod given the KV head index (h // group) instead of the query head h" in report, report
+
+
 # --- ALiBi, whose slopes depend on num_heads: a function of the config gives the mod --------------------
 
 
@@ -111,6 +133,10 @@ def alibi_attention(bug: str | None = None) -> Callable[..., Tensor]:
         slopes = alibi_slopes(num_heads).to(q.dtype)
         if bug == "head order":
             slopes = slopes.flip(0)
+        if bug == "per KV head":  # GQA: each query head given its KV head's slope
+            slopes = slopes[torch.arange(num_heads) // (num_heads // num_kv_heads)]
+        if bug == "not applied":
+            slopes = torch.zeros_like(slopes)
         positions = torch.arange(q.shape[2])
         distance = positions[None, :] - positions[:, None]  # kv_idx - q_idx
         if bug == "sign":
@@ -127,16 +153,28 @@ def test_alibi_passes_with_its_score_mod_made_for_each_config() -> None:
 
 
 @pytest.mark.parametrize(
-    ("bug", "named"),
+    ("bug", "named", "kinds"),
     [
-        ("sign", "score_mod's change to the scores negated (a bias with the wrong sign"),
-        ("head order", "score_mod's heads in reverse order"),
+        ("sign", "score_mod's change to the scores negated (a bias with the wrong sign", ALL_KINDS),
+        ("head order", "score_mod's heads in reverse order", ALL_KINDS),
+        (
+            "per KV head",
+            "with score_mod given the KV head index (h // group) instead of the query head h: a per-head parameter "
+            "(temperature, slope) indexed per KV head",
+            ("mha", "gqa"),  # MQA's smallest failing example is off by less than float32's rounding: reported so
+        ),
+        ("not applied", "bug class: score_mod: the output matches the reference with score_mod not applied", ALL_KINDS),
     ],
 )
-def test_alibi_with_its_slope_sign_or_head_order_wrong_is_caught_and_named(bug: str, named: str) -> None:
-    """Two classic ALiBi mistakes, each reported as the score_mod mistake it is."""
+def test_alibi_with_its_slope_sign_or_head_order_wrong_is_caught_and_named(
+    bug: str, named: str, kinds: tuple[Literal["mha", "gqa", "mqa"], ...]
+) -> None:
+    """Classic ALiBi mistakes (the sign, the head order, slopes per KV head, no bias at all), each reported as the
+    score_mod mistake it is."""
     report = report_of(
-        lambda: check_attention(alibi_attention(bug), score_mod=alibi_mod, is_causal=True, max_examples=EXAMPLES)
+        lambda: check_attention(
+            alibi_attention(bug), score_mod=alibi_mod, is_causal=True, kinds=kinds, max_examples=EXAMPLES
+        )
     )
     assert "property: the reference applies score_mod=alibi_mod" in report
     assert "bug class: score_mod" in report and named in report

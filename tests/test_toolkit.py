@@ -3,6 +3,7 @@
 import math
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 
 import shapesafe_mha as ssm
 from shapesafe_mha import AttentionWeights
+from shapesafe_mha.reference import per_head_attention
 from shapesafe_mha.testing import attention_configs, check_attention, check_module
 
 # --- a plain-torch implementation, with switches for the classic bugs -------------------------------------
@@ -295,6 +297,47 @@ def test_masks_and_rope_catch_what_they_are_for() -> None:
         check_attention(ignores_padding, masks=True)
     with pytest.raises(AssertionError, match=r"RoPE rotates pairs \(i, i \+ d_head/2\) where \(2i, 2i\+1\) was meant"):
         check_attention(_module_call, rope=True, rope_style="interleaved")
+
+
+def test_rope_turned_the_wrong_way_past_position_0_is_named() -> None:
+    """A decoding branch (positions past 0) that turns RoPE the wrong way is named as such: the variant turns the
+    keys with the queries' own positions, wherever they start, not with positions counted from 0, and as many as the
+    sequence has (GQA with d_model = num_heads * d_head: even its smallest example has more features than positions)."""
+
+    def wrong_way_when_decoding(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        positions = kwargs["positions"]
+        if positions[0, 0] > 0:  # the cached-step branch, with the sign of sin flipped
+            positions = -positions
+        return _module_call(x, w, **{**kwargs, "positions": positions})
+
+    with pytest.raises(AssertionError, match=r"RoPE turned the wrong way \(the sign of sin, or of rotate_half\)"):
+        check_attention(wrong_way_when_decoding, rope=True, is_causal=True, kinds=("gqa",), d_model_is_inner=True)
+
+
+def test_rope_turned_the_wrong_way_in_cross_attention_is_named() -> None:
+    """Cross-attention with RoPE (the reference's own code, every angle negated): named as RoPE turned the wrong way,
+    the variant turning the kv_seq keys by their own positions 0..kv_seq-1, not by the queries'."""
+
+    def wrong_way(x: Tensor, w: AttentionWeights, *, memory: Tensor, positions: Tensor, **kwargs: Any) -> Tensor:
+        keys = torch.arange(memory.shape[1]).expand(memory.shape[0], -1)
+        return per_head_attention(x, memory, memory, w, positions=-positions, key_positions=-keys, **kwargs)
+
+    with pytest.raises(AssertionError, match=r"RoPE turned the wrong way \(the sign of sin, or of rotate_half\)"):
+        check_attention(wrong_way, cross=True, rope=True)
+
+
+def test_atol_0_is_exact_and_a_head_with_the_references_bits_is_not_wrong() -> None:
+    """atol=0 compares exactly, and a head whose output is the reference's bit for bit is within it: only the head
+    whose queries are scaled is reported wrong."""
+
+    def second_head_scaled(x: Tensor, w: AttentionWeights, *, num_heads: int, **kwargs: Any) -> Tensor:
+        d_head = w.w_q.shape[0] // num_heads
+        scaled = w.w_q.clone()
+        scaled[d_head : 2 * d_head] *= 3.0
+        return per_head_attention(x, x, x, replace(w, w_q=scaled), num_heads=num_heads, **kwargs)
+
+    with pytest.raises(AssertionError, match=r"wrong heads: \[1\] of \d+"):
+        check_attention(second_head_scaled, kinds=("mha",), atol=0)
 
 
 def test_interleaved_kv_heads_are_a_convention_not_a_bug() -> None:
