@@ -288,3 +288,22 @@ def test_decoding_passes_the_forward_keyword_arguments_on() -> None:
     mla = ssm.LatentAttention(64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
     refused = ssm.prove(mla, decode=True, need_weights=True)
     assert not refused.ok and all("unexpected keyword argument 'need_weights'" in f for f in refused.failures)
+
+
+class _FailsOnlyWithBothSymbolic(nn.Module):
+    """A module that raises only where batch and seq are both symbols (its message prints them)."""
+
+    d_model = 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x.shape[0], torch.SymInt) and isinstance(x.shape[1], torch.SymInt):
+            raise RuntimeError(f"no kernel for {x.shape[0]} by {x.shape[1]}")
+        return x
+
+
+def test_a_failure_that_needs_both_sizes_symbolic_names_both() -> None:
+    """Neither size fails alone (each symbolic with the other at its example size), so the failure found with both
+    symbolic is the one reported, for batch or seq: no single dimension is blamed."""
+    proof = ssm.prove(_FailsOnlyWithBothSymbolic())
+    assert len(proof.failures) == 1, proof.failures
+    assert proof.failures[0].startswith("batch or seq: the module fails at some batch or seq: no kernel for "), proof
