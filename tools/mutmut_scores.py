@@ -101,6 +101,18 @@ _NO_NONE_SUBMODULE = (
     "continue -> break at a None submodule: module_state is given MultiHeadAttention's and LatentAttention's "
     "submodules only, and none of them is ever None"
 )
+_P = "shapesafe_mha._tools.prove."
+_D = "shapesafe_mha.testing._diagnose."
+_ROOM = (
+    "the decoding step's cache built with d_model free positions after the cached ones (query.shape[2] for [1]) "
+    "instead of the one the step writes: the step writes and reads only the first cached + 1, so every shape and guard "
+    "is the same (d_model >= 1)"
+)
+_HIGHLIGHT = "a failure line printed with rich's highlighting: it adds styles only, and export_text() drops them"
+_INNERMOST_FIRST = (
+    "min's key made a constant: min then takes the first span that holds the guard, and spans are noted as calls "
+    "return, so that is the innermost call (the spans holding one guard nest), the one the shortest-span key picks"
+)
 EQUIVALENT: dict[str, str] = {
     **{f"{_ROTARY}{n}": _ARANGE for n in (22, 26, 30)},
     **{f"{_ROTARY}{n}": _EDGE for n in (84, 102, 105)},
@@ -351,6 +363,21 @@ EQUIVALENT: dict[str, str] = {
     f"{_CO}xǁCallKeyǁrelations__mutmut_10": (
         "`kv_seq is not None` for `is None`: the flag is negated in every key alike, and keys are only compared for "
         "equality"
+    ),
+    # --- prove ---
+    f"{_P}xǁ_Decodeǁforward__mutmut_12": _ROOM,
+    f"{_P}xǁ_LatentDecodeǁforward__mutmut_17": _ROOM,
+    f"{_P}xǁ_Decodeǁforward__mutmut_31": (
+        "the step's cache starts at position 1, not 0: only `seen` reads _start, for the values RoPE turns by and the "
+        "temperature's (the window masks read it only with cache.window, None here), so every shape is the same"
+    ),
+    **{f"{_P}xǁShapeProofǁ__str____mutmut_{n}": _HIGHLIGHT for n in (12, 14, 15)},
+    **{f"{_P}xǁ_Observerǁguarding_calls__mutmut_{n}": _INNERMOST_FIRST for n in (16, 19)},
+    # --- diagnose ---
+    f"{_D}xǁToleranceǁholds__mutmut_2": (
+        "outputs of other shapes held equal: holds is only asked of outputs of one shape, since judge refuses an "
+        "output of another shape before any diagnosis, a variant or an isolated head changes weight values (never "
+        "sizes), and `rows` selects from both alike"
     ),
 }
 
