@@ -135,6 +135,8 @@ def alibi_attention(bug: str | None = None) -> Callable[..., Tensor]:
             slopes = slopes.flip(0)
         if bug == "per KV head":  # GQA: each query head given its KV head's slope
             slopes = slopes[torch.arange(num_heads) // (num_heads // num_kv_heads)]
+        if bug == "tiled":  # GQA: query head h given the slope of h % num_kv_heads
+            slopes = slopes[torch.arange(num_heads) % num_kv_heads]
         if bug == "not applied":
             slopes = torch.zeros_like(slopes)
         positions = torch.arange(q.shape[2])
@@ -163,14 +165,15 @@ def test_alibi_passes_with_its_score_mod_made_for_each_config() -> None:
             "(temperature, slope) indexed per KV head",
             ("mha", "gqa"),  # MQA's smallest failing example is off by less than float32's rounding: reported so
         ),
+        ("tiled", "with score_mod given h % num_kv_heads instead of the query head h", ("mha", "gqa")),
         ("not applied", "bug class: score_mod: the output matches the reference with score_mod not applied", ALL_KINDS),
     ],
 )
 def test_alibi_with_its_slope_sign_or_head_order_wrong_is_caught_and_named(
     bug: str, named: str, kinds: tuple[Literal["mha", "gqa", "mqa"], ...]
 ) -> None:
-    """Classic ALiBi mistakes (the sign, the head order, slopes per KV head, no bias at all), each reported as the
-    score_mod mistake it is."""
+    """Classic ALiBi mistakes (the sign, the head order, slopes per KV head or tiled over them, no bias at all), each
+    reported as the score_mod mistake it is."""
     report = report_of(
         lambda: check_attention(
             alibi_attention(bug), score_mod=alibi_mod, is_causal=True, kinds=kinds, max_examples=EXAMPLES

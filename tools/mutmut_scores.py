@@ -374,6 +374,10 @@ EQUIVALENT: dict[str, str] = {
     **{f"{_P}xǁShapeProofǁ__str____mutmut_{n}": _HIGHLIGHT for n in (12, 14, 15)},
     **{f"{_P}xǁ_Observerǁguarding_calls__mutmut_{n}": _INNERMOST_FIRST for n in (16, 19)},
     # --- diagnose ---
+    f"{_D}x__mod_variants__mutmut_56": (
+        "the reversed-heads variant also for one head, where last - h is h: it is the reference itself, which the "
+        "output was just found to differ from (same tolerance, same rows), so it never matches"
+    ),
     f"{_D}xǁToleranceǁholds__mutmut_2": (
         "outputs of other shapes held equal: holds is only asked of outputs of one shape, since judge refuses an "
         "output of another shape before any diagnosis, a variant or an isolated head changes weight values (never "
