@@ -157,8 +157,17 @@ def test_alibi_passes_with_its_score_mod_made_for_each_config() -> None:
 @pytest.mark.parametrize(
     ("bug", "named", "kinds"),
     [
-        ("sign", "score_mod's change to the scores negated (a bias with the wrong sign", ALL_KINDS),
-        ("head order", "score_mod's heads in reverse order", ALL_KINDS),
+        (
+            "sign",  # kv_idx - q_idx negated is q_idx - kv_idx: both mistakes are named
+            "with score_mod's change to the scores negated (a bias with the wrong sign: ALiBi's distance reversed?); "
+            "or with score_mod given q_idx and kv_idx swapped",
+            ALL_KINDS,
+        ),
+        (
+            "head order",
+            "with score_mod's heads in reverse order (h read as num_heads - 1 - h: ALiBi's slopes reversed?)",
+            ALL_KINDS,
+        ),
         (
             "per KV head",
             "with score_mod given the KV head index (h // group) instead of the query head h: a per-head parameter "
@@ -173,14 +182,14 @@ def test_alibi_with_its_slope_sign_or_head_order_wrong_is_caught_and_named(
     bug: str, named: str, kinds: tuple[Literal["mha", "gqa", "mqa"], ...]
 ) -> None:
     """Classic ALiBi mistakes (the sign, the head order, slopes per KV head or tiled over them, no bias at all), each
-    reported as the score_mod mistake it is."""
+    reported as the score_mod mistake it is, in the report's words to the end of the description."""
     report = report_of(
         lambda: check_attention(
             alibi_attention(bug), score_mod=alibi_mod, is_causal=True, kinds=kinds, max_examples=EXAMPLES
         )
     )
     assert "property: the reference applies score_mod=alibi_mod" in report
-    assert "bug class: score_mod" in report and named in report
+    assert "bug class: score_mod" in report and re.search(rf"{re.escape(named)}(;|$)", report, re.MULTILINE), report
 
 
 # --- an implementation on FlexAttention, with a mask_mod ----------------------------------------------------
