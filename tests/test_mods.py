@@ -84,6 +84,19 @@ def test_a_temperature_indexed_per_kv_head_is_caught_and_named() -> None:
     assert re.search(r"num_kv_heads=\d+, d_head", report) and "(mha," not in report
 
 
+def test_with_one_kv_head_the_kv_head_index_is_named_once() -> None:
+    """MQA: h // group and h % num_kv_heads are both 0, one mistake; the report names it as the KV head index and
+    does not list it again as h % num_kv_heads."""
+    report = report_of(
+        lambda: check_attention(
+            tempered(per_kv_head=True), score_mod=temperature_mod, kinds=("mqa",), max_examples=EXAMPLES
+        )
+    )
+    bug_class = next(line for line in report.splitlines() if line.lstrip().startswith("bug class:"))
+    assert bug_class.endswith("a per-head parameter (temperature, slope) indexed per KV head"), report
+    assert "h % num_kv_heads" not in report
+
+
 def per_example_temperature_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     """Query head h's temperature, times one of each example of the batch: the mod reads b as well as h."""
     return score / (temperature(h) * (1.0 + 0.5 * b))
