@@ -279,6 +279,50 @@ def test_a_document_mask_passes_combined_with_causal_and_fails_when_ignored() ->
     assert "bug class: mask_mod: the output matches the reference with mask_mod not applied" in report
 
 
+# --- a window per head, as a mask_mod -----------------------------------------------------------------------
+
+
+def head_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Causal, query head h seeing its h + 1 most recent keys: a window of its own per head."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= h)
+
+
+def windowed(bug: str | None = None) -> Callable[..., Tensor]:
+    """The windows as a bool mask (True = may attend) per head; the bugs index it per KV head, or negate it."""
+
+    def fn(x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **_: Any) -> Tensor:
+        q, k, v = heads_of(x, w, num_heads, num_kv_heads)
+        heads = torch.arange(num_heads)
+        if bug == "per KV head":
+            heads = heads // (num_heads // num_kv_heads)
+        distance = torch.arange(q.shape[2])[:, None] - torch.arange(k.shape[2])[None, :]
+        allowed = (distance >= 0) & (distance <= heads[:, None, None])
+        if bug == "negated":
+            allowed = ~allowed
+        return out_of(ssm.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None], is_causal=is_causal), w)
+
+    return fn
+
+
+def test_a_window_per_head_passes_with_its_mask_mod() -> None:
+    check_attention(windowed(), mask_mod=head_window, max_examples=EXAMPLES)
+
+
+@pytest.mark.parametrize(
+    ("bug", "named"),
+    [
+        ("per KV head", "with mask_mod given the KV head index (h // group) instead of the query head h"),
+        ("negated", "with mask_mod negated (True taken as masked out; FlexAttention's True = may attend)"),
+    ],
+)
+def test_a_window_per_head_indexed_per_kv_head_or_negated_is_named(bug: str, named: str) -> None:
+    """Two mask_mod mistakes: the window of query head h read at its KV head, and True taken as masked out."""
+    report = report_of(
+        lambda: check_attention(windowed(bug), mask_mod=head_window, kinds=("mha", "gqa"), max_examples=EXAMPLES)
+    )
+    assert "bug class: mask_mod" in report and re.search(rf"{re.escape(named)}(;|$)", report, re.MULTILINE), report
+
+
 # --- modules -----------------------------------------------------------------------------------------------
 
 
