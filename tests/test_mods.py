@@ -308,17 +308,31 @@ def test_a_window_per_head_passes_with_its_mask_mod() -> None:
     check_attention(windowed(), mask_mod=head_window, max_examples=EXAMPLES)
 
 
+def head_window_as_ints(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """head_window as 1 and 0: the reference reads a mask_mod's result as bool."""
+    return head_window(b, h, q_idx, kv_idx).int()
+
+
 @pytest.mark.parametrize(
-    ("bug", "named"),
+    ("bug", "mod", "named"),
     [
-        ("per KV head", "with mask_mod given the KV head index (h // group) instead of the query head h"),
-        ("negated", "with mask_mod negated (True taken as masked out; FlexAttention's True = may attend)"),
+        ("per KV head", head_window, "with mask_mod given the KV head index (h // group) instead of the query head h"),
+        ("negated", head_window, "with mask_mod negated (True taken as masked out; FlexAttention's True = may attend)"),
+        (
+            "negated",
+            head_window_as_ints,
+            "with mask_mod negated (True taken as masked out; FlexAttention's True = may attend)",
+        ),
     ],
+    ids=["per KV head", "negated", "negated, the mod's result 1 and 0"],
 )
-def test_a_window_per_head_indexed_per_kv_head_or_negated_is_named(bug: str, named: str) -> None:
-    """Two mask_mod mistakes: the window of query head h read at its KV head, and True taken as masked out."""
+def test_a_window_per_head_indexed_per_kv_head_or_negated_is_named(
+    bug: str, mod: Callable[..., Tensor], named: str
+) -> None:
+    """Two mask_mod mistakes: the window of query head h read at its KV head, and True taken as masked out (a mod
+    that returns 1 and 0 negated as the bools they stand for, not bit by bit)."""
     report = report_of(
-        lambda: check_attention(windowed(bug), mask_mod=head_window, kinds=("mha", "gqa"), max_examples=EXAMPLES)
+        lambda: check_attention(windowed(bug), mask_mod=mod, kinds=("mha", "gqa"), max_examples=EXAMPLES)
     )
     assert "bug class: mask_mod" in report and re.search(rf"{re.escape(named)}(;|$)", report, re.MULTILINE), report
 
