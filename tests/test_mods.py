@@ -283,23 +283,27 @@ def test_a_document_mask_passes_combined_with_causal_and_fails_when_ignored() ->
 
 
 def head_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """Causal, query head h seeing its h + 1 most recent keys: a window of its own per head."""
-    return (q_idx >= kv_idx) & (q_idx - kv_idx <= h)
+    """Causal, query head h of example b seeing its h + b + 1 most recent keys: a window per head and example."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= h + b)
 
 
 def windowed(bug: str | None = None) -> Callable[..., Tensor]:
-    """The windows as a bool mask (True = may attend) per head; the bugs index it per KV head, or negate it."""
+    """The windows as a bool mask (True = may attend) per example and head; the bugs index it per KV head, negate
+    it, or measure the distance from the key to the query."""
 
     def fn(x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **_: Any) -> Tensor:
         q, k, v = heads_of(x, w, num_heads, num_kv_heads)
         heads = torch.arange(num_heads)
         if bug == "per KV head":
             heads = heads // (num_heads // num_kv_heads)
+        width = (heads[None, :] + torch.arange(x.shape[0])[:, None])[:, :, None, None]
         distance = torch.arange(q.shape[2])[:, None] - torch.arange(k.shape[2])[None, :]
-        allowed = (distance >= 0) & (distance <= heads[:, None, None])
+        if bug == "swapped":
+            distance = -distance
+        allowed = (distance >= 0) & (distance <= width)
         if bug == "negated":
             allowed = ~allowed
-        return out_of(ssm.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None], is_causal=is_causal), w)
+        return out_of(ssm.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=is_causal), w)
 
     return fn
 
@@ -318,19 +322,19 @@ def head_window_as_ints(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> 
     [
         ("per KV head", head_window, "with mask_mod given the KV head index (h // group) instead of the query head h"),
         ("negated", head_window, "with mask_mod negated (True taken as masked out; FlexAttention's True = may attend)"),
+        ("swapped", head_window, "with mask_mod given q_idx and kv_idx swapped"),
         (
             "negated",
             head_window_as_ints,
             "with mask_mod negated (True taken as masked out; FlexAttention's True = may attend)",
         ),
     ],
-    ids=["per KV head", "negated", "negated, the mod's result 1 and 0"],
+    ids=["per KV head", "negated", "swapped", "negated, the mod's result 1 and 0"],
 )
-def test_a_window_per_head_indexed_per_kv_head_or_negated_is_named(
-    bug: str, mod: Callable[..., Tensor], named: str
-) -> None:
-    """Two mask_mod mistakes: the window of query head h read at its KV head, and True taken as masked out (a mod
-    that returns 1 and 0 negated as the bools they stand for, not bit by bit)."""
+def test_a_mask_mod_mistake_in_a_window_per_head_is_named(bug: str, mod: Callable[..., Tensor], named: str) -> None:
+    """mask_mod mistakes: the window of query head h read at its KV head, True taken as masked out (a mod that returns
+    1 and 0 negated as the bools they stand for, not bit by bit), and q_idx and kv_idx swapped; the mod reads b and h,
+    so each variant must pass them on."""
     report = report_of(
         lambda: check_attention(windowed(bug), mask_mod=mod, kinds=("mha", "gqa"), max_examples=EXAMPLES)
     )
