@@ -282,9 +282,13 @@ def test_a_document_mask_passes_combined_with_causal_and_fails_when_ignored() ->
 # --- a window per head, as a mask_mod -----------------------------------------------------------------------
 
 
+WIDTHS = torch.tensor([1, 3, 0, 2, 5, 4, 7, 6])  # each query head's window, read from a table (up to 8 heads)
+
+
 def head_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """Causal, query head h of example b seeing its h + b + 1 most recent keys: a window per head and example."""
-    return (q_idx >= kv_idx) & (q_idx - kv_idx <= h + b)
+    """Causal, query head h of example b seeing its WIDTHS[h] + b + 1 most recent keys: a window per head and
+    example."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= WIDTHS[h] + b)
 
 
 def windowed(bug: str | None = None) -> Callable[..., Tensor]:
@@ -296,7 +300,7 @@ def windowed(bug: str | None = None) -> Callable[..., Tensor]:
         heads = torch.arange(num_heads)
         if bug == "per KV head":
             heads = heads // (num_heads // num_kv_heads)
-        width = (heads[None, :] + torch.arange(x.shape[0])[:, None])[:, :, None, None]
+        width = (WIDTHS[heads][None, :] + torch.arange(x.shape[0])[:, None])[:, :, None, None]
         distance = torch.arange(q.shape[2])[:, None] - torch.arange(k.shape[2])[None, :]
         if bug == "swapped":
             distance = -distance

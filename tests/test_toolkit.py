@@ -351,6 +351,31 @@ def test_interleaved_kv_heads_are_a_convention_not_a_bug() -> None:
     check_attention(tiled, kv_heads="interleaved", max_examples=20)
 
 
+def test_each_kv_head_convention_names_the_other_with_its_hint_in_full() -> None:
+    """Checked against the other convention, each one is named with the hint that switches to it: i % num_kv_heads
+    (x-transformers) under the default, i // group (transformers, torch) under kv_heads="interleaved"."""
+
+    def tiled(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x, w, bug="repeat_not_repeat_interleave", **kwargs)
+
+    hints = {
+        "grouped": (
+            tiled,
+            "with KV heads tiled: query head i reads KV head i % num_kv_heads (`repeat` where `repeat_interleave` was "
+            'meant); if that is your convention (x-transformers), pass kv_heads="interleaved"',
+        ),
+        "interleaved": (
+            attention,
+            "with query head i reads KV head i // group (transformers' repeat_kv, torch's enable_gqa), not "
+            'i % num_kv_heads; if that is your convention, pass kv_heads="grouped"',
+        ),
+    }
+    for convention, (fn, hint) in hints.items():
+        with pytest.raises(AssertionError) as caught:
+            check_attention(fn, kinds=("gqa",), kv_heads=convention)  # type: ignore[arg-type]
+        assert re.search(rf"{re.escape(hint)}(;|$)", str(caught.value), re.MULTILINE), str(caught.value)
+
+
 # --- adapters ----------------------------------------------------------------------------------------------
 
 
