@@ -115,17 +115,23 @@ def test_every_planted_bug_is_caught_with_a_readable_report(bug: str) -> None:
 @pytest.mark.parametrize(
     ("bug", "named"),
     [
-        ("repeat_not_repeat_interleave", "KV heads tiled"),
-        ("scale_by_d_model", "scores scaled by 1/sqrt(d_model)"),
-        ("causal_off_by_one", "no query sees its own key"),
+        (
+            "repeat_not_repeat_interleave",
+            "KV heads tiled: query head i reads KV head i % num_kv_heads (`repeat` where `repeat_interleave` was "
+            'meant); if that is your convention (x-transformers), pass kv_heads="interleaved"',
+        ),
+        ("scale_by_d_model", "scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)"),
+        ("causal_off_by_one", "causal mask shifted by one: no query sees its own key"),
         ("forgot_v_bias", "the v projection's bias not added"),
-        ("merge_d_h", "heads merged in (d_head num_heads) order"),
+        ("merge_d_h", "heads merged in (d_head num_heads) order: a reshape without the transpose back"),
     ],
 )
 def test_the_report_names_the_bug_class(bug: str, named: str) -> None:
-    """The wrong output equals the reference with that one mistake made: the report says which."""
-    with pytest.raises(AssertionError, match=re.escape(named)):
+    """The wrong output equals the reference with that one mistake made: the report says which, in its words to the
+    end of the description."""
+    with pytest.raises(AssertionError) as caught:
         check_attention(_planted(bug), is_causal=bug == "causal_off_by_one", kinds=("gqa",))
+    assert re.search(rf"with {re.escape(named)}(;|$)", str(caught.value), re.MULTILINE), str(caught.value)
 
 
 def test_a_wrong_head_is_located() -> None:
@@ -373,7 +379,8 @@ def test_each_kv_head_convention_names_the_other_with_its_hint_in_full() -> None
     for convention, (fn, hint) in hints.items():
         with pytest.raises(AssertionError) as caught:
             check_attention(fn, kinds=("gqa",), kv_heads=convention)  # type: ignore[arg-type]
-        assert re.search(rf"{re.escape(hint)}(;|$)", str(caught.value), re.MULTILINE), str(caught.value)
+        report = str(caught.value)
+        assert "bug class: heads" in report and re.search(rf"{re.escape(hint)}(;|$)", report, re.MULTILINE), report
 
 
 # --- adapters ----------------------------------------------------------------------------------------------

@@ -378,6 +378,13 @@ EQUIVALENT: dict[str, str] = {
         "the reversed-heads variant also for one head, where last - h is h: it is the reference itself, which the "
         "output was just found to differ from (same tolerance, same rows), so it never matches"
     ),
+    **{
+        f"{_D}x_variants__mutmut_{n}": (
+            "the (d_head num_heads) merge variant also for one head or d_head 1, where that order is the identity: it "
+            "is the reference itself, which the output was just found to differ from, so it never matches"
+        )
+        for n in (38, 39, 41)
+    },
     f"{_D}xǁToleranceǁholds__mutmut_2": (
         "outputs of other shapes held equal: holds is only asked of outputs of one shape, since judge refuses an "
         "output of another shape before any diagnosis, a variant or an isolated head changes weight values (never "
