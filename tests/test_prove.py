@@ -248,17 +248,17 @@ def first_branch(x: Tokens) -> Tokens:
 
 
 @ssm.shapecheck
-def inner_branch(x: Tokens) -> Tokens:
+def called_branch(x: Tokens) -> Tokens:
     if x.shape[1] > 20:
         x = x * 3
     return x
 
 
 @ssm.shapecheck
-def outer_branch(x: Tokens) -> Tokens:
+def branch_and_call(x: Tokens) -> Tokens:
     if x.shape[1] > 25:
         x = x * 4
-    return inner_branch(x)
+    return called_branch(x)
 
 
 class _Branches(nn.Module):
@@ -269,15 +269,16 @@ class _Branches(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] > 40:
             x = x + 1
-        return outer_branch(first_branch(x))
+        return branch_and_call(first_branch(x))
 
 
 def test_each_size_specific_branch_is_placed_in_the_innermost_decorated_call_that_made_it() -> None:
     """Every decorated call that made a guard is named once, in the order the guards were made: a guard inside a
-    nested call belongs to the nested one, not to its caller; the undecorated forward's own guard to none."""
+    nested call belongs to the nested one, not to its caller (whose name sorts first: the span decides, not the
+    name); the undecorated forward's own guard to none."""
     proof = ssm.prove(_Branches())
     assert len(proof.failures) == 1, proof.failures
-    assert proof.failures[0].endswith(" in first_branch(), outer_branch(), inner_branch()"), proof.failures
+    assert proof.failures[0].endswith(" in first_branch(), branch_and_call(), called_branch()"), proof.failures
 
 
 def test_decoding_passes_the_forward_keyword_arguments_on() -> None:

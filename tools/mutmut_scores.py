@@ -385,6 +385,13 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (38, 39, 41)
     },
+    **{
+        f"{_D}x_variants__mutmut_{n}": (
+            "the grouped convention misspelt in its variant ('XXgroupedXX', 'GROUPED'): the reference tests kv_heads "
+            "only for == 'interleaved', anything else is grouped, so the variant computes the same heads"
+        )
+        for n in (11, 12)
+    },
     f"{_D}xǁToleranceǁholds__mutmut_2": (
         "outputs of other shapes held equal: holds is only asked of outputs of one shape, since judge refuses an "
         "output of another shape before any diagnosis, a variant or an isolated head changes weight values (never "
