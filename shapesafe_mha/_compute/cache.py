@@ -203,8 +203,9 @@ class KVCache:
 
         A bad append (wrong batch, heads, d_head, dtype or device, `k` and `v` of different
         lengths, or past `capacity`) raises `ShapeError` and leaves the cache as it was. Under
-        autograd (`k` or `v` requires grad) the buffers are updated out of place, so gradients flow
-        through every step; `reset()` drops the graph.
+        autograd (`k` or `v` requires grad), and while a buffer is in a graph (grad mode on or
+        off), the buffers are updated out of place, so gradients flow through every step and a
+        step decoded under `no_grad` leaves earlier steps' backward intact; `reset()` drops the graph.
 
         Arguments:
             k, v: `(batch, num_kv_heads, new, d_head)`; `new` may be 0.
