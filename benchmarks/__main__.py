@@ -1,6 +1,6 @@
 """Checked attention at the speed of unchecked torch: every comparison as a ratio measured side by side.
 
-    python -m benchmarks [--quick] [--threads 1] [--record docs/overhead.json]
+    python -m benchmarks [--quick] [--rounds N] [--threads 1] [--record docs/overhead.json]
 
 Each comparison runs its two contenders alternately, round after round, and reports the median of
 the per-round ratios (robust to a shared, noisy machine) next to each contender's median time.
@@ -164,10 +164,11 @@ def main() -> None:
         help="save the checked/unchecked sweep here as JSON (python tools/pictures.py draws docs/overhead.svg from it)",
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per comparison (default 60; 15 with --quick)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    rounds = 15 if args.quick else 60
+    rounds = args.rounds or (15 if args.quick else 60)
     results: list[Comparison] = []
 
     with torch.no_grad():

@@ -20,8 +20,9 @@ def test_memory_benchmark_prints_ratios_and_repeat_kv_allocates_more() -> None:
 
 
 def test_performance_benchmark_prints_every_comparison() -> None:
-    """`python -m benchmarks --quick` prints each comparison with its ratio and goal (no timing asserted)."""
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--no-compile"]
+    """`python -m benchmarks --quick` (4 rounds: what is tested is the output, not the figures) prints each
+    comparison with its ratio and goal (no timing asserted)."""
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--rounds", "4", "--no-compile"]
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     names = (
         "decode: checked / unchecked",
@@ -46,9 +47,9 @@ def test_toolkit_reports_benchmark_prints_classes_and_bugs() -> None:
 
 
 def test_contenders_benchmark_prints_every_row() -> None:
-    """`python -m benchmarks.contenders --quick` prints each row against its contenders, ratio, spread and verdict
-    (no timing asserted)."""
-    command = [sys.executable, "-m", "benchmarks.contenders", "--quick", "--markdown"]
+    """`python -m benchmarks.contenders --quick` (2 rounds, the fewest a spread needs) prints each row against its
+    contenders, ratio, spread and verdict (no timing asserted)."""
+    command = [sys.executable, "-m", "benchmarks.contenders", "--quick", "--rounds", "2", "--markdown"]
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     lines = [line for line in out.splitlines() if line.startswith("| ")]
     rows = {line.split("|")[1].strip(): line for line in lines}

@@ -262,6 +262,35 @@ def test_gradients_flow_through_every_step_when_only_keys_or_only_values_require
     torch.testing.assert_close(cached, torch.autograd.grad(direct, leaves), **F64)
 
 
+@pytest.mark.parametrize("kind", ["mha", "window", "latent"])
+def test_decoding_without_grad_after_a_prefill_with_grad_leaves_the_prefills_backward_intact(kind: str) -> None:
+    """A prompt run with grad in two chunks (its loss kept for later), then steps decoded under no_grad into the
+    same cache: the prompt's backward still runs and gives the gradients it gives with no decoding at all (an
+    in-place write into a buffer the prompt's graph saved broke it), and the steps equal one causal forward."""
+    torch.manual_seed(0)
+    if kind == "latent":
+        module: torch.nn.Module = ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=8, d_rope=4, d_value=8)
+    else:
+        module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=10000.0, window=4 if kind == "window" else None)
+    module = module.double()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    prompt, steps = x[:, :5], x[:, 5:]
+
+    def prompt_gradients(decode: bool) -> tuple[torch.Tensor, ...]:
+        cache = module.new_cache(2, 8)  # pyright: ignore[reportCallIssue]
+        # two chunks: the second attends to what the first wrote into the buffer
+        loss = sum(module(chunk, is_causal=True, kv_cache=cache).square().sum() for chunk in prompt.split([3, 2], 1))
+        decoded = []
+        if decode:
+            with torch.no_grad():
+                decoded = [module(steps[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(2)]
+            full = module(x, is_causal=True)[:, 5:]
+            torch.testing.assert_close(torch.cat(decoded, 1), full, **F64)
+        return torch.autograd.grad(loss, list(module.parameters()))
+
+    torch.testing.assert_close(prompt_gradients(decode=True), prompt_gradients(decode=False), **F64)
+
+
 def test_reset_drops_the_graph_when_only_the_values_carried_one() -> None:
     cache = _cache()
     cache.append(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4, requires_grad=True))

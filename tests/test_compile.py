@@ -1,5 +1,7 @@
 """torch.compile(fullgraph=True) works for MHA, GQA and MQA, with and without a cache, with no false check failures."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -59,6 +61,25 @@ def test_inductor_compiles_the_module() -> None:
     compiled = torch.compile(module, fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, is_causal=True), module(x, is_causal=True), atol=1e-5, rtol=1e-5)
+
+
+def test_module_compile_in_place_runs_the_compiled_call() -> None:
+    """`module.compile()` compiles in place: every later `module(x)` goes through the compiled call (a call with
+    no hook otherwise skips nn.Module's call machinery, which is where that compiled call is taken)."""
+    module = ssm.MultiHeadAttention(32, 4, 2).eval()
+    x = torch.randn(2, 5, 32)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    with torch.no_grad():
+        eager = module(x, is_causal=True)
+        module.compile(fullgraph=True, backend=counting)
+        torch.testing.assert_close(module(x, is_causal=True), eager)
+        torch.testing.assert_close(module(x, is_causal=True), eager)
+    assert len(graphs) == 1
 
 
 def test_eager_checks_still_run_after_compiling() -> None:

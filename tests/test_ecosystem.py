@@ -74,6 +74,37 @@ def test_a_hook_that_changes_a_projection_is_honoured() -> None:
         torch.testing.assert_close(module(x), 2 * plain, **F64)
 
 
+@pytest.mark.parametrize("kind", ["mha", "latent"])
+def test_every_kind_of_hook_on_the_attention_module_itself_runs_as_nn_module_runs_it(kind: str) -> None:
+    """A call with no hook skips nn.Module's call machinery, so each hook torch runs must still be seen: a
+    forward pre-hook (with kwargs) that rewrites the input, a forward hook that rewrites the output, a
+    backward hook and the module-wide ones (tests/test_compile.py: `module.compile()`)."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    torch.manual_seed(0)
+    module = _module() if kind == "mha" else ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=8, d_rope=4, d_value=8)
+    module = module.double()
+    x = _x()
+    with torch.no_grad():
+        plain = module(x)
+        handle = module.register_forward_pre_hook(lambda m, args, kwargs: ((2 * args[0],), kwargs), with_kwargs=True)
+        torch.testing.assert_close(module(x), module.forward(2 * x), **F64)
+        handle.remove()
+        handle = module.register_forward_hook(lambda m, i, o: o + 1)
+        torch.testing.assert_close(module(x), plain + 1, **F64)
+        handle.remove()
+        handle = register_module_forward_pre_hook(lambda m, i: (i[0] * 3,) if m is module else None)
+        torch.testing.assert_close(module(x), module.forward(3 * x), **F64)
+        handle.remove()
+        handle = register_module_forward_hook(lambda m, i, o: o - 1 if m is module else None)
+        torch.testing.assert_close(module(x), plain - 1, **F64)
+        handle.remove()
+        torch.testing.assert_close(module(x), plain, **F64)
+    grads: list[torch.Tensor] = []
+    module.register_full_backward_hook(lambda m, grad_in, grad_out: grads.append(grad_out[0]))
+    module(x.requires_grad_()).sum().backward()
+    assert len(grads) == 1 and torch.equal(grads[0], torch.ones_like(plain))
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_an_accelerate_hook_on_a_projection_runs_on_every_path(grad: bool) -> None:
     """accelerate's hooks replace a module's `forward` on the instance (no torch hook to see): the projection

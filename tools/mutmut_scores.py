@@ -101,6 +101,17 @@ _NO_NONE_SUBMODULE = (
     "continue -> break at a None submodule: module_state is given MultiHeadAttention's and LatentAttention's "
     "submodules only, and none of them is ever None"
 )
+_L = "shapesafe_mha._modules.latent."
+_TOP_LEVEL_DETAIL = (
+    "drops or renames `arg`/`dim` of a refusal in LatentAttention.forward's own precheck: it runs at top level "
+    "(never prefixed) and the forward has no explain hook, the only readers of them"
+)
+_BIAS_NONE = "bias=None for False: nn.Linear tests bias for truth, so the projection has no bias alike"
+_RECHECKED_SPLIT = (
+    "a cache of the module's width split otherwise (or another width) has another kv_lora_rank, and such a cache "
+    "fails unchecked (the write does not fit, or the latent it returns is not kv_b_proj's width) and is rechecked: "
+    "the same ShapeError, the cache restored (d_rope is keyed apart)"
+)
 _P = "shapesafe_mha._tools.prove."
 _D = "shapesafe_mha.testing._diagnose."
 _ROOM = (
@@ -363,6 +374,42 @@ EQUIVALENT: dict[str, str] = {
     f"{_CO}xǁCallKeyǁrelations__mutmut_10": (
         "`kv_seq is not None` for `is None`: the flag is negated in every key alike, and keys are only compared for "
         "equality"
+    ),
+    # --- latent ---
+    f"{_L}xǁLatentAttentionǁ_apply__mutmut_5": (
+        "super()._apply(fn) without recurse: nn.Module._apply's recurse defaults to True, the value passed"
+    ),
+    **{f"{_L}xǁLatentAttentionǁ__init____mutmut_{n}": _BIAS_NONE for n in (95, 118, 142)},
+    f"{_L}xǁLatentAttentionǁ__init____mutmut_170": (
+        "q_lora_rank left out of the constants: no tensor a call passes has an axis checked against it (the "
+        "bottleneck is internal), so an equality with it decides no check"
+    ),
+    f"{_L}xǁLatentAttentionǁ__init____mutmut_171": (
+        "`q_lora_rank or 1` for `or 0` without a bottleneck: relational keeps 0 and 1 alike (sizes below 2)"
+    ),
+    f"{_L}xǁLatentAttentionǁ__init____mutmut_172": (
+        "d_nope - d_rope for d_nope + d_rope among the constants: no axis of a call is checked against the query "
+        "heads' width (internal), and an extra constant only splits keys (more checks, the same results)"
+    ),
+    f"{_L}xǁLatentAttentionǁ__init____mutmut_173": _RECHECKED_SPLIT,
+    f"{_L}xǁLatentAttentionǁ_key__mutmut_26": _RECHECKED_SPLIT,
+    f"{_L}xǁLatentAttentionǁ_key__mutmut_14": (
+        "kv_seq keyed as d_model + len(cache) instead of seq + len(cache): a wrong mask passes unchecked only where it "
+        "broadcasts (one key column), which a verdict allows only from a call with kv_seq 1, whose keyed value is "
+        "d_model (a constant, kept as it is), never reached again with a filled cache; any other is rechecked"
+    ),
+    f"{_L}xǁLatentAttentionǁ_key__mutmut_24": (
+        "type(None) for each tensor's type: every keyed tensor is a torch.Tensor (checks treat subclasses alike), and "
+        "anything else with a dtype (numpy's) has a dtype no tensor has, so keys stay apart"
+    ),
+    **{f"{_L}x__precheck_forward__mutmut_{n}": _TOP_LEVEL_DETAIL for n in (16, 17, 19, 20, 23, 24, 25, 26)},
+    **{f"{_L}x__precheck_forward__mutmut_{n}": _TOP_LEVEL_DETAIL for n in (31, 33, 36, 37, 41, 43, 44, 45)},
+    f"{_L}xǁLatentAttentionǁforward__mutmut_8": (
+        "keyed also where the query is no tensor: computing its key fails (caught: checked) or holds its type, which "
+        "no remembered call's key has, so it is checked and refused as before"
+    ),
+    f"{_L}xǁLatentAttentionǁ_absorbs__mutmut_18": (
+        "getattr without a default: plain_linear has just established an nn.Linear, which always has `bias` (None)"
     ),
     # --- prove ---
     f"{_P}xǁ_Decodeǁforward__mutmut_12": _ROOM,

@@ -203,8 +203,9 @@ class KVCache:
 
         A bad append (wrong batch, heads, d_head, dtype or device, `k` and `v` of different
         lengths, or past `capacity`) raises `ShapeError` and leaves the cache as it was. Under
-        autograd (`k` or `v` requires grad) the buffers are updated out of place, so gradients flow
-        through every step; `reset()` drops the graph.
+        autograd (`k` or `v` requires grad), and while a buffer is in a graph (grad mode on or
+        off), the buffers are updated out of place, so gradients flow through every step and a
+        step decoded under `no_grad` leaves earlier steps' backward intact; `reset()` drops the graph.
 
         Arguments:
             k, v: `(batch, num_kv_heads, new, d_head)`; `new` may be 0.
@@ -221,7 +222,11 @@ class KVCache:
         new = k.shape[2]
         refuse_under_vmap(k, owner)
         self._check_room(new, owner)
-        tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.keys_buffer.requires_grad)
+        # out of place also without grad while a buffer is in a graph: an earlier step's backward reads it
+        keys, values = self.keys_buffer, self.values_buffer
+        tracked = keys.requires_grad or values.requires_grad or (
+            torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        )
         inference = not torch.compiler.is_compiling() and self.keys_buffer.is_inference()  # (dynamo warns on it)
         if inference and not torch.is_inference_mode_enabled():
             # filled under torch.inference_mode, written outside it: torch allows no in-place write of those

@@ -175,8 +175,9 @@ class LatentCache:
                 f"{owner}: appending new={latent.shape[1]} positions to the {start} in kv_cache would exceed its "
                 f"capacity={self.capacity}; make a larger cache or reset() this one."
             )
-        tracked = torch.is_grad_enabled() and (
-            latent.requires_grad or k_rope.requires_grad or self.buffer.requires_grad
+        # out of place also without grad while the buffer is in a graph: an earlier step's backward reads it
+        tracked = self.buffer.requires_grad or (
+            torch.is_grad_enabled() and (latent.requires_grad or k_rope.requires_grad)
         )
         if not torch.compiler.is_compiling() and self.buffer.is_inference() and not torch.is_inference_mode_enabled():
             self.buffer = self.buffer.clone()  # filled under torch.inference_mode: no in-place write outside it
