@@ -15,8 +15,9 @@ the one autograd cannot see either: in place through `param.data` (`p.data += x`
 `torch.no_grad()` instead, or call `module.to(module.q_proj.weight.device)` afterwards.
 
 torch has no public API for some of what this needs (a module's hooks, a tensor's version counter,
-the fused kernel itself, whether a tensor is a `vmap` slice); those uses are here and nowhere else,
-each tested (tests/test_fused.py, tests/test_verdicts.py).
+the fused kernel itself, whether a tensor is a `vmap` slice, whether `nn.Module.__call__` would do more
+than call `forward`); those uses are here and nowhere else, each tested (tests/test_fused.py,
+tests/test_verdicts.py, tests/test_ecosystem.py, tests/test_compile.py).
 """
 
 from collections.abc import Iterable
