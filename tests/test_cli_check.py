@@ -177,4 +177,4 @@ def test_prove_decoding_names_the_cache_fill() -> None:
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     assert "proven for batch in [1, 64], cached in [1, 100], seq = 1 (one decoding step)" in text
-    assert "(batch, 2, cached + 1, 8)" in text and "cached is torch's s" in text
+    assert "(batch, 2, cached + 1, 8)" in text and "cached + 1 is torch's s" in text

@@ -2,6 +2,7 @@
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_each_symbol_is_named_and_the_title_says_what_was_proven() -> None:
     assert "proven for batch in [1, 64], seq in [1, 2048]" in text
     assert f"batch is torch's {proof.symbols['batch']}, seq is torch's {proof.symbols['seq']}" in text
     decoding = ssm.prove(module, decode=True)
-    assert set(decoding.symbols) == {"batch", "cached"}
+    assert set(decoding.symbols) == {"batch", "cached + 1"}  # the cached positions and the one written
     assert "proven for batch in [1, 64], cached in [1, 2048], seq = 1 (one decoding step)" in str(decoding)
 
 
@@ -281,11 +282,39 @@ def test_each_size_specific_branch_is_placed_in_the_innermost_decorated_call_tha
     assert proof.failures[0].endswith(" in first_branch(), branch_and_call(), called_branch()"), proof.failures
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_decoding_step_that_returns_its_weights_is_proven(kind: str) -> None:
+    """The weights of one query against `cached + 1` keys: unfolding them merges two axes of that length, which
+    torch proves only for a plain symbol (a cache concatenated from `cached` and one more is refused by
+    `min(cached + 1, 4*cached + 4) == cached + 1`, true for every size but not provable by torch)."""
+    proof = ssm.prove(ssm.MultiHeadAttention(64, 8, KINDS[kind]), decode=True, need_weights=True)
+    assert proof.ok, proof.failures
+    assert ("weights", "batch num_heads seq kv_seq", "(batch, 8, 1, cached + 1)") in proof.stages
+
+
+class _LongCacheBranch(ssm.MultiHeadAttention):
+    """Doubles its output once the cache holds more than 100 positions: a branch on the cache's length."""
+
+    def forward(self, x: torch.Tensor, *args: Any, kv_cache: Any = None, **kwargs: Any) -> torch.Tensor:
+        out = super().forward(x, *args, kv_cache=kv_cache, **kwargs)
+        return out * 2 if kv_cache is not None and kv_cache.keys().shape[2] > 100 else out
+
+
+def test_a_branch_on_the_cache_length_is_reported_for_cached_in_its_own_terms() -> None:
+    """The guard torch prints over its symbol for the cache's length, written as the title's `cached`."""
+    proof = ssm.prove(_LongCacheBranch(64, 8, 2), decode=True)
+    assert not proof.ok
+    assert proof.failures == [
+        "cached: the shapes hold only where (cached + 1) <= 100 (a branch, view or buffer that depends on cached)"
+    ]
+
+
 def test_decoding_passes_the_forward_keyword_arguments_on() -> None:
     """decode=True runs the step with the keyword arguments given: need_weights=True adds the weights stage, and a
     keyword LatentAttention's forward does not take is its failure."""
     module = ssm.MultiHeadAttention(64, 8, 2)
-    assert "weights" in [name for name, _, _ in ssm.prove(module, decode=True, need_weights=True).stages]
+    proof = ssm.prove(module, decode=True, need_weights=True)
+    assert proof.ok and "weights" in [name for name, _, _ in proof.stages], proof.failures
     mla = ssm.LatentAttention(64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
     refused = ssm.prove(mla, decode=True, need_weights=True)
     assert not refused.ok and all("unexpected keyword argument 'need_weights'" in f for f in refused.failures)

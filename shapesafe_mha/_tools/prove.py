@@ -38,7 +38,8 @@ class ShapeProof:
     ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
     symbols: dict[str, str] = field(default_factory=dict)
     """Each size proven symbolically, by name, and torch's symbol for it (`{"batch": "s5", "seq": "s83"}`),
-    the one its guards and errors print. The stages' shapes use the names: `(batch, 8, seq, 8)`."""
+    the one its guards and errors print. The stages' shapes use the names: `(batch, 8, seq, 8)`. Decoding's
+    symbol counts the cache's positions and the one being written: `{"batch": "s5", "cached + 1": "s83"}`."""
     decode: bool = False
     """One decoding step (seq 1) against a cache of `ranges["cached"]` positions."""
 
@@ -98,9 +99,14 @@ def _observing() -> Iterator[_Observer]:
         _trace._active.remove(observer)  # pyright: ignore[reportArgumentType]
 
 
-def _expr(size: Any) -> Any:
-    """A size as a sympy expression (a symbol for a symbolic size)."""
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+def _expr(size: Any, rename: dict[str, Any] | None = None) -> Any:
+    """A size as a sympy expression (a symbol for a symbolic size), torch's symbols named in `rename` replaced."""
+    if not isinstance(size, torch.SymInt):
+        return sympy.Integer(int(size))
+    expr = size.node.expr
+    if rename:
+        expr = expr.xreplace({s: rename[s.name] for s in expr.free_symbols if s.name in rename})
+    return expr
 
 
 def _readable(guard: str, names: dict[str, str]) -> str:
@@ -109,20 +115,21 @@ def _readable(guard: str, names: dict[str, str]) -> str:
     return guard
 
 
-def _explain_export_failure(error: Exception, names: dict[str, str], dynamic: list[str]) -> list[str]:
+def _explain_export_failure(error: Exception, names: dict[str, str], dynamic: list[str], every: list[str]) -> list[str]:
     """Export's report, in our words: which size, and what the code did with it."""
     text = str(error)
     failures = []
     for dim, constant in re.findall(
         r"You marked (\w+) as dynamic but your code specialized it to be a constant \((\d+)\)", text
     ):
+        size = "cached + 1" if dim == "cached" else dim  # decoding's symbol counts the position written too
         failures.append(
-            f"{dim}: the code fixes {dim} to {constant} (a view, slice or buffer of that size where {dim} belongs)"
+            f"{dim}: the code fixes {size} to {constant} (a view, slice or buffer of that size where {dim} belongs)"
         )
     for dim, guard in re.findall(
         r"Not all values of (\w+) = \S+ in the specified range.*? satisfy the generated guard (.+?)\.?\n", text
     ):
-        guard = re.sub(r"^\d+ <= (\S+) and ", "", _readable(guard, names))  # the range's own lower bound
+        guard = _readable(re.sub(r"^\d+ <= (\S+) and ", "", guard), names)  # the range's own lower bound
         failures.append(f"{dim}: the shapes hold only where {guard} (a branch, view or buffer that depends on {dim})")
     if not failures:
         first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
@@ -131,12 +138,14 @@ def _explain_export_failure(error: Exception, names: dict[str, str], dynamic: li
             who = dynamic[0]
             first = re.sub(r"\bs\d+\b", who, first)
         else:  # no symbol in the error: the sizes held fixed are the ones it cannot take
-            who = " or ".join(n for n in ("batch", "seq") if n not in dynamic) or " or ".join(dynamic)
+            who = " or ".join(n for n in every if n not in dynamic) or " or ".join(dynamic)
         failures.append(f"{who}: the module fails at some {who}: {first[:180]}")
     return failures
 
 
-def _check_named(seen: list[Seen], known: dict[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+def _check_named(
+    seen: list[Seen], known: dict[str, Any], rename: dict[str, Any] | None = None
+) -> tuple[list[str], list[tuple[str, str, str]]]:
     """Check each observed stage's named shape against its symbolic shape; bind names on first sight.
 
     Our stages share one set of names (`known`, the module's sizes, and what they bind); each call of a
@@ -150,7 +159,7 @@ def _check_named(seen: list[Seen], known: dict[str, Any]) -> tuple[list[str], li
             groups[group] = {k: sympy.Integer(v) for k, v in (seed or {}).items()}
         bound = groups[group]
         tokens = named_shape.split()
-        shape = [_expr(s) for s in tensor.shape]
+        shape = [_expr(s, rename) for s in tensor.shape]
         rows.append((name, named_shape, "(" + ", ".join(map(str, shape)) + ")"))
         if len(tokens) != len(shape):
             failures.append(f"{name}: {len(shape)}-D, but its annotation {named_shape!r} has {len(tokens)} axes")
@@ -254,7 +263,7 @@ def _module_sizes(module: nn.Module) -> dict[str, Any]:
 
 
 class _Decode(nn.Module):
-    """One decoding step of `module` against a cache holding `past` positions (a symbolic count)."""
+    """One decoding step of `module` against a KVCache whose buffers are `past_keys` and `past_values`."""
 
     def __init__(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
         super().__init__()
@@ -263,17 +272,18 @@ class _Decode(nn.Module):
     def forward(self, query: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor) -> torch.Tensor:
         from .._compute.cache import KVCache
 
-        room = past_keys.new_zeros(past_keys.shape[0], past_keys.shape[1], query.shape[1], past_keys.shape[3])
+        # The buffers hold the cached positions and the one being written: torch's symbol is their count,
+        # `cached + 1`. A buffer concatenated from `cached` positions and one more would make every axis of
+        # that length `s + 1`, and torch cannot prove `min(s + 1, 4*s + 4) == s + 1` when it merges two of them.
         cache = KVCache.__new__(KVCache)
-        cache.keys_buffer = torch.cat([past_keys, room], dim=2)
-        cache.values_buffer = torch.cat([past_values, room], dim=2)
-        cache._length = past_keys.shape[2]  # pyright: ignore[reportAttributeAccessIssue]
+        cache.keys_buffer, cache.values_buffer = past_keys.clone(), past_values.clone()
+        cache._length = past_keys.shape[2] - query.shape[1]  # pyright: ignore[reportAttributeAccessIssue]
         cache._verdicts, cache._start, cache.window = Verdicts(), 0, None
         return self.inner(query, kv_cache=cache, **self.kwargs)
 
 
 class _LatentDecode(nn.Module):
-    """One decoding step of a `LatentAttention` against a latent cache holding `past` positions (symbolic)."""
+    """One decoding step of a `LatentAttention` against a latent cache whose buffer is `past`."""
 
     def __init__(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
         super().__init__()
@@ -285,8 +295,8 @@ class _LatentDecode(nn.Module):
         cache = LatentCache.__new__(LatentCache)
         inner: Any = self.inner
         cache.kv_lora_rank = inner.kv_lora_rank
-        cache.buffer = torch.cat([past, past.new_zeros(past.shape[0], query.shape[1], past.shape[2])], dim=1)
-        cache._length = past.shape[1]  # pyright: ignore[reportAttributeAccessIssue]
+        cache.buffer = past.clone()  # the cached positions and the one being written, as _Decode's buffers
+        cache._length = past.shape[1] - query.shape[1]  # pyright: ignore[reportAttributeAccessIssue]
         return self.inner(query, kv_cache=cache, **self.kwargs)
 
 
@@ -307,10 +317,14 @@ def _prove_case(
     # Example sizes apart from each other, so a tensor argument's axes can be told apart.
     example_b = b if b is not None else min(max(symbolic["batch"][0], 3), symbolic["batch"][1])
     example_s = s if s is not None else min(max(symbolic["seq"][0], 5), symbolic["seq"][1])
-    dims = {
+    # Decoding's symbol counts the cache's positions with the one being written (`cached + 1`, see _Decode).
+    dims: dict[str, Any] = {
         "batch": Dim("batch", min=symbolic["batch"][0], max=symbolic["batch"][1]) if b is None else None,
-        "seq": Dim("seq", min=symbolic["seq"][0], max=symbolic["seq"][1]) if s is None else None,
+        "seq": None,
     }
+    if s is None:
+        lo, hi = symbolic["seq"]
+        dims["seq"] = Dim("cached", min=lo + 1, max=hi + 1) if decode else Dim("seq", min=lo, max=hi)
     names = {"L['query'].size()[0]": "batch", "L['query'].size()[1]": "seq", "L['args'][0][0].size()[0]": "batch"}
     latent = hasattr(module, "kv_lora_rank")
     if decode and latent:
@@ -318,18 +332,18 @@ def _prove_case(
         mla: Any = module
         entry: int = mla.kv_lora_rank + mla.d_rope
         target: nn.Module = _LatentDecode(module, {"is_causal": True, **kwargs})
-        args: tuple[Any, ...] = (query, torch.randn(example_b, example_s, entry, dtype=dtype, device=device))
+        args: tuple[Any, ...] = (query, torch.randn(example_b, example_s + 1, entry, dtype=dtype, device=device))
         batch_only = {0: dims["batch"]} if dims["batch"] else {}
         past_dims = {i: d for i, d in ((0, dims["batch"]), (1, dims["seq"])) if d is not None}
         shapes: Any = {"query": batch_only or None, "past": past_dims or None}
         call_kwargs: dict[str, Any] = {}
         expected_seq: Any = sympy.Integer(1)
-        names |= {"L['past'].size()[1]": "seq"}
+        names |= {"L['past'].size()[1]": "(cached + 1)"}
         axes_named: list[dict[int, str]] = [{0: "batch"}, {0: "batch", 1: "cached"}]
     elif decode:
         query = torch.randn(example_b, 1, width, dtype=dtype, device=device)
         heads, d_head = getattr(module, "num_kv_heads", 1), getattr(module, "d_head", width)
-        past = torch.randn(example_b, heads, example_s, d_head, dtype=dtype, device=device)
+        past = torch.randn(example_b, heads, example_s + 1, d_head, dtype=dtype, device=device)
         target = _Decode(module, {"is_causal": True, **kwargs})
         args = (query, past, past)
         batch_only = {0: dims["batch"]} if dims["batch"] else {}
@@ -339,7 +353,7 @@ def _prove_case(
         shapes = {"query": batch_only or None, "past_keys": past_dims or None, "past_values": past_dims or None}
         call_kwargs = {}
         expected_seq = sympy.Integer(1)
-        names |= {"L['past_keys'].size()[2]": "seq"}
+        names |= {"L['past_keys'].size()[2]": "(cached + 1)"}
         axes_named = [{0: "batch"}, {0: "batch", 2: "cached"}]
     else:
         target = module
@@ -366,13 +380,19 @@ def _prove_case(
         try:
             program = export(target, args, kwargs=call_kwargs or None, dynamic_shapes=shapes)
         except Exception as error:  # export's own report: which size was specialized, and where
-            failures = _explain_export_failure(error, names, [n for n, d in dims.items() if d is not None])
+            every = ["batch", "cached" if decode else "seq"]  # the sizes by name, as the title gives their ranges
+            failures = _explain_export_failure(error, names, [d.__name__ for d in dims.values() if d], every)
             where = observer.guarding_calls()
             if where:  # the user's decorated functions in which the size-specific guards were made
                 failures = [f"{f} in {', '.join(where)}" for f in failures]
             return failures, [], {}
     symbols = _symbols(program, axes_named)
-    failures, rows = _shape_failures(program, observer, known, b, s, width, decode, expected_seq)
+    rename: dict[str, Any] = {}
+    if "cached" in symbols:  # torch's symbol counts the new position too: written `cached + 1`
+        total = symbols.pop("cached")
+        symbols["cached + 1"] = total
+        rename[total] = sympy.Symbol("cached", integer=True, positive=True) + 1
+    failures, rows = _shape_failures(program, observer, known, b, s, width, decode, expected_seq, rename)
     return [_named(f, symbols) for f in failures], [(n, a, _named(e, symbols)) for n, a, e in rows], symbols
 
 
@@ -391,7 +411,7 @@ def _symbols(program: Any, axes_named: list[dict[int, str]]) -> dict[str, str]:
 
 def _named(text: str, symbols: dict[str, str]) -> str:
     """`text` with each of torch's symbols written as the dimension it stands for (`s83 + 1` -> `cached + 1`)."""
-    by_symbol = {symbol: name for name, symbol in symbols.items()}
+    by_symbol = {symbol: name if name.isidentifier() else f"({name})" for name, symbol in symbols.items()}
     return re.sub(r"\bs\d+\b", lambda m: by_symbol.get(m[0], m[0]), text)
 
 
@@ -404,15 +424,16 @@ def _shape_failures(
     width: int,
     decode: bool,
     expected_seq: Any,
+    rename: dict[str, Any],
 ) -> tuple[list[str], list[tuple[str, str, str]]]:
     """The exported program's output, and each stage the module reported, against their named shapes."""
     out = next(n for n in program.graph.nodes if n.op == "output").args[0]
     value = out[0] if isinstance(out, list | tuple) else out
     value = value.meta["val"]
     value = value[0] if isinstance(value, tuple) else value
-    got = [_expr(x) for x in value.shape]
+    got = [_expr(x, rename) for x in value.shape]
     if observer.seen:  # our module: every stage against its annotation
-        failures, rows = _check_named(observer.seen, known)
+        failures, rows = _check_named(observer.seen, known, rename)
     else:
         failures, rows = [], [("output", "batch seq d_model", "(" + ", ".join(map(str, got)) + ")")]
     if len(got) != 3:
