@@ -176,7 +176,10 @@ def judge(
     if float32_inside and lenient_float64:
         return worst
     report = f"{what} differs from the per-head reference by {worst:.3g} ({tol})"
-    if float32_inside:
+    # A deviation that small is float32 rounding unless a wrong formula gives `got` itself (ALiBi's slopes
+    # per KV head in MQA's smallest example are off by 6.8e-6): matching a variant within tol is no rounding.
+    matches = name_bug(got, scenario, tol, rows) if float32_inside else None
+    if float32_inside and not matches:
         raise FailedCheckError(
             f"{report}: float32 rounding, not a wrong formula: it computes in float32 inside (softmax?); "
             f"pass atol={FLOAT32_INSIDE:g} to accept that, or check in float32\n  smallest failing config: {where}",
@@ -184,7 +187,7 @@ def judge(
         )
 
     def diagnose() -> str:
-        lines = [describe_matches(name_bug(got, scenario, tol, rows))]
+        lines = [describe_matches(matches if matches is not None else name_bug(got, scenario, tol, rows))]
         if run is not None:
             lines.append(locate_heads(run, scenario, tol, rows))
         return "".join(f"\n  {line}" for line in lines if line)
