@@ -292,6 +292,76 @@ def test_a_decoding_step_that_returns_its_weights_is_proven(kind: str) -> None:
     assert ("weights", "batch num_heads seq kv_seq", "(batch, 8, 1, cached + 1)") in proof.stages
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_sinks_returning_their_weights_while_decoding_are_proven(kind: str) -> None:
+    """The sinks' column makes the folded weights `cached + 2` wide, and their unfold raises a guard torch cannot
+    decide (`min(cached + 2, 4*cached + 8) != cached + 1`); prove tries it at every size and finds it true."""
+    module = ssm.MultiHeadAttention(64, 8, KINDS[kind], attention_sinks=True)
+    proof = ssm.prove(module, decode=True, need_weights=True)
+    assert proof.ok, proof.failures
+
+
+def test_a_chunked_module_with_a_padding_mask_is_proven_with_its_4d_chunk_mask() -> None:
+    """The chunk mask of a padded batch is `(batch, 1, seq, kv_seq)`: the stage is checked against the 4-D
+    alternative of its union annotation, the one the tensor is, not the first (2-D) one."""
+    proof = ssm.prove(ssm.MultiHeadAttention(64, 8, 2, chunk_size=8), **PADDING)
+    assert proof.ok, proof.failures
+    assert ("chunk_mask", "#batch #num_heads seq kv_seq", "(batch, 1, seq, seq)") in proof.stages
+
+
+class _MergesAxesBesideALongerOne(nn.Module):
+    """Scores over `seq + 1` keys (the input and its first position again), two head axes merged beside them."""
+
+    d_model = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(2, 4, 16))
+        self.out = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([x, x[:, :1]], 1)
+        weights = torch.einsum("hgd,bkd->bhgk", self.queries, keys).softmax(-1).flatten(1, 2)
+        return weights[:, :, :-1].transpose(1, 2) @ self.out
+
+
+def test_a_guard_torch_cannot_decide_is_tried_at_every_size_and_the_module_proven() -> None:
+    """torch refuses `min(seq + 1, 4*seq + 4) == seq + 1` (true for every seq, beyond what it can prove); prove
+    evaluates it at each size of the range, finds it true, and exports past it. A false guard is still refused."""
+    proof = ssm.prove(_MergesAxesBesideALongerOne())
+    assert proof.ok, proof.failures
+    assert proof.stages[-1] == ("output", "batch seq d_model", "(batch, seq, 16)")
+
+
+class _RefusesOneLength(nn.Module):
+    d_model = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[1] != 100)
+        return x * 2
+
+
+def test_a_runtime_assert_left_in_the_program_is_decided_at_every_size() -> None:
+    """Where torch defers a guard to a runtime assert, prove decides it for the whole range: false at seq 100."""
+    from torch.export import Dim, export
+
+    from shapesafe_mha._tools.prove import _deferred_failures
+
+    seq = Dim("seq", min=2, max=2048)
+    program = export(
+        _RefusesOneLength(), (torch.randn(3, 5, 16),), dynamic_shapes={"x": {1: seq}},
+        prefer_deferred_runtime_asserts_over_guards=True,
+    )  # fmt: skip
+    symbol = str(next(iter(program.range_constraints)))
+    assert _deferred_failures(program, {"seq": symbol}) == [
+        "seq: the shapes hold only where Ne(seq, 100) (false at seq = 100: a branch, view or buffer that depends on "
+        "seq)"
+    ]
+    assert ssm.prove(_RefusesOneLength()).failures == [
+        "seq: the shapes hold only where seq != 100 (a branch, view or buffer that depends on seq)"
+    ]
+
+
 class _LongCacheBranch(ssm.MultiHeadAttention):
     """Doubles its output once the cache holds more than 100 positions: a branch on the cache's length."""
 

@@ -25,7 +25,7 @@ import torch
 from jaxtyping import jaxtyped
 
 from .errors import ConfigError
-from .messages import ExplainedError, Memo, arrays_of, bearable, bind, explain, shape_error
+from .messages import ExplainedError, Memo, bearable, bind, explain, named_shape_of, shape_error
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -358,8 +358,7 @@ class Session:
             if failure is not None:
                 raise self.fail(failure, f"{stage.name} returned a wrong value: ")
             if self.observer is not None and trace_name and isinstance(value, torch.Tensor):
-                arrays = arrays_of(hint)
-                self.observer(trace_name, arrays[0].dim_str if arrays else "", value)
+                self.observer(trace_name, named_shape_of(hint, value), value)
 
 
 # What torch raises for a shape, dtype or device that does not fit: only these are run again checked to be

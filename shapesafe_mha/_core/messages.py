@@ -87,6 +87,19 @@ def arrays_of(hint: Any) -> list[Any]:
     return []
 
 
+def named_shape_of(hint: Any, value: Any) -> str:
+    """The dimension names of the alternative of `hint` that `value` is (its rank and dtype), for a union the first
+    that fits (`AttnMask` holds a 2-D and a 4-D mask); "" if the hint accepts no array."""
+    arrays = arrays_of(hint)
+    for array in arrays:
+        dtypes = array.dtypes
+        if len(array.dims) == value.ndim and (
+            not isinstance(dtypes, tuple | list) or str(value.dtype).removeprefix("torch.") in dtypes
+        ):
+            return array.dim_str
+    return arrays[0].dim_str if arrays else ""
+
+
 def bearable(value: Any, hint: Any) -> bool:
     """`beartype.door.is_bearable`, but every item of a `tuple[X, ...]` or `list[X]` checked: beartype checks
     one item, drawn at random (its O(1) strategy; the linear one is not implemented), so a wrong item among

@@ -11,11 +11,14 @@ it runs, so each stage's jaxtyping annotation is checked against its symbolic sh
 import contextlib
 import inspect
 import io
+import itertools
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import sympy
 import torch
 from rich.console import Console
@@ -115,9 +118,11 @@ def _readable(guard: str, names: dict[str, str]) -> str:
     return guard
 
 
-def _explain_export_failure(error: Exception, names: dict[str, str], dynamic: list[str], every: list[str]) -> list[str]:
+def _explain_export_failure(
+    error: Exception | None, names: dict[str, str], dynamic: list[str], every: list[str]
+) -> list[str]:
     """Export's report, in our words: which size, and what the code did with it."""
-    text = str(error)
+    text = str(error) if error is not None else ""
     failures = []
     for dim, constant in re.findall(
         r"You marked (\w+) as dynamic but your code specialized it to be a constant \((\d+)\)", text
@@ -126,9 +131,7 @@ def _explain_export_failure(error: Exception, names: dict[str, str], dynamic: li
         failures.append(
             f"{dim}: the code fixes {size} to {constant} (a view, slice or buffer of that size where {dim} belongs)"
         )
-    for dim, guard in re.findall(
-        r"Not all values of (\w+) = \S+ in the specified range.*? satisfy the generated guard (.+?)\.?\n", text
-    ):
+    for dim, guard in re.findall(_GUARD, text):
         guard = _readable(re.sub(r"^\d+ <= (\S+) and ", "", guard), names)  # the range's own lower bound
         failures.append(f"{dim}: the shapes hold only where {guard} (a branch, view or buffer that depends on {dim})")
     if not failures:
@@ -140,6 +143,92 @@ def _explain_export_failure(error: Exception, names: dict[str, str], dynamic: li
         else:  # no symbol in the error: the sizes held fixed are the ones it cannot take
             who = " or ".join(n for n in every if n not in dynamic) or " or ".join(dynamic)
         failures.append(f"{who}: the module fails at some {who}: {first[:180]}")
+    return failures
+
+
+_EXHAUSTIVE = 4_000_000  # sizes tried one by one at most (64 batches x 2,049 cache lengths is 131,136)
+
+
+def _counterexample(condition: Any, ranges: dict[Any, tuple[int, int]]) -> dict[str, int] | None:
+    """Sizes in `ranges` where `condition` (over torch's symbols) is false; None where it holds for all of them.
+
+    First symbolically, each symbol written as its range's lower bound plus a nonnegative integer (sympy then
+    decides `min(s + 1, 4*s + 4) == s + 1`, which torch leaves undecided); else size by size, every combination
+    in the ranges. `{}`: undecided (a symbol without a range, or more combinations than `_EXHAUSTIVE`).
+    """
+    free = sorted(condition.free_symbols, key=str)
+    if any(s not in ranges for s in free):
+        return {}
+    offsets = {s: ranges[s][0] + sympy.Symbol(f"_{s}", integer=True, nonnegative=True) for s in free}
+    if sympy.simplify(condition.xreplace(offsets)) is sympy.true:
+        return None
+    axes = [np.arange(ranges[s][0], ranges[s][1] + 1) for s in free]
+    if int(np.prod([len(a) for a in axes])) > _EXHAUSTIVE:
+        return {}
+    grid = np.meshgrid(*axes, indexing="ij")
+    try:
+        holds = np.broadcast_to(np.asarray(sympy.lambdify(free, condition, "numpy")(*grid), bool), grid[0].shape)
+    except Exception:  # a function of torch's that numpy has no name for: undecided
+        return {}
+    if holds.all():
+        return None
+    where = np.argwhere(~holds)[0]
+    return {str(s): int(axis[i]) for s, axis, i in zip(free, axes, where, strict=True)}
+
+
+_GUARD = r"Not all values of (\w+) = \S+ in the specified range.*? satisfy the generated guard (.+?)\.?\n"
+
+
+def _only_guards_true_everywhere(error: Exception, sources: dict[str, tuple[int, int]]) -> bool:
+    """Whether export refused only for guards that hold at every size in the ranges (torch could not prove them).
+
+    Each guard is Python over the sizes of the inputs (`L['x'].size()[1]`), tried at every combination of
+    their ranges; one over a size without a range, or with more combinations than `_EXHAUSTIVE`, is not.
+    """
+    text = str(error)
+    guards = [guard for _, guard in re.findall(_GUARD, text)]
+    listed = [line for line in text.splitlines() if line.startswith("  - ")]
+    if not text.startswith("Constraints violated") or not guards or len(guards) != len(listed):
+        return False
+    for guard in guards:
+        used = [source for source in sources if source in guard]
+        for i, source in enumerate(used):
+            guard = guard.replace(source, f"_{i}")
+        names = set(re.findall(r"[A-Za-z_]\w*", guard))
+        if not used or not names <= {f"_{i}" for i in range(len(used))} | {"min", "max", "and", "or", "not"}:
+            return False
+        axes = [range(sources[source][0], sources[source][1] + 1) for source in used]
+        if math.prod(len(axis) for axis in axes) > _EXHAUSTIVE:
+            return False
+        arguments = ", ".join(f"_{i}" for i in range(len(used)))
+        test = eval(f"lambda {arguments}: {guard}", {"__builtins__": {}, "min": min, "max": max})  # names checked
+        if not all(test(*sizes) for sizes in itertools.product(*axes)):
+            return False
+    return True
+
+
+def _deferred_failures(program: Any, symbols: dict[str, str]) -> list[str]:
+    """The runtime asserts torch left in the program (guards it could not decide), each decided here for every
+    size in the ranges: one that fails at some size, or that cannot be decided, is a failure."""
+    ranges = {s: (int(r.lower), int(r.upper)) for s, r in program.range_constraints.items()}
+    by_symbol = {symbol: name for name, symbol in symbols.items()}
+    failures = []
+    for node in program.graph.nodes:
+        if node.target is not torch.ops.aten._assert_scalar.default:
+            continue
+        value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else node.args[0]
+        condition = value.node.expr if isinstance(value, torch.SymBool) else sympy.sympify(bool(value))
+        example = _counterexample(condition, ranges)
+        if example is None:
+            continue
+        names = [by_symbol.get(str(s), str(s)) for s in sorted(condition.free_symbols, key=str)]
+        who = " or ".join(dict.fromkeys(n.split(" ")[0] for n in names)) or "batch or seq"
+        guard = _named(str(condition), symbols)
+        at = ", ".join(f"{by_symbol.get(s, s)} = {v}" for s, v in example.items())
+        failures.append(
+            f"{who}: the shapes hold only where {guard} ({f'false at {at}' if at else 'undecided for some sizes'}:"
+            f" a branch, view or buffer that depends on {who})"
+        )
     return failures
 
 
@@ -376,12 +465,29 @@ def _prove_case(
             shapes[key] = marked
         expected_seq = None
         axes_named = [{0: "batch", 1: "seq"}]
+    # Each input size torch's guards name, and its range: a guard over them is tried at every size in them.
+    ranged = {"batch": dims["batch"], "(cached + 1)" if decode else "seq": dims["seq"]}
+    sources = {src: (d.min, d.max) for src, name in names.items() if (d := ranged.get(name)) is not None}
     with _observing() as observer:
+        refusal: Exception | None = None
         try:
             program = export(target, args, kwargs=call_kwargs or None, dynamic_shapes=shapes)
         except Exception as error:  # export's own report: which size was specialized, and where
+            program, refusal = None, error
+            if _only_guards_true_everywhere(error, sources):  # torch could not prove them: export past them
+                observer.seen.clear()
+                observer.spans.clear()
+                with contextlib.suppress(Exception):  # as refused before, if it fails even so
+                    program = export(
+                        target,
+                        args,
+                        kwargs=call_kwargs or None,
+                        dynamic_shapes=shapes,
+                        prefer_deferred_runtime_asserts_over_guards=True,  # its other undecided guards: asserts
+                    )
+        if program is None:
             every = ["batch", "cached" if decode else "seq"]  # the sizes by name, as the title gives their ranges
-            failures = _explain_export_failure(error, names, [d.__name__ for d in dims.values() if d], every)
+            failures = _explain_export_failure(refusal, names, [d.__name__ for d in dims.values() if d], every)
             where = observer.guarding_calls()
             if where:  # the user's decorated functions in which the size-specific guards were made
                 failures = [f"{f} in {', '.join(where)}" for f in failures]
@@ -393,6 +499,7 @@ def _prove_case(
         symbols["cached + 1"] = total
         rename[total] = sympy.Symbol("cached", integer=True, positive=True) + 1
     failures, rows = _shape_failures(program, observer, known, b, s, width, decode, expected_seq, rename)
+    failures = _deferred_failures(program, symbols) + failures
     return [_named(f, symbols) for f in failures], [(n, a, _named(e, symbols)) for n, a, e in rows], symbols
 
 
