@@ -744,3 +744,15 @@ def test_a_mask_over_the_first_step_only_is_refused_at_the_second(name: str) -> 
         module(torch.randn(2, 1, 16), kv_cache=cache, **{name: one})
     assert len(cache) == 1
 
+
+
+def test_a_verdict_for_integer_positions_is_none_for_float_ones() -> None:
+    """Float positions would turn queries and keys unchecked as well as integer ones do; after a call with integer
+    positions they are still refused, as on a fresh module."""
+    x, positions = torch.randn(2, 5, 16), torch.arange(5).expand(2, 5)
+    module = ssm.MultiHeadAttention(16, 4, 2, rope_theta=1e4)
+    module(x, positions=positions)
+    for warm in (ssm.MultiHeadAttention(16, 4, 2, rope_theta=1e4), module):
+        with pytest.raises(ssm.ShapeError, match=r"positions has dtype float32, but it must be int"):
+            warm(x, positions=positions.float())
+
