@@ -756,3 +756,18 @@ def test_a_verdict_for_integer_positions_is_none_for_float_ones() -> None:
         with pytest.raises(ssm.ShapeError, match=r"positions has dtype float32, but it must be int"):
             warm(x, positions=positions.float())
 
+
+
+def test_a_verdict_under_float16_autocast_does_not_cover_a_call_under_bfloat16_autocast() -> None:
+    """Under float16 autocast a float32 module decodes into a float16 cache; under bfloat16 autocast the same call
+    computes bfloat16 keys, which that cache does not hold: refused, as on a fresh module, the cache as it was."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        module(torch.randn(1, 2, 16), is_causal=True, kv_cache=cache)
+        module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+        ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"
+    ):
+        module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
+    assert len(cache) == 3
