@@ -771,3 +771,26 @@ def test_a_verdict_under_float16_autocast_does_not_cover_a_call_under_bfloat16_a
     ):
         module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
     assert len(cache) == 3
+
+
+# name: (the right value, one that would broadcast unchecked, the start of its refusal)
+BROADCAST_UNCHECKED = {
+    "attn_mask": (torch.ones(5, 5, dtype=torch.bool), torch.ones(5, 1, dtype=torch.bool),
+                  r"attn_mask has kv_seq=1 \(axis 1\), but key set kv_seq=5\. Masks broadcast only over batch"),
+    "key_padding_mask": (torch.zeros(2, 5, dtype=torch.bool), torch.zeros(2, 1, dtype=torch.bool),
+                         r"key_padding_mask has kv_seq=1 \(axis 1\), but key set kv_seq=5"),
+    "positions": (torch.arange(5).expand(2, 5), torch.arange(5)[None], r"positions has batch=1 \(axis 0\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BROADCAST_UNCHECKED)
+def test_a_verdict_for_a_full_size_argument_is_none_for_one_that_broadcasts(name: str) -> None:
+    """A mask over one key, or positions for one sequence, would broadcast unchecked; after a call with the full
+    size they are still refused, as on a fresh module (masks broadcast only over batch and heads)."""
+    right, broadcast, message = BROADCAST_UNCHECKED[name]
+    x, rope = torch.randn(2, 5, 16), {"rope_theta": 1e4} if name == "positions" else {}
+    module = ssm.MultiHeadAttention(16, 4, 2, **rope)
+    module(x, **{name: right})
+    for warm in (ssm.MultiHeadAttention(16, 4, 2, **rope), module):
+        with pytest.raises(ssm.ShapeError, match=message):
+            warm(x, **{name: broadcast})
