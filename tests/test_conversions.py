@@ -256,3 +256,68 @@ def test_the_probe_costs_little_beside_the_load() -> None:
     ours = ssm.MultiHeadAttention.from_hf(layer)
     assert ours.training and ours.q_proj.weight.dtype == torch.float32 and layer.training
     assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+
+
+def test_to_torch_is_probed_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A to_torch that forgets a window (as a variant it stopped naming would make it) is refused by the probe;
+    `verify=False` returns it unverified, computing full causal attention where the module sees one key."""
+    from shapesafe_mha._interop import torch_nn
+
+    module = ssm.MultiHeadAttention(32, 4, window=1, dtype=torch.float64)
+    monkeypatch.setattr(torch_nn, "_variants", lambda module: [])
+    with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention\.to_torch\(\): the converted layer differs from"):
+        module.to_torch()
+    unverified = module.to_torch(verify=False).eval()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    with torch.no_grad():
+        difference = (unverified(x, x, x, attn_mask=causal, need_weights=False)[0] - module(x, is_causal=True)).abs()
+    assert float(difference.max()) > 1e-3
+
+
+def test_to_hf_is_probed_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A to_hf that reads a window the layer does not compute (as a moved config field would make it) is refused
+    by the probe; `verify=False` returns the layer unverified."""
+    module = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False, rope_theta=1e4, window=1, dtype=torch.float64)
+    honest = _hf.variant_options
+    monkeypatch.setattr(_hf, "variant_options", lambda attention, config: {**honest(attention, config), "window": 1})
+    config = CONFIG_MAPPING["llama"](**SIZES)
+    with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention\.to_hf\(\): the converted layer differs from"):
+        module.to_hf(config)
+    layer = module.to_hf(config, verify=False).to(torch.float64).eval()
+    assert _ours_equal_theirs(module, layer) > 1e-3
+
+
+def test_a_layer_that_keeps_no_config_converts_with_its_models() -> None:
+    """Bloom's attention keeps no config: from_hf(layer) says to pass the model's, and with it the layer converts
+    (its sizes and ALiBi read from that config)."""
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+
+    config = CONFIG_MAPPING["bloom"](hidden_size=16, n_head=4, n_layer=1)
+    config._attn_implementation = "eager"  # Bloom's only implementation
+    layer = BloomAttention(config, layer_idx=0).to(torch.float64).eval()
+    with pytest.raises(ssm.ConfigError, match=r"BloomAttention has no \.config;.*from_hf\(layer, config=model\.config"):
+        ssm.MultiHeadAttention.from_hf(layer)
+    ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    assert (ours.d_model, ours.num_heads, ours.alibi_slopes is not None) == (16, 4, True)
+
+
+class _OtherScale(ssm.MultiHeadAttention):
+    """A subclass computing another function: its scores scaled by 0.1 instead of d_head ** -0.5."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = 0.1
+
+
+def test_from_weights_probes_what_the_class_built_unless_told_not_to() -> None:
+    """The probe compares what the class built with the per-head reference of the weights: a subclass that
+    computes another function is refused, and `verify=False` returns it unverified."""
+    weights = ssm.MultiHeadAttention(32, 4, 2, dtype=torch.float64).weights()
+    with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention\.from_weights\(\): the converted layer differs"):
+        _OtherScale.from_weights(weights, num_heads=4, num_kv_heads=2)
+    unverified = _OtherScale.from_weights(weights, num_heads=4, num_kv_heads=2, verify=False)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        difference = (unverified(x) - per_head_attention(x, x, x, weights, num_heads=4, num_kv_heads=2)).abs()
+    assert isinstance(unverified, _OtherScale) and float(difference.max()) > 1e-3

@@ -299,6 +299,36 @@ def test_state_dict_deepcopy_pickle_and_optimizer_see_plain_parameters() -> None
     torch.testing.assert_close(after, per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=2), **F64)
 
 
+def test_a_copy_carries_nothing_remembered_and_checks_its_first_call() -> None:
+    """Verdicts and the fused Q/K/V weight belong to the module they were made on: a warm module pickles to the
+    bytes of a cold one, and its deepcopy and its unpickled copy each check their first call."""
+    from unittest import mock
+
+    module, x = _module(), _x()
+    cold = pickle.dumps(module)
+    with torch.no_grad():
+        module(x)  # a verdict, and the fused weight of the no-grad path
+    assert module._fused is not None and len(pickle.dumps(module)) == len(cold)
+    with mock.patch.object(ssm.MultiHeadAttention, "_checked", autospec=True, side_effect=module._checked.__func__):
+        checked = ssm.MultiHeadAttention._checked
+        for other in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+            with torch.no_grad():
+                other(x)
+        assert checked.call_count == 2  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_apply_without_recursion_converts_the_module_own_tensors_only() -> None:
+    """`_apply(fn, recurse=False)` is nn.Module's conversion of a module's own parameters and buffers: the sinks
+    and ALiBi slopes become float64, the projections stay float32, and calls after it are checked again."""
+    module = ssm.MultiHeadAttention(32, 4, attention_sinks=True, alibi=True)
+    module(_x(dtype=torch.float32))
+    module._apply(lambda t: t.double(), recurse=False)
+    assert module.sinks is not None and module.alibi_slopes is not None
+    assert (module.sinks.dtype, module.alibi_slopes.dtype) == (torch.float64, torch.float64)
+    assert {p.dtype for name, p in module.named_parameters() if "proj" in name} == {torch.float32}
+    assert len(module._verdicts.exact) == 0
+
+
 # torch.jit.trace is exercised on purpose: its deprecation, a DeprecationWarning up to torch 2.13 and a
 # FutureWarning since 2.14, is expected here and nowhere else.
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.trace(_method)?` is deprecated:DeprecationWarning")

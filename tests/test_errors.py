@@ -668,3 +668,41 @@ def test_a_value_of_the_wrong_width_gets_no_hint_meant_for_another_mistake() -> 
         str(caught.value).splitlines()[0]
         == "scaled_dot_product_attention(): v has d_head=4 (axis 3), but q set d_head=8."
     )
+
+
+def _forward(module: ssm.MultiHeadAttention, *sizes: tuple[int, int], cached: bool = False) -> None:
+    """The module called on query, key and value of these (batch, positions), into a new cache if `cached`."""
+    kwargs = {"kv_cache": module.new_cache(2, 10)} if cached else {}
+    module(*(torch.randn(batch, n, 16) for batch, n in sizes), **kwargs)
+
+
+FORWARD_HINTS = {
+    "value over other positions": (
+        {}, [(2, 5), (2, 7), (2, 6)], False,
+        "value has kv_seq=6 (axis 1), but key set kv_seq=7. key and value must cover the same positions.",
+    ),
+    "new value over other positions": (
+        {}, [(2, 3), (2, 3), (2, 2)], True,
+        "value has new=2 (axis 1), but key set new=3. key and value must cover the same positions.",
+    ),
+    "value of another batch": (
+        {}, [(2, 5), (2, 7), (3, 7)], False,
+        "value has batch=3 (axis 0), but query set batch=2. value needs one sequence per query sequence.",
+    ),
+    "rotary cross-attention (no hint beside the refusal)": (
+        {"rope_theta": 1e4}, [(2, 5), (2, 7)], False,
+        "key has kv_seq=7 positions for the query's seq=5, but this module rotates queries and keys by the same "
+        "positions (rope_theta=10000.0): cross-attention with rotary embeddings is not supported. Build the module "
+        "with rope_theta=None for cross-attention.",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", FORWARD_HINTS)
+def test_a_forward_mistake_gets_the_hint_of_its_own_cause_and_no_other(case: str) -> None:
+    """Key and value over other positions, or of another batch, each get their cause's hint; the rotary refusal of
+    cross-attention (key, kv_seq) is not mistaken for a value mistake."""
+    options, sizes, cached, first = FORWARD_HINTS[case]
+    with pytest.raises(ssm.ShapeError) as caught:
+        _forward(ssm.MultiHeadAttention(16, 4, 2, **options), *sizes, cached=cached)
+    assert str(caught.value).splitlines()[0] == f"MultiHeadAttention.forward(): {first}"

@@ -534,3 +534,58 @@ def test_alibi_weights_a_key_d_positions_back_by_minus_d_times_its_heads_slope()
     torch.testing.assert_close(step[0], expected, **F64)
     with pytest.raises(ssm.ConfigError, match="alibi must be True or False, but got 'yes'"):
         ssm.MultiHeadAttention(16, 8, alibi="yes")  # pyright: ignore[reportArgumentType]
+
+
+# Each option away from its default, with the options it needs (rope_dim and the pairs need RoPE, the QK-norm's
+# options a QK-norm); the repr must show these arguments, as given, and nothing else beyond the sizes.
+REPR_OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"rope_theta": 10000.0},
+    {"rope_theta": 500000.0, "rope_dim": 4},
+    {"rope_theta": 10000.0, "rope_interleaved": True},
+    {"qk_norm": True},
+    {"qk_norm": True, "qk_norm_over": "all"},
+    {"qk_norm": True, "qk_norm_over": "per_head", "qk_norm_centred": True},
+    {"qk_norm": True, "qk_norm_offset": 1.0},
+    {"qk_norm": True, "qk_norm_after_rope": True},
+    {"window": 3},
+    {"logit_softcap": 5.0},
+    {"query_pre_attn_scalar": 4.0},
+    {"clip_qkv": 2.0},
+    {"temperature_tuning": (8192, 0.1)},
+    {"chunk_size": 4},
+    {"attention_sinks": True},
+    {"alibi": True},
+    {"output_gate": True},
+]
+
+
+@pytest.mark.parametrize("options", REPR_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_the_repr_names_the_sizes_and_exactly_the_options_given(options: dict[str, Any], dropout: float) -> None:
+    """The first line of the module's repr is its sizes and dropout, then `name=value` for each option given away
+    from its default (the value as it was passed) and for no other: a reader can rebuild the module from it."""
+    module = ssm.MultiHeadAttention(32, 4, 2, dropout=dropout, **options)
+    sizes = f"d_model=32, num_heads=4, num_kv_heads=2, d_head=8, dropout={dropout}"
+    assert module.extra_repr() == ", ".join([sizes, *(f"{name}={value!r}" for name, value in options.items())])
+    assert repr(module).startswith(f"MultiHeadAttention(\n  {module.extra_repr()}\n")
+
+
+@pytest.mark.parametrize(
+    "idle",
+    [{"rope_theta": 10000.0, "rope_dim": 8}, {"qk_norm_offset": 1.0}, {"qk_norm_over": "all"}],
+    ids=["rope_dim=d_head", "qk_norm_offset without qk_norm", "qk_norm_over without qk_norm"],
+)
+def test_an_option_that_changes_nothing_is_not_shown(idle: dict[str, Any]) -> None:
+    """rope_dim=d_head is what rope_dim=None means, and a QK-norm's options without a QK-norm do nothing: the repr
+    is that of the module without them."""
+    given = ssm.MultiHeadAttention(32, 4, 2, **idle)
+    plain = ssm.MultiHeadAttention(32, 4, 2, **({"rope_theta": 10000.0} if "rope_theta" in idle else {}))
+    assert given.extra_repr() == plain.extra_repr()
+
+
+def test_gate_weights_of_a_module_without_a_gate_is_a_config_error_saying_so() -> None:
+    """Only a gated q_proj holds gate rows; asking an ungated module for them names the method and the option."""
+    message = r"^MultiHeadAttention\.gate_weights\(\): this module has no output gate \(output_gate=False\)\.$"
+    with pytest.raises(ssm.ConfigError, match=message):
+        ssm.MultiHeadAttention(32, 4, 2).gate_weights()

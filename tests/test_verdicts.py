@@ -683,3 +683,114 @@ def test_a_submodule_returning_another_width_after_a_verdict_is_explained_as_on_
         outcomes.append(_outcome(lambda m=module, x=x: m(x)))
     assert outcomes[0][0] == "ShapeError" and "q_proj returned a wrong value" in outcomes[0][1], outcomes[0]
     _same(outcomes[0], outcomes[1])
+
+
+class _KeepsOneKey(torch.Tensor):
+    """A padding mask whose inversion keeps only its first key: a bug in the mask's own type, not in the call."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.narrow(-1, 0, 1) if func in (torch.Tensor.__invert__, torch.logical_not) else out
+
+
+def test_a_verdict_for_a_plain_padding_mask_is_none_for_a_tensor_subclass_of_it() -> None:
+    """The mask's type is part of what a verdict covers: after a call with a plain bool padding mask, the same
+    mask as a subclass whose operations differ is checked as on a fresh module, a ShapeError, not run unchecked."""
+    module, x = ssm.MultiHeadAttention(16, 4, 2), torch.randn(2, 5, 16)
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[1, :2] = True
+    module(x, key_padding_mask=padding)
+    odd = padding.as_subclass(_KeepsOneKey)
+    message = r"mask returned a wrong value: the result has kv_seq=1 \(axis 3\), but key set kv_seq=5"
+    for warm in (ssm.MultiHeadAttention(16, 4, 2), module):
+        with pytest.raises(ssm.ShapeError, match=message):
+            warm(x, key_padding_mask=odd)
+
+
+def test_a_verdict_for_a_key_of_one_position_is_none_for_a_longer_key() -> None:
+    """Cross-attention to a single key, with a mask over that one key, is right; the same mask beside a key of 4
+    positions would broadcast over all of them unchecked, so after that verdict it is refused as on a fresh module."""
+    module, query = ssm.MultiHeadAttention(16, 4, 2), torch.randn(2, 5, 16)
+    mask = torch.ones(5, 1, dtype=torch.bool)
+    module(query, torch.randn(2, 1, 16), attn_mask=mask)
+    message = r"attn_mask has kv_seq=1 \(axis 1\), but key set kv_seq=4\. Masks broadcast only over batch and heads"
+    for warm in (ssm.MultiHeadAttention(16, 4, 2), module):
+        with pytest.raises(ssm.ShapeError, match=message):
+            warm(query, torch.randn(2, 4, 16), attn_mask=mask)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_a_verdict_for_need_weights_is_none_for_the_int_equal_to_it(value: bool) -> None:
+    """1 == True and 0 == False, and hash alike: after a call with the bool, the int is still refused, as on a
+    fresh module (need_weights' annotation is bool; tests/test_contract.py shows the same of is_causal)."""
+    module, x = ssm.MultiHeadAttention(16, 4, 2), torch.randn(2, 5, 16)
+    module(x, need_weights=value)
+    for warm in (ssm.MultiHeadAttention(16, 4, 2), module):
+        with pytest.raises(ssm.ShapeError, match=rf"need_weights must be bool, but got int {int(value)}"):
+            warm(x, need_weights=int(value))  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("name", ["attn_mask", "key_padding_mask"])
+def test_a_mask_over_the_first_step_only_is_refused_at_the_second(name: str) -> None:
+    """Decoding with a mask: at the first step one key is all there is, and a mask over one key is right; at the
+    second the cache holds two, and the same mask (which would broadcast over both unchecked) is refused, the cache
+    left as it was."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = module.new_cache(2, 8)
+    one = torch.ones(1, 1, dtype=torch.bool) if name == "attn_mask" else torch.zeros(2, 1, dtype=torch.bool)
+    module(torch.randn(2, 1, 16), kv_cache=cache, **{name: one})
+    with pytest.raises(ssm.ShapeError, match=rf"{name} has kv_seq=1 \(axis 1\), but the cache plus key set kv_seq=2"):
+        module(torch.randn(2, 1, 16), kv_cache=cache, **{name: one})
+    assert len(cache) == 1
+
+
+
+def test_a_verdict_for_integer_positions_is_none_for_float_ones() -> None:
+    """Float positions would turn queries and keys unchecked as well as integer ones do; after a call with integer
+    positions they are still refused, as on a fresh module."""
+    x, positions = torch.randn(2, 5, 16), torch.arange(5).expand(2, 5)
+    module = ssm.MultiHeadAttention(16, 4, 2, rope_theta=1e4)
+    module(x, positions=positions)
+    for warm in (ssm.MultiHeadAttention(16, 4, 2, rope_theta=1e4), module):
+        with pytest.raises(ssm.ShapeError, match=r"positions has dtype float32, but it must be int"):
+            warm(x, positions=positions.float())
+
+
+
+def test_a_verdict_under_float16_autocast_does_not_cover_a_call_under_bfloat16_autocast() -> None:
+    """Under float16 autocast a float32 module decodes into a float16 cache; under bfloat16 autocast the same call
+    computes bfloat16 keys, which that cache does not hold: refused, as on a fresh module, the cache as it was."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    cache = ssm.KVCache(1, 2, 8, 4, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        module(torch.randn(1, 2, 16), is_causal=True, kv_cache=cache)
+        module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+        ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"
+    ):
+        module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
+    assert len(cache) == 3
+
+
+# name: (the right value, one that would broadcast unchecked, the start of its refusal)
+BROADCAST_UNCHECKED = {
+    "attn_mask": (torch.ones(5, 5, dtype=torch.bool), torch.ones(5, 1, dtype=torch.bool),
+                  r"attn_mask has kv_seq=1 \(axis 1\), but key set kv_seq=5\. Masks broadcast only over batch"),
+    "key_padding_mask": (torch.zeros(2, 5, dtype=torch.bool), torch.zeros(2, 1, dtype=torch.bool),
+                         r"key_padding_mask has kv_seq=1 \(axis 1\), but key set kv_seq=5"),
+    "positions": (torch.arange(5).expand(2, 5), torch.arange(5)[None], r"positions has batch=1 \(axis 0\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BROADCAST_UNCHECKED)
+def test_a_verdict_for_a_full_size_argument_is_none_for_one_that_broadcasts(name: str) -> None:
+    """A mask over one key, or positions for one sequence, would broadcast unchecked; after a call with the full
+    size they are still refused, as on a fresh module (masks broadcast only over batch and heads)."""
+    right, broadcast, message = BROADCAST_UNCHECKED[name]
+    x, rope = torch.randn(2, 5, 16), {"rope_theta": 1e4} if name == "positions" else {}
+    module = ssm.MultiHeadAttention(16, 4, 2, **rope)
+    module(x, **{name: right})
+    for warm in (ssm.MultiHeadAttention(16, 4, 2, **rope), module):
+        with pytest.raises(ssm.ShapeError, match=message):
+            warm(x, **{name: broadcast})

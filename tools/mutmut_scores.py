@@ -102,6 +102,7 @@ _NO_NONE_SUBMODULE = (
     "submodules only, and none of them is ever None"
 )
 _L = "shapesafe_mha._modules.latent."
+_MH = "shapesafe_mha._modules.multihead."
 _TOP_LEVEL_DETAIL = (
     "drops or renames `arg`/`dim` of a refusal in LatentAttention.forward's own precheck: it runs at top level "
     "(never prefixed) and the forward has no explain hook, the only readers of them"
@@ -410,6 +411,30 @@ EQUIVALENT: dict[str, str] = {
     ),
     f"{_L}xǁLatentAttentionǁ_absorbs__mutmut_18": (
         "getattr without a default: plain_linear has just established an nn.Linear, which always has `bias` (None)"
+    ),
+    # --- multi-head ---
+    f"{_MH}x_forward_key__mutmut_3": "key.shape also where key is query: the same tensor, so the same shape",
+    f"{_MH}x_forward_key__mutmut_8": (
+        "the cache's parts of the key start as '' instead of None: without a cache they stay that constant, as None "
+        "did, and with one they are set (kept stays '' without a window, as constant as None)"
+    ),
+    **{
+        f"{_MH}x_forward_key__mutmut_{n}": (
+            "the kind of key (of value) keyed also where it is query (key): it is then that tensor's kind, already in "
+            "the key, and a call passing its own key (value) is still told apart by its shape's entry (None otherwise)"
+        )
+        for n in (27, 31)
+    },
+    **{
+        f"{_MH}x_forward_key__mutmut_{n}": (
+            "the shape of key (of value) keyed also where it is query (key): it is then that tensor's shape, "
+            "already in the key, and a call passing its own key (value) is still told apart by its kind's entry"
+        )
+        for n in (68, 71)
+    },
+    f"{_MH}x_forward_key__mutmut_90": (
+        "kv_seq keyed also without a mask: a finer key (more calls checked, never fewer), and without a mask no check "
+        "reads kv_seq, so the calls it tells apart pass their checks alike"
     ),
     # --- prove ---
     f"{_P}xǁ_Decodeǁforward__mutmut_12": _ROOM,
