@@ -538,7 +538,8 @@ class _Unnamed(nn.Module):
 def test_check_module_loads_with_the_given_load_and_checks_against_the_weights_it_returns() -> None:
     """`load=` replaces the default loader (which cannot read this module), and the weights it returns (the drawn
     ones without their biases, which the module has not) are the ones the reference computes with; a load that
-    returns None leaves the reference the drawn weights."""
+    returns None leaves the reference the drawn weights. Without it, or where it raises (with or without a
+    message), the failure says what raised, first, then the config."""
 
     def load(module: nn.Module, w: AttentionWeights) -> AttentionWeights:
         with torch.no_grad():
@@ -552,8 +553,18 @@ def test_check_module_loads_with_the_given_load_and_checks_against_the_weights_i
         load(module, w)
 
     check_module(_Unnamed, load=load_in_place, bias=False, max_examples=5)  # None: the drawn weights, as they are
-    with pytest.raises(AssertionError, match="load_weights: no q/k/v/o projection found in _Unnamed"):
+    with pytest.raises(
+        AssertionError,
+        match=r"^building the module or loading the drawn weights raised ValueError: load_weights: no q/k/v/o "
+        r"projection found in _Unnamed [^\n]*\n  smallest failing config: seq=1, batch=1, ",
+    ):
         check_module(_Unnamed, max_examples=1)
+
+    def refuses(module: nn.Module, w: AttentionWeights) -> None:
+        raise KeyError
+
+    with pytest.raises(AssertionError, match=r"^building the module or loading the drawn weights raised KeyError: \n"):
+        check_module(_Unnamed, load=refuses, max_examples=1)
 
 
 # --- the report's lines -------------------------------------------------------------------------------------
@@ -628,10 +639,14 @@ def test_the_budget_device_and_thresholds_reach_the_check() -> None:
     check_attention(_recording(seen), max_examples=4)
     check_module(build, forward=forward, max_examples=3)
     assert (len(seen), len(forwarded)) == (4, 3)
-    with pytest.raises(ssm.ConfigError, match=r"device='meta': these checks compare values"):
+    refused = (
+        r"^device='meta': these checks compare values with the reference, and meta tensors hold none; check on cpu or "
+        r"cuda \(shapesafe_mha.prove checks shapes, which meta can\).$"
+    )
+    with pytest.raises(ssm.ConfigError, match=refused):
         check_attention(attention, device="meta")
-    with pytest.raises(ssm.ConfigError, match=r"device='meta': these checks compare values"):
-        check_module(build, device="meta")
+    with pytest.raises(ssm.ConfigError, match=refused):
+        check_module(build, device=torch.device("meta"))
     near = tuple(range(290, 311))  # sizes where an implementation switches: a quarter of the draws lands by them
     seen.clear()
     check_attention(_recording(seen), thresholds=near, max_examples=50)
@@ -787,3 +802,28 @@ def test_an_exception_without_a_message_is_reported_by_its_type() -> None:
     with pytest.raises(AssertionError, match=r"^the implementation raised NotImplementedError: \n  smallest") as caught:
         check_attention(crashes, max_examples=1)
     assert isinstance(caught.value.__cause__, NotImplementedError)
+
+
+def test_the_default_draws_keep_odd_head_widths_and_self_attention_keys_at_seq() -> None:
+    """Without constraints the draws include odd head widths (d_head 1 among them, where RoPE is off); a check
+    without cross= draws configs whose kv_seq is seq (a failure shrunk to seq=3 names no kv_seq of 1), and cross=True
+    draws both."""
+    seen: list[tuple[int, ...]] = []
+    check_attention(_recording(seen), max_examples=30)
+    widths = {d_head for *_, d_head, _, _, _, _ in seen}
+    assert 1 in widths and any(w % 2 for w in widths if w > 1), widths
+
+    def wrong_from_3(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x, w, **kwargs) + (x.shape[1] >= 3)
+
+    with pytest.raises(AssertionError, match=r"smallest failing config: seq=3, ") as caught:
+        check_attention(wrong_from_3)
+    assert "kv_seq" not in str(caught.value), str(caught.value)
+    lengths: list[tuple[int, int]] = []
+
+    def cross(x: Tensor, w: AttentionWeights, *, memory: Tensor, **kwargs: Any) -> Tensor:
+        lengths.append((x.shape[1], memory.shape[1]))
+        return per_head_attention(x, memory, memory, w, **kwargs)
+
+    check_attention(cross, cross=True, max_examples=20)
+    assert any(seq != kv_seq for seq, kv_seq in lengths), lengths
