@@ -15,7 +15,7 @@ from torch import Tensor, nn
 import shapesafe_mha as ssm
 from shapesafe_mha import AttentionWeights
 from shapesafe_mha.reference import per_head_attention
-from shapesafe_mha.testing import AttentionConfig, attention_configs, check_attention, check_module
+from shapesafe_mha.testing import AttentionConfig, attention_configs, check_attention, check_module, tolerance
 
 # --- a plain-torch implementation, with switches for the classic bugs -------------------------------------
 
@@ -222,7 +222,9 @@ def test_configs_and_constraints_bound_every_draw() -> None:
     assert seen
     for _, d_model, heads, _, d_head, b_q, b_k, b_v, b_o in seen:
         assert (b_q, b_k, b_v, b_o) == (1, 1, 1, 0) and heads <= 4 and d_head % 2 == 0 and d_model == heads * d_head
-    with pytest.raises(ValueError, match="either configs= or constraints"):
+    with pytest.raises(
+        ValueError, match=r"^pass either configs= or constraints \(bias, max_heads, \.\.\.\), not both$"
+    ):
         check_attention(attention, configs=attention_configs(), bias=False)
 
 
@@ -827,3 +829,9 @@ def test_the_default_draws_keep_odd_head_widths_and_self_attention_keys_at_seq()
 
     check_attention(cross, cross=True, max_examples=20)
     assert any(seq != kv_seq for seq, kv_seq in lengths), lengths
+
+
+def test_a_dtype_without_its_own_tolerance_gets_float32s() -> None:
+    """tolerance() answers every dtype: one the table does not list (complex, float8) gets float32's."""
+    for dtype in (torch.complex64, torch.complex128, torch.float8_e4m3fn):
+        assert tolerance(dtype) == tolerance(torch.float32), dtype
