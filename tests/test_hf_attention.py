@@ -70,3 +70,19 @@ def test_what_the_reference_does_not_compute_is_refused_by_name() -> None:
     for attention_cls, config_cls, implementation, reason in refusals:
         with pytest.raises(ssm.ConfigError, match=r"^check_hf_attention\(\): " + reason):
             check_hf_attention(attention_cls, config_cls, attn_implementation=implementation)
+
+
+def test_a_padded_report_names_no_position_and_ends_each_line_where_it_should() -> None:
+    """Where padded queries are left out of the comparison (the padding property), the outputs compared are rows of
+    a selection, so the report names no batch or query position: the property line ends with the property and the
+    bug class follows it."""
+    bug = next(bug for bug in BUGS if bug.prop == "padding/mask")
+    with pytest.raises(AssertionError) as caught, bug.patch():
+        check_hf_attention(bug.attention_cls, bug.config_cls)
+    report = str(caught.value)
+    assert "largest deviation" not in report, report
+    assert re.search(
+        r"\n  property: a left-padded batch \(lengths \[[\d, ]+\]\), the 2D attention_mask through create_causal_mask"
+        r"\n  bug class: ",
+        report,
+    ), report

@@ -420,3 +420,67 @@ def test_a_mod_of_the_wrong_signature_is_a_config_error() -> None:
         check_attention(tempered(), score_mod=lambda score, h: score, max_examples=1)
     with pytest.raises(ConfigError, match=r"mask_mod must be FlexAttention's mask_mod\(b, h, q_idx, kv_idx\)"):
         check_attention(tempered(), mask_mod=lambda b, h, q_idx: True, max_examples=1)
+
+
+def test_a_function_of_the_config_that_returns_no_mod_is_refused_by_the_mods_name() -> None:
+    """What a function of the config returns is checked as the mod it stands for: a two-argument score_mod or a
+    three-argument mask_mod made for the drawn config is refused by that mod's own name and signature."""
+    with pytest.raises(
+        ConfigError,
+        match=r"^score_mod must be FlexAttention's score_mod\(score, b, h, q_idx, kv_idx\).*takes 2 positional",
+    ):
+        check_attention(tempered(), score_mod=lambda config: lambda score, h: score, max_examples=1)
+    with pytest.raises(
+        ConfigError, match=r"^mask_mod must be FlexAttention's mask_mod\(b, h, q_idx, kv_idx\).*takes 3 positional"
+    ):
+        check_attention(tempered(), mask_mod=lambda config: lambda b, h, q_idx: True, max_examples=1)
+
+
+def test_a_mods_parameters_with_defaults_do_not_count_as_its_arguments() -> None:
+    """A mod is read by the positional arguments it needs: a score_mod with a sixth positional parameter that has a
+    default is still FlexAttention's five-argument score_mod (the reference passes five), and applies as written."""
+
+    def with_default(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, scale: float = 1.0) -> Tensor:
+        return temperature_mod(score, b, h, q_idx, kv_idx) * scale
+
+    check_attention(tempered(), score_mod=with_default, max_examples=3)
+
+
+def test_check_module_applies_a_mask_mod_to_the_reference() -> None:
+    """A module with a causal window of 3 keys passes check_module with the mask_mod that says so, and fails
+    without it (the reference then attends to every earlier key)."""
+
+    def build(d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> nn.Module:
+        return ssm.MultiHeadAttention(d_model, h, hkv, d_head=d_head, bias=bias, window=3)
+
+    check_module(build, is_causal=True, mask_mod=recent_keys, max_examples=10)
+    with pytest.raises(AssertionError, match="smallest failing config: seq=4, "):
+        check_module(build, is_causal=True, max_examples=10)
+
+
+def test_the_property_line_names_both_mods_and_a_mod_object_by_its_type() -> None:
+    """With both mods, the report's property line follows the config line and names each, the score_mod first; a
+    mod with no __qualname__ (a functools.partial) is named by its type."""
+    import functools
+
+    scaled = functools.partial(lambda factor, score, b, h, q_idx, kv_idx: score * factor, 1.0)
+    report = report_of(lambda: check_attention(tempered(), score_mod=scaled, mask_mod=recent_keys, max_examples=5))
+    assert re.search(
+        r"smallest failing config: [^\n]*float64\)\n  property: the reference applies score_mod=partial on each query "
+        r"head's scaled scores and mask_mod=recent_keys \(True = may attend, combined with the other masks\)\n",
+        report,
+    ), report
+
+
+def test_a_mod_that_is_no_function_is_refused_by_its_type_and_one_taking_any_arguments_is_taken() -> None:
+    """A mod that is not callable is refused up front, the message naming its type; one that takes `*args` (any
+    number) is taken as FlexAttention's mod and applied."""
+    with pytest.raises(ConfigError, match=r"^score_mod must be FlexAttention's score_mod\(.*but it is a float\.$"):
+        check_attention(tempered(), score_mod=2.0, max_examples=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^mask_mod must be FlexAttention's mask_mod\(.*but it is a str\.$"):
+        check_attention(tempered(), mask_mod="causal", max_examples=1)  # type: ignore[arg-type]
+
+    def any_arguments(*args: Tensor) -> Tensor:
+        return temperature_mod(*args)
+
+    check_attention(tempered(), score_mod=any_arguments, max_examples=3)

@@ -3,18 +3,19 @@
 import math
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import shapesafe_mha as ssm
 from shapesafe_mha import AttentionWeights
 from shapesafe_mha.reference import per_head_attention
-from shapesafe_mha.testing import attention_configs, check_attention, check_module
+from shapesafe_mha.testing import AttentionConfig, attention_configs, check_attention, check_module, tolerance
 
 # --- a plain-torch implementation, with switches for the classic bugs -------------------------------------
 
@@ -221,7 +222,9 @@ def test_configs_and_constraints_bound_every_draw() -> None:
     assert seen
     for _, d_model, heads, _, d_head, b_q, b_k, b_v, b_o in seen:
         assert (b_q, b_k, b_v, b_o) == (1, 1, 1, 0) and heads <= 4 and d_head % 2 == 0 and d_model == heads * d_head
-    with pytest.raises(ValueError, match="either configs= or constraints"):
+    with pytest.raises(
+        ValueError, match=r"^pass either configs= or constraints \(bias, max_heads, \.\.\.\), not both$"
+    ):
         check_attention(attention, configs=attention_configs(), bias=False)
 
 
@@ -463,3 +466,372 @@ def test_a_module_the_loader_cannot_read_is_a_clean_failure() -> None:
     ) as caught:
         check_module(NoOutput, max_examples=5)
     assert isinstance(caught.value.__cause__, ValueError) and "tensor(" not in str(caught.value)
+
+
+def test_decoding_prefills_half_the_sequence_then_feeds_one_token_at_a_time() -> None:
+    """decode_step's driver: the first step gets the first half of the sequence (at least one token) and cache None,
+    each later step the next single token and the cache the step before returned; a step's output may be a tuple,
+    whose first item is the output (attention weights beside it are ignored), and the pieces join in order."""
+    from shapesafe_mha.testing._toolkit import decoding
+
+    chunks: list[int] = []
+    caches: list[Any] = []
+
+    def step(module: Any, chunk: Tensor, cache: Any) -> tuple[Any, Any]:
+        chunks.append(chunk.shape[1])
+        caches.append(cache)
+        out = -chunk
+        return ((out, torch.zeros_like(out)) if len(chunks) % 2 else out), len(chunks)
+
+    for seq in range(1, 8):
+        chunks.clear()
+        caches.clear()
+        x = torch.arange(2 * seq * 5, dtype=torch.float64).reshape(2, seq, 5)
+        got = decoding(step)(nn.Identity(), x, True)
+        half = seq // 2 if seq > 1 else 1
+        assert chunks == [half] + [1] * (seq - half), (seq, chunks)
+        assert caches == [None, *range(1, len(chunks))], (seq, caches)
+        assert torch.equal(got, -x), seq
+
+
+def test_check_module_builds_with_the_drawn_bias_and_moves_the_module_to_the_inputs_device_and_dtype() -> None:
+    """The factory is told whether the drawn projections have biases (a bool: True or False as drawn), and the module
+    it builds is moved to the drawn tensors' device and dtype (read from the `.to` call, whatever its form)."""
+    told: list[object] = []
+    moved: list[tuple[object, object]] = []
+
+    class Recorded(ssm.MultiHeadAttention):
+        def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+            moved.append((device, dtype))
+            return super().to(*args, **kwargs)
+
+    def build(d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> nn.Module:
+        told.append(bias)
+        return Recorded(d_model, h, hkv, d_head=d_head, bias=bias)
+
+    for bias in (True, False):
+        told.clear()
+        check_module(build, bias=bias, max_examples=3)
+        assert told and all(b is bias for b in told), told
+    assert moved and all(m == (torch.device("cpu"), torch.float64) for m in moved), moved
+    moved.clear()
+    check_module(build, dtype=torch.float32, max_examples=2)
+    assert moved and all(m == (torch.device("cpu"), torch.float32) for m in moved), moved
+
+
+class _Unnamed(nn.Module):
+    """Projections under names no loader knows, without biases: only a load of its own can fill them."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = num_heads, num_kv_heads
+        self.alpha = nn.Linear(d_model, num_heads * d_head, bias=False)
+        self.beta = nn.Linear(d_model, num_kv_heads * d_head, bias=False)
+        self.gamma = nn.Linear(d_model, num_kv_heads * d_head, bias=False)
+        self.delta = nn.Linear(num_heads * d_head, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = ssm.split_heads(self.alpha(x), self.heads)
+        k, v = ssm.split_heads(self.beta(x), self.kv_heads), ssm.split_heads(self.gamma(x), self.kv_heads)
+        return self.delta(ssm.merge_heads(ssm.scaled_dot_product_attention(q, k, v)))
+
+
+def test_check_module_loads_with_the_given_load_and_checks_against_the_weights_it_returns() -> None:
+    """`load=` replaces the default loader (which cannot read this module), and the weights it returns (the drawn
+    ones without their biases, which the module has not) are the ones the reference computes with; a load that
+    returns None leaves the reference the drawn weights. Without it, or where it raises (with or without a
+    message), the failure says what raised, first, then the config."""
+
+    def load(module: nn.Module, w: AttentionWeights) -> AttentionWeights:
+        with torch.no_grad():
+            for name, weight in zip(("alpha", "beta", "gamma", "delta"), (w.w_q, w.w_k, w.w_v, w.w_o), strict=True):
+                getattr(module, name).weight.copy_(weight)
+        return replace(w, b_q=None, b_k=None, b_v=None, b_o=None)
+
+    check_module(_Unnamed, load=load, bias=True, max_examples=5)
+
+    def load_in_place(module: nn.Module, w: AttentionWeights) -> None:
+        load(module, w)
+
+    check_module(_Unnamed, load=load_in_place, bias=False, max_examples=5)  # None: the drawn weights, as they are
+    with pytest.raises(
+        AssertionError,
+        match=r"^building the module or loading the drawn weights raised ValueError: load_weights: no q/k/v/o "
+        r"projection found in _Unnamed [^\n]*\n  smallest failing config: seq=1, batch=1, ",
+    ):
+        check_module(_Unnamed, max_examples=1)
+
+    def refuses(module: nn.Module, w: AttentionWeights) -> None:
+        raise KeyError
+
+    with pytest.raises(AssertionError, match=r"^building the module or loading the drawn weights raised KeyError: \n"):
+        check_module(_Unnamed, load=refuses, max_examples=1)
+
+
+# --- the report's lines -------------------------------------------------------------------------------------
+
+
+def _wrong_at(batch: int, position: int, feature: int) -> Callable[..., Tensor]:
+    """The reference's own output (self- or cross-attention), one element of it off by 1."""
+
+    def fn(x: Tensor, w: AttentionWeights, *, memory: Tensor | None = None, **kwargs: Any) -> Tensor:
+        source = x if memory is None else memory
+        out = per_head_attention(x, source, source, w, **kwargs).clone()
+        out[batch, position, feature] += 1.0
+        return out
+
+    return fn
+
+
+def test_the_report_describes_the_failing_config_in_full() -> None:
+    """The config line names every size, the projections with a bias where not all four have one, kv_seq where it
+    is not seq, the kind, the group and the dtype, from the config the check ran."""
+    cross = AttentionConfig(batch=2, seq=3, kv_seq=5, d_model=8, num_heads=4, num_kv_heads=2, d_head=2, bias=True,
+                            bias_on="qkv")  # fmt: skip
+    with pytest.raises(AssertionError) as caught:
+        check_attention(_wrong_at(0, 0, 0), configs=st.just(cross), cross=True, is_causal=True, dtype=torch.float32)
+    assert (
+        "smallest failing config: seq=3, batch=2, d_model=8, num_heads=4, num_kv_heads=2, d_head=2, bias='qkv', "
+        "is_causal=True, kv_seq=5 (gqa, group=2, float32)\n"
+    ) in str(caught.value), str(caught.value)
+    for bias, named in ((True, "True"), (False, "False")):
+        plain = AttentionConfig(batch=1, seq=2, kv_seq=2, d_model=6, num_heads=3, num_kv_heads=1, d_head=2, bias=bias)
+        with pytest.raises(AssertionError) as caught:
+            check_attention(_wrong_at(0, 0, 0), configs=st.just(plain))
+        assert (
+            "smallest failing config: seq=2, batch=1, d_model=6, num_heads=3, num_kv_heads=1, d_head=2, "
+            f"bias={named}, is_causal=False (mqa, group=3, float64)\n"
+        ) in str(caught.value), str(caught.value)
+
+
+def test_the_report_locates_the_largest_deviation() -> None:
+    """A single wrong element is named by its batch, query position and output feature."""
+    config = AttentionConfig(batch=3, seq=4, kv_seq=4, d_model=6, num_heads=2, num_kv_heads=2, d_head=3, bias=False)
+    for batch, position, feature in ((2, 1, 5), (1, 3, 0), (0, 2, 4)):
+        with pytest.raises(AssertionError) as caught:
+            check_attention(_wrong_at(batch, position, feature), configs=st.just(config))
+        where = f"largest deviation at batch {batch}, query position {position}, output feature {feature}"
+        assert where in str(caught.value), str(caught.value)
+
+
+# --- every option reaches the check ---------------------------------------------------------------------------
+
+
+def test_the_budget_device_and_thresholds_reach_the_check() -> None:
+    """check_attention and check_module honour `settings=` and `max_examples=` (the budget, exactly, on a passing
+    check), `device=` (meta, which holds no values, is refused by name) and `thresholds=` (the draws land by them:
+    without, none of these 50 does)."""
+    from hypothesis import settings
+
+    seen: list[tuple[int, ...]] = []
+    check_attention(_recording(seen), settings=settings(max_examples=7))
+    assert len(seen) == 7
+    forwarded: list[int] = []
+
+    def forward(module: nn.Module, x: Tensor, is_causal: bool) -> Tensor:
+        forwarded.append(x.shape[1])
+        return module(x)
+
+    build = lambda d, h, hkv, dh, bias: ssm.MultiHeadAttention(d, h, hkv, d_head=dh, bias=bias)  # noqa: E731
+    check_module(build, forward=forward, settings=settings(max_examples=6))
+    assert len(forwarded) == 6
+    seen.clear()
+    forwarded.clear()
+    check_attention(_recording(seen), max_examples=4)
+    check_module(build, forward=forward, max_examples=3)
+    assert (len(seen), len(forwarded)) == (4, 3)
+    refused = (
+        r"^device='meta': these checks compare values with the reference, and meta tensors hold none; check on cpu or "
+        r"cuda \(shapesafe_mha.prove checks shapes, which meta can\).$"
+    )
+    with pytest.raises(ssm.ConfigError, match=refused):
+        check_attention(attention, device="meta")
+    with pytest.raises(ssm.ConfigError, match=refused):
+        check_module(build, device=torch.device("meta"))
+    near = tuple(range(290, 311))  # sizes where an implementation switches: a quarter of the draws lands by them
+    seen.clear()
+    check_attention(_recording(seen), thresholds=near, max_examples=50)
+    assert sum(289 <= seq <= 311 for seq, *_ in seen) >= 3, sorted({seq for seq, *_ in seen})
+    forwarded.clear()
+    check_module(build, forward=forward, thresholds=near, max_examples=50)
+    assert sum(289 <= seq <= 311 for seq in forwarded) >= 3, sorted(set(forwarded))
+
+
+class _Tiled(nn.Module):
+    """A module whose query head i reads KV head i % num_kv_heads (x-transformers' convention), nn.Linear names."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = num_heads, num_kv_heads
+        self.q_proj = nn.Linear(d_model, num_heads * d_head, bias=bias)
+        self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias)
+        self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias)
+        self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        w = AttentionWeights(*(p.weight for p in projections), *(p.bias for p in projections))
+        return attention(x, w, num_heads=self.heads, num_kv_heads=self.kv_heads, is_causal=False,
+                         bug="repeat_not_repeat_interleave")  # fmt: skip
+
+
+def test_check_module_checks_the_grouped_convention_by_default_and_names_the_tiled_one() -> None:
+    """Like check_attention, check_module's default is i // group: a tiled module fails it, with the hint that
+    names its convention, and passes kv_heads="interleaved"."""
+    with pytest.raises(AssertionError, match=r'KV heads tiled.*pass kv_heads="interleaved"'):
+        check_module(_Tiled, kinds=("gqa",))
+    check_module(_Tiled, kinds=("gqa",), kv_heads="interleaved", max_examples=10)
+
+
+def test_check_modules_draws_and_tolerance_are_those_asked_for() -> None:
+    """check_module's configs=, bias, max_heads, even_d_head and d_model_is_inner bound every draw (as the factory
+    sees it), and atol/rtol set the tolerance, as in check_attention."""
+    seen: list[tuple[int, ...]] = []
+
+    def build(d_model: int, h: int, hkv: int, d_head: int, bias: bool) -> nn.Module:
+        seen.append((d_model, h, hkv, d_head))
+        return ssm.MultiHeadAttention(d_model, h, hkv, d_head=d_head, bias=bias)
+
+    def forward(module: nn.Module, x: Tensor, is_causal: bool) -> Tensor:
+        seen.append((x.shape[1],))
+        return module(x)
+
+    check_module(build, forward=forward, configs=attention_configs(kinds=("gqa",), max_seq=4), max_examples=10)
+    sizes, seqs = [s for s in seen if len(s) == 4], [s[0] for s in seen if len(s) == 1]
+    assert sizes and seqs and all(h > hkv > 1 for _, h, hkv, _ in sizes) and max(seqs) <= 4
+    seen.clear()
+    check_module(build, max_heads=4, even_d_head=True, d_model_is_inner=True, max_examples=20)
+    assert seen and all(h <= 4 and d_head % 2 == 0 and d_model == h * d_head for d_model, h, _, d_head in seen)
+
+    def off_by(offset: float) -> Callable[..., nn.Module]:
+        class Off(ssm.MultiHeadAttention):
+            def forward(self, query: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # type: ignore[override]
+                return super().forward(query, *args, **kwargs) + offset  # type: ignore[operator]
+
+        return lambda d, h, hkv, dh, bias: Off(d, h, hkv, d_head=dh, bias=bias)
+
+    with pytest.raises(AssertionError, match=r"tolerance 1e-08"):
+        check_module(off_by(1e-6), max_examples=5)
+    check_module(off_by(1e-6), atol=1e-5, max_examples=5)
+    with pytest.raises(AssertionError, match=r"tolerance atol=0, rtol=1e-09"):
+        check_module(off_by(1e-6), atol=0, rtol=1e-9, max_examples=5)
+
+
+def test_rope_passes_the_drawn_theta_and_positions_that_start_anywhere_from_0_to_64() -> None:
+    """rope=True passes the config's own rope_theta (several are drawn) and positions (batch, seq) that count up
+    from a drawn start, the same in every row; the starts are 0 (the first step) and others, up to 64."""
+    thetas: set[float] = set()
+    starts: list[int] = []
+
+    def recording(x: Tensor, w: AttentionWeights, *, rope_theta: float, positions: Tensor, **kwargs: Any) -> Tensor:
+        thetas.add(rope_theta)
+        start = int(positions[0, 0])
+        assert positions.shape == x.shape[:2], (positions.shape, x.shape)
+        assert torch.equal(positions, (start + torch.arange(x.shape[1])).expand(x.shape[0], -1)), positions
+        starts.append(start)
+        return _module_call(x, w, rope_theta=rope_theta, positions=positions, **kwargs)
+
+    check_attention(recording, rope=True, max_examples=50)
+    assert len(thetas) > 1 and thetas <= {10.0, 10000.0, 500000.0}, thetas
+    assert min(starts) == 0 and 32 < max(starts) <= 64, sorted(set(starts))
+
+
+def test_rope_pairs_are_rotate_half_by_default_and_gpt_j_pairs_are_named() -> None:
+    """The default rope_style is Llama's rotate_half: GPT-J's interleaved pairs fail it, named as pairs (2i, 2i+1)
+    where (i, i + d_head/2) was meant, and pass rope_style="interleaved"."""
+
+    def gpt_j(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return per_head_attention(x, x, x, w, rope_style="interleaved", **kwargs)
+
+    with pytest.raises(AssertionError, match=r"RoPE rotates pairs \(2i, 2i\+1\) where \(i, i \+ d_head/2\) was meant"):
+        check_attention(gpt_j, rope=True)
+    check_attention(gpt_j, rope=True, rope_style="interleaved", max_examples=5)
+
+
+def test_a_failed_check_carries_how_far_off_its_example_was() -> None:
+    """The raised error's `deviation` (what the CLI's suite reports as the worst) is the failing example's largest
+    deviation for a wrong value or float32 rounding, and None where nothing was compared (the code raised)."""
+    from shapesafe_mha.testing._toolkit import FailedCheckError
+
+    def softmax_in_float32(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x.float(), _cast(w, torch.float32), **kwargs).double()
+
+    for fn, off in ((_off_by(1e-3), 1e-3), (softmax_in_float32, None)):
+        with pytest.raises(FailedCheckError) as caught:
+            check_attention(fn, max_examples=5)
+        deviation = caught.value.deviation
+        assert deviation is not None and (deviation == pytest.approx(off, rel=1e-6) if off else 0 < deviation < 1e-5)
+
+    def crashes(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        raise RuntimeError("boom")
+
+    with pytest.raises(FailedCheckError) as caught:
+        check_attention(crashes, max_examples=1)
+    assert caught.value.deviation is None
+
+
+def _cast(w: AttentionWeights, dtype: torch.dtype) -> AttentionWeights:
+    return AttentionWeights(**{f.name: None if (t := getattr(w, f.name)) is None else t.to(dtype) for f in fields(w)})
+
+
+def test_the_suites_own_module_check_keeps_check_attentions_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI suite compares our module under check_attention's default convention (i // group): were the module
+    to tile its KV heads, its failure would name i % num_kv_heads with the hint, as check_attention's does, after a
+    config line that ends with the config (the suite's properties add no note to it); and its tolerance is the
+    dtype's."""
+    from shapesafe_mha.testing import _suite
+
+    def tiled(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x, w, bug="repeat_not_repeat_interleave", **kwargs)
+
+    monkeypatch.setattr(_suite, "_module_fn", tiled)
+    prop = ("module == per-head reference (GQA)", _suite._module_vs_reference(False), ("gqa",), False)
+    (outcome,) = _suite.run_suite(device="cpu", dtype=torch.float64, examples=20, properties=[prop])
+    assert outcome.failure is not None and re.search(r'KV heads tiled.*pass kv_heads="interleaved"', outcome.failure)
+    assert re.search(r"smallest failing config: [^\n]*\(gqa, group=\d+, float64\)\n", outcome.failure), outcome.failure
+    monkeypatch.setattr(_suite, "_module_fn", _off_by(1e-6))  # float64's own tolerance, 1e-8, applies
+    (outcome,) = _suite.run_suite(device="cpu", dtype=torch.float64, examples=5, properties=[prop])
+    assert outcome.failure is not None and "(tolerance 1e-08)" in outcome.failure, outcome.failure
+
+
+def test_an_exception_without_a_message_is_reported_by_its_type() -> None:
+    """An exception whose message is empty is still a readable failure: its type, and the cause chained."""
+
+    def crashes(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        raise NotImplementedError
+
+    with pytest.raises(AssertionError, match=r"^the implementation raised NotImplementedError: \n  smallest") as caught:
+        check_attention(crashes, max_examples=1)
+    assert isinstance(caught.value.__cause__, NotImplementedError)
+
+
+def test_the_default_draws_keep_odd_head_widths_and_self_attention_keys_at_seq() -> None:
+    """Without constraints the draws include odd head widths (d_head 1 among them, where RoPE is off); a check
+    without cross= draws configs whose kv_seq is seq (a failure shrunk to seq=3 names no kv_seq of 1), and cross=True
+    draws both."""
+    seen: list[tuple[int, ...]] = []
+    check_attention(_recording(seen), max_examples=30)
+    widths = {d_head for *_, d_head, _, _, _, _ in seen}
+    assert 1 in widths and any(w % 2 for w in widths if w > 1), widths
+
+    def wrong_from_3(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return attention(x, w, **kwargs) + (x.shape[1] >= 3)
+
+    with pytest.raises(AssertionError, match=r"smallest failing config: seq=3, ") as caught:
+        check_attention(wrong_from_3)
+    assert "kv_seq" not in str(caught.value), str(caught.value)
+    lengths: list[tuple[int, int]] = []
+
+    def cross(x: Tensor, w: AttentionWeights, *, memory: Tensor, **kwargs: Any) -> Tensor:
+        lengths.append((x.shape[1], memory.shape[1]))
+        return per_head_attention(x, memory, memory, w, **kwargs)
+
+    check_attention(cross, cross=True, max_examples=20)
+    assert any(seq != kv_seq for seq, kv_seq in lengths), lengths
+
+
+def test_a_dtype_without_its_own_tolerance_gets_float32s() -> None:
+    """tolerance() answers every dtype: one the table does not list (complex, float8) gets float32's."""
+    for dtype in (torch.complex64, torch.complex128, torch.float8_e4m3fn):
+        assert tolerance(dtype) == tolerance(torch.float32), dtype

@@ -469,6 +469,18 @@ EQUIVALENT: dict[str, str] = {
         "output of another shape before any diagnosis, a variant or an isolated head changes weight values (never "
         "sizes), and `rows` selects from both alike"
     ),
+    # --- toolkit ---
+    **{
+        f"shapesafe_mha.testing._toolkit.x__compare__mutmut_{n}": (
+            "_compare's rope_style default misspelt ('XXhalfXX', 'HALF'): it is read only with RoPE on, and the one "
+            "caller that passes rope_theta (_check) passes rope_style too; the suite's callers pass no RoPE"
+        )
+        for n in (3, 4)
+    },
+    "shapesafe_mha.testing._toolkit.x_check_mod__mutmut_17": (
+        "a non-callable mod's count -2 instead of -1: only its membership in (None, 1, arity) is read, which neither "
+        "is, and the message names its type from callable(mod), not from the count"
+    ),
 }
 
 KILLED, TIMEOUT, SURVIVED, NO_TESTS = "killed", "timeout", "survived", "no tests"

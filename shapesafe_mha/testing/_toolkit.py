@@ -99,10 +99,6 @@ def resolve(dtype: torch.dtype, atol: float | None, rtol: float | None) -> Toler
     return Tolerance(tolerance(dtype) if atol is None else float(atol), 0.0 if rtol is None else float(rtol))
 
 
-def _call(fn: AttentionFn, x: Tensor, weights: AttentionWeights, config: AttentionConfig, is_causal: bool) -> Any:
-    return fn(x, weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, is_causal=is_causal)
-
-
 def _describe(config: AttentionConfig, is_causal: bool, dtype: torch.dtype) -> str:
     bias = config.bias if config.bias_on == "qkvo" or not config.bias else f"{config.bias_on!r}"
     cross = f", kv_seq={config.kv_seq}" if config.kv_seq != config.seq else ""
