@@ -399,10 +399,6 @@ EQUIVALENT: dict[str, str] = {
         "broadcasts (one key column), which a verdict allows only from a call with kv_seq 1, whose keyed value is "
         "d_model (a constant, kept as it is), never reached again with a filled cache; any other is rechecked"
     ),
-    f"{_L}xǁLatentAttentionǁ_key__mutmut_24": (
-        "type(None) for each tensor's type: every keyed tensor is a torch.Tensor (checks treat subclasses alike), and "
-        "anything else with a dtype (numpy's) has a dtype no tensor has, so keys stay apart"
-    ),
     **{f"{_L}x__precheck_forward__mutmut_{n}": _TOP_LEVEL_DETAIL for n in (16, 17, 19, 20, 23, 24, 25, 26)},
     **{f"{_L}x__precheck_forward__mutmut_{n}": _TOP_LEVEL_DETAIL for n in (31, 33, 36, 37, 41, 43, 44, 45)},
     f"{_L}xǁLatentAttentionǁforward__mutmut_8": (
