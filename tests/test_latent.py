@@ -868,26 +868,3 @@ def test_from_hf_verify_false_skips_the_probe() -> None:
     ours = ssm.LatentAttention.from_hf(layer, verify=False)
     torch.testing.assert_close(ours.kv_b_proj.weight, layer.kv_b_proj.weight)
 
-
-class _KeepsOneKey(torch.Tensor):
-    """A padding mask whose inversion keeps only its first key: a bug in the mask's own type, not in the call."""
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = super().__torch_function__(func, types, args, kwargs or {})
-        return out.narrow(-1, 0, 1) if func in (torch.Tensor.__invert__, torch.logical_not) else out
-
-
-def test_a_verdict_for_a_plain_padding_mask_is_none_for_a_tensor_subclass_of_it() -> None:
-    """A tensor's type is part of what a latent verdict covers: the same padding mask as a subclass whose
-    inversion narrows it is checked as on a fresh module (a ShapeError), not run unchecked under the plain
-    mask's verdict (tests/test_verdicts.py shows the same of MultiHeadAttention)."""
-    x, padding = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
-    padding[1, :2] = True
-    module = ssm.LatentAttention(16, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4)
-    module(x, key_padding_mask=padding)
-    odd = padding.as_subclass(_KeepsOneKey)
-    message = r"mask returned a wrong value: the result has kv_seq=1 \(axis 3\), but the new latent set kv_seq=5"
-    for warm in (ssm.LatentAttention(16, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4), module):
-        with pytest.raises(ssm.ShapeError, match=message):
-            warm(x, key_padding_mask=odd)

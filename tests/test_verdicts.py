@@ -694,16 +694,24 @@ class _KeepsOneKey(torch.Tensor):
         return out.narrow(-1, 0, 1) if func in (torch.Tensor.__invert__, torch.logical_not) else out
 
 
-def test_a_verdict_for_a_plain_padding_mask_is_none_for_a_tensor_subclass_of_it() -> None:
+@pytest.mark.parametrize(
+    ("make", "setter"),
+    [
+        (lambda: ssm.MultiHeadAttention(16, 4, 2), "key"),
+        (lambda: ssm.LatentAttention(16, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4), "the new latent"),
+    ],
+    ids=["mha", "latent"],
+)
+def test_a_verdict_for_a_plain_padding_mask_is_none_for_a_tensor_subclass_of_it(make: Any, setter: str) -> None:
     """The mask's type is part of what a verdict covers: after a call with a plain bool padding mask, the same
     mask as a subclass whose operations differ is checked as on a fresh module, a ShapeError, not run unchecked."""
-    module, x = ssm.MultiHeadAttention(16, 4, 2), torch.randn(2, 5, 16)
+    module, x = make(), torch.randn(2, 5, 16)
     padding = torch.zeros(2, 5, dtype=torch.bool)
     padding[1, :2] = True
     module(x, key_padding_mask=padding)
     odd = padding.as_subclass(_KeepsOneKey)
-    message = r"mask returned a wrong value: the result has kv_seq=1 \(axis 3\), but key set kv_seq=5"
-    for warm in (ssm.MultiHeadAttention(16, 4, 2), module):
+    message = rf"mask returned a wrong value: the result has kv_seq=1 \(axis 3\), but {setter} set kv_seq=5"
+    for warm in (make(), module):
         with pytest.raises(ssm.ShapeError, match=message):
             warm(x, key_padding_mask=odd)
 
