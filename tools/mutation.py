@@ -506,6 +506,16 @@ MUTANTS: list[Mutant] = [
       "absorption bypasses a hooked or adapted kv_b_proj", LATENT),
     M("_modules/multihead.py", "return kept is None or (needed is not None and kept >= needed)", "return True",
       "a cache with a narrower window than the module's accepted (it drops keys the module needs)", VARIANTS),
+    # --- prove, and what it is told of each stage ---
+    M("_tools/prove.py", "            if _only_guards_true_everywhere(error, sources):", "            if False:",
+      "prove refuses guards torch cannot decide though they hold at every size (false alarms)",
+      "tests/test_prove.py::test_a_guard_torch_cannot_decide_is_tried_at_every_size_and_the_module_proven"),
+    M("_core/messages.py", "        if len(array.dims) == value.ndim and (", "        if (",
+      "a union-annotated stage reported under its first alternative of the dtype, not of the rank (4-D chunk mask)",
+      "tests/test_prove.py::test_a_chunked_module_with_a_padding_mask_is_proven_with_its_4d_chunk_mask"),
+    M("testing/_toolkit.py", "    matches = name_bug(got, scenario, tol, rows) if float32_inside else None",
+      "    matches = None", "a wrong formula off by under 1e-5 reported as float32 rounding (MQA ALiBi per KV head)",
+      MODS),
 ]  # fmt: skip
 
 
