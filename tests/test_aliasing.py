@@ -51,6 +51,26 @@ def test_merge_inverts_split(config, layout: str, device: str) -> None:  # type:
     assert torch.equal(ssm.split_heads(ssm.merge_heads(heads), config.num_heads), heads)
 
 
+@given(config=attention_configs(), layout=st.sampled_from(["contiguous", "transposed", "every_other_column"]))
+def test_splitting_a_fused_projection_is_splitting_each_projection(config, layout: str, device: str) -> None:  # type: ignore[no-untyped-def]
+    """The fused path's split of Q, K and V into heads at once gives the very views that separating Q, K and V
+    and then splitting each would: the same storage, offset, shape and strides (of every axis longer than 1: the
+    stride of a length-1 axis addresses nothing), for every layout of the input."""
+    from shapesafe_mha._compute import kernels
+
+    widths = [config.num_heads * config.d_head, config.num_kv_heads * config.d_head]
+    qkv = _strided_input(config.batch, config.seq, widths[0] + 2 * widths[1], layout, device)
+    at_once = kernels.split_fused(qkv, config.num_heads, config.num_kv_heads)
+    q, k, v = qkv.split_with_sizes([widths[0], widths[1], widths[1]], dim=-1)
+    each = (ssm.split_heads(q, config.num_heads), *(ssm.split_heads(t, config.num_kv_heads) for t in (k, v)))
+    for fused, separate in zip(at_once, each, strict=True):
+        assert storage_id(fused) == storage_id(qkv)
+        assert fused.storage_offset() == separate.storage_offset()
+        assert fused.shape == separate.shape
+        steps = [(a, b) for a, b, n in zip(fused.stride(), separate.stride(), fused.shape, strict=True) if n > 1]
+        assert all(a == b for a, b in steps)
+
+
 def test_merge_right_after_split_is_a_view(any_device: str) -> None:
     """Merging data still laid out (batch, seq, heads, d_head) moves nothing."""
     x = torch.randn(2, 5, 32, device=any_device)
@@ -78,13 +98,8 @@ def test_which_stages_copy_is_what_the_trace_observes(num_kv_heads: int) -> None
     """State exactly which stages copy: the projections and the final merge (on meta) allocate; splits do not."""
     report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=num_kv_heads, seq=6))
     stages = {s.name: s for s in report.stages}
-    assert stages["split_q"].aliases == "q_proj"
-    assert stages["split_k"].aliases == "k_proj"
-    assert stages["split_v"].aliases == "v_proj"
+    # Inference self-attention projects Q, K and V with one fused matmul; each one's heads are a view of it.
     for name in ("split_q", "split_k", "split_v"):
-        assert stages[name].allocated_bytes == 0
-    # Inference self-attention projects Q, K and V with one fused matmul; each is a slice of it.
-    for name in ("q_proj", "k_proj", "v_proj"):
         assert stages[name].aliases == "qkv_proj" and stages[name].allocated_bytes == 0
     for name in ("qkv_proj", "o_proj", "merge"):
         assert stages[name].aliases is None and stages[name].allocated_bytes >= stages[name].nbytes
@@ -96,8 +111,8 @@ def test_the_trace_observes_a_copying_split(monkeypatch: pytest.MonkeyPatch) -> 
     """The trace's view/copy column is observed, not assumed: a split that copies shows as a new allocation."""
     import shapesafe_mha._compute.kernels as kernels
 
-    honest = kernels.split_heads
-    monkeypatch.setattr(kernels, "split_heads", lambda x, n: honest(x, n).contiguous())
+    honest = kernels.split_fused  # what the trace's inference forward splits its fused projection with
+    monkeypatch.setattr(kernels, "split_fused", lambda x, h, kv: tuple(t.contiguous() for t in honest(x, h, kv)))
     report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=6))
     split_q = next(s for s in report.stages if s.name == "split_q")
     assert split_q.aliases is None and split_q.allocated_bytes >= split_q.nbytes

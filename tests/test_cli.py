@@ -34,12 +34,12 @@ def test_default_trace_is_a_llama_style_gqa_layer_on_meta() -> None:
     )
     assert report["config"]["device"] == "meta"
     names = [s["name"] for s in report["stages"]]
-    assert names[:8] == ["query", "qkv_proj", "q_proj", "k_proj", "v_proj", "split_q", "split_k", "split_v"]
+    assert names[:5] == ["query", "qkv_proj", "split_q", "split_k", "split_v"]
     for stage in report["stages"]:
         assert set(stage) >= {"name", "named_shape", "shape", "strides", "aliases", "allocated_bytes"}
     split_q = report["stages"][names.index("split_q")]
     assert split_q["named_shape"] == "batch num_heads seq d_head"
-    assert split_q["shape"] == [1, 32, 128, 128] and split_q["aliases"] == "q_proj"
+    assert split_q["shape"] == [1, 32, 128, 128] and split_q["aliases"] == "qkv_proj"
     assert report["totals"]["kv_cache_ratio_vs_mha"] == pytest.approx(8 / 32)
 
 
@@ -48,7 +48,7 @@ def test_table_shows_views_and_allocations() -> None:
     args = ["trace", "--d-model", "64", "--num-heads", "8", "--num-kv-heads", "2", "--seq", "4"]
     result = runner.invoke(app, args, env={"COLUMNS": "200", "TTY_COMPATIBLE": "1"})
     assert result.exit_code == 0, result.output
-    assert "split_q" in result.output and "view of q_proj" in result.output and "new allocation" in result.output
+    assert "split_q" in result.output and "view of qkv_proj" in result.output and "new allocation" in result.output
     assert "batch num_heads seq d_head" in result.output and "┃" in result.output
     narrow = runner.invoke(app, args, env={"COLUMNS": "90", "TTY_COMPATIBLE": "1"})
     assert max(len(re.sub(r"\x1b\[[\d;]*m", "", line)) for line in narrow.output.splitlines()) <= 90

@@ -46,6 +46,19 @@ def test_fused_inference_equals_reference(data: st.DataObject, device: str) -> N
     assert _uses_fused_path(module, x)
 
 
+@pytest.mark.parametrize("options", [{"clip_qkv": 0.5}, {"qk_norm": True, "qk_norm_over": "all"}])
+def test_options_that_read_the_projections_before_the_head_split_are_fused_too(options: dict) -> None:
+    """clip_qkv and a QK-norm over every head work on Q, K and V before the head split: the fused path separates
+    the projections first, then splits each, and computes what the separate projections (grad mode) compute."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, 2, dtype=torch.float64, **options)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    assert _uses_fused_path(module, x)
+    with torch.no_grad():
+        fused = module(x, is_causal=True)
+    torch.testing.assert_close(fused, module(x, is_causal=True), **F64)
+
+
 def test_fusion_survives_dtype_and_device_moves_and_loading() -> None:
     """.double(), .to(), load_state_dict and optimizer steps keep the parameters fused and the result right."""
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ def test_trace_format_svg_draws_every_stage_with_its_storage() -> None:
     for stage in trace_forward(CONFIG).stages:
         assert f">{stage.name}</text>" in svg
         assert str(tuple(stage.shape)) in svg
-    assert "view of q_proj" in svg and "new allocation" in svg
+    assert "view of qkv_proj" in svg and "new allocation" in svg
 
 
 def test_trace_pipeline_bars_show_kv_at_num_kv_heads() -> None:
@@ -66,7 +66,7 @@ def test_trace_output_writes_what_it_would_print(fmt: str, tmp_path: Path) -> No
     text = out.read_text()
     assert text == runner.invoke(app, ["trace", "--format", fmt, *ARGS]).output  # what a pipe gets
     if fmt == "table":  # plain, as in the README: no box drawing
-        assert "split_q" in text and "view of q_proj" in text and "━" not in text and "│" not in text
+        assert "split_q" in text and "view of qkv_proj" in text and "━" not in text and "│" not in text
     if fmt == "json":
         assert json.loads(text)["config"]["d_model"] == 64
 

@@ -54,20 +54,30 @@ def global_hooks() -> bool:
     return False
 
 
-def module_state(modules: Iterable[nn.Module | None]) -> tuple[Any, ...]:
+def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" = None) -> tuple[Any, ...]:
     """What a verdict reads of `modules` (a module's submodules) besides which they are: their forward hooks
     and torch's module-wide ones, as how many and the newest one's handle id, and their weights' shapes.
 
     Handle ids only grow, so adding a hook raises the newest and removing one lowers the count. A weight
     of another shape can change a result without an error (`o_proj`'s rows are the output's width); a
     bias, dtype or device that disagrees makes torch fail instead, and `recheck` explains that failure.
+
+    With `fused`, current for this call (`fused_qkv` found the projections plain, with no hook of their own
+    nor any module-wide one, and their weights the very tensors it was built from, unwritten), those three are
+    read from it: the weights' shapes it recorded, and no hook; the other modules are read as above. (Where a
+    projection was replaced by a module with the same weights, the new one is not the one recorded, and is read.)
     """
     count = newest = 0
     hooks = _module_hooks.__dict__
-    tables = [hooks.get("_global_forward_hooks"), hooks.get("_global_forward_pre_hooks")]
+    tables: list[Any] = []
+    if fused is None:
+        tables += (hooks.get("_global_forward_hooks"), hooks.get("_global_forward_pre_hooks"))
     shapes: list[Any] = []
+    q = k = v = None
+    if fused is not None:
+        q, k, v = fused.modules
     for module in modules:  # a plain loop: this runs on every call whose verdict is known
-        if module is None:
+        if module is None or module is q or module is k or module is v:
             continue
         if module._forward_hooks or module._forward_pre_hooks:
             tables += (module._forward_hooks, module._forward_pre_hooks)
@@ -77,6 +87,8 @@ def module_state(modules: Iterable[nn.Module | None]) -> tuple[Any, ...]:
         if table:
             count += len(table)
             newest = max(newest, *table)
+    if fused is not None:
+        return (count, newest, fused.shapes, *shapes)
     return (count, newest, *shapes)
 
 
@@ -164,6 +176,8 @@ class FusedQKV:
     stamps: tuple[int, ...]
     weight: Tensor
     bias: Tensor | None
+    modules: tuple[nn.Module, nn.Module, nn.Module]  # the projections, for `module_state`
+    shapes: tuple[Any, ...]  # the weights' shapes, for `module_state`
 
 
 def _stamps(sources: tuple[Tensor | None, ...]) -> tuple[int, ...]:
@@ -200,7 +214,8 @@ def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None) -> FusedQKV | Non
     with torch.no_grad():
         weight = torch.cat([w for w in weights if w is not None])
         bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
-    return FusedQKV(sources, _stamps(sources), weight, bias)
+    shapes = tuple(w.shape for w in weights if w is not None)
+    return FusedQKV(sources, _stamps(sources), weight, bias, (q, k, v), shapes)
 
 
 def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> bool:
@@ -234,12 +249,15 @@ def choose_path(
     need_weights: Any,
     kv_cache: Any,
     positions: Any,
+    jit_tracing: bool | None = None,
 ) -> tuple[str, FusedQKV | None]:
     """Which computation a `MultiHeadAttention` call runs: separate projections (always correct), or a fast
-    path where provably the same; the fused Q/K/V weight it builds is kept on the module for the next call."""
+    path where provably the same; the fused Q/K/V weight it builds is kept on the module for the next call.
+    `jit_tracing`: `torch.jit.is_tracing()`, where the caller has asked already."""
     if key is not query or value is not query or torch.is_grad_enabled() or module.output_gate:
         return SEPARATE, None  # (a gated q_proj holds each head's gate beside its queries: no fused split)
-    jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
+    if jit_tracing is None:
+        jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
     if torch.compiler.is_compiling() or jit_tracing or not isinstance(query, Tensor):
         return SEPARATE, None
     modules = module._modules

@@ -351,9 +351,13 @@ def scaled_dot_product_attention(
         ShapeError: shapes, dtypes or devices disagree, or `num_kv_heads` does not divide `num_heads`.
         ConfigError: `window` is not a positive int, or `softcap` not a positive number.
     """
+    q_shape, k_shape = q.shape, k.shape
+    if softcap is None and attn_mask is None and window is None and (not is_causal or q_shape[2] == k_shape[2]):
+        if q_shape[1] == k_shape[1]:  # torch's own call, nothing around it
+            return K.sdpa(q, k, v, None, is_causal, scale, dropout_p)
+        if K.native_gqa(q, k, dropout_p):
+            return K.sdpa_gqa(q, k, v, None, is_causal, scale, dropout_p)
     native = softcap is None and K.native_gqa(q, k, dropout_p)
-    if native and attn_mask is None and window is None and (not is_causal or q.shape[2] == k.shape[2]):
-        return K.sdpa_heads(q, k, v, None, is_causal, scale, dropout_p)  # torch's own call, nothing around it
     mask = K.combine_masks(attn_mask, None, is_causal, q, k, softcap is not None, window, gqa=native)
     may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
     if native:  # torch's own kernel copies nothing here: no fold, no mask per folded row
@@ -448,6 +452,11 @@ def project_qkv(query: Tokens, weight: Tensor, bias: Tensor | None) -> FusedInne
 def unfuse(qkv: FusedInner, q_width: int, kv_width: int) -> tuple[QueryInner, NewKVInner, NewKVInner]:
     q, k, v = qkv.split_with_sizes([q_width, kv_width, kv_width], dim=-1)  # Tensor.split is a Python wrapper
     return q, k, v
+
+
+@stage(name="split_qkv", trace=("split_q", "split_k", "split_v"))
+def split_fused(qkv: FusedInner, num_heads: int, num_kv_heads: int) -> tuple[Heads, NewKVHeads, NewKVHeads]:
+    return K.split_fused(qkv, num_heads, num_kv_heads)
 
 
 @stage(name="split_q")
@@ -745,6 +754,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "split_gated_query": split_gated_query,
     "gate_output": gate_output,
     "unfuse": unfuse,
+    "split_fused": split_fused,
     "split_query": split_query,
     "split_key": split_key,
     "split_value": split_value,

@@ -177,6 +177,7 @@ class Stage(Generic[P, R]):
         self.sources = sources
         self.precheck, self.validate, self.explain = precheck, validate, explain
         self.verdicts = Verdicts()
+        self.exact = self.verdicts.exact  # read on every call (Verdicts.forget clears it in place)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -190,7 +191,7 @@ class Stage(Generic[P, R]):
             with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
                 return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
-        if key in self.verdicts.exact:  # Verdicts.known, inlined: a stage has no relations key
+        if key in self.exact:  # Verdicts.known, inlined: a stage has no relations key
             return self.fn(*args, **kwargs)
         with Session(f"{self.name}()") as session:
             result = session.call(self, *args, **kwargs)

@@ -174,6 +174,7 @@ def _explain_forward(arguments: dict[str, Any], failure: ExplainedError) -> str 
 def forward_key(
     module: Any,
     path: str,
+    fused: FusedQKV | None,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -185,7 +186,8 @@ def forward_key(
     positions: Tensor | None,
 ) -> CallKey:
     """What the verdict of a `MultiHeadAttention` call depends on: its structure (kinds, ranks, dtypes, devices,
-    flags, path, submodules) and its sizes; these exactly, for a lookup that costs one hash."""
+    flags, path, submodules) and its sizes; these exactly, for a lookup that costs one hash. `fused`: the fused
+    projection this call runs, current (its projections are then read from it, see `module_state`)."""
     shape = query.shape
     key_shape = shape if key is query else key.shape
     kv_len = key_shape[1]
@@ -219,7 +221,7 @@ def forward_key(
         module.training,
         autocast_on() and autocast_dtype(device),
         *modules,  # a projection replaced is another module (compared by identity)
-        module_state(modules),  # hooks added, parameters replaced or re-typed
+        module_state(modules, fused),  # hooks added, parameters replaced or re-typed
     )
     shapes = (
         shape,
@@ -694,8 +696,8 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
-        path, fused = choose_path(self, *call)
         jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
+        path, fused = choose_path(self, *call, jit_tracing=jit_tracing)
 
         def checked(check: bool, observer: Any) -> Any:
             with _quiet_jit_tracer() if jit_tracing else contextlib.nullcontext():
@@ -704,7 +706,7 @@ class MultiHeadAttention(nn.Module):
         return remembered_forward(
             self._verdicts,
             self._constants,
-            lambda: None if jit_tracing else forward_key(self, path, *call),
+            lambda: None if jit_tracing else forward_key(self, path, fused, *call),
             kv_cache if isinstance(kv_cache, KVCache) else None,
             lambda: self._run(_RAW, path, fused, *call),
             checked,
@@ -778,26 +780,33 @@ class MultiHeadAttention(nn.Module):
             out_weight, out_bias = out["weight"], out["bias"]
             return s.native_attention(query, fused.weight, fused.bias, out_weight, out_bias, num_heads)
         gate = None
+        every = self.qk_norm and self.qk_norm_over == "all"
+        before_split = every or self.clip_qkv is not None  # these see the projections before the head split
+        split = False  # whether q, k and v are heads already
         if self.output_gate:  # Qwen3-Next: each head's queries and its gate from one projection
             q, gate = s.split_gated_query(s.project_gated_query(q_proj, query), num_heads)
             k = s.project_key(k_proj, key)
             v = s.project_value(v_proj, value)
         elif path is FUSED and fused is not None:
             qkv = s.project_qkv(query, fused.weight, fused.bias)
-            q, k, v = s.unfuse(qkv, num_heads * d_head, num_kv_heads * d_head)
+            if before_split:
+                q, k, v = s.unfuse(qkv, num_heads * d_head, num_kv_heads * d_head)
+            else:  # three views, the same as unfusing and then splitting each (four fewer calls)
+                q, k, v = s.split_fused(qkv, num_heads, num_kv_heads)
+                split = True
         else:
             q = s.project_query(q_proj, query)
             k = s.project_key(k_proj, key)
             v = s.project_value(v_proj, value)
-        every = self.qk_norm and self.qk_norm_over == "all"
         if every:  # the statistic of every head's features together, before they are split
             q, k = s.normalize_qk_inner(modules["q_norm"], modules["k_norm"], q, k)
         if self.clip_qkv is not None:
             q, k, v = s.clip_projections(q, k, v, self.clip_qkv)
-        if gate is None:
-            q = s.split_query(q, num_heads)
-        k = s.split_key(k, num_kv_heads)
-        v = s.split_value(v, num_kv_heads)
+        if not split:
+            if gate is None:
+                q = s.split_query(q, num_heads)
+            k = s.split_key(k, num_kv_heads)
+            v = s.split_value(v, num_kv_heads)
         if self.qk_norm and not every and not self.qk_norm_after_rope:
             q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
         rotary = modules.get("rotary")

@@ -92,7 +92,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         >>> from shapesafe_mha import TraceConfig, trace_forward
         >>> report = trace_forward(TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4))
         >>> [s.aliases for s in report.stages if s.name == "split_q"]
-        ['q_proj']
+        ['qkv_proj']
 
     Raises:
         ConfigError: the config is impossible (the module's own checks).

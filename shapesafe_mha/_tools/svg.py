@@ -127,7 +127,7 @@ def pipeline(report: TraceReport, *, narrow: bool = False) -> str:
     Example:
         >>> from shapesafe_mha import TraceConfig, trace_forward
         >>> svg = pipeline(trace_forward(TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4)))
-        >>> svg.startswith("<svg"), "view of q_proj" in svg
+        >>> svg.startswith("<svg"), "view of qkv_proj" in svg
         (True, True)
     """
     stages = report.stages
