@@ -59,6 +59,22 @@ def test_options_that_read_the_projections_before_the_head_split_are_fused_too(o
     torch.testing.assert_close(fused, module(x, is_causal=True), **F64)
 
 
+def test_projection_rows_moved_from_one_to_another_are_refused_with_or_without_grad() -> None:
+    """q_proj given 8 more rows and k_proj 8 fewer leaves the fused width as it was; the fused path, which
+    splits its product by heads, would mix them silently. It takes only the widths the module's sizes fix, so
+    the call is refused as in grad mode, after a verdict remembered for the fused path too."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, 2, bias=False)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        module(x)
+        module.q_proj.weight.data = torch.randn(40, 32)
+        module.k_proj.weight.data = torch.randn(8, 32)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(ssm.ShapeError, match="q_proj returned a wrong value"):
+            module(x)
+
+
 def test_fusion_survives_dtype_and_device_moves_and_loading() -> None:
     """.double(), .to(), load_state_dict and optimizer steps keep the parameters fused and the result right."""
     torch.manual_seed(0)

@@ -63,9 +63,10 @@ def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" =
     bias, dtype or device that disagrees makes torch fail instead, and `recheck` explains that failure.
 
     With `fused`, current for this call (`fused_qkv` found the projections plain, with no hook of their own
-    nor any module-wide one, and their weights the very tensors it was built from, unwritten), those three are
-    read from it: the weights' shapes it recorded, and no hook; the other modules are read as above. (Where a
-    projection was replaced by a module with the same weights, the new one is not the one recorded, and is read.)
+    nor any module-wide one, and their weights the very tensors it was fused from, unwritten, of the rows the
+    module's sizes fix), those three are not read: no hook, and weights whose only free size, their columns,
+    must be the query's width (in the key) or torch refuses the product and `recheck` explains. (A projection
+    replaced by a module with the same weights is not the one recorded, and is read.)
     """
     count = newest = 0
     hooks = _module_hooks.__dict__
@@ -87,8 +88,6 @@ def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" =
         if table:
             count += len(table)
             newest = max(newest, *table)
-    if fused is not None:
-        return (count, newest, fused.shapes, *shapes)
     return (count, newest, *shapes)
 
 
@@ -177,7 +176,6 @@ class FusedQKV:
     weight: Tensor
     bias: Tensor | None
     modules: tuple[nn.Module, nn.Module, nn.Module]  # the projections, for `module_state`
-    shapes: tuple[Any, ...]  # the weights' shapes, for `module_state`
 
 
 def _stamps(sources: tuple[Tensor | None, ...]) -> tuple[int, ...]:
@@ -197,8 +195,12 @@ def _same(held: tuple[Tensor | None, ...], sources: tuple[Tensor | None, ...]) -
     return a is s0 and b is s1 and c is s2 and d is s3 and e is s4 and f is s5
 
 
-def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None) -> FusedQKV | None:
-    """The concatenated projection of three plain linears, reusing `cached` while it is current; else None."""
+def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None, rows: tuple[int, int, int]) -> FusedQKV | None:
+    """The concatenated projection of three plain linears, reusing `cached` while it is current; else None.
+
+    Only weights of exactly `rows` rows and one width are fused (the module's sizes): the fused path splits the
+    product by heads, so weights of other widths that add up to the same (rows moved from one to another) would
+    be split silently wrong there, where the separate path's checks refuse them."""
     if not (plain_linear(q) and plain_linear(k) and plain_linear(v)) or global_hooks():
         return None
     qp, kp, vp = q._parameters, k._parameters, v._parameters
@@ -209,13 +211,15 @@ def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None) -> FusedQKV | Non
     first = qp["weight"]
     if first is None or any(w is None or w.dtype != first.dtype or w.device != first.device for w in weights):
         return None
+    shapes = [tuple(w.shape) for w in weights if w is not None]
+    if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes) or tuple(s[0] for s in shapes) != rows:
+        return None  # (the separate path's checks explain these)
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
     with torch.no_grad():
         weight = torch.cat([w for w in weights if w is not None])
         bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
-    shapes = tuple(w.shape for w in weights if w is not None)
-    return FusedQKV(sources, _stamps(sources), weight, bias, (q, k, v), shapes)
+    return FusedQKV(sources, _stamps(sources), weight, bias, (q, k, v))
 
 
 def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> bool:
@@ -261,7 +265,7 @@ def choose_path(
     if torch.compiler.is_compiling() or jit_tracing or not isinstance(query, Tensor):
         return SEPARATE, None
     modules = module._modules
-    fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], module._fused)
+    fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], module._fused, module._qkv_rows)
     module.__dict__["_fused"] = fused  # not nn.Module.__setattr__: this runs on every inference call
     if fused is None:
         return SEPARATE, None

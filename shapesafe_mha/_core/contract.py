@@ -420,6 +420,8 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
     for value in args:
         if isinstance(value, _Tensor):
             key += (value.shape, value.dtype, value.device)
+        elif type(value) is int:  # signature_of(value), without its call: a head count is the other common case
+            key.append(value)
         else:
             key.append(signature_of(value))
     if kwargs:

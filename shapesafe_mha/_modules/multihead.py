@@ -487,6 +487,8 @@ class MultiHeadAttention(nn.Module):
         self.native_shape = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
         )
+        # the rows of q_proj, k_proj and v_proj this module's sizes fix: the only ones fused (fastpath.fused_qkv)
+        self._qkv_rows = (num_heads * d_head, num_kv_heads * d_head, num_kv_heads * d_head)
         self._constants = frozenset(
             {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
             | ({window} if window is not None else set())
