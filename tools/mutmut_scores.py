@@ -473,6 +473,20 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (3, 4)
     },
+    "shapesafe_mha.testing._toolkit.x_judge__mutmut_38": (
+        "the bug class found on every failing example, not only where the deviation is under 1e-5: the same "
+        "name_bug of the same output, which diagnose would compute for the reported example anyway (slower only: "
+        "each failing example of the search pays for it)"
+    ),
+    "shapesafe_mha.testing._toolkit.x_judge__mutmut_55": (
+        "diagnose recomputes name_bug instead of reusing the matches found under 1e-5: the same call on the same "
+        "output and scenario, so the same list (computed twice)"
+    ),
+    "shapesafe_mha.testing._toolkit.x_run_property__mutmut_1": (
+        "run_property's cross default made True: it is read only without configs=, and the one caller without "
+        "configs= (the CLI suite) passes cross itself; check_attention, check_module and check_hf_attention pass "
+        "configs="
+    ),
     "shapesafe_mha.testing._toolkit.x_check_mod__mutmut_17": (
         "a non-callable mod's count -2 instead of -1: only its membership in (None, 1, arity) is read, which neither "
         "is, and the message names its type from callable(mod), not from the count"
