@@ -983,8 +983,8 @@ def test_the_wrong_head_is_located_on_the_rows_that_count() -> None:
 
 def test_without_configs_the_property_draws_the_kinds_cross_attention_and_thresholds_asked_for() -> None:
     """run_property without configs= (the CLI suite's way) draws its own: only the kinds asked for, cross-attention
-    (kv_seq apart from seq) where cross=True, lengths by the thresholds given; each example's deviation is handed to
-    on_example, as many as the budget."""
+    (kv_seq apart from seq) where cross=True and self-attention (kv_seq == seq) where not, lengths by the thresholds
+    given; each example's deviation is handed to on_example, as many as the budget."""
     from shapesafe_mha.testing._toolkit import run_property
 
     seen: list[AttentionConfig] = []
@@ -1000,6 +1000,10 @@ def test_without_configs_the_property_draws_the_kinds_cross_attention_and_thresh
     assert all(config.kind == "gqa" for config in seen), {config.kind for config in seen}
     assert any(config.kv_seq != config.seq for config in seen)
     assert sum(289 <= config.seq <= 311 or 289 <= config.kv_seq <= 311 for config in seen) >= 3, seen  # none without
+    seen.clear()
+    run_property(check, kinds=("mha", "mqa"), max_examples=30, cross=False)
+    assert len(seen) == 30 and all(config.kv_seq == config.seq for config in seen)
+    assert {config.kind for config in seen} == {"mha", "mqa"}
 
 
 def test_masks_true_catches_an_attn_mask_ignored_and_draws_float_masks_that_add_0_where_keys_are_kept() -> None:
@@ -1040,3 +1044,35 @@ def test_a_verbose_hypothesis_profile_names_each_draw(capsys: pytest.CaptureFixt
     check_attention(reference, masks=True, rope=True, settings=settings(verbosity=Verbosity.verbose), max_examples=8)
     named = set(re.findall(r"^Draw \d+(?: \(([^)]*)\))?:", capsys.readouterr().out, re.MULTILINE))
     assert named == {"weights", "inputs", "attn_mask", "float mask", "padding", "first position"}, named
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))],
+)
+def test_every_tensor_the_check_draws_is_on_the_device_asked_for(device: str) -> None:
+    """device= places every drawn tensor the code receives: the input, the weights, memory, both masks (a float
+    attn_mask too) and RoPE's positions (on CPU this holds whether or not device= is passed on: run on CUDA)."""
+    seen: set[torch.device] = set()
+
+    def recording(x: Tensor, w: AttentionWeights, *, memory: Tensor | None = None, **kwargs: Any) -> Tensor:
+        tensors = [x, memory, *(getattr(w, f.name) for f in fields(w)), *kwargs.values()]
+        seen.update(t.device for t in tensors if isinstance(t, Tensor))
+        source = x if memory is None else memory
+        return per_head_attention(x, source, source, w, **kwargs)
+
+    check_attention(recording, device=device, masks=True, rope=True, max_examples=25)
+    check_attention(recording, device=device, cross=True, max_examples=10)
+    assert seen == {torch.zeros(0, device=device).device}, seen
+
+
+def test_a_module_that_cannot_be_loaded_is_reported_with_the_config_in_full() -> None:
+    """Where building or loading the module fails, the report's config line is the same full line as a wrong value's:
+    every size, is_causal and the dtype the check ran."""
+    config = AttentionConfig(batch=2, seq=3, kv_seq=3, d_model=8, num_heads=4, num_kv_heads=2, d_head=2, bias=False)
+    with pytest.raises(AssertionError) as caught:
+        check_module(_Unnamed, configs=st.just(config), is_causal=True, dtype=torch.float32)
+    assert str(caught.value).endswith(
+        "\n  smallest failing config: seq=3, batch=2, d_model=8, num_heads=4, num_kv_heads=2, d_head=2, bias=False, "
+        "is_causal=True (gqa, group=2, float32)"
+    ), str(caught.value)
