@@ -346,6 +346,27 @@ def test_a_mask_mod_mistake_in_a_window_per_head_is_named(bug: str, mod: Callabl
     assert "bug class: mask_mod" in report and re.search(rf"{re.escape(named)}(;|$)", report, re.MULTILINE), report
 
 
+def test_a_mask_mod_may_be_a_function_of_the_config() -> None:
+    """mask_mod, like score_mod, may be a function of the drawn AttentionConfig that returns the mod: it is called with
+    each example's config, and what it returns is applied (a causal window of seq // 2 earlier keys, which the code
+    computes itself)."""
+    configs: list[AttentionConfig] = []
+
+    def window_for(config: AttentionConfig) -> Callable[..., Tensor]:
+        configs.append(config)
+        width = config.seq // 2
+        return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= width)
+
+    def fn(x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool, **_: Any) -> Tensor:
+        q, k, v = heads_of(x, w, num_heads, num_kv_heads)
+        distance = torch.arange(q.shape[2])[:, None] - torch.arange(k.shape[2])[None, :]
+        allowed = (distance >= 0) & (distance <= x.shape[1] // 2)
+        return out_of(ssm.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=is_causal), w)
+
+    check_attention(fn, mask_mod=window_for, max_examples=EXAMPLES)
+    assert configs and all(isinstance(config, AttentionConfig) for config in configs)
+
+
 # --- modules -----------------------------------------------------------------------------------------------
 
 

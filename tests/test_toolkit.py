@@ -247,6 +247,25 @@ def test_atol_and_rtol_set_the_tolerance() -> None:
         check_attention(_off_by(1e-6), atol=0, rtol=1e-9, max_examples=10)
 
 
+def test_a_negative_or_non_numeric_tolerance_is_refused_by_name_before_anything_runs() -> None:
+    """atol and rtol are non-negative numbers: anything else is a ValueError naming the argument and the value given,
+    raised before the code under test is called (here it would divide by zero), from check_attention and
+    check_module alike."""
+
+    def never(*args: Any, **kwargs: Any) -> Tensor:
+        raise ZeroDivisionError
+
+    for kwargs, named in (
+        ({"atol": -1e-3}, "atol must be a non-negative number, got -0.001"),
+        ({"rtol": "1e-3"}, "rtol must be a non-negative number, got '1e-3'"),
+        ({"atol": 1e-3, "rtol": -1}, "rtol must be a non-negative number, got -1"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{re.escape(named)}$"):
+            check_attention(never, max_examples=1, **kwargs)
+        with pytest.raises(ValueError, match=rf"^{re.escape(named)}$"):
+            check_module(never, max_examples=1, **kwargs)
+
+
 def test_a_float32_check_rejects_an_output_off_by_1e_3_everywhere() -> None:
     """1e-3 everywhere is a wrong answer in float32 (its rounding here is about 1e-6, see test_pins' measured bounds):
     the check fails it, whatever tolerance(float32) says; the number is pinned here, not read from tolerance()."""
@@ -835,3 +854,225 @@ def test_a_dtype_without_its_own_tolerance_gets_float32s() -> None:
     """tolerance() answers every dtype: one the table does not list (complex, float8) gets float32's."""
     for dtype in (torch.complex64, torch.complex128, torch.float8_e4m3fn):
         assert tolerance(dtype) == tolerance(torch.float32), dtype
+
+
+# --- the verdict on one example -----------------------------------------------------------------------------
+
+
+def test_an_output_of_another_shape_or_not_a_tensor_is_reported_with_both_shapes() -> None:
+    """An output one query short, None, or an (output, weights) tuple fails before any value is compared: the report
+    gives what came back (its shape, or its type where it is no tensor) and the shape expected, then the config."""
+    config = AttentionConfig(batch=2, seq=3, kv_seq=3, d_model=4, num_heads=2, num_kv_heads=1, d_head=2, bias=False)
+
+    def reference(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return per_head_attention(x, x, x, w, **kwargs)
+
+    returns = {
+        r"shape \(2, 2, 4\)": lambda x, w, **kwargs: reference(x, w, **kwargs)[:, :-1],
+        "shape NoneType": lambda x, w, **kwargs: None,
+        "shape tuple": lambda x, w, **kwargs: (reference(x, w, **kwargs), None),
+    }
+    for returned, fn in returns.items():
+        with pytest.raises(
+            AssertionError,
+            match=rf"^the implementation returned {returned}, expected \(2, 3, 4\)\n  smallest failing config: seq=3, "
+            r"batch=2, d_model=4, num_heads=2, num_kv_heads=1, d_head=2, bias=False, is_causal=False \(mqa, group=2, "
+            r"float64\)$",
+        ):
+            check_attention(fn, configs=st.just(config), max_examples=1)
+
+
+def test_atol_0_accepts_the_references_own_bits() -> None:
+    """The reference itself, called as the check calls it, passes atol=0: equal bits are within any tolerance."""
+
+    def reference(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return per_head_attention(x, x, x, w, **kwargs)
+
+    check_attention(reference, atol=0, max_examples=20)
+    check_attention(reference, atol=0, is_causal=True, max_examples=20)
+
+
+def _zero_scenario(batch: int = 1) -> Any:
+    """A scenario whose reference output is exactly zero (every weight is), so a deviation is exactly what is added."""
+    from shapesafe_mha.testing._diagnose import Scenario
+
+    x = torch.randn(batch, 2, 4, dtype=torch.float64)
+    zero = AttentionWeights(*(torch.zeros(4, 4, dtype=torch.float64),) * 4)
+    return Scenario(x, x, x, zero, 2, 2)
+
+
+def test_a_float64_deviation_of_exactly_1e_5_is_float32_rounding_which_the_advised_atol_accepts() -> None:
+    """float32 rounding inside a float64 check is a deviation up to 1e-5 inclusive, the atol the report advises: off
+    by exactly 1e-5 it is named rounding (no wrong formula gives an output 1e-5 off everywhere), accepted by that atol
+    and by a lenient check (check_hf_attention's default)."""
+    from shapesafe_mha.testing._diagnose import FLOAT32_INSIDE, Tolerance
+    from shapesafe_mha.testing._toolkit import judge
+
+    scenario = _zero_scenario()
+    got = torch.full((1, 2, 4), FLOAT32_INSIDE, dtype=torch.float64)
+    with pytest.raises(AssertionError, match=r"float32 rounding, not a wrong formula.*pass atol=1e-05 to accept that"):
+        judge(got, scenario, Tolerance(1e-8), torch.float64, "here")
+    assert judge(got, scenario, Tolerance(1e-8), torch.float64, "here", lenient_float64=True) == FLOAT32_INSIDE
+    assert judge(got, scenario, Tolerance(FLOAT32_INSIDE), torch.float64, "here") == FLOAT32_INSIDE
+
+
+def test_an_empty_output_deviates_by_nothing() -> None:
+    """A batch of 0 has no output to be off: its deviation (what the CLI's suite reports as the worst) is 0."""
+    from shapesafe_mha.testing._diagnose import Tolerance
+    from shapesafe_mha.testing._toolkit import judge
+
+    assert judge(torch.zeros(0, 2, 4, dtype=torch.float64), _zero_scenario(0), Tolerance(0.0), torch.float64, "") == 0
+
+
+def test_a_wrong_formula_off_by_less_than_1e_5_on_the_rows_that_count_is_named_not_called_rounding() -> None:
+    """Where only some query rows count (the padded ones do not), a float64 output a wrong formula gives exactly on
+    those rows is named as that formula, even with a deviation under 1e-5 (tiny output weights), not as float32
+    rounding: the variant is compared on the same rows."""
+    from shapesafe_mha.testing._diagnose import Scenario, Tolerance
+    from shapesafe_mha.testing._toolkit import judge
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=generator)
+    w = AttentionWeights(*(torch.randn(8, 8, dtype=torch.float64, generator=generator) for _ in range(4)))
+    scenario = Scenario(x, x, x, replace(w, w_o=w.w_o * 1e-7), num_heads=2, num_kv_heads=2)  # d_head 4, d_model 8
+    rows = torch.tensor([[True, True, False], [True, False, False]])
+    got = replace(scenario, scale=8**-0.5).expected()[rows]
+    with pytest.raises(AssertionError) as caught:
+        judge(got, scenario, Tolerance(1e-12), torch.float64, "here", rows=rows)
+    deviation = caught.value.deviation  # type: ignore[attr-defined]
+    assert 0 < deviation < 1e-5 and "float32 rounding" not in str(caught.value), str(caught.value)
+    assert "scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)" in caught.value.diagnose()  # type: ignore[attr-defined]
+
+
+def test_an_error_that_is_no_failed_check_reaches_the_caller_as_raised_without_hypothesis_notes() -> None:
+    """An exception of the user's that is no failed check (here a mod factory's) is raised as it is, its message alone:
+    hypothesis' notes (the falsifying call, the drawn tensors) are not attached to it."""
+
+    def reference(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return per_head_attention(x, x, x, w, **kwargs)
+
+    def factory(config: AttentionConfig) -> Any:
+        raise LookupError(f"no score_mod for {config.num_heads} heads")
+
+    with pytest.raises(LookupError, match=r"^no score_mod for \d+ heads$") as caught:
+        check_attention(reference, score_mod=factory, max_examples=3)
+    assert not hasattr(caught.value, "__notes__"), caught.value.__notes__
+
+
+def test_the_wrong_head_is_located_on_the_rows_that_count() -> None:
+    """Where only some query rows count, the heads are told apart on those rows: code whose head 1 scales its queries
+    (run returns the counted rows, as check_hf_attention's padding property does) is reported as head 1 alone."""
+    from shapesafe_mha.testing._diagnose import Scenario, Tolerance
+    from shapesafe_mha.testing._toolkit import judge
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=generator)
+    w = AttentionWeights(*(torch.randn(8, 8, dtype=torch.float64, generator=generator) for _ in range(4)))
+    scenario = Scenario(x, x, x, w, num_heads=2, num_kv_heads=2)
+    rows = torch.tensor([[True, True, False], [True, False, False]])
+
+    def run(weights: AttentionWeights) -> Tensor:
+        scaled = weights.w_q.clone()
+        scaled[4:] *= 3.0
+        return replace(scenario, weights=replace(weights, w_q=scaled)).expected()[rows]
+
+    with pytest.raises(AssertionError) as caught:
+        judge(run(w), scenario, Tolerance(1e-8), torch.float64, "here", run=run, rows=rows)
+    assert "wrong heads: [1] of 2" in caught.value.diagnose()  # type: ignore[attr-defined]
+
+
+def test_without_configs_the_property_draws_the_kinds_cross_attention_and_thresholds_asked_for() -> None:
+    """run_property without configs= (the CLI suite's way) draws its own: only the kinds asked for, cross-attention
+    (kv_seq apart from seq) where cross=True and self-attention (kv_seq == seq) where not, lengths by the thresholds
+    given; each example's deviation is handed to on_example, as many as the budget."""
+    from shapesafe_mha.testing._toolkit import run_property
+
+    seen: list[AttentionConfig] = []
+    deviations: list[float] = []
+
+    def check(config: AttentionConfig, data: Any) -> float:
+        seen.append(config)
+        return float(len(seen))
+
+    near = tuple(range(290, 311))
+    run_property(check, kinds=("gqa",), max_examples=50, cross=True, thresholds=near, on_example=deviations.append)
+    assert len(seen) == 50 and deviations == [float(i) for i in range(1, 51)]
+    assert all(config.kind == "gqa" for config in seen), {config.kind for config in seen}
+    assert any(config.kv_seq != config.seq for config in seen)
+    assert sum(289 <= config.seq <= 311 or 289 <= config.kv_seq <= 311 for config in seen) >= 3, seen  # none without
+    seen.clear()
+    run_property(check, kinds=("mha", "mqa"), max_examples=30, cross=False)
+    assert len(seen) == 30 and all(config.kv_seq == config.seq for config in seen)
+    assert {config.kind for config in seen} == {"mha", "mqa"}
+
+
+def test_masks_true_catches_an_attn_mask_ignored_and_draws_float_masks_that_add_0_where_keys_are_kept() -> None:
+    """masks=True hands the code an attn_mask it must apply (ignoring it fails the check), bool or float; a float
+    mask is additive: 0 where the key may be attended and a large negative (at most -1e4: exp underflows to 0)
+    where not, and like the bool masks (keys kept with probability 0.5 to 0.95) it keeps most keys."""
+    masks: list[Tensor] = []
+
+    def recording(x: Tensor, w: AttentionWeights, *, attn_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        if attn_mask is not None:
+            masks.append(attn_mask)
+        return per_head_attention(x, x, x, w, attn_mask=attn_mask, **kwargs)
+
+    check_attention(recording, masks=True, max_examples=50)
+    floats = [mask for mask in masks if mask.is_floating_point()]
+    bools = [mask for mask in masks if mask.dtype == torch.bool]
+    assert floats and bools, [mask.dtype for mask in masks]
+    values = torch.cat([mask.flatten() for mask in floats])
+    assert bool(((values == 0) | (values <= -1e4)).all()), values.unique()
+    assert (values == 0).double().mean() > 0.5 and torch.cat([m.flatten() for m in bools]).double().mean() > 0.5
+
+    def ignores_attn_mask(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        kwargs.pop("attn_mask")
+        return per_head_attention(x, x, x, w, **kwargs)
+
+    with pytest.raises(AssertionError, match=r"^the implementation differs from the per-head reference by "):
+        check_attention(ignores_attn_mask, masks=True)
+
+
+def test_a_verbose_hypothesis_profile_names_each_draw(capsys: pytest.CaptureFixture[str]) -> None:
+    """Under hypothesis' verbose verbosity each example prints its draws, each named by what it is (weights, inputs,
+    attn_mask, whether it is made float, padding, RoPE's first position): a user reading them knows which is which."""
+    from hypothesis import Verbosity, settings
+
+    def reference(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
+        return per_head_attention(x, x, x, w, **kwargs)
+
+    check_attention(reference, masks=True, rope=True, settings=settings(verbosity=Verbosity.verbose), max_examples=8)
+    named = set(re.findall(r"^Draw \d+(?: \(([^)]*)\))?:", capsys.readouterr().out, re.MULTILINE))
+    assert named == {"weights", "inputs", "attn_mask", "float mask", "padding", "first position"}, named
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))],
+)
+def test_every_tensor_the_check_draws_is_on_the_device_asked_for(device: str) -> None:
+    """device= places every drawn tensor the code receives: the input, the weights, memory, both masks (a float
+    attn_mask too) and RoPE's positions (on CPU this holds whether or not device= is passed on: run on CUDA)."""
+    seen: set[torch.device] = set()
+
+    def recording(x: Tensor, w: AttentionWeights, *, memory: Tensor | None = None, **kwargs: Any) -> Tensor:
+        tensors = [x, memory, *(getattr(w, f.name) for f in fields(w)), *kwargs.values()]
+        seen.update(t.device for t in tensors if isinstance(t, Tensor))
+        source = x if memory is None else memory
+        return per_head_attention(x, source, source, w, **kwargs)
+
+    check_attention(recording, device=device, masks=True, rope=True, max_examples=25)
+    check_attention(recording, device=device, cross=True, max_examples=10)
+    assert seen == {torch.zeros(0, device=device).device}, seen
+
+
+def test_a_module_that_cannot_be_loaded_is_reported_with_the_config_in_full() -> None:
+    """Where building or loading the module fails, the report's config line is the same full line as a wrong value's:
+    every size, is_causal and the dtype the check ran."""
+    config = AttentionConfig(batch=2, seq=3, kv_seq=3, d_model=8, num_heads=4, num_kv_heads=2, d_head=2, bias=False)
+    with pytest.raises(AssertionError) as caught:
+        check_module(_Unnamed, configs=st.just(config), is_causal=True, dtype=torch.float32)
+    assert str(caught.value).endswith(
+        "\n  smallest failing config: seq=3, batch=2, d_model=8, num_heads=4, num_kv_heads=2, d_head=2, bias=False, "
+        "is_causal=True (gqa, group=2, float32)"
+    ), str(caught.value)

@@ -473,6 +473,47 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (3, 4)
     },
+    "shapesafe_mha.testing._toolkit.x_judge__mutmut_38": (
+        "the bug class found on every failing example, not only where the deviation is under 1e-5: the same "
+        "name_bug of the same output, which diagnose would compute for the reported example anyway (slower only: "
+        "each failing example of the search pays for it)"
+    ),
+    "shapesafe_mha.testing._toolkit.x_judge__mutmut_55": (
+        "diagnose recomputes name_bug instead of reusing the matches found under 1e-5: the same call on the same "
+        "output and scenario, so the same list (computed twice)"
+    ),
+    "shapesafe_mha.testing._toolkit.x_run_property__mutmut_1": (
+        "run_property's cross default made True: it is read only without configs=, and the one caller without "
+        "configs= (the CLI suite) passes cross itself; check_attention, check_module and check_hf_attention pass "
+        "configs="
+    ),
+    **{
+        f"shapesafe_mha.testing._toolkit.x__check__mutmut_{n}": (
+            "_check's rope_style default misspelt ('XXhalfXX', 'HALF'): check_attention always passes its own, and "
+            "check_module, which does not, never turns RoPE on (the reference reads rope_style only with rope_theta)"
+        )
+        for n in (4, 5)
+    },
+    **{
+        f"shapesafe_mha.testing._toolkit.x__check__mutmut_{n}": (
+            "the even_d_head constraint dropped (None or False) where rope=True: attention_configs draws an even "
+            "d_head whenever rope is on, whatever even_d_head says"
+        )
+        for n in (62, 64)
+    },
+    "shapesafe_mha.testing._toolkit.x__check__mutmut_159": (
+        "a float mask's hidden keys get -10001 instead of -1e4: the code and the reference receive the same mask, and "
+        "either hides its keys (exp underflows to 0 in float64 and float32); tests/test_toolkit.py pins 0 where kept, "
+        "at most -1e4 elsewhere"
+    ),
+    "shapesafe_mha.testing._toolkit.x__check__mutmut_180": (
+        "RoPE's fallback theta 10001 instead of 10000: never taken, since rope=True draws its configs from "
+        "attention_configs(rope=True), which always draws a theta (10, 1e4 or 5e5), and refuses configs= beside it"
+    ),
+    "shapesafe_mha.testing._toolkit.x__check__mutmut_257": (
+        "run_property given kinds=None: it reads kinds only to draw configs without configs=, and _check always passes "
+        "its strategy (configs= or attention_configs built from kinds)"
+    ),
     "shapesafe_mha.testing._toolkit.x_check_mod__mutmut_17": (
         "a non-callable mod's count -2 instead of -1: only its membership in (None, 1, arity) is read, which neither "
         "is, and the message names its type from callable(mod), not from the count"
