@@ -4,7 +4,7 @@ import json
 import tomllib
 from pathlib import Path
 
-from tools.mutmut_scores import EQUIVALENT, RECORD, module_of, scores
+from tools.mutmut_scores import EQUIVALENT, RECORD, module_of, sample, scores
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,3 +31,12 @@ def test_the_record_covers_only_configured_modules() -> None:
     record = json.loads(RECORD.read_text())
     assert set(record["modules"]) <= modules and record["modules"]
     assert all(0.0 <= row["score"] <= 1.0 for row in record["modules"].values())
+
+
+def test_a_sample_is_seeded_and_a_smaller_one_is_its_prefix() -> None:
+    names = [f"shapesafe_mha._interop.hf.x_from_hf__mutmut_{n}" for n in range(1, 200)]
+    drawn = sample(names, 50, seed=28)
+    assert drawn == sample(list(reversed(names)), 50, seed=28)  # the order given does not matter, the seed does
+    assert sample(names, 20, seed=28) == drawn[:20]  # a run stopped early is a uniform sample too
+    assert len(set(drawn)) == 50 and set(drawn) <= set(names)
+    assert drawn != sample(names, 50, seed=29) and drawn != sorted(drawn)

@@ -2,6 +2,11 @@
 
     OMP_NUM_THREADS=1 mutmut run --max-children 2   # hours on 2 cores: [tool.mutmut] in pyproject.toml
     python -m tools.mutmut_scores [--record]        # the table; --record writes docs/mutmut-scores.json
+    python -m tools.mutmut_scores --sample shapesafe_mha/_interop/hf.py --size 300 --seed 28  # names to run
+
+A module too big to run whole here (hf's 3,908 mutants are 11 hours at 6 a minute) is run on a uniform
+sample: a seeded shuffle of every mutant mutmut generates for the file, of which a run takes a prefix
+(any prefix is itself a uniform sample, so a run stopped early still measures the module).
 
 A survivor is triaged one of two ways: a test that kills it (then it is killed at the next run), or an
 entry of `EQUIVALENT` below saying why no test can (the mutant computes what the original computes).
@@ -12,6 +17,7 @@ equivalent ones excluded: (killed + timeout) / (killed + timeout + survived + no
 import argparse
 import datetime
 import json
+import random
 import subprocess
 import sys
 from collections import Counter
@@ -535,6 +541,23 @@ def results(cwd: Path) -> dict[str, str]:
     return found
 
 
+def generated(path: Path) -> list[str]:
+    """Every mutant mutmut generates for one source file (by mutmut's own generator), sorted by name."""
+    # the `mutation` extra: CI, which never generates mutants, type-checks this without it installed
+    from mutmut.mutation.file_mutation import mutate_file_contents  # pyright: ignore[reportMissingImports]
+
+    module = path.with_suffix("").as_posix().replace("/", ".")
+    mutated = mutate_file_contents(str(path), path.read_text())
+    return sorted(f"{module}.{name}" for name in mutated.mutant_names)
+
+
+def sample(names: list[str], size: int, seed: int) -> list[str]:
+    """A uniform sample of `names`: the first `size` of a shuffle seeded by `seed` (a smaller size, a prefix)."""
+    shuffled = sorted(names)
+    random.Random(seed).shuffle(shuffled)
+    return shuffled[:size]
+
+
 def module_of(mutant: str) -> str:
     """`shapesafe_mha._compute.cache.xǁKVCacheǁappend__mutmut_3` -> `shapesafe_mha._compute.cache`."""
     parts = mutant.split(".")
@@ -568,7 +591,13 @@ def main() -> None:
     parser.add_argument("--cwd", type=Path, default=ROOT, help="where mutmut ran (its mutants/ folder)")
     parser.add_argument("--record", action="store_true", help="write docs/mutmut-scores.json")
     parser.add_argument("--note", default="", help="what the run covered, for the record")
+    parser.add_argument("--sample", type=Path, help="print a seeded sample of this source file's mutant names")
+    parser.add_argument("--size", type=int, default=300, help="how many names --sample prints")
+    parser.add_argument("--seed", type=int, default=28, help="the shuffle's seed for --sample")
     args = parser.parse_args()
+    if args.sample is not None:
+        print("\n".join(sample(generated(args.sample), args.size, args.seed)))
+        return
     import torch
 
     statuses = results(args.cwd)
