@@ -4,6 +4,7 @@ import json
 import tomllib
 from pathlib import Path
 
+from tools.mkdocs_hooks import wilson
 from tools.mutmut_scores import EQUIVALENT, RECORD, module_of, sample, scores
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,3 +41,17 @@ def test_a_sample_is_seeded_and_a_smaller_one_is_its_prefix() -> None:
     assert sample(names, 20, seed=28) == drawn[:20]  # a run stopped early is a uniform sample too
     assert len(set(drawn)) == 50 and set(drawn) <= set(names)
     assert drawn != sample(names, 50, seed=29) and drawn != sorted(drawn)
+
+
+def test_a_sampled_score_comes_with_wilsons_interval() -> None:
+    low, high = wilson(95, 100)  # the textbook case: 95 of 100, 95% Wilson interval 88.8% to 97.8%
+    assert round(low, 4) == 0.8882 and round(high, 4) == 0.9785
+    assert wilson(10, 10)[1] <= 1.0 and wilson(0, 10)[0] == 0.0  # bounded at the ends, unlike the normal one
+
+
+def test_every_recorded_row_says_how_many_mutants_it_counts_of_how_many() -> None:
+    record = json.loads(RECORD.read_text())
+    for row in record["modules"].values():
+        ran = row["killed"] + row["timeout"] + row["survived"] + row["no tests"] + row["equivalent"]
+        assert row["how"] in ("all", "sample", "partial") and 0 < ran and row["generated"] > 0
+        assert (row["how"] == "all") == (ran == row["generated"])  # `all` only where none is left to run

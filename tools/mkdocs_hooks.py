@@ -6,6 +6,7 @@ where every dimension name is declared, so the API page lists exactly the names 
 """
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +24,41 @@ def dimensions_table() -> str:
     return "\n".join(lines)
 
 
+def wilson(caught: int, ran: int) -> tuple[float, float]:
+    """The 95% Wilson interval of a score `caught / ran` measured on a uniform sample of the mutants."""
+    if ran == 0:
+        return (0.0, 1.0)
+    z = 1.959964
+    p = caught / ran
+    centre = (p + z * z / (2 * ran)) / (1 + z * z / ran)
+    half = z * math.sqrt(p * (1 - p) / ran + z * z / (4 * ran * ran)) / (1 + z * z / ran)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
 def scores_markdown(record: dict[str, Any]) -> str:
-    """The table docs/contributors.md shows (through the mkdocs hook)."""
+    """The table docs/contributors.md shows (through the mkdocs hook).
+
+    A row's `generated` is how many mutants mutmut makes of the module's code now; `how` says which of them
+    the row counts: `all`, `sample` (a seeded uniform sample: its score comes with a 95% interval) or
+    `partial` (a run stopped early, fastest functions first, or code added since: not a uniform sample, so
+    no interval).
+    """
     lines = [
-        "| module | killed | timeout | survived | no tests | equivalent | score |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| module | run of generated | killed | timeout | survived | no tests | equivalent | score |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for module, row in record["modules"].items():
+        ran = row["killed"] + row["timeout"] + row["survived"] + row["no tests"] + row["equivalent"]
+        how = row.get("how", "all")
+        score = f"{row['score']:.1%}"
+        if how == "sample":
+            caught = row["killed"] + row["timeout"]
+            low, high = wilson(caught, ran - row["equivalent"])
+            score += f" (95%: {low:.1%} to {high:.1%})"
+        coverage = f"{ran} of {row['generated']} ({how})" if "generated" in row else str(ran)
         lines.append(
-            f"| `{module}` | {row['killed']} | {row['timeout']} | {row['survived']} | {row['no tests']} | "
-            f"{row['equivalent']} | {row['score']:.1%} |"
+            f"| `{module}` | {coverage} | {row['killed']} | {row['timeout']} | {row['survived']} | "
+            f"{row['no tests']} | {row['equivalent']} | {score} |"
         )
     run = record["run"]
     lines.append("")
