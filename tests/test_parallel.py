@@ -69,7 +69,12 @@ def all_cases() -> list[dict[str, object]]:
     sized = {"num_heads": 8, "num_kv_heads": 2, "batch": 2, "seq": 4, "kv_seq": 4, "d_model": 12, "d_head": 4,
              "bias": "qkv", "cross": False, "causal": True, "mask": "heads", "padding": True, "prefill": 2}  # fmt: skip
     each = [{**sized, "variant": variant, "seed": seed} for seed, variant in enumerate(VARIANTS)]
-    return pinned + each + draw_cases(cases(), 24)
+    each.append({**sized, "variant": "rope_partial", "d_head": 6, "seed": len(each)})
+    cross = {**sized, "variant": "none", "cross": True, "kv_seq": 3, "causal": False, "seed": 39}
+    # a group of half the ranks, each half its own module: every collective stays in the group it was given
+    halves = [{**sized, "variant": variant, "seed": 40, "halves": True} for variant in ("qk_norm", "qk_norm_per_head")]
+    halves.append({**cross, "halves": True})  # keys and values each summed in their own group's backward
+    return [*pinned, *each, cross, *halves, *draw_cases(cases(), 24)]
 
 
 @pytest.mark.slow
@@ -77,10 +82,11 @@ def all_cases() -> list[dict[str, object]]:
 def test_sharded_equals_unsharded_on_every_rank(world_size: int) -> None:
     """World sizes 1, 2, 4; MHA, GQA (sharded and replicated KV), MQA; masks, padding, causal, cross-attention.
 
-    Forward, per-head weights, input and parameter gradients (gathered back) of a loss on the output and of
-    one on the returned weights, and prefill-then-decode with per-rank caches all equal the unsharded float64
-    module on every rank; configs that cannot be split raise the same ConfigError on every rank, and no rank
-    hangs (one spawn runs every case).
+    Forward, per-head weights, input and parameter gradients (gathered back, and each rank's own KV rows) of a
+    loss on the output and of one on the returned weights, and prefill-then-decode with per-rank caches all equal
+    the unsharded float64 module on every rank, also where the module is split over a group of half the ranks
+    (each half its own weights and inputs, beside the other half); configs that cannot be split raise the same
+    ConfigError on every rank, and no rank hangs (one spawn runs every case).
     """
     case_list = all_cases()
     results = run_cases(world_size, case_list)
