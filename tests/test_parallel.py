@@ -160,7 +160,8 @@ def test_the_documented_torchrun_example_runs() -> None:
 
 
 def test_from_module_refuses_shards_that_compute_something_else(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A sharding that drops an option (here the window) is caught by the probe, on a real gloo group."""
+    """A sharding that drops an option (here the window) is caught by the probe, on a real gloo group; verify=False
+    skips the probe (the sharding is returned as it is)."""
     import torch
     import torch.distributed as dist
 
@@ -181,5 +182,22 @@ def test_from_module_refuses_shards_that_compute_something_else(tmp_path, monkey
         monkeypatch.setattr(_parallel, "_local_share", forgets_the_window)
         with pytest.raises(ssm.ConfigError, match=r"from_module\(\): the converted layer differs from the unsharded"):
             HeadParallelAttention.from_module(full)
+        assert HeadParallelAttention.from_module(full, verify=False).local.window is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_from_module_keeps_the_shards_on_the_modules_device(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A module on another device than the default (here `meta`, as built before loading weights) is split into
+    shards on that device, the output bias too."""
+    import torch
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, device="meta"))
+        assert {param.device for param in sharded.parameters()} == {torch.device("meta")}
     finally:
         dist.destroy_process_group()
