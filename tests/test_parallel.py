@@ -134,10 +134,14 @@ def test_unshardable_config_names_the_sizes_and_what_works() -> None:
 
 
 def test_from_module_needs_an_initialised_process_group() -> None:
-    """Without torch.distributed initialised: a ConfigError that says what to call."""
+    """Without torch.distributed initialised: a ConfigError that names the call and says what to call first."""
     from shapesafe_mha.parallel import HeadParallelAttention
 
-    with pytest.raises(ssm.ConfigError, match="init_process_group"):
+    refusal = (
+        r"HeadParallelAttention\.from_module\(\): torch\.distributed is not initialised; call "
+        r"torch\.distributed\.init_process_group first \(torchrun sets the environment for it\)\.$"
+    )
+    with pytest.raises(ssm.ConfigError, match=refusal):
         HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4))
 
 
