@@ -70,6 +70,8 @@ def all_cases() -> list[dict[str, object]]:
              "bias": "qkv", "cross": False, "causal": True, "mask": "heads", "padding": True, "prefill": 2}  # fmt: skip
     each = [{**sized, "variant": variant, "seed": seed} for seed, variant in enumerate(VARIANTS)]
     each.append({**sized, "variant": "rope_partial", "d_head": 6, "seed": len(each)})
+    # MQA with each head's own norm weights: the one KV head's k_norm row is shared by every rank (up to 4)
+    each.append({**sized, "variant": "qk_norm_per_head", "num_heads": 4, "num_kv_heads": 1, "seed": len(each)})
     cross = {**sized, "variant": "none", "cross": True, "kv_seq": 3, "causal": False, "seed": 39}
     # a group of half the ranks, each half its own module: every collective stays in the group it was given
     halves = [{**sized, "variant": variant, "seed": 40, "halves": True} for variant in ("qk_norm", "qk_norm_per_head")]
