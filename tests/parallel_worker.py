@@ -26,7 +26,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "rope": {"rope_theta": 10.0},
     "window": {"window": 2},
     "softcap": {"logit_softcap": 0.7},
-    "qk_norm": {"qk_norm": True},
+    "qk_norm": {"qk_norm": True, "norm_eps": 0.5},  # an epsilon that shows, so that copying it matters
     "qk_norm_per_head": {"qk_norm": True, "qk_norm_over": "per_head", "qk_norm_centred": True},  # Cohere's
     "scalar": {"query_pre_attn_scalar": 3.0},
     "sinks": {"attention_sinks": True},

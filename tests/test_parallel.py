@@ -195,7 +195,7 @@ def test_from_module_refuses_shards_that_compute_something_else(tmp_path, monkey
 
 def test_from_module_keeps_the_shards_on_the_modules_device(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A module on another device than the default (here `meta`, as built before loading weights) is split into
-    shards on that device, the output bias too."""
+    shards on that device, the output bias too; its dropout (random, so no probe compares it) is carried."""
     import torch
     import torch.distributed as dist
 
@@ -203,7 +203,27 @@ def test_from_module_keeps_the_shards_on_the_modules_device(tmp_path) -> None:  
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        sharded = HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, device="meta"))
+        sharded = HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, dropout=0.25, device="meta"))
         assert {param.device for param in sharded.parameters()} == {torch.device("meta")}
+        assert sharded.local.dropout == 0.25
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_mask_with_another_number_of_heads_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A mask whose heads axis is neither the module's num_heads nor 1 is refused before it is sliced to the rank's
+    heads (a slice would hide the mismatch), with both numbers."""
+    import torch
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2))
+        mask = torch.ones(2, 3, 5, 5, dtype=torch.bool)
+        refusal = r"attn_mask has num_heads=3 \(axis 1\), but the module has num_heads=4 \(or 1, to broadcast\)\.$"
+        with pytest.raises(ssm.ShapeError, match=refusal):
+            sharded(torch.randn(2, 5, 16), attn_mask=mask)
     finally:
         dist.destroy_process_group()
