@@ -186,7 +186,8 @@ def test_from_module_refuses_shards_that_compute_something_else(tmp_path, monkey
         full = ssm.MultiHeadAttention(16, 4, 2, window=2, dtype=torch.float64)
         HeadParallelAttention.from_module(full)  # the honest sharding verifies
         monkeypatch.setattr(_parallel, "_local_share", forgets_the_window)
-        with pytest.raises(ssm.ConfigError, match=r"from_module\(\): the converted layer differs from the unsharded"):
+        differs = r"^HeadParallelAttention\.from_module\(\): the converted layer differs from the unsharded module"
+        with pytest.raises(ssm.ConfigError, match=differs):
             HeadParallelAttention.from_module(full)
         assert HeadParallelAttention.from_module(full, verify=False).local.window is None
     finally:
@@ -206,6 +207,20 @@ def test_from_module_keeps_the_shards_on_the_modules_device(tmp_path) -> None:  
         sharded = HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, dropout=0.25, device="meta"))
         assert {param.device for param in sharded.parameters()} == {torch.device("meta")}
         assert sharded.local.dropout == 0.25
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_qk_norm_over_every_head_is_refused_by_from_module(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """qk_norm_over='all' (OLMo-2) cannot be split by heads: from_module refuses it, naming itself."""
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ssm.ConfigError, match=r"^HeadParallelAttention\.from_module\(\): qk_norm_over='all' "):
+            HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, qk_norm=True, qk_norm_over="all"))
     finally:
         dist.destroy_process_group()
 
