@@ -141,6 +141,8 @@ def _check_case(case: dict[str, Any]) -> dict[str, Any]:
     got, got_weights = sharded(t["x"], key, value, need_weights=True, **kwargs)
     torch.testing.assert_close(got, expected, **F64)
     torch.testing.assert_close(got_weights, expected_weights, **F64)
+    if case["cross"]:  # and with the values left to default to the keys
+        torch.testing.assert_close(sharded(t["x"], key, **kwargs), full(t["x"], key, **kwargs), **F64)
 
     # Gradients of a loss on the output, then of one on the returned weights (through the gather, each rank's heads
     # get the gradient of their share): the same loss on every rank; the gradients of the inputs (a cross-attention's
