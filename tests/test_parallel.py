@@ -225,6 +225,25 @@ def test_a_qk_norm_over_every_head_is_refused_by_from_module(tmp_path) -> None: 
         dist.destroy_process_group()
 
 
+def test_gradients_gathered_before_any_backward_are_zeros(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """gather_gradients() before any backward: every parameter of the unsharded module, each zeros of its shape."""
+    import torch
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for over in ("head", "per_head"):
+            full = ssm.MultiHeadAttention(16, 4, 2, qk_norm=True, qk_norm_over=over, attention_sinks=True)
+            gathered = HeadParallelAttention.from_module(full).gather_gradients()
+            assert set(gathered) == {name for name, _ in full.named_parameters()}
+            for name, param in full.named_parameters():
+                assert torch.equal(gathered[name], torch.zeros_like(param)), name
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_mask_with_another_number_of_heads_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A mask whose heads axis is neither the module's num_heads nor 1 is refused before it is sliced to the rank's
     heads (a slice would hide the mismatch), with both numbers."""
