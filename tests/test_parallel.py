@@ -75,6 +75,8 @@ def all_cases() -> list[dict[str, object]]:
     cross = {**sized, "variant": "none", "cross": True, "kv_seq": 3, "causal": False, "seed": 39}
     # a group of half the ranks, each half its own module: every collective stays in the group it was given
     halves = [{**sized, "variant": v, "seed": 40, "halves": True} for v in ("qk_norm", "qk_norm_per_head", "sinks")]
+    halves.append({**halves[1], "num_heads": 4, "num_kv_heads": 1})  # a KV head replicated in each half, twice:
+    halves.append({**halves[-1], "seed": 41})  # subgroups of sharers built there hung the second time
     halves.append({**cross, "halves": True})  # keys and values each summed in their own group's backward
     return [*pinned, *each, cross, *halves, *draw_cases(cases(), 24)]
 
