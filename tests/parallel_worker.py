@@ -26,7 +26,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "rope": {"rope_theta": 10.0},
     "window": {"window": 2},
     "softcap": {"logit_softcap": 0.7},
-    "qk_norm": {"qk_norm": True},
+    "qk_norm": {"qk_norm": True, "norm_eps": 0.5},  # an epsilon that shows, so that copying it matters
     "qk_norm_per_head": {"qk_norm": True, "qk_norm_over": "per_head", "qk_norm_centred": True},  # Cohere's
     "scalar": {"query_pre_attn_scalar": 3.0},
     "sinks": {"attention_sinks": True},
@@ -35,6 +35,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "temperature_tuning": {"temperature_tuning": (2, 0.5)},
     "chunk_size": {"chunk_size": 2},
     "alibi": {"alibi": True},
+}
+# Options run at the sized case only, where they show: RoPE on 4 of 6 features, in interleaved pairs, YaRN-scaled.
+SIZED_VARIANTS: dict[str, dict[str, Any]] = {
+    "rope_partial": {
+        "rope_theta": 10.0,
+        "rope_dim": 4,
+        "rope_interleaved": True,
+        "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4},
+    },
 }
 
 
@@ -57,7 +66,9 @@ def _inputs(case: dict[str, Any]) -> dict[str, Any]:
         lengths = torch.randint(0, kv + 1, (b,), generator=generator)
         padding = torch.arange(kv)[None, :] >= lengths[:, None]
     probe, weights_probe = randn(b, s, d), randn(b, case["num_heads"], s, kv)
-    return {"x": x, "memory": memory, "mask": mask, "padding": padding, "probe": probe, "weights_probe": weights_probe}
+    values = randn(b, kv, d)  # a cross-attention's values, apart from its keys
+    return {"x": x, "memory": memory, "values": values, "mask": mask, "padding": padding, "probe": probe,
+            "weights_probe": weights_probe}  # fmt: skip
 
 
 def _same_gradients(full: ssm.MultiHeadAttention, sharded: HeadParallelAttention) -> None:
@@ -66,10 +77,33 @@ def _same_gradients(full: ssm.MultiHeadAttention, sharded: HeadParallelAttention
     for name, param in full.named_parameters():
         expected = torch.zeros_like(param) if param.grad is None else param.grad
         torch.testing.assert_close(gathered[name], expected, **F64, msg=lambda m, n=name: f"{n}: {m}")
+    # and each rank's own rows of its KV heads hold their whole gradient (summed over the ranks sharing a replicated
+    # head), so that an optimizer step on every rank keeps the copies equal
+    kv_heads, d_head = sharded.shard.kv_heads, sharded.d_head
+    for name in ("k_proj", "v_proj"):
+        mine, whole = getattr(sharded.local, name).weight, getattr(full, name).weight
+        expected = torch.zeros_like(whole) if whole.grad is None else whole.grad
+        got = torch.zeros_like(mine) if mine.grad is None else mine.grad
+        torch.testing.assert_close(got, expected[kv_heads.start * d_head : kv_heads.stop * d_head], **F64)
+
+
+def _halves(case: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """For a case with `halves`: two process groups of half the ranks each, this rank's, and the case its half runs.
+
+    Each half gets its own weights and inputs (its seed), so a collective that leaves its group (the default
+    group's sum, or a rank numbered in the wrong group) mixes in the other half's numbers and shows.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not case.get("halves") or world == 1:
+        return None, case
+    half = world // 2
+    groups = [dist.new_group(list(range(start, start + half))) for start in (0, half)]  # every rank makes both
+    return groups[rank // half], {**case, "seed": case["seed"] + 1000 * (rank // half)}
 
 
 def _check_case(case: dict[str, Any]) -> dict[str, Any]:
-    torch.manual_seed(case["seed"])  # the same weights on every rank
+    group, case = _halves(case)
+    torch.manual_seed(case["seed"])  # the same weights on every rank (of the group)
     full = ssm.MultiHeadAttention(
         case["d_model"],
         case["num_heads"],
@@ -77,7 +111,7 @@ def _check_case(case: dict[str, Any]) -> dict[str, Any]:
         d_head=case["d_head"],
         bias=bool(case["bias"]),
         dtype=torch.float64,
-        **VARIANTS[case.get("variant", "none")],
+        **{**VARIANTS, **SIZED_VARIANTS}[case.get("variant", "none")],
     )
     for role in "qkvo":  # biases on the projections named in case["bias"] only
         if role not in case["bias"]:
@@ -90,37 +124,44 @@ def _check_case(case: dict[str, Any]) -> dict[str, Any]:
         with torch.no_grad():
             full.sinks.copy_(torch.linspace(-2.0, 2.0, case["num_heads"], dtype=torch.float64))
     try:
-        sharded = HeadParallelAttention.from_module(full)
+        sharded = HeadParallelAttention.from_module(full, group)
     except ssm.ConfigError as error:
         return {"config_error": str(error).splitlines()[0]}
     t = _inputs(case)
     key = t["memory"] if case["cross"] else t["x"]
-    kwargs: dict[str, Any] = {"attn_mask": t["mask"], "key_padding_mask": t["padding"], "is_causal": case["causal"]}
+    value = t["values"] if case["cross"] else key
+    kwargs: dict[str, Any] = {"attn_mask": t["mask"], "key_padding_mask": t["padding"]}
+    if case["causal"]:  # otherwise is_causal's default
+        kwargs["is_causal"] = True
     if full.rotary is not None:  # positions of our own (a left-padded batch would pass them)
         kwargs["positions"] = torch.arange(3, 3 + case["seq"]).expand(case["batch"], -1)
 
     # Forward, with weights.
-    expected, expected_weights = full(t["x"], key, key, need_weights=True, **kwargs)
-    got, got_weights = sharded(t["x"], key, key, need_weights=True, **kwargs)
+    expected, expected_weights = full(t["x"], key, value, need_weights=True, **kwargs)
+    got, got_weights = sharded(t["x"], key, value, need_weights=True, **kwargs)
     torch.testing.assert_close(got, expected, **F64)
     torch.testing.assert_close(got_weights, expected_weights, **F64)
+    if case["cross"]:  # and with the values left to default to the keys
+        torch.testing.assert_close(sharded(t["x"], key, **kwargs), full(t["x"], key, **kwargs), **F64)
 
-    # Gradients: the same loss on every rank; inputs' and parameters' gradients match the unsharded ones.
-    if not case["cross"]:
-        x_full, x_sharded = t["x"].clone().requires_grad_(), t["x"].clone().requires_grad_()
-        (full(x_full, **kwargs) * t["probe"]).sum().backward()
-        (sharded(x_sharded, **kwargs) * t["probe"]).sum().backward()
-        torch.testing.assert_close(x_sharded.grad, x_full.grad, **F64)
-        assert all(param.grad is not None for param in full.parameters())
-        _same_gradients(full, sharded)
-
-        # A loss on the returned weights: through the gather, each rank's heads get the gradient of their share.
+    # Gradients of a loss on the output, then of one on the returned weights (through the gather, each rank's heads
+    # get the gradient of their share): the same loss on every rank; the gradients of the inputs (a cross-attention's
+    # keys and values too) and of the parameters match the unsharded ones.
+    for weights_loss in (False, True):
         full.zero_grad()
         sharded.zero_grad()
-        x_full, x_sharded = t["x"].clone().requires_grad_(), t["x"].clone().requires_grad_()
-        (full(x_full, need_weights=True, **kwargs)[1] * t["weights_probe"]).sum().backward()
-        (sharded(x_sharded, need_weights=True, **kwargs)[1] * t["weights_probe"]).sum().backward()
-        torch.testing.assert_close(x_sharded.grad, x_full.grad, **F64)
+        input_grads = []
+        given = (t["x"], key, value) if case["cross"] else (t["x"],)
+        for module in (full, sharded):
+            inputs = [tensor.clone().requires_grad_() for tensor in given]
+            result = module(*inputs, need_weights=weights_loss, **kwargs)
+            loss = result[1] * t["weights_probe"] if weights_loss else result * t["probe"]
+            loss.sum().backward()
+            input_grads.append([tensor.grad for tensor in inputs])
+        for got_grad, expected_grad in zip(input_grads[1], input_grads[0], strict=True):
+            torch.testing.assert_close(got_grad, expected_grad, **F64)
+        if not weights_loss:
+            assert all(param.grad is not None for param in full.parameters())
         _same_gradients(full, sharded)
 
     # Prefill then token-by-token decoding with per-rank caches == the unsharded causal forward.

@@ -69,7 +69,16 @@ def all_cases() -> list[dict[str, object]]:
     sized = {"num_heads": 8, "num_kv_heads": 2, "batch": 2, "seq": 4, "kv_seq": 4, "d_model": 12, "d_head": 4,
              "bias": "qkv", "cross": False, "causal": True, "mask": "heads", "padding": True, "prefill": 2}  # fmt: skip
     each = [{**sized, "variant": variant, "seed": seed} for seed, variant in enumerate(VARIANTS)]
-    return pinned + each + draw_cases(cases(), 24)
+    each.append({**sized, "variant": "rope_partial", "d_head": 6, "seed": len(each)})
+    # MQA with each head's own norm weights: the one KV head's k_norm row is shared by every rank (up to 4)
+    each.append({**sized, "variant": "qk_norm_per_head", "num_heads": 4, "num_kv_heads": 1, "seed": len(each)})
+    cross = {**sized, "variant": "none", "cross": True, "kv_seq": 3, "causal": False, "seed": 39}
+    # a group of half the ranks, each half its own module: every collective stays in the group it was given
+    halves = [{**sized, "variant": v, "seed": 40, "halves": True} for v in ("qk_norm", "qk_norm_per_head", "sinks")]
+    halves.append({**halves[1], "num_heads": 4, "num_kv_heads": 1})  # a KV head replicated in each half, twice:
+    halves.append({**halves[-1], "seed": 41})  # subgroups of sharers built there hung the second time
+    halves.append({**cross, "halves": True})  # keys and values each summed in their own group's backward
+    return [*pinned, *each, cross, *halves, *draw_cases(cases(), 24)]
 
 
 @pytest.mark.slow
@@ -77,10 +86,11 @@ def all_cases() -> list[dict[str, object]]:
 def test_sharded_equals_unsharded_on_every_rank(world_size: int) -> None:
     """World sizes 1, 2, 4; MHA, GQA (sharded and replicated KV), MQA; masks, padding, causal, cross-attention.
 
-    Forward, per-head weights, input and parameter gradients (gathered back) of a loss on the output and of
-    one on the returned weights, and prefill-then-decode with per-rank caches all equal the unsharded float64
-    module on every rank; configs that cannot be split raise the same ConfigError on every rank, and no rank
-    hangs (one spawn runs every case).
+    Forward, per-head weights, input and parameter gradients (gathered back, and each rank's own KV rows) of a
+    loss on the output and of one on the returned weights, and prefill-then-decode with per-rank caches all equal
+    the unsharded float64 module on every rank, also where the module is split over a group of half the ranks
+    (each half its own weights and inputs, beside the other half); configs that cannot be split raise the same
+    ConfigError on every rank, and no rank hangs (one spawn runs every case).
     """
     case_list = all_cases()
     results = run_cases(world_size, case_list)
@@ -128,10 +138,14 @@ def test_unshardable_config_names_the_sizes_and_what_works() -> None:
 
 
 def test_from_module_needs_an_initialised_process_group() -> None:
-    """Without torch.distributed initialised: a ConfigError that says what to call."""
+    """Without torch.distributed initialised: a ConfigError that names the call and says what to call first."""
     from shapesafe_mha.parallel import HeadParallelAttention
 
-    with pytest.raises(ssm.ConfigError, match="init_process_group"):
+    refusal = (
+        r"HeadParallelAttention\.from_module\(\): torch\.distributed is not initialised; call "
+        r"torch\.distributed\.init_process_group first \(torchrun sets the environment for it\)\.$"
+    )
+    with pytest.raises(ssm.ConfigError, match=refusal):
         HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4))
 
 
@@ -154,7 +168,8 @@ def test_the_documented_torchrun_example_runs() -> None:
 
 
 def test_from_module_refuses_shards_that_compute_something_else(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A sharding that drops an option (here the window) is caught by the probe, on a real gloo group."""
+    """A sharding that drops an option (here the window) is caught by the probe, on a real gloo group; verify=False
+    skips the probe (the sharding is returned as it is)."""
     import torch
     import torch.distributed as dist
 
@@ -173,7 +188,78 @@ def test_from_module_refuses_shards_that_compute_something_else(tmp_path, monkey
         full = ssm.MultiHeadAttention(16, 4, 2, window=2, dtype=torch.float64)
         HeadParallelAttention.from_module(full)  # the honest sharding verifies
         monkeypatch.setattr(_parallel, "_local_share", forgets_the_window)
-        with pytest.raises(ssm.ConfigError, match=r"from_module\(\): the converted layer differs from the unsharded"):
+        differs = r"^HeadParallelAttention\.from_module\(\): the converted layer differs from the unsharded module"
+        with pytest.raises(ssm.ConfigError, match=differs):
             HeadParallelAttention.from_module(full)
+        assert HeadParallelAttention.from_module(full, verify=False).local.window is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_from_module_keeps_the_shards_on_the_modules_device(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A module on another device than the default (here `meta`, as built before loading weights) is split into
+    shards on that device, the output bias too; its dropout (random, so no probe compares it) is carried."""
+    import torch
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, dropout=0.25, device="meta"))
+        assert {param.device for param in sharded.parameters()} == {torch.device("meta")}
+        assert sharded.local.dropout == 0.25
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_qk_norm_over_every_head_is_refused_by_from_module(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """qk_norm_over='all' (OLMo-2) cannot be split by heads: from_module refuses it, naming itself."""
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ssm.ConfigError, match=r"^HeadParallelAttention\.from_module\(\): qk_norm_over='all' "):
+            HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, qk_norm=True, qk_norm_over="all"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradients_gathered_before_any_backward_are_zeros(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """gather_gradients() before any backward: every parameter of the unsharded module, each zeros of its shape."""
+    import torch
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for over in ("head", "per_head"):
+            full = ssm.MultiHeadAttention(16, 4, 2, qk_norm=True, qk_norm_over=over, attention_sinks=True)
+            gathered = HeadParallelAttention.from_module(full).gather_gradients()
+            assert set(gathered) == {name for name, _ in full.named_parameters()}
+            for name, param in full.named_parameters():
+                assert torch.equal(gathered[name], torch.zeros_like(param)), name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_mask_with_another_number_of_heads_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A mask whose heads axis is neither the module's num_heads nor 1 is refused before it is sliced to the rank's
+    heads (a slice would hide the mismatch), with both numbers."""
+    import torch
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2))
+        mask = torch.ones(2, 3, 5, 5, dtype=torch.bool)
+        refusal = r"attn_mask has num_heads=3 \(axis 1\), but the module has num_heads=4 \(or 1, to broadcast\)\.$"
+        with pytest.raises(ssm.ShapeError, match=refusal):
+            sharded(torch.randn(2, 5, 16), attn_mask=mask)
     finally:
         dist.destroy_process_group()

@@ -344,7 +344,11 @@ def test_qk_norm_over_every_head_normalises_the_projection_before_the_split() ->
     torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 5), atol=1e-4, rtol=1e-4)
     assert "qk_norm_over='all'" in repr(module)
     config = ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=4, qk_norm=True, qk_norm_over="all", tp=2)
-    with pytest.raises(ssm.ConfigError, match=r"qk_norm_over='all' normalises every head's features together"):
+    refusal = (
+        r"qk_norm_over='all' normalises every head's features together \(OLMo-2\), so a rank holding some of the heads "
+        r"cannot compute it; only a QK-norm of each head \(qk_norm_over='head' or 'per_head'\) is split by heads\."
+    )
+    with pytest.raises(ssm.ConfigError, match=refusal):
         ssm.trace_forward(config)
 
 

@@ -121,6 +121,7 @@ _RECHECKED_SPLIT = (
 )
 _P = "shapesafe_mha._tools.prove."
 _D = "shapesafe_mha.testing._diagnose."
+_PA = "shapesafe_mha._modules.parallel."
 _ROOM = (
     "the decoding step's cache built with d_model free positions after the cached ones (query.shape[2] for [1]) "
     "instead of the one the step writes: the step writes and reads only the first cached + 1, so every shape and guard "
@@ -523,6 +524,28 @@ EQUIVALENT: dict[str, str] = {
     "shapesafe_mha.testing._toolkit.x_check_mod__mutmut_17": (
         "a non-callable mod's count -2 instead of -1: only its membership in (None, 1, arity) is read, which neither "
         "is, and the message names its type from callable(mod), not from the count"
+    ),
+    # --- parallel ---
+    f"{_PA}x__local_share__mutmut_35": (
+        "bias=True left to MultiHeadAttention's default, which is True: the shard's projections get biases alike "
+        "(those the module lacks are removed after)"
+    ),
+    f"{_PA}x__local_share__mutmut_63": (
+        "rope_dim taken from the module also without RoPE: MultiHeadAttention's rope_dim is None exactly where its "
+        "rotary is (both follow rope_theta), so the shard is given None alike"
+    ),
+    f"{_PA}xǁHeadParallelAttentionǁfrom_module__mutmut_55": (
+        "the probe's output bias left in the module's dtype: the probe runs in that dtype (float32, float64), or in "
+        "float32 for half precision, where adding the half bias promotes it exactly: the same sum"
+    ),
+    f"{_PA}xǁHeadParallelAttentionǁgather_gradients__mutmut_33": (
+        "continue -> break where a projection has no bias: the bias is the last of (weight, bias), and an nn.Linear "
+        "always has a weight, so nothing is left to skip"
+    ),
+    f"{_PA}xǁHeadParallelAttentionǁgather_gradients__mutmut_50": (
+        "a replicated KV head's gradient counted on its second sharer instead of its first: backward summed the "
+        "copies with an all-reduce, whose result every sharer holds alike, and a replicated head always has two "
+        "sharers or more (plan_heads replicates only where world_size is a multiple of num_kv_heads above it)"
     ),
 }
 

@@ -295,24 +295,19 @@ class HeadParallelAttention(nn.Module):
                 norm.weight.register_hook(lambda grad: _summed(grad, self.group))
 
     def _sync_replicated_kv_gradients(self) -> None:
-        """Sum the gradients of replicated KV heads over the ranks sharing them (collective: every rank joins)."""
+        """Sum the gradients of replicated KV heads over the ranks sharing them, in backward (collective in the group).
+
+        One all-reduce over the group sums every KV head's copies at once (`_summed_by_kv_head`), rather than one per
+        subgroup of sharers: `dist.new_group` must be entered by every rank of the world with the same ranks, which
+        ranks of another group (building their own subgroups, or none) never do, and then hangs or mixes groups.
+        """
         shard = self.shard
         if not shard.replicated_kv:
             return
-        per_kv = shard.world_size // shard.num_kv_heads
-        mine = None
-        for kv_head in range(shard.num_kv_heads):  # every rank creates every subgroup, in the same order
-            ranks = [
-                dist.get_global_rank(self.group, r) if self.group is not None else r
-                for r in range(kv_head * per_kv, (kv_head + 1) * per_kv)
-            ]
-            subgroup = dist.new_group(ranks)
-            if kv_head == shard.kv_heads.start:
-                mine = subgroup
         k_norm = self.local._modules.get("k_norm") if self.local.qk_norm_over == "per_head" else None
         for proj in (self.local.k_proj, self.local.v_proj, *([k_norm] if k_norm is not None else [])):
             for param in proj.parameters():
-                param.register_hook(lambda grad, sub=mine: _summed(grad, sub))
+                param.register_hook(lambda grad: _summed_by_kv_head(grad, shard, self.group))
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """A `KVCache` for this rank's KV heads."""
@@ -432,3 +427,11 @@ def _summed(grad: Tensor, group: Any) -> Tensor:
     grad = grad.clone()
     dist.all_reduce(grad, group=group)
     return grad
+
+
+def _summed_by_kv_head(grad: Tensor, shard: HeadShard, group: Any) -> Tensor:
+    """The sum of `grad` over the ranks holding the same (replicated) KV head: each rank fills its head's slot."""
+    slots = grad.new_zeros((shard.num_kv_heads, *grad.shape))
+    slots[shard.kv_heads.start] = grad
+    dist.all_reduce(slots, group=group)
+    return slots[shard.kv_heads.start].clone()
