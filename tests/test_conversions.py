@@ -6,6 +6,8 @@ what no field names is caught by the probe.
 """
 
 import importlib
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -68,6 +70,109 @@ def test_from_hf_refuses_what_it_would_compute_differently_naming_why(case: str)
         ssm.MultiHeadAttention.from_hf(_layer(model_type, **config))
 
 
+def _edited(model_type: str, edit: Callable[[nn.Module], Any], **config: Any) -> Callable[[], nn.Module]:
+    """A builder of `_layer(model_type, **config)` edited in place by `edit` (a field or a part set otherwise)."""
+
+    def build() -> nn.Module:
+        layer = _layer(model_type, **config)
+        edit(layer)
+        return layer
+
+    return build
+
+
+def _llama4_nope(**config: Any) -> Callable[[], nn.Module]:
+    """A builder of Llama 4's NoPE layer (index 3) with temperature tuning on, the tuning fields in `config`."""
+
+    def build() -> nn.Module:
+        llama4 = importlib.import_module("transformers.models.llama4.modeling_llama4")
+        text = CONFIG_MAPPING["llama4_text"](
+            **SIZES | {"num_hidden_layers": 4}, attention_chunk_size=None, attn_temperature_tuning=True, **config
+        )
+        return llama4.Llama4TextAttention(text, layer_idx=3).to(torch.float64)
+
+    return build
+
+
+_WHY_NORM = (
+    "neither each head's d_head=8, every head's together (32) nor each head's with weights of its own, as q_norm does"
+)
+# what from_hf finds -> its refusal after "MultiHeadAttention.from_hf(): ", pinned whole (field, value and why)
+REFUSED_READINGS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "a rotated share over 1": (
+        _edited("phi", lambda layer: layer.config.rope_parameters.update(partial_rotary_factor=1.5)),
+        "rope_parameters['partial_rotary_factor']=1.5: the rotated share of a head must be a number in (0, 1]",
+    ),
+    "a rotated share of an odd width": (
+        _edited("phi", lambda layer: layer.config.rope_parameters.update(partial_rotary_factor=0.375)),
+        "rope_parameters['partial_rotary_factor']=0.375: it rotates 3 of head_dim=8 features, not an even number",
+    ),
+    "a negative attention multiplier": (
+        _edited("granite", lambda layer: None, attention_multiplier=-1.0),
+        "attention_multiplier=-1.0: only a positive multiplier, alone, is supported",
+    ),
+    "a scaling of its own": (
+        _edited("llama", lambda layer: setattr(layer, "scaling", 0.3)),
+        "scaling=0.3: only 1/sqrt(query_pre_attn_scalar or head_dim) = 0.353553 is supported",
+    ),
+    "a bidirectional layer": (
+        _edited("llama", lambda layer: setattr(layer, "is_causal", False)),
+        "is_causal=False: only causal (decoder) attention layers are supported",
+    ),
+    "a QK-norm without an epsilon": (
+        _edited("qwen3", lambda layer: delattr(layer.q_norm, "variance_epsilon")),
+        "q_norm='Qwen3RMSNorm': a QK-norm without an epsilon is not an RMSNorm we know",
+    ),
+    "a QK-norm of 5 features": (
+        _edited("qwen3", lambda layer: setattr(layer, "q_norm", type(layer.q_norm)(5).double())),
+        f"q_norm='Qwen3RMSNorm': it normalises features (5,), {_WHY_NORM}",
+    ),
+    "a QK-norm without weight": (
+        _edited("qwen3", lambda layer: setattr(layer, "q_norm", nn.Identity())),
+        f"q_norm='Identity': it normalises features None, {_WHY_NORM}",
+    ),
+    "sinks of another width than the heads": (
+        _edited("gpt_oss", lambda layer: setattr(layer, "sinks", nn.Parameter(torch.zeros(3, dtype=torch.float64)))),
+        "sinks=(3,): attention sinks are one logit per query head (4,)",
+    ),
+    "a parameter of the layer's own": (
+        _edited("llama", lambda layer: setattr(layer, "extra", nn.Parameter(torch.zeros(2, dtype=torch.float64)))),
+        "parameters=['extra']: the layer holds parameters of its own (attention sinks?) that are not loaded",
+    ),
+    "temperature tuning with a floor scale of 0": (
+        _llama4_nope(floor_scale=0, attn_scale=0.4),
+        "config.floor_scale=0: temperature tuning needs a positive int floor_scale",
+    ),
+    "temperature tuning with an infinite attention scale": (
+        _llama4_nope(floor_scale=3, attn_scale=float("inf")),
+        "config.attn_scale=inf: temperature tuning needs a finite attn_scale",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_READINGS)
+def test_what_from_hf_cannot_read_is_refused_naming_the_field_its_value_and_why(case: str) -> None:
+    """The refusal is the user's only lead to what to change: its one line names the field (or the part), the
+    value found there and why it is refused, every word of it pinned."""
+    build, message = REFUSED_READINGS[case]
+    whole = f"MultiHeadAttention.from_hf(): {message}; this layer would compute something else, so it is refused."
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(whole)}$"):
+        ssm.MultiHeadAttention.from_hf(build())
+
+
+def test_rope_parameters_that_differ_by_layer_type_are_refused_for_a_layer_of_no_known_type() -> None:
+    """Gemma 3 keeps a theta per layer type (1e6 full, 1e4 sliding): asked without a layer type, rope_of cannot
+    tell which is the layer's, and names both types rather than take either."""
+    config = CONFIG_MAPPING["gemma3_text"](**SIZES)
+    message = (
+        "MultiHeadAttention.from_hf(): rope_parameters=['full_attention', 'sliding_attention']: RoPE parameters differ "
+        "by layer type, and the layer's is not known; this layer would compute something else, so it is refused."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        _hf.rope_of(config)
+    assert _hf.rope_of(config, "sliding_attention") == (1e4, None)
+
+
 @pytest.mark.parametrize(
     "model_type, config",
     [
@@ -84,6 +189,21 @@ def test_from_hf_verified_layers_equal_their_source_full_and_decoding(model_type
     """What passes the probe equals the transformers layer on other inputs too, decoding included."""
     layer = _layer(model_type, **config)
     assert _ours_equal_theirs(ssm.MultiHeadAttention.from_hf(layer), layer) < 1e-6
+
+
+def test_a_later_sliding_layer_is_probed_through_the_cache_layer_it_writes() -> None:
+    """Gemma 2's layer 2 slides (window 3) but is not the first sliding layer: the probe's decoding step masks it
+    by the cache layer it writes, not by the first sliding one's, which it never filled (the window would then
+    be lost in the mask, and a correct conversion refused)."""
+    gemma2 = importlib.import_module("transformers.models.gemma2.modeling_gemma2")
+    config = CONFIG_MAPPING["gemma2"](**SIZES | {"num_hidden_layers": 4}, sliding_window=3)
+    torch.manual_seed(0)
+    layer = gemma2.Gemma2Attention(config, layer_idx=2).to(torch.float64).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.4, 0.4)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.window == 3 and _ours_equal_theirs(ours, layer) < 1e-6  # its eager softmax is float32 inside
 
 
 def test_the_probe_catches_a_conversion_that_reads_a_field_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,6 +283,35 @@ def test_latent_from_hf_refuses_a_layer_that_computes_something_else() -> None:
     layer = _layer("kimi_linear", "KimiLinearAttention", **LATENT)
     with pytest.raises(ssm.ConfigError, match=r"LatentAttention.from_hf\(\): .* the rotary embeddings"):
         ssm.LatentAttention.from_hf(layer)
+
+
+def test_latent_from_hf_reads_the_theta_and_keeps_a_meta_layer_on_meta() -> None:
+    """The theta of rope_parameters (5e5, not the default 1e4) is the module's, verified on the probe; a layer on
+    meta loads on meta, without a probe (as MultiHeadAttention.from_hf does)."""
+    layer = _layer("deepseek_v3", **LATENT, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert ssm.LatentAttention.from_hf(layer).rope_theta == 5e5
+    deepseek = importlib.import_module("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    with torch.device("meta"):
+        layer = deepseek.DeepseekV3Attention(CONFIG_MAPPING["deepseek_v3"](**SIZES | LATENT), layer_idx=0)
+    assert {p.device.type for p in ssm.LatentAttention.from_hf(layer).parameters()} == {"meta"}
+
+
+def test_latent_from_hf_names_a_layer_it_cannot_load_and_what_does_not_fit() -> None:
+    """A q/k/v/o layer is sent to MultiHeadAttention.from_hf by its class's name; a latent layer holding a part of
+    its own is refused listing the parts that do not fit; one that shares KV heads is refused naming both counts."""
+    cases = {
+        "LlamaAttention is not a multi-head latent attention layer (no .config and kv_a_proj_with_mqa); for "
+        "q/k/v/o_proj layers use MultiHeadAttention.from_hf.": _layer("llama"),
+        "DeepseekV3Attention's parameters do not match the layout: missing [], unexpected ['extra.weight', "
+        "'extra.bias'].": _edited("deepseek_v3", lambda layer: setattr(layer, "extra", nn.Linear(2, 2)), **LATENT)(),
+        "num_key_value_heads=2 != num_attention_heads=4: latent attention rebuilds a key and a value for every head; "
+        "this layer would compute something else, so it is refused.": _layer(
+            "deepseek_v3", **LATENT | {"num_key_value_heads": 2}
+        ),
+    }
+    for message, layer in cases.items():
+        with pytest.raises(ssm.ConfigError, match=f"^{re.escape('LatentAttention.from_hf(): ' + message)}$"):
+            ssm.LatentAttention.from_hf(layer)
 
 
 LLAMA3 = {
