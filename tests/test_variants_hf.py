@@ -7,6 +7,7 @@ them, full forward and decoding."""
 
 import contextlib
 import inspect
+import re
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -106,6 +107,8 @@ CASES = {
     "falcon-multi-query": ("falcon", 0, {"multi_query": True}, {"num_kv_heads": 1}),
     "falcon-per-head": ("falcon", 0, {"multi_query": False}, {"num_kv_heads": 4}),
     "falcon-grouped": ("falcon", 0, {"new_decoder_architecture": True, "num_kv_heads": 2}, {"num_kv_heads": 2}),
+    "falcon-grouped-bias": ("falcon", 0, {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True},
+                            {"num_kv_heads": 2}),
     # rope_parameters kept per layer type, and a sliding layer
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
@@ -729,7 +732,7 @@ def test_a_fused_layout_read_with_keys_and_values_swapped_is_refused_by_the_prob
 
 
 @pytest.mark.parametrize("case", ["gpt_bigcode-multi-query", "gpt_bigcode-per-head", "falcon-multi-query",
-                                  "falcon-grouped"])  # fmt: skip
+                                  "falcon-grouped", "falcon-grouped-bias"])  # fmt: skip
 def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     """from_hf then to_hf writes the fused projection back exactly as it was (multi-query, per head, grouped)."""
     layer, _, back = _round_trip(case)
@@ -737,6 +740,19 @@ def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     assert torch.equal(getattr(back, name).weight, getattr(layer, name).weight)
     theirs_bias, back_bias = getattr(layer, name).bias, getattr(back, name).bias  # Falcon's: None
     assert (back_bias is None and theirs_bias is None) or torch.equal(back_bias, theirs_bias)
+
+
+def test_to_hf_refuses_biases_that_the_fused_projection_does_not_hold() -> None:
+    """Falcon-7B's multi-query query_key_value without bias cannot hold a module's q/k/v biases: refused, naming
+    which of ours have one and the fused projection's bias, never written without them."""
+    layer, ours, _ = _round_trip("falcon-multi-query")
+    biased = ssm.MultiHeadAttention(32, 4, 1, d_head=8, bias=True, rope_theta=ours.rope_theta)
+    message = (
+        "MultiHeadAttention.to_hf(): q/k/v_proj have biases [True, True, True] here, but FalconAttention's the fused "
+        "projection has bias=False (config.attention_bias?)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        biased.to_hf(layer.config)
 
 
 def test_cohere_qk_norm_equals_the_reference_and_round_trips() -> None:
@@ -881,6 +897,28 @@ def _softmax_in_float64(layer: Any) -> Iterator[None]:
     else:
         with mock.patch.object(torch.Tensor, "float", lambda t: t):
             yield
+
+
+def test_the_attention_dropout_is_read_where_gpt_j_and_mpt_keep_it() -> None:
+    """GPT-J's (and CodeGen's) attn_pdrop and MPT's attn_config.attn_pdrop are their attention dropout, loaded as
+    ours (a layer in training would otherwise drop out nothing of what the model drops)."""
+    layer, config = _alibi_layer("mpt-8-heads")
+    object.__setattr__(config.attn_config, "attn_pdrop", 0.1)  # its config types the field int: set past that
+    assert ssm.MultiHeadAttention.from_hf(layer, config=config).dropout == 0.1
+    gptj = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=4,
+                                   attn_pdrop=0.2)  # fmt: skip
+    assert ssm.MultiHeadAttention.from_hf(_classes("gptj")[1](gptj, layer_idx=0).double()).dropout == 0.2
+
+
+def test_gptj_rotating_one_pair_takes_a_module_of_either_pairing() -> None:
+    """With rotary_dim=2 there is one pair, which halves and adjacent pairs turn alike: from_hf loads it with the
+    default pairing, and a module of the default pairing goes back into GPT-J's layer (verified)."""
+    config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=2)
+    layer = _classes("gptj")[1](config, layer_idx=0).double()
+    loaded = ssm.MultiHeadAttention.from_hf(layer)
+    assert (loaded.rope_dim, loaded.rope_interleaved, loaded.rope_theta) == (2, False, 1.0)
+    ours = ssm.MultiHeadAttention(32, 4, 4, d_head=8, bias=False, rope_theta=1.0, rope_dim=2, dtype=torch.float64)
+    assert isinstance(ours.to_hf(config), _classes("gptj")[1])
 
 
 @pytest.mark.parametrize("float64_softmax", [False, True])
