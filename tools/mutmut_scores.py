@@ -131,6 +131,18 @@ _INNERMOST_FIRST = (
     "min's key made a constant: min then takes the first span that holds the guard, and spans are noted as calls "
     "return, so that is the innermost call (the spans holding one guard nest), the one the shortest-span key picks"
 )
+_H = "shapesafe_mha._interop.hf."
+_PROBE_X = (
+    "the probe tensor given to the model's rotary class shaped otherwise ((1, 8) or (2, 4, 8) for (1, 4, 8)): every "
+    "text model's rotary class in transformers reads only its device and dtype (the positions give the tables' "
+    "shape); the three that read a shape (EfficientLoFTR, EoMT-DINOv3, MusicFlamingo) are vision and audio classes "
+    "with no attention layer that from_hf or to_hf takes"
+)
+_ROPE_SCALING_ALIAS = (
+    "rope_parameters looked up under another name, so rope_scaling is read: since transformers 5 rope_scaling is "
+    "PretrainedConfig's property returning rope_parameters (the same dict), and older configs have no "
+    "rope_parameters (rope_scaling was read either way)"
+)
 EQUIVALENT: dict[str, str] = {
     **{f"{_ROTARY}{n}": _ARANGE for n in (22, 26, 30)},
     **{f"{_ROTARY}{n}": _EDGE for n in (84, 102, 105)},
@@ -524,6 +536,30 @@ EQUIVALENT: dict[str, str] = {
         "a non-callable mod's count -2 instead of -1: only its membership in (None, 1, arity) is read, which neither "
         "is, and the message names its type from callable(mod), not from the count"
     ),
+    # --- hf ---
+    f"{_H}x__split_stacked__mutmut_54": _STRICT,
+    f"{_H}x__yarn_as_computed__mutmut_55": (
+        "truncate read from a key no config has (so True): the line runs only where the layer's set differs from the "
+        "top level of rope_parameters, which happens only where the top level holds sets per layer type (else the "
+        "set is the top level itself), and then the top level has no truncate of its own: True either way"
+    ),
+    **{f"{_H}x_rope_layout_of__mutmut_{n}": _PROBE_X for n in (39, 41)},
+    f"{_H}x_rope_interleaved__mutmut_52": (
+        "the probe's q drawn from the global generator instead of a seeded one: an apply_rotary_pos_emb that turns "
+        "adjacent pairs matches the paired rotation on every q, and one that does not differs from it by a nonzero "
+        "linear map of q, under 1e-5 only on a null set of draws; the global generator is drawn from by the "
+        "module's own init in from_hf anyway"
+    ),
+    f"{_H}x_latent_from_hf__mutmut_74": (
+        "YaRN's mscale applied also at factor 1: (0.1 * mscale_all_dim * log(1) + 1.0) ** 2 is 1.0, the factor the "
+        "other branch gives"
+    ),
+    f"{_H}x__write_blocks__mutmut_36": (
+        "flatten(0) instead of flatten(0, 2) of the stacked biases: they are (blocks, 3, rows), three dimensions, so "
+        "both flatten all of them"
+    ),
+    f"{_H}x_to_hf__mutmut_270": _STRICT,
+    f"{_H}x__rope_parameters__mutmut_9": _ROPE_SCALING_ALIAS,
 }
 
 KILLED, TIMEOUT, SURVIVED, NO_TESTS = "killed", "timeout", "survived", "no tests"
