@@ -443,14 +443,16 @@ def test_a_conversion_that_normalises_before_rope_is_refused_by_its_probe(monkey
 def test_codegen_qkv_proj_is_loaded_in_the_layers_own_blocks_and_another_split_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The blocks of CodeGen's qkv_proj are the layer's `mp_num` (4 in every checkpoint; 2 here, and still exact),
-    each block's rows [q; v; k]; a forward that splits them as [q; k; v] is refused by the conversion's probe."""
+    """The blocks of CodeGen's qkv_proj are the layer's `mp_num` (4 in every checkpoint; 2 and 1 here, and still
+    exact: one block is [q; v; k] whole, not Phi-3's stacked [q; k; v]), each block's rows [q; v; k]; a forward that
+    splits them as [q; k; v] is refused by the conversion's probe."""
     layer, rotary = _layer("codegen-rotary-dim-blocks", "sdpa")
-    layer.mp_num = 2
-    ours = ssm.MultiHeadAttention.from_hf(layer)
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x, is_causal=True), _hf_forward(layer, rotary, x), atol=1e-10, rtol=1e-8)
+    for blocks in (2, 1):
+        layer.mp_num = blocks
+        ours = ssm.MultiHeadAttention.from_hf(layer)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x, is_causal=True), _hf_forward(layer, rotary, x), atol=1e-10, rtol=1e-8)
     monkeypatch.setattr(type(layer), "forward", _codegen_blocks_read_as_qkv(type(layer).forward))
     with pytest.raises(ssm.ConfigError, match=r"differs from CodeGenAttention by"):
         ssm.MultiHeadAttention.from_hf(layer)
@@ -755,6 +757,30 @@ def test_to_hf_refuses_biases_that_the_fused_projection_does_not_hold() -> None:
         biased.to_hf(layer.config)
 
 
+# a fused layout -> its refusal of a fused projection 40 rows tall, after "MultiHeadAttention.from_hf(): "
+OTHER_FUSED_SIZES = {
+    "falcon-multi-query": "query_key_value.weight=(40, 32): the config's sizes make a multi-query [q; k; v] of",
+    "gpt_bigcode-multi-query": "c_attn.weight=(40, 32): the config's sizes make a multi-query [q; k; v] of",
+    "falcon-per-head": "query_key_value.weight=(40, 32): the config's sizes make a per-head fused [q; k; v] of",
+    "falcon-grouped": "query_key_value.weight=(40, 32): the config's sizes make a grouped [q; k; v] of",
+    "codegen-rotary-dim-blocks": "qkv_proj.weight=(40, 32): CodeGen's layout is 4 blocks of [q; v; k] rows,",
+}
+NEEDED = {"falcon-multi-query": "(48, 32)", "gpt_bigcode-multi-query": "(48, 32)", "falcon-per-head": "(96, 32)",
+          "falcon-grouped": "(64, 32)", "codegen-rotary-dim-blocks": "(96, 32) in all"}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", OTHER_FUSED_SIZES)
+def test_a_fused_projection_of_other_sizes_than_the_config_s_is_refused_naming_both(case: str) -> None:
+    """A fused [q; k; v] projection the config's sizes do not make is refused before it is split, naming its shape
+    and the one the layout needs (never a crash, never rows read from the wrong place)."""
+    layer, _ = _layer(case, "sdpa")
+    name = OTHER_FUSED_SIZES[case].split(".")[0]
+    setattr(layer, name, torch.nn.Linear(32, 40, bias=False).double())
+    refusal = f"{OTHER_FUSED_SIZES[case]} {NEEDED[case]}; this layer would compute something else, so it is refused."
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape('MultiHeadAttention.from_hf(): ' + refusal)}$"):
+        ssm.MultiHeadAttention.from_hf(layer)
+
+
 def test_cohere_qk_norm_equals_the_reference_and_round_trips() -> None:
     """Cohere's use_qk_norm loaded as qk_norm_over='per_head', qk_norm_centred=True: our module equals the per-head
     reference (each head's LayerNorm without bias, with its own row of weights) to 1e-10 in float64, and to_hf
@@ -1016,6 +1042,22 @@ def test_to_hf_round_trips_alibi_and_refuses_other_slopes_or_none(case: str) -> 
                                    bias=ours.bias)  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"alibi=True \(module: None\)"):
         plain.to_hf(config)
+
+
+def test_bloom_s_output_dropout_and_mpt_s_wqkv_of_other_sizes_are_refused_by_name() -> None:
+    """Bloom drops out its attention's output (hidden_dropout) before adding the residual, which we do not compute;
+    MPT's Wqkv of another height than 3 * d_model cannot be its [q; k; v]: each refused, named whole."""
+    suffix = "; this layer would compute something else, so it is refused."
+    layer, config = _alibi_layer("bloom-8-heads")
+    layer.hidden_dropout = 0.1
+    message = "config.hidden_dropout=0.1: a dropout of the layer's output is not computed here"
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape('MultiHeadAttention.from_hf(): ' + message + suffix)}$"):
+        ssm.MultiHeadAttention.from_hf(layer, config=config)
+    layer, config = _alibi_layer("mpt-8-heads")
+    layer.Wqkv = torch.nn.Linear(32, 40, bias=False).double()
+    message = "Wqkv.weight=(40, 32): the config's sizes make [q; k; v] of (96, 32)"
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape('MultiHeadAttention.from_hf(): ' + message + suffix)}$"):
+        ssm.MultiHeadAttention.from_hf(layer, config=config)
 
 
 def test_falcon_alibi_is_refused_by_its_field() -> None:
