@@ -285,11 +285,14 @@ def test_latent_from_hf_refuses_a_layer_that_computes_something_else() -> None:
         ssm.LatentAttention.from_hf(layer)
 
 
-def test_latent_from_hf_reads_the_theta_and_keeps_a_meta_layer_on_meta() -> None:
-    """The theta of rope_parameters (5e5, not the default 1e4) is the module's, verified on the probe; a layer on
-    meta loads on meta, without a probe (as MultiHeadAttention.from_hf does)."""
+def test_latent_from_hf_reads_the_theta_and_the_norm_s_epsilon_and_keeps_a_meta_layer_on_meta() -> None:
+    """The theta of rope_parameters (5e5, not the default 1e4) and kv_a_layernorm's own epsilon (0.1, not the
+    default 1e-6) are the module's, verified on the probe; a layer on meta loads on meta, without a probe (as
+    MultiHeadAttention.from_hf does)."""
     layer = _layer("deepseek_v3", **LATENT, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-    assert ssm.LatentAttention.from_hf(layer).rope_theta == 5e5
+    layer.kv_a_layernorm.variance_epsilon = 0.1
+    ours = ssm.LatentAttention.from_hf(layer)
+    assert (ours.rope_theta, ours.kv_a_layernorm.eps) == (5e5, 0.1)
     deepseek = importlib.import_module("transformers.models.deepseek_v3.modeling_deepseek_v3")
     with torch.device("meta"):
         layer = deepseek.DeepseekV3Attention(CONFIG_MAPPING["deepseek_v3"](**SIZES | LATENT), layer_idx=0)
