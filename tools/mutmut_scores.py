@@ -560,6 +560,16 @@ EQUIVALENT: dict[str, str] = {
     ),
     f"{_H}x_to_hf__mutmut_270": _STRICT,
     f"{_H}x__rope_parameters__mutmut_9": _ROPE_SCALING_ALIAS,
+    f"{_H}x__yarn_as_computed__mutmut_19": _ROPE_SCALING_ALIAS,
+    f"{_H}x__suspects__mutmut_5": (
+        "getattr(ours, 'rotary') without a default: `ours` is always the module being verified, a MultiHeadAttention "
+        "or a LatentAttention (or a subclass), and both set .rotary in __init__ (None without RoPE)"
+    ),
+    f"{_H}x_alibi_slopes_of__mutmut_20": (
+        "the padding mask for Bloom's build_alibi_tensor three keys long instead of two: its biases are slope x "
+        "position (the mask's cumsum less 1), so key 1's less key 0's is the slope either way; MPT's "
+        "build_mpt_alibi_tensor is not given the mask"
+    ),
 }
 
 KILLED, TIMEOUT, SURVIVED, NO_TESTS = "killed", "timeout", "survived", "no tests"
