@@ -936,15 +936,68 @@ def test_the_attention_dropout_is_read_where_gpt_j_and_mpt_keep_it() -> None:
     assert ssm.MultiHeadAttention.from_hf(_classes("gptj")[1](gptj, layer_idx=0).double()).dropout == 0.2
 
 
-def test_gptj_rotating_one_pair_takes_a_module_of_either_pairing() -> None:
-    """With rotary_dim=2 there is one pair, which halves and adjacent pairs turn alike: from_hf loads it with the
-    default pairing, and a module of the default pairing goes back into GPT-J's layer (verified)."""
+def test_a_rotary_part_of_one_pair_takes_a_module_of_the_default_pairing() -> None:
+    """With two rotated features there is one pair, which halves and adjacent pairs turn alike: from_hf loads
+    GPT-J's rotary_dim=2 and Phi's partial_rotary_factor=0.25 (of d_head 8) with the default pairing, and a module
+    of the default pairing goes back into either layer (verified), never refused over a pairing that cannot
+    differ."""
     config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=2)
     layer = _classes("gptj")[1](config, layer_idx=0).double()
     loaded = ssm.MultiHeadAttention.from_hf(layer)
     assert (loaded.rope_dim, loaded.rope_interleaved, loaded.rope_theta) == (2, False, 1.0)
     ours = ssm.MultiHeadAttention(32, 4, 4, d_head=8, bias=False, rope_theta=1.0, rope_dim=2, dtype=torch.float64)
     assert isinstance(ours.to_hf(config), _classes("gptj")[1])
+    phi = transformers.PhiConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                 rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.25})  # fmt: skip
+    loaded = ssm.MultiHeadAttention.from_hf(_classes("phi")[1](phi, layer_idx=0).double())
+    assert (loaded.rope_dim, loaded.rope_interleaved) == (2, False)
+    ours = ssm.MultiHeadAttention(32, 4, 2, d_head=8, rope_theta=1e4, rope_dim=2, dtype=torch.float64)
+    assert isinstance(ours.to_hf(phi), _classes("phi")[1])
+
+
+def test_gptj_without_a_rotary_class_beside_it_is_refused_naming_rotary_dim() -> None:
+    """GPT-J's RoPE is read from the rotary class of the layer's own modeling module: a subclass defined elsewhere
+    (here, in this test module, which holds none) has none beside it, and is refused naming rotary_dim."""
+    config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=4)
+
+    class Subclassed(_classes("gptj")[1]):
+        pass
+
+    message = (
+        "MultiHeadAttention.from_hf(): rotary_dim=4: no rotary class beside Subclassed makes its tables; this layer "
+        "would compute something else, so it is refused."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention.from_hf(Subclassed(config, layer_idx=0))
+
+
+class _Tables(torch.nn.Module):
+    """A rotary class returning `tables` whatever it is asked: what sincos_rope must refuse to read."""
+
+    def __init__(self, tables: Any) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> Any:
+        return self.tables
+
+
+def test_sincos_rope_refuses_tables_it_cannot_read_naming_what_they_are() -> None:
+    """GPT-J's RoPE is read from its rotary class's (sin, cos): one table, tables of another width than one angle
+    per pair, or two that are neither a sin nor a cos at position 0 are refused, named, never read as angles."""
+    from shapesafe_mha._interop import hf
+
+    modeling = __import__("transformers.models.gptj.modeling_gptj", fromlist=["_"])
+    zeros, ones = torch.zeros(1, 4, 2), torch.ones(1, 4, 2)
+    cases = {
+        "no pair of tables": zeros,
+        "tables (1, 4, 3), not one angle per pair of rotary_dim=4 features": (torch.zeros(1, 4, 3),) * 2,
+        "tables that are neither a sin nor a cos (0 and 1 at position 0)": (ones, ones),
+    }
+    for what, tables in cases.items():
+        message = f"MultiHeadAttention.from_hf(): _Tables returns {what}; RoPE inside the layer is refused."
+        with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+            hf.sincos_rope(modeling, _Tables(tables), 4)
 
 
 @pytest.mark.parametrize("float64_softmax", [False, True])
