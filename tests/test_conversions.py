@@ -81,15 +81,18 @@ def _edited(model_type: str, edit: Callable[[nn.Module], Any], **config: Any) ->
     return build
 
 
-def _llama4_nope(**config: Any) -> Callable[[], nn.Module]:
-    """A builder of Llama 4's NoPE layer (index 3) with temperature tuning on, the tuning fields in `config`."""
+def _llama4(layer_idx: int = 3, chunk: int | None = None, **config: Any) -> Callable[[], nn.Module]:
+    """A builder of Llama 4's layer `layer_idx` (3: its NoPE layer) with temperature tuning on, chunked by `chunk`
+    (the config read after it as `config`, a field set otherwise)."""
 
     def build() -> nn.Module:
         llama4 = importlib.import_module("transformers.models.llama4.modeling_llama4")
         text = CONFIG_MAPPING["llama4_text"](
-            **SIZES | {"num_hidden_layers": 4}, attention_chunk_size=None, attn_temperature_tuning=True, **config
+            **SIZES | {"num_hidden_layers": 4}, attention_chunk_size=chunk, attn_temperature_tuning=True
         )
-        return llama4.Llama4TextAttention(text, layer_idx=3).to(torch.float64)
+        for field, value in config.items():
+            setattr(text, field, value)
+        return llama4.Llama4TextAttention(text, layer_idx=layer_idx).to(torch.float64)
 
     return build
 
@@ -140,12 +143,20 @@ REFUSED_READINGS: dict[str, tuple[Callable[[], nn.Module], str]] = {
         "parameters=['extra']: the layer holds parameters of its own (attention sinks?) that are not loaded",
     ),
     "temperature tuning with a floor scale of 0": (
-        _llama4_nope(floor_scale=0, attn_scale=0.4),
+        _llama4(floor_scale=0, attn_scale=0.4),
         "config.floor_scale=0: temperature tuning needs a positive int floor_scale",
     ),
     "temperature tuning with an infinite attention scale": (
-        _llama4_nope(floor_scale=3, attn_scale=float("inf")),
+        _llama4(floor_scale=3, attn_scale=float("inf")),
         "config.attn_scale=inf: temperature tuning needs a finite attn_scale",
+    ),
+    "a chunked layer of chunks 0 long": (
+        _llama4(layer_idx=0, chunk=8, attention_chunk_size=0),
+        "config.attention_chunk_size=0: a chunked layer needs a positive int chunk size",
+    ),
+    "an older config's rotated share over 1": (
+        _edited("llama", lambda layer: setattr(layer.config, "rotary_pct", 1.5)),
+        "rotary_pct=1.5: the rotated share of a head must be a number in (0, 1]",
     ),
 }
 
