@@ -565,6 +565,12 @@ EQUIVALENT: dict[str, str] = {
         "getattr(ours, 'rotary') without a default: `ours` is always the module being verified, a MultiHeadAttention "
         "or a LatentAttention (or a subclass), and both set .rotary in __init__ (None without RoPE)"
     ),
+    f"{_H}x_rope_interleaved__mutmut_9": (
+        "the tables' row of position 1 read instead of position 3 (the last): a row holds each angle twice in a row "
+        "at every position of a table that repeats them (Cohere's), and a table in halves fails the test at either, "
+        "its first two angles being 1 and theta ** (-2 / width) (or their scaled values, all at most 1), whose cosines "
+        "differ at positions 1 and 3 alike (cos is one-to-one on [0, pi])"
+    ),
     f"{_H}x_alibi_slopes_of__mutmut_20": (
         "the padding mask for Bloom's build_alibi_tensor three keys long instead of two: its biases are slope x "
         "position (the mask's cumsum less 1), so key 1's less key 0's is the slope either way; MPT's "
