@@ -154,6 +154,14 @@ REFUSED_READINGS: dict[str, tuple[Callable[[], nn.Module], str]] = {
         _llama4(layer_idx=0, chunk=8, attention_chunk_size=0),
         "config.attention_chunk_size=0: a chunked layer needs a positive int chunk size",
     ),
+    "an older config's scaling of another type": (
+        _edited("llama", lambda layer: setattr(layer.config, "rope_parameters", {"type": "linear", "factor": 2.0})),
+        "rope_parameters['rope_type']='linear': only default, llama3, yarn, dynamic, longrope RoPE is supported",
+    ),
+    "a rotated share over 1 on the config": (
+        _edited("llama", lambda layer: setattr(layer.config, "partial_rotary_factor", 1.5)),
+        "partial_rotary_factor=1.5: the rotated share of a head must be a number in (0, 1]",
+    ),
     "an older config's rotated share over 1": (
         _edited("llama", lambda layer: setattr(layer.config, "rotary_pct", 1.5)),
         "rotary_pct=1.5: the rotated share of a head must be a number in (0, 1]",
@@ -296,14 +304,15 @@ def test_latent_from_hf_refuses_a_layer_that_computes_something_else() -> None:
         ssm.LatentAttention.from_hf(layer)
 
 
-def test_latent_from_hf_reads_the_theta_and_the_norm_s_epsilon_and_keeps_a_meta_layer_on_meta() -> None:
-    """The theta of rope_parameters (5e5, not the default 1e4) and kv_a_layernorm's own epsilon (0.1, not the
-    default 1e-6) are the module's, verified on the probe; a layer on meta loads on meta, without a probe (as
-    MultiHeadAttention.from_hf does)."""
+def test_latent_from_hf_reads_the_theta_the_norm_s_epsilon_and_the_dropout_and_keeps_a_meta_layer_on_meta() -> None:
+    """The theta of rope_parameters (5e5, not the default 1e4), kv_a_layernorm's own epsilon (0.1, not the default
+    1e-6) and the config's attention_dropout are the module's, verified on the probe; a layer on meta loads on
+    meta, without a probe (as MultiHeadAttention.from_hf does)."""
     layer = _layer("deepseek_v3", **LATENT, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     layer.kv_a_layernorm.variance_epsilon = 0.1
+    layer.config.attention_dropout = 0.2
     ours = ssm.LatentAttention.from_hf(layer)
-    assert (ours.rope_theta, ours.kv_a_layernorm.eps) == (5e5, 0.1)
+    assert (ours.rope_theta, ours.kv_a_layernorm.eps, ours.dropout) == (5e5, 0.1, 0.2)
     deepseek = importlib.import_module("transformers.models.deepseek_v3.modeling_deepseek_v3")
     with torch.device("meta"):
         layer = deepseek.DeepseekV3Attention(CONFIG_MAPPING["deepseek_v3"](**SIZES | LATENT), layer_idx=0)

@@ -286,7 +286,11 @@ def test_a_bad_sliding_window_in_the_config_is_refused_by_its_field() -> None:
     config = transformers.MistralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
     layer = attention_cls(config, layer_idx=0)
     layer.config.sliding_window = 0
-    with pytest.raises(ssm.ConfigError, match=r"sliding_window=0"):
+    message = (
+        "MultiHeadAttention.from_hf(): sliding_window=0: a sliding window must be a positive number of keys (None: "
+        "no window); this layer would compute something else, so it is refused."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         ssm.MultiHeadAttention.from_hf(layer)
 
 
@@ -347,7 +351,8 @@ def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_
 
     layer, _ = _layer(case, "sdpa")
     monkeypatch.setattr(kernels, kernel, bug)
-    with pytest.raises(ssm.ConfigError, match=r"differs from \w+Attention by .* Known to differ here: the rotary"):
+    named = r"differs from (\w+) by .* Known to differ here: the rotary embeddings \(with every position at 0, \1 "
+    with pytest.raises(ssm.ConfigError, match=named):
         ssm.MultiHeadAttention.from_hf(layer)
 
 
