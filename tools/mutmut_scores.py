@@ -558,12 +558,31 @@ EQUIVALENT: dict[str, str] = {
         "flatten(0) instead of flatten(0, 2) of the stacked biases: they are (blocks, 3, rows), three dimensions, so "
         "both flatten all of them"
     ),
-    f"{_H}x_to_hf__mutmut_270": _STRICT,
+    **{f"{_H}x_to_hf__mutmut_{n}": _STRICT for n in (267, 270)},
     f"{_H}x__rope_parameters__mutmut_9": _ROPE_SCALING_ALIAS,
     f"{_H}x__yarn_as_computed__mutmut_19": _ROPE_SCALING_ALIAS,
+    f"{_H}x__yarn_as_computed__mutmut_28": (
+        "rope_scaling no longer looked up after rope_parameters: transformers >= 5 (the project's floor) gives every "
+        "config rope_parameters, and rope_scaling is its alias, so it is only ever reached where it is empty too"
+    ),
+    f"{_H}x_from_hf__mutmut_1": (
+        "from_hf's verify default made False: its callers (MultiHeadAttention.from_hf, and replace through it) always "
+        "pass verify explicitly, so the default is never read"
+    ),
+    f"{_H}x_latent_from_hf__mutmut_131": "attention_bias's default None for False: read through bool(), False alike",
+    f"{_H}x__hf_outputs__mutmut_223": (
+        "a chunked layer probed through a plain DynamicCache instead of one built from its config: transformers' "
+        "chunked mask is built from the cache it is given (the keys it keeps, their offset), so both compute the "
+        "layer's attention alike (Llama 4's chunked layers convert and verify the same with chunks of 2, 3 and 4)"
+    ),
     f"{_H}x__suspects__mutmut_5": (
         "getattr(ours, 'rotary') without a default: `ours` is always the module being verified, a MultiHeadAttention "
         "or a LatentAttention (or a subclass), and both set .rotary in __init__ (None without RoPE)"
+    ),
+    f"{_H}x_rope_interleaved__mutmut_47": (
+        "the probe's q drawn in float32 instead of float64: both rotations compared are taken with the float64 tables "
+        "(promoted alike, or cast inside by the model's function in either case), so they agree to rounding where "
+        "the function pairs features and differ by O(1) where it does not, against a tolerance of 1e-5"
     ),
     f"{_H}x_rope_interleaved__mutmut_9": (
         "the tables' row of position 1 read instead of position 3 (the last): a row holds each angle twice in a row "
