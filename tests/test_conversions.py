@@ -210,10 +210,9 @@ def test_from_hf_verified_layers_equal_their_source_full_and_decoding(model_type
     assert _ours_equal_theirs(ssm.MultiHeadAttention.from_hf(layer), layer) < 1e-6
 
 
-def test_a_later_sliding_layer_is_probed_through_the_cache_layer_it_writes() -> None:
-    """Gemma 2's layer 2 slides (window 3) but is not the first sliding layer: the probe's decoding step masks it
-    by the cache layer it writes, not by the first sliding one's, which it never filled (the window would then
-    be lost in the mask, and a correct conversion refused)."""
+def test_a_later_sliding_layer_converts_with_its_window_and_equals_the_layer() -> None:
+    """Gemma 2's layer 2 slides (window 3) but is not the first sliding layer of its model: its window is read from
+    its own layer type, its probe runs through the cache layer it writes, and it equals the layer."""
     gemma2 = importlib.import_module("transformers.models.gemma2.modeling_gemma2")
     config = CONFIG_MAPPING["gemma2"](**SIZES | {"num_hidden_layers": 4}, sliding_window=3)
     torch.manual_seed(0)

@@ -565,6 +565,12 @@ EQUIVALENT: dict[str, str] = {
         "rope_scaling no longer looked up after rope_parameters: transformers >= 5 (the project's floor) gives every "
         "config rope_parameters, and rope_scaling is its alias, so it is only ever reached where it is empty too"
     ),
+    f"{_H}x__hf_outputs__mutmut_94": (
+        "the probe's masks built without the layer's index (so from the first cache layer of the mask's kind): the "
+        "prefill runs on an empty cache, where every layer's sizes are the query's, and the decoding step is one "
+        "token, which sees every key its own cache layer keeps (a sliding layer's cache keeps only its window), so the "
+        "masks allow the same keys (Gemma 2's layer 2, not its first sliding one, converts the same)"
+    ),
     f"{_H}x_from_hf__mutmut_1": (
         "from_hf's verify default made False: its callers (MultiHeadAttention.from_hf, and replace through it) always "
         "pass verify explicitly, so the default is never read"
@@ -584,11 +590,18 @@ EQUIVALENT: dict[str, str] = {
         "(promoted alike, or cast inside by the model's function in either case), so they agree to rounding where "
         "the function pairs features and differ by O(1) where it does not, against a tolerance of 1e-5"
     ),
-    f"{_H}x_rope_interleaved__mutmut_9": (
-        "the tables' row of position 1 read instead of position 3 (the last): a row holds each angle twice in a row "
-        "at every position of a table that repeats them (Cohere's), and a table in halves fails the test at either, "
-        "its first two angles being 1 and theta ** (-2 / width) (or their scaled values, all at most 1), whose cosines "
-        "differ at positions 1 and 3 alike (cos is one-to-one on [0, pi])"
+    **{
+        f"{_H}x_rope_interleaved__mutmut_{n}": (
+            "the tables' row of position 1 or 2 read instead of position 3 (the last): a row holds each angle twice in "
+            "a row at every position of a table that repeats them (Cohere's), and a table in halves fails the test at "
+            "any of them, its first two angles being 1 and theta ** (-2 / width) (or their scaled values, all at most "
+            "1), whose cosines differ at positions 1 to 3 alike (cos is one-to-one on [0, pi])"
+        )
+        for n in (9, 10)
+    },
+    f"{_H}x__turning_shift__mutmut_21": (
+        "context >= PROMPT for context > PROMPT: at context == PROMPT the shift it returns, context - PROMPT, is the "
+        "0 of the other branch"
     ),
     f"{_H}x_alibi_slopes_of__mutmut_20": (
         "the padding mask for Bloom's build_alibi_tensor three keys long instead of two: its biases are slope x "
