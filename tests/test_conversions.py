@@ -181,7 +181,7 @@ def test_what_from_hf_cannot_read_is_refused_naming_the_field_its_value_and_why(
 
 def test_rope_parameters_that_differ_by_layer_type_are_refused_for_a_layer_of_no_known_type() -> None:
     """Gemma 3 keeps a theta per layer type (1e6 full, 1e4 sliding): asked without a layer type, rope_of cannot
-    tell which is the layer's, and names both types rather than take either."""
+    tell which is the layer's, and names both types rather than take either; sets that agree are taken."""
     config = CONFIG_MAPPING["gemma3_text"](**SIZES)
     message = (
         "MultiHeadAttention.from_hf(): rope_parameters=['full_attention', 'sliding_attention']: RoPE parameters differ "
@@ -190,6 +190,9 @@ def test_rope_parameters_that_differ_by_layer_type_are_refused_for_a_layer_of_no
     with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         _hf.rope_of(config)
     assert _hf.rope_of(config, "sliding_attention") == (1e4, None)
+    shared = {"rope_type": "default", "rope_theta": 5e5}
+    config.rope_parameters = {"full_attention": dict(shared), "sliding_attention": dict(shared)}
+    assert _hf.rope_of(config) == (5e5, None)  # one set shared by every type: the layer's, whatever its type
 
 
 @pytest.mark.parametrize(

@@ -458,6 +458,12 @@ def test_codegen_qkv_proj_is_loaded_in_the_layers_own_blocks_and_another_split_i
         ours = ssm.MultiHeadAttention.from_hf(layer)
         with torch.no_grad():
             torch.testing.assert_close(ours(x, is_causal=True), _hf_forward(layer, rotary, x), atol=1e-10, rtol=1e-8)
+    biased = torch.nn.Linear(32, 96, dtype=torch.float64)  # a qkv_proj with biases (CodeGen's has none): each block's
+    with torch.no_grad():
+        biased.weight.copy_(layer.qkv_proj.weight)
+    layer.qkv_proj = biased
+    ours = ssm.MultiHeadAttention.from_hf(layer)  # its biases read in the blocks' order, verified
+    assert torch.equal(ours.v_proj.bias, biased.bias.unflatten(0, (1, 3, 32))[:, 1].flatten())
     monkeypatch.setattr(type(layer), "forward", _codegen_blocks_read_as_qkv(type(layer).forward))
     with pytest.raises(ssm.ConfigError, match=r"differs from CodeGenAttention by"):
         ssm.MultiHeadAttention.from_hf(layer)
@@ -596,6 +602,12 @@ def test_llama4_chunked_layers_load_their_chunks_forward_decoding_and_left_padde
         padded = _llama4_forward(layer, rotary, x, padding=real)
         ours_padded = ours(x, is_causal=True, key_padding_mask=real == 0)
         torch.testing.assert_close(ours_padded[:, 2:], padded[:, 2:], **tol)  # the padded queries' rows are HF's own
+
+
+def test_llama4_s_temperature_tuning_with_a_floor_scale_of_1_converts() -> None:
+    """A floor scale of 1 (a new scale at every position) is a positive int like any other: loaded, verified."""
+    _, layer, _ = _llama4(3, "sdpa", attn_temperature_tuning=True, floor_scale=1, attn_scale=0.4)
+    assert ssm.MultiHeadAttention.from_hf(layer).temperature_tuning == (1, 0.4)
 
 
 @pytest.mark.parametrize("bug", ["forgotten", "chunks not shifted by the padding"])
