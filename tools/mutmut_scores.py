@@ -575,6 +575,15 @@ EQUIVALENT: dict[str, str] = {
         "from_hf's verify default made False: its callers (MultiHeadAttention.from_hf, and replace through it) always "
         "pass verify explicitly, so the default is never read"
     ),
+    f"{_H}x_to_hf__mutmut_1": (
+        "to_hf's verify default made False: its caller, MultiHeadAttention.to_hf, always passes verify explicitly"
+    ),
+    f"{_H}x__rope_parameters__mutmut_10": _ROPE_SCALING_ALIAS,
+    f"{_H}x__write_blocks__mutmut_44": (
+        "the biases' unflatten given no sizes (a TypeError) where to_hf writes CodeGen's qkv_proj biases: it writes "
+        "into a layer it builds from the config, and CodeGenAttention builds qkv_proj with bias=False, so that "
+        "branch never runs"
+    ),
     f"{_H}x_latent_from_hf__mutmut_131": "attention_bias's default None for False: read through bool(), False alike",
     f"{_H}x__hf_outputs__mutmut_223": (
         "a chunked layer probed through a plain DynamicCache instead of one built from its config: transformers' "
