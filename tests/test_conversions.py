@@ -53,7 +53,11 @@ def _ours_equal_theirs(ours: nn.Module, layer: nn.Module) -> float:
 
 # model type, config keywords, what the ConfigError's first line must say
 REFUSED = {
-    "persimmon qk_layernorm": ("persimmon", {}, r"q_layernorm='LayerNorm': the layer holds a submodule"),
+    "persimmon qk_layernorm": (
+        "persimmon",
+        {},
+        r"q_layernorm='LayerNorm': the layer holds a submodule with parameters \(LayerNorm\) that",
+    ),
     "gptj rotary_dim wider than a head": (
         "gptj", {}, r"rotary_dim=64: the rotated part must be an even number of features in \[2, head_dim=8\]"),
     "olmo clip_qkv of 0": ("olmo", {"clip_qkv": 0.0}, r"config.clip_qkv=0.0: a clip bound must be a positive number"),
@@ -177,6 +181,30 @@ def test_what_from_hf_cannot_read_is_refused_naming_the_field_its_value_and_why(
     whole = f"MultiHeadAttention.from_hf(): {message}; this layer would compute something else, so it is refused."
     with pytest.raises(ssm.ConfigError, match=f"^{re.escape(whole)}$"):
         ssm.MultiHeadAttention.from_hf(build())
+
+
+def _raising(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError  # an exception without a message
+
+
+def test_a_layer_without_q_proj_or_one_that_fails_to_run_is_refused_saying_what_is_supported_or_why() -> None:
+    """A layer whose projections are not nn.Linear is refused listing the layouts that load; one that fails when
+    run as its model runs it (even with an error of no message) is refused naming the error and verify=False."""
+    layer = _edited("llama", lambda layer: setattr(layer, "q_proj", nn.Identity()))()
+    message = (
+        "MultiHeadAttention.from_hf(): LlamaAttention has no nn.Linear q_proj; only the q/k/v/o_proj layout (Llama, "
+        "Mistral, Qwen2; Phi's dense and GPT-J's out_proj as o_proj), GPT-NeoX's per-head query_key_value, Phi-3's "
+        "stacked qkv_proj and CodeGen's qkv_proj in blocks are supported."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention.from_hf(layer)
+    layer = _edited("llama", lambda layer: setattr(layer, "forward", _raising))()
+    message = (
+        "MultiHeadAttention.from_hf(): LlamaAttention could not be run as its model runs it, to verify the conversion "
+        "(RuntimeError: ); pass verify=False to convert it unverified."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention.from_hf(layer)
 
 
 def test_rope_parameters_that_differ_by_layer_type_are_refused_for_a_layer_of_no_known_type() -> None:
@@ -315,6 +343,8 @@ def test_latent_from_hf_reads_the_theta_the_norm_s_epsilon_and_the_dropout_and_k
     layer.config.attention_dropout = 0.2
     ours = ssm.LatentAttention.from_hf(layer)
     assert (ours.rope_theta, ours.kv_a_layernorm.eps, ours.dropout) == (5e5, 0.1, 0.2)
+    biased = ssm.LatentAttention.from_hf(_layer("deepseek_v3", **LATENT, attention_bias=True))  # verified
+    assert biased.kv_a_proj_with_mqa.bias is not None
     deepseek = importlib.import_module("transformers.models.deepseek_v3.modeling_deepseek_v3")
     with torch.device("meta"):
         layer = deepseek.DeepseekV3Attention(CONFIG_MAPPING["deepseek_v3"](**SIZES | LATENT), layer_idx=0)
@@ -329,6 +359,8 @@ def test_latent_from_hf_names_a_layer_it_cannot_load_and_what_does_not_fit() -> 
         "q/k/v/o_proj layers use MultiHeadAttention.from_hf.": _layer("llama"),
         "DeepseekV3Attention's parameters do not match the layout: missing [], unexpected ['extra.weight', "
         "'extra.bias'].": _edited("deepseek_v3", lambda layer: setattr(layer, "extra", nn.Linear(2, 2)), **LATENT)(),
+        "Linear is not a multi-head latent attention layer (no .config and kv_a_proj_with_mqa); for q/k/v/o_proj "
+        "layers use MultiHeadAttention.from_hf.": nn.Linear(2, 2),
         "num_key_value_heads=2 != num_attention_heads=4: latent attention rebuilds a key and a value for every head; "
         "this layer would compute something else, so it is refused.": _layer(
             "deepseek_v3", **LATENT | {"num_key_value_heads": 2}
@@ -470,7 +502,11 @@ def test_a_layer_that_keeps_no_config_converts_with_its_models() -> None:
     config = CONFIG_MAPPING["bloom"](hidden_size=16, n_head=4, n_layer=1)
     config._attn_implementation = "eager"  # Bloom's only implementation
     layer = BloomAttention(config, layer_idx=0).to(torch.float64).eval()
-    with pytest.raises(ssm.ConfigError, match=r"BloomAttention has no \.config;.*from_hf\(layer, config=model\.config"):
+    message = (
+        "MultiHeadAttention.from_hf(): BloomAttention has no .config; pass a transformers attention layer, and for one "
+        "that keeps no config (Bloom's, MPT's) its model's: from_hf(layer, config=model.config)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         ssm.MultiHeadAttention.from_hf(layer)
     ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
     assert (ours.d_model, ours.num_heads, ours.alibi_slopes is not None) == (16, 4, True)

@@ -110,6 +110,9 @@ CASES = {
     "falcon-grouped-bias": ("falcon", 0, {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True},
                             {"num_kv_heads": 2}),
     # rope_parameters kept per layer type, and a sliding layer
+    # a sliding_window that use_sliding_window switches off (Qwen3-MoE keeps no layer_types): full attention
+    "qwen3_moe-window-unused": ("qwen3_moe", 0, {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 3,
+                                                 "use_sliding_window": False}, {"window": None}),
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
     ),
@@ -127,7 +130,7 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
               "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
               "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1", "gptj": "GPTJ",
               "codegen": "CodeGen", "qwen3_next": "Qwen3Next", "gpt_bigcode": "GPTBigCode",
-              "falcon": "Falcon"}[model_type]  # fmt: skip
+              "falcon": "Falcon", "qwen3_moe": "Qwen3Moe"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding", None)
 
@@ -762,8 +765,9 @@ def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
 
 
 def test_to_hf_refuses_biases_that_the_fused_projection_does_not_hold() -> None:
-    """Falcon-7B's multi-query query_key_value without bias cannot hold a module's q/k/v biases: refused, naming
-    which of ours have one and the fused projection's bias, never written without them."""
+    """Falcon-7B's multi-query query_key_value and CodeGen's qkv_proj without bias cannot hold a module's q/k/v
+    biases: refused, naming which of ours have one and the fused projection's bias, never written without them; a
+    GPT-J config whose rotary_dim is odd is refused as from_hf refuses it, headed by to_hf."""
     layer, ours, _ = _round_trip("falcon-multi-query")
     biased = ssm.MultiHeadAttention(32, 4, 1, d_head=8, bias=True, rope_theta=ours.rope_theta)
     message = (
@@ -772,6 +776,20 @@ def test_to_hf_refuses_biases_that_the_fused_projection_does_not_hold() -> None:
     )
     with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         biased.to_hf(layer.config)
+    codegen = transformers.CodeGenConfig(n_embd=32, n_head=4, n_layer=1, rotary_dim=6)  # qkv_proj: no bias
+    biased = ssm.MultiHeadAttention(32, 4, 4, d_head=8, bias=True, rope_theta=1e4, rope_dim=6, rope_interleaved=True)
+    message = (
+        "MultiHeadAttention.to_hf(): q/k/v_proj have biases [True, True, True] here, but CodeGenAttention's qkv_proj "
+        "has bias=False (config.attention_bias?)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        biased.to_hf(codegen)
+    message = (
+        "MultiHeadAttention.to_hf(): rotary_dim=3: the rotated part must be an even number of features in [2, "
+        "head_dim=8]; this layer would compute something else, so it is refused."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        biased.to_hf(transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=3))
 
 
 # a fused layout -> its refusal of a fused projection 40 rows tall, after "MultiHeadAttention.from_hf(): "
@@ -1000,8 +1018,9 @@ class _Tables(torch.nn.Module):
 
 
 def test_sincos_rope_refuses_tables_it_cannot_read_naming_what_they_are() -> None:
-    """GPT-J's RoPE is read from its rotary class's (sin, cos): one table, tables of another width than one angle
-    per pair, or two that are neither a sin nor a cos at position 0 are refused, named, never read as angles."""
+    """GPT-J's RoPE is read from its rotary class's (sin, cos), in either order (told apart at position 0): one
+    table, tables of another width than one angle per pair, or two that are neither a sin nor a cos at position 0
+    are refused, named, never read as angles."""
     from shapesafe_mha._interop import hf
 
     modeling = __import__("transformers.models.gptj.modeling_gptj", fromlist=["_"])
@@ -1015,6 +1034,10 @@ def test_sincos_rope_refuses_tables_it_cannot_read_naming_what_they_are() -> Non
         message = f"MultiHeadAttention.from_hf(): _Tables returns {what}; RoPE inside the layer is refused."
         with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
             hf.sincos_rope(modeling, _Tables(tables), 4)
+    config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=4)
+    sin, cos = modeling.GPTJRotaryEmbedding(config)(zeros, torch.arange(4)[None])
+    read = hf.sincos_rope(modeling, _Tables((sin, cos)), 4)
+    assert hf.sincos_rope(modeling, _Tables((cos, sin)), 4) == read == (10000.0, True)  # either order: one reading
 
 
 @pytest.mark.parametrize("float64_softmax", [False, True])
