@@ -537,7 +537,6 @@ EQUIVALENT: dict[str, str] = {
         "is, and the message names its type from callable(mod), not from the count"
     ),
     # --- hf ---
-    f"{_H}x__split_stacked__mutmut_54": _STRICT,
     f"{_H}x__yarn_as_computed__mutmut_55": (
         "truncate read from a key no config has (so True): the line runs only where the layer's set differs from the "
         "top level of rope_parameters, which happens only where the top level holds sets per layer type (else the "
@@ -585,10 +584,29 @@ EQUIVALENT: dict[str, str] = {
         "branch never runs"
     ),
     f"{_H}x_latent_from_hf__mutmut_131": "attention_bias's default None for False: read through bool(), False alike",
-    f"{_H}x__hf_outputs__mutmut_223": (
-        "a chunked layer probed through a plain DynamicCache instead of one built from its config: transformers' "
-        "chunked mask is built from the cache it is given (the keys it keeps, their offset), so both compute the "
-        "layer's attention alike (Llama 4's chunked layers convert and verify the same with chunks of 2, 3 and 4)"
+    **{
+        f"{_H}x__hf_outputs__mutmut_{n}": (
+            "a chunked (or sliding) layer probed through a plain DynamicCache instead of one built from its config: "
+            "transformers' chunked and sliding masks are built from the cache they are given (the keys it keeps, "
+            "their offset), so both compute the layer's attention alike (Llama 4's chunked layers convert and verify "
+            "the same with chunks of 2, 3 and 4)"
+        )
+        for n in (222, 223)
+    },
+    f"{_H}x_verify_against_hf__mutmut_66": (
+        "a windowed module probed through its own cache (as long as its window) instead of one keeping every "
+        "position: the prefill and the decoding step read only the last `window` keys either way, which both caches "
+        "hold, so the outputs are the same"
+    ),
+    f"{_H}x__suspects__mutmut_17": (
+        "the owner named in the second probe's verify: its refusal is caught and only whether it was raised is read"
+    ),
+    **{f"{_H}x__split_stacked__mutmut_{n}": _STRICT for n in (54, 55)},
+    f"{_H}x__split_chunked__mutmut_48": _STRICT,
+    f"{_H}x_load_norms__mutmut_19": _STRICT,
+    f"{_H}x__multi_query__mutmut_13": "multi_query's default None for False: read through bool(), False alike",
+    f"{_H}x_variant_options__mutmut_152": (
+        "scale_attn_weights' default None for True: only `is False` is asked of it, which neither default is"
     ),
     f"{_H}x__suspects__mutmut_5": (
         "getattr(ours, 'rotary') without a default: `ours` is always the module being verified, a MultiHeadAttention "
