@@ -187,6 +187,10 @@ def _raising(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError  # an exception without a message
 
 
+def _raising_why(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a shape it did not expect\non two lines")
+
+
 def test_a_layer_without_q_proj_or_one_that_fails_to_run_is_refused_saying_what_is_supported_or_why() -> None:
     """A layer whose projections are not nn.Linear is refused listing the layouts that load; one that fails when
     run as its model runs it (even with an error of no message) is refused naming the error and verify=False."""
@@ -205,6 +209,9 @@ def test_a_layer_without_q_proj_or_one_that_fails_to_run_is_refused_saying_what_
     )
     with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         ssm.MultiHeadAttention.from_hf(layer)
+    layer = _edited("llama", lambda layer: setattr(layer, "forward", _raising_why))()
+    with pytest.raises(ssm.ConfigError, match=re.escape("(RuntimeError: a shape it did not expect); pass verify=")):
+        ssm.MultiHeadAttention.from_hf(layer)  # the error's first line
 
 
 def test_rope_parameters_that_differ_by_layer_type_are_refused_for_a_layer_of_no_known_type() -> None:
@@ -291,6 +298,12 @@ def test_a_float32_layer_gets_the_verdict_of_its_float64_copy(model_type: str) -
     layer = model.model.layers[0].self_attn.to(torch.float64)
     assert _verdict(layer.to(torch.float32)) == _verdict(layer.to(torch.float64))
     assert all(p.dtype == torch.float64 for p in layer.parameters())  # the probe copied; the layer is left as it is
+
+
+def test_a_float16_layer_s_qk_norm_is_compared_at_float16_s_precision() -> None:
+    """load_norms compares the layer's QK-norm with ours on a probe in the layer's dtype: a float16 Qwen3 layer's
+    norm (about 1e-3 off in float16 rounding) is found the RMSNorm it is, and the layer converts (verified)."""
+    assert ssm.MultiHeadAttention.from_hf(_layer("qwen3").to(torch.float16)).qk_norm
 
 
 def test_from_hf_on_meta_loads_without_a_probe() -> None:

@@ -56,6 +56,9 @@ CASES = {
     # Cohere's use_qk_norm: a LayerNorm without bias of each head, with weights of its own (num_heads, head_dim)
     "cohere-qk-norm-per-head": ("cohere", 0, {"num_key_value_heads": 2, "use_qk_norm": True},
                                 {"qk_norm_over": "per_head", "qk_norm_centred": True, "rope_interleaved": True}),
+    # ... with an epsilon large enough to matter (0.1): found centred on the norm's own epsilon
+    "cohere-qk-norm-per-head-eps": ("cohere", 0, {"num_key_value_heads": 2, "use_qk_norm": True, "layer_norm_eps": 0.1},
+                                    {"qk_norm_centred": True}),
     "helium-interleaved": ("helium", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
     "ernie4_5-interleaved": ("ernie4_5", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
     "glm-partial-interleaved": (
@@ -784,6 +787,16 @@ def test_to_hf_refuses_biases_that_the_fused_projection_does_not_hold() -> None:
     )
     with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         biased.to_hf(codegen)
+    layer, config = _alibi_layer("mpt-8-heads")  # MPT's Wqkv: no bias (no_bias=True)
+    ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(ours, name).bias = torch.nn.Parameter(torch.zeros(32, dtype=torch.float64))
+    message = (
+        "MultiHeadAttention.to_hf(): q/k/v_proj have biases [True, True, True] here, but MptAttention's the fused "
+        "projection has bias=False (config.attention_bias?)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ours.to_hf(config)
     message = (
         "MultiHeadAttention.to_hf(): rotary_dim=3: the rotated part must be an even number of features in [2, "
         "head_dim=8]; this layer would compute something else, so it is refused."
@@ -1034,10 +1047,30 @@ def test_sincos_rope_refuses_tables_it_cannot_read_naming_what_they_are() -> Non
         message = f"MultiHeadAttention.from_hf(): _Tables returns {what}; RoPE inside the layer is refused."
         with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
             hf.sincos_rope(modeling, _Tables(tables), 4)
+    for tables in ((zeros, zeros, zeros), ("sin", "cos")):  # not a pair, or a pair of no tensors
+        message = "MultiHeadAttention.from_hf(): _Tables returns no pair of tables; RoPE inside the layer is refused."
+        with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+            hf.sincos_rope(modeling, _Tables(tables), 4)
     config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=4)
     sin, cos = modeling.GPTJRotaryEmbedding(config)(zeros, torch.arange(4)[None])
     read = hf.sincos_rope(modeling, _Tables((sin, cos)), 4)
     assert hf.sincos_rope(modeling, _Tables((cos, sin)), 4) == read == (10000.0, True)  # either order: one reading
+
+
+def test_sincos_rope_reads_a_theta_that_is_no_integer_and_a_pairing_that_is_not_gpt_j_s() -> None:
+    """theta is taken as the nearest integer only where that gives every angle (10000 from float32 tables); tables
+    of theta 10000.5 in float64 give 10000.5. A modeling module whose apply_rotary_pos_emb turns no adjacent pairs
+    (here: leaves the tensor as it is) is read as halves, whose difference the conversion's probe then names."""
+    from types import SimpleNamespace
+
+    from shapesafe_mha._interop import hf
+
+    modeling = __import__("transformers.models.gptj.modeling_gptj", fromlist=["_"])
+    angles = torch.arange(4, dtype=torch.float64)[None, :, None] * 10000.5 ** -(torch.arange(0, 4, 2) / 4)
+    tables = _Tables((angles.sin(), angles.cos()))
+    assert hf.sincos_rope(modeling, tables, 4) == (pytest.approx(10000.5, abs=1e-3), True)
+    unturned = SimpleNamespace(apply_rotary_pos_emb=lambda tensor, sin, cos: tensor)
+    assert hf.sincos_rope(unturned, tables, 4)[1] is False
 
 
 @pytest.mark.parametrize("float64_softmax", [False, True])
