@@ -578,10 +578,16 @@ EQUIVALENT: dict[str, str] = {
         "to_hf's verify default made False: its caller, MultiHeadAttention.to_hf, always passes verify explicitly"
     ),
     f"{_H}x__rope_parameters__mutmut_10": _ROPE_SCALING_ALIAS,
-    f"{_H}x__write_blocks__mutmut_44": (
-        "the biases' unflatten given no sizes (a TypeError) where to_hf writes CodeGen's qkv_proj biases: it writes "
-        "into a layer it builds from the config, and CodeGenAttention builds qkv_proj with bias=False, so that "
-        "branch never runs"
+    **{
+        f"{_H}x__write_blocks__mutmut_{n}": (
+            "the biases reshaped otherwise (unflatten without sizes, flatten(2)) where to_hf writes CodeGen's qkv_proj "
+            "biases: it writes into a layer it builds from the config, and CodeGenAttention builds qkv_proj with "
+            "bias=False, so that branch never runs"
+        )
+        for n in (35, 44)
+    },
+    f"{_H}x_variant_options__mutmut_383": (
+        "attn_temperature_tuning's default None for False: only its truth is read, False alike"
     ),
     f"{_H}x_latent_from_hf__mutmut_131": "attention_bias's default None for False: read through bool(), False alike",
     **{
