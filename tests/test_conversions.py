@@ -5,6 +5,7 @@ model calls it; what we do not compute is a ConfigError naming the field or the 
 what no field names is caught by the probe.
 """
 
+import functools
 import importlib
 import re
 from collections.abc import Callable
@@ -382,6 +383,38 @@ def test_latent_from_hf_names_a_layer_it_cannot_load_and_what_does_not_fit() -> 
     for message, layer in cases.items():
         with pytest.raises(ssm.ConfigError, match=f"^{re.escape('LatentAttention.from_hf(): ' + message)}$"):
             ssm.LatentAttention.from_hf(layer)
+
+
+def _doubled(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)  # its signature, which the probe reads to call it as its model does
+    def twice(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        return (2 * out[0], *out[1:])
+
+    return twice
+
+
+def test_latent_from_hf_s_probe_refuses_a_layer_that_differs_headed_by_its_own_name() -> None:
+    """DeepSeek-V3's config names its RoPE pairing (rope_interleave), so one probe decides: a layer that computes
+    otherwise (here, twice its output) is refused, and the refusal is LatentAttention.from_hf()'s."""
+    layer = _layer("deepseek_v3", **LATENT)
+    layer.forward = _doubled(layer.forward)
+    with pytest.raises(ssm.ConfigError, match=r"^LatentAttention\.from_hf\(\): the converted layer differs from "):
+        ssm.LatentAttention.from_hf(layer)
+
+
+def test_to_hf_names_a_model_type_without_attention_and_a_bias_the_layer_does_not_hold() -> None:
+    """A config whose model has no attention class (Mamba) is refused naming its model_type; a module with biases
+    is refused for a Llama config without attention_bias, naming the projection and both sides' bias."""
+    message = "MultiHeadAttention.to_hf(): no transformers attention class for model_type='mamba'."
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention(32, 4, 2).to_hf(CONFIG_MAPPING["mamba"](hidden_size=32))
+    biased = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=True, rope_theta=1e4)
+    message = (
+        "MultiHeadAttention.to_hf(): q_proj has bias=True here but False in LlamaAttention (config.attention_bias?)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        biased.to_hf(CONFIG_MAPPING["llama"](**SIZES))
 
 
 LLAMA3 = {
