@@ -574,6 +574,21 @@ EQUIVALENT: dict[str, str] = {
         "from_hf's verify default made False: its callers (MultiHeadAttention.from_hf, and replace through it) always "
         "pass verify explicitly, so the default is never read"
     ),
+    f"{_H}x_latent_from_hf__mutmut_1": (
+        "latent_from_hf's verify default made False: its caller, LatentAttention.from_hf, always passes verify "
+        "explicitly"
+    ),
+    f"{_H}x__suspects__mutmut_20": "decode=None for False: our_outputs reads it for truth only (`if not decode`)",
+    f"{_H}x_sincos_rope__mutmut_49": (
+        "width / 2 for width // 2 in the tables' expected shape: width is even at every call (in_layer_rope refuses "
+        "an odd rotary_dim, the check draws even ones, the recipe passes 8), and a torch.Size equals a tuple holding "
+        "2.0 where it holds 2"
+    ),
+    f"{_H}x__pairs_in__mutmut_31": (
+        "the probe's q drawn from seed 1 instead of 0: GPT-J's apply_rotary_pos_emb and the paired rotation are "
+        "compared in float64, where they agree to rounding on every q if the function pairs features and differ by "
+        "O(1) on all but a null set of q if it does not"
+    ),
     f"{_H}x_to_hf__mutmut_1": (
         "to_hf's verify default made False: its caller, MultiHeadAttention.to_hf, always passes verify explicitly"
     ),
