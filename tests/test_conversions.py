@@ -263,6 +263,15 @@ def test_a_later_sliding_layer_converts_with_its_window_and_equals_the_layer() -
     assert ours.window == 3 and _ours_equal_theirs(ours, layer) < 1e-6  # its eager softmax is float32 inside
 
 
+def test_a_smollm3_nope_layer_converts_without_rope_or_temperature_tuning() -> None:
+    """SmolLM3's no_rope_layers makes layer 1 a NoPE layer: loaded without RoPE, and without Llama 4's temperature
+    tuning, which its config (no attn_temperature_tuning field) never asks for; verified."""
+    smollm3 = importlib.import_module("transformers.models.smollm3.modeling_smollm3")
+    config = CONFIG_MAPPING["smollm3"](**SIZES, no_rope_layers=[1, 0])
+    ours = ssm.MultiHeadAttention.from_hf(smollm3.SmolLM3Attention(config, layer_idx=1).to(torch.float64))
+    assert (ours.rope_theta, ours.temperature_tuning) == (None, None)
+
+
 def test_the_probe_catches_a_conversion_that_reads_a_field_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
     """A conversion that forgets the window (as a moved config field would make it) is refused by the probe;
     `verify=False` returns it unverified."""
