@@ -193,8 +193,9 @@ def _raising_why(*args: Any, **kwargs: Any) -> Any:
 
 
 def test_a_layer_without_q_proj_or_one_that_fails_to_run_is_refused_saying_what_is_supported_or_why() -> None:
-    """A layer whose projections are not nn.Linear is refused listing the layouts that load; one that fails when
-    run as its model runs it (even with an error of no message) is refused naming the error and verify=False."""
+    """A layer whose projections are not nn.Linear is refused listing the layouts that load, a latent one sent to
+    LatentAttention.from_hf; one that fails when run as its model runs it (even with an error of no message) is
+    refused naming the error and verify=False."""
     layer = _edited("llama", lambda layer: setattr(layer, "q_proj", nn.Identity()))()
     message = (
         "MultiHeadAttention.from_hf(): LlamaAttention has no nn.Linear q_proj; only the q/k/v/o_proj layout (Llama, "
@@ -203,6 +204,12 @@ def test_a_layer_without_q_proj_or_one_that_fails_to_run_is_refused_saying_what_
     )
     with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         ssm.MultiHeadAttention.from_hf(layer)
+    message = (
+        "MultiHeadAttention.from_hf(): DeepseekV3Attention is multi-head latent attention (kv_a_proj_with_mqa); load "
+        "it with shapesafe_mha.LatentAttention.from_hf(layer)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention.from_hf(_layer("deepseek_v3", **LATENT))
     layer = _edited("llama", lambda layer: setattr(layer, "forward", _raising))()
     message = (
         "MultiHeadAttention.from_hf(): LlamaAttention could not be run as its model runs it, to verify the conversion "
