@@ -133,7 +133,8 @@ _INNERMOST_FIRST = (
 )
 _H = "shapesafe_mha._interop.hf."
 _PROBE_X = (
-    "the probe tensor given to the model's rotary class shaped otherwise ((1, 8) or (2, 4, 8) for (1, 4, 8)): every "
+    "the probe tensor given to the model's rotary class shaped otherwise ((1, 8), (2, 4, 8), (1, 4, 9) for (1, 4, 8)): "
+    "every "
     "text model's rotary class in transformers reads only its device and dtype (the positions give the tables' "
     "shape); the three that read a shape (EfficientLoFTR, EoMT-DINOv3, MusicFlamingo) are vision and audio classes "
     "with no attention layer that from_hf or to_hf takes"
@@ -542,7 +543,11 @@ EQUIVALENT: dict[str, str] = {
         "top level of rope_parameters, which happens only where the top level holds sets per layer type (else the "
         "set is the top level itself), and then the top level has no truncate of its own: True either way"
     ),
-    **{f"{_H}x_rope_layout_of__mutmut_{n}": _PROBE_X for n in (39, 41)},
+    **{f"{_H}x_rope_layout_of__mutmut_{n}": _PROBE_X for n in (39, 41, 43)},
+    f"{_H}x_to_hf__mutmut_80": (
+        "the GPT-J or CodeGen layer built (to read its RoPE) as layer 1 instead of 0: in_layer_rope reads only "
+        "config.rotary_dim and the rotary class beside the layer's class, neither of which depends on its index"
+    ),
     f"{_H}x_rope_interleaved__mutmut_52": (
         "the probe's q drawn from the global generator instead of a seeded one: an apply_rotary_pos_emb that turns "
         "adjacent pairs matches the paired rotation on every q, and one that does not differs from it by a nonzero "
