@@ -787,6 +787,15 @@ def test_to_hf_refuses_biases_that_the_fused_projection_does_not_hold() -> None:
     )
     with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         biased.to_hf(codegen)
+    for case, kv_heads in (("falcon-per-head", 4), ("falcon-grouped", 2)):  # query_key_value: no bias
+        layer, _ = _layer(case, "sdpa")
+        biased = ssm.MultiHeadAttention(32, 4, kv_heads, d_head=8, bias=True, rope_theta=1e4)
+        message = (
+            "MultiHeadAttention.to_hf(): q/k/v_proj have biases [True, True, True] here, but FalconAttention's "
+            "query_key_value has bias=False (config.attention_bias?)."
+        )
+        with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+            biased.to_hf(layer.config)
     layer, config = _alibi_layer("mpt-8-heads")  # MPT's Wqkv: no bias (no_bias=True)
     ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
     for name in ("q_proj", "k_proj", "v_proj"):
