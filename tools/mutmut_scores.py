@@ -544,6 +544,11 @@ EQUIVALENT: dict[str, str] = {
         "set is the top level itself), and then the top level has no truncate of its own: True either way"
     ),
     **{f"{_H}x_rope_layout_of__mutmut_{n}": _PROBE_X for n in (39, 41, 43)},
+    f"{_H}x_qk_norm_names__mutmut_4": (
+        "the fallback names garbled (k_norm misspelt): they are returned only for a layer holding none of q_norm, "
+        "k_norm, query_layernorm and key_layernorm, where either name finds nothing"
+    ),
+    f"{_H}x__pairs_in__mutmut_12": "width <= 3 for width <= 2: the width is even at every call, so the same test",
     f"{_H}x_to_hf__mutmut_80": (
         "the GPT-J or CodeGen layer built (to read its RoPE) as layer 1 instead of 0: in_layer_rope reads only "
         "config.rotary_dim and the rotary class beside the layer's class, neither of which depends on its index"
