@@ -902,7 +902,8 @@ def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_
     with pytest.raises(ssm.ConfigError, match=named):
         check_hf_attention(DiffLlamaAttention, transformers.DiffLlamaConfig)
     config = transformers.DiffLlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2)
-    with pytest.raises(ssm.ConfigError, match=r"lambda_q1.*the layer computes differential attention"):
+    named = r"^MultiHeadAttention\.from_hf\(\): parameters=\['lambda_q1', .*: the layer computes differential attention"
+    with pytest.raises(ssm.ConfigError, match=named):
         ssm.MultiHeadAttention.from_hf(DiffLlamaAttention(config, layer_idx=0))
 
 
