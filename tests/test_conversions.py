@@ -159,6 +159,10 @@ REFUSED_READINGS: dict[str, tuple[Callable[[], nn.Module], str]] = {
         _llama4(layer_idx=0, chunk=8, attention_chunk_size=0),
         "config.attention_chunk_size=0: a chunked layer needs a positive int chunk size",
     ),
+    "a chunked layer of no chunk size": (
+        _llama4(layer_idx=0, chunk=8, attention_chunk_size=None),
+        "config.attention_chunk_size=None: a chunked layer needs a positive int chunk size",
+    ),
     "an older config's scaling of another type": (
         _edited("llama", lambda layer: setattr(layer.config, "rope_parameters", {"type": "linear", "factor": 2.0})),
         "rope_parameters['rope_type']='linear': only default, llama3, yarn, dynamic, longrope RoPE is supported",

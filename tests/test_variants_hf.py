@@ -933,6 +933,7 @@ ALIBI_CASES = {
     "mpt-8-heads": ("mpt", 8, {}),
     "mpt-6-heads-clip-qkv": ("mpt", 6, {"attn_config": {"clip_qkv": 0.4}}),  # MPT's own interleaved slopes
     "mpt-8-heads-softmax-scale": ("mpt", 8, {"attn_config": {"softmax_scale": 0.3}}),  # query_pre_attn_scalar 0.3**-2
+    "mpt-6-heads-bias": ("mpt", 6, {"no_bias": False}),  # Wqkv and out_proj with biases
 }
 
 
