@@ -622,7 +622,7 @@ EQUIVALENT: dict[str, str] = {
             "their offset), so both compute the layer's attention alike (Llama 4's chunked layers convert and verify "
             "the same with chunks of 2, 3 and 4)"
         )
-        for n in (222, 223)
+        for n in (222, 223, 224)
     },
     f"{_H}x_verify_against_hf__mutmut_66": (
         "a windowed module probed through its own cache (as long as its window) instead of one keeping every "
