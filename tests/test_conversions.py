@@ -240,6 +240,9 @@ def test_rope_parameters_that_differ_by_layer_type_are_refused_for_a_layer_of_no
     shared = {"rope_type": "default", "rope_theta": 5e5}
     config.rope_parameters = {"full_attention": dict(shared), "sliding_attention": dict(shared)}
     assert _hf.rope_of(config) == (5e5, None)  # one set shared by every type: the layer's, whatever its type
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16}
+    config.rope_parameters = {"full_attention": dict(yarn), "sliding_attention": dict(shared)}
+    assert _hf.rope_of(config, "full_attention") == (1e6, yarn)  # as the set says: nothing added to compare in to_hf
 
 
 @pytest.mark.parametrize(
