@@ -574,12 +574,15 @@ EQUIVALENT: dict[str, str] = {
         "rope_scaling no longer looked up after rope_parameters: transformers >= 5 (the project's floor) gives every "
         "config rope_parameters, and rope_scaling is its alias, so it is only ever reached where it is empty too"
     ),
-    f"{_H}x__hf_outputs__mutmut_94": (
-        "the probe's masks built without the layer's index (so from the first cache layer of the mask's kind): the "
-        "prefill runs on an empty cache, where every layer's sizes are the query's, and the decoding step is one "
-        "token, which sees every key its own cache layer keeps (a sliding layer's cache keeps only its window), so the "
-        "masks allow the same keys (Gemma 2's layer 2, not its first sliding one, converts the same)"
-    ),
+    **{
+        f"{_H}x__hf_outputs__mutmut_{n}": (
+            "the probe's masks built without the layer's index (so from the first cache layer of the mask's kind): the "
+            "prefill runs on an empty cache, where every layer's sizes are the query's, and the decoding step is one "
+            "token, which sees every key its own cache layer keeps (a sliding layer's cache keeps only its window), so "
+            "the masks allow the same keys (Gemma 2's layer 2, not its first sliding one, converts the same)"
+        )
+        for n in (76, 94)
+    },
     f"{_H}x_from_hf__mutmut_1": (
         "from_hf's verify default made False: its callers (MultiHeadAttention.from_hf, and replace through it) always "
         "pass verify explicitly, so the default is never read"
@@ -629,12 +632,18 @@ EQUIVALENT: dict[str, str] = {
         "position: the prefill and the decoding step read only the last `window` keys either way, which both caches "
         "hold, so the outputs are the same"
     ),
-    f"{_H}x__suspects__mutmut_17": (
-        "the owner named in the second probe's verify: its refusal is caught and only whether it was raised is read"
+    **{
+        f"{_H}x__suspects__mutmut_{n}": (
+            "the owner named in the second probe's verify: its refusal is caught and only whether it was raised is read"
+        )
+        for n in (9, 17)
+    },
+    f"{_H}x__split_per_head__mutmut_57": (
+        "flatten(0) for flatten(0, 1) of a bias's rows: they are (heads, d_head), two dimensions, so both flatten all"
     ),
     **{f"{_H}x__split_stacked__mutmut_{n}": _STRICT for n in (54, 55)},
     f"{_H}x__split_chunked__mutmut_48": _STRICT,
-    f"{_H}x_load_norms__mutmut_19": _STRICT,
+    **{f"{_H}x_load_norms__mutmut_{n}": _STRICT for n in (16, 19)},
     f"{_H}x__multi_query__mutmut_13": "multi_query's default None for False: read through bool(), False alike",
     f"{_H}x_variant_options__mutmut_152": (
         "scale_attn_weights' default None for True: only `is False` is asked of it, which neither default is"
