@@ -357,7 +357,10 @@ def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_
 
     layer, _ = _layer(case, "sdpa")
     monkeypatch.setattr(kernels, kernel, bug)
-    named = r"differs from (\w+) by .* Known to differ here: the rotary embeddings \(with every position at 0, \1 "
+    named = (
+        r"differs from (\w+) by .* Known to differ here: the rotary embeddings \(with every position at 0, \1 agrees: "
+        r"interleaved pairs, partial rotary or another RoPE scaling\)"
+    )
     with pytest.raises(ssm.ConfigError, match=named):
         ssm.MultiHeadAttention.from_hf(layer)
 
@@ -1082,6 +1085,9 @@ def test_sincos_rope_reads_a_theta_that_is_no_integer_and_a_pairing_that_is_not_
     assert hf.sincos_rope(modeling, tables, 4) == (pytest.approx(10000.5, abs=1e-3), True)
     unturned = SimpleNamespace(apply_rotary_pos_emb=lambda tensor, sin, cos: tensor)
     assert hf.sincos_rope(unturned, tables, 4)[1] is False
+    angles = torch.arange(4, dtype=torch.float64)[None, :, None] * 10000.2 ** -(torch.arange(0, 64, 2) / 64)
+    wide = _Tables((angles.sin(), angles.cos()))  # its smallest angles 1e-4: 10000 misses them by 2e-5 of themselves
+    assert hf.sincos_rope(modeling, wide, 64)[0] == pytest.approx(10000.2, abs=1e-3)
 
 
 @pytest.mark.parametrize("float64_softmax", [False, True])
