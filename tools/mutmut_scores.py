@@ -620,13 +620,32 @@ EQUIVALENT: dict[str, str] = {
     f"{_H}x_latent_from_hf__mutmut_131": "attention_bias's default None for False: read through bool(), False alike",
     **{
         f"{_H}x__hf_outputs__mutmut_{n}": (
-            "a chunked (or sliding) layer probed through a plain DynamicCache instead of one built from its config: "
+            "a layer probed through a plain DynamicCache instead of one built from its config: "
             "transformers' chunked and sliding masks are built from the cache they are given (the keys it keeps, "
             "their offset), so both compute the layer's attention alike (Llama 4's chunked layers convert and verify "
             "the same with chunks of 2, 3 and 4)"
         )
-        for n in (222, 223, 224)
+        for n in (222, 223, 224, 228)
     },
+    f"{_H}x__hf_outputs__mutmut_110": (
+        "the probe's masks built without position_ids: transformers then takes the positions from the cache, which "
+        "are the ones passed (the prefill from 0 on an empty cache, the step at PROMPT after it; a shift turns only "
+        "the rotary angles)"
+    ),
+    f"{_H}x_variant_options__mutmut_216": (
+        "a softmax_scale exactly 1e-12 from the default loaded as query_pre_attn_scalar = softmax_scale ** -2 too: "
+        "that computes the same scale to within 1e-12, which is all that differs"
+    ),
+    f"{_H}x__pairs_in__mutmut_26": (
+        "the probe's q drawn in float32 instead of float64: both rotations compared are taken with float64 tables "
+        "(promoted alike), so they agree to rounding where the function pairs features and differ by O(1) where it "
+        "does not"
+    ),
+    f"{_H}x_model_biases__mutmut_35": (
+        "MPT's biases built for kv_len positions instead of max(max_seq_len, kv_len): they are slope x (position - "
+        "last), so the last kv_len of a longer build are the same values, and alibi_slopes_of reads a difference "
+        "of neighbours"
+    ),
     f"{_H}x_verify_against_hf__mutmut_66": (
         "a windowed module probed through its own cache (as long as its window) instead of one keeping every "
         "position: the prefill and the decoding step read only the last `window` keys either way, which both caches "
