@@ -163,6 +163,11 @@ REFUSED_READINGS: dict[str, tuple[Callable[[], nn.Module], str]] = {
         _llama4(layer_idx=0, chunk=8, attention_chunk_size=None),
         "config.attention_chunk_size=None: a chunked layer needs a positive int chunk size",
     ),
+    "an output projection of other sizes than the config's": (
+        _edited("llama", lambda layer: setattr(layer, "o_proj", nn.Linear(32, 16, bias=False, dtype=torch.float64))),
+        "o_proj.weight=(16, 32): the config's sizes make it (32, 32) (hidden_size=32, num_attention_heads=4, "
+        "num_key_value_heads=2, head_dim=8)",
+    ),
     "an older config's scaling of another type": (
         _edited("llama", lambda layer: setattr(layer.config, "rope_parameters", {"type": "linear", "factor": 2.0})),
         "rope_parameters['rope_type']='linear': only default, llama3, yarn, dynamic, longrope RoPE is supported",
@@ -277,13 +282,18 @@ def test_a_later_sliding_layer_converts_with_its_window_and_equals_the_layer() -
     assert ours.window == 3 and _ours_equal_theirs(ours, layer) < 1e-6  # its eager softmax is float32 inside
 
 
-def test_a_smollm3_nope_layer_converts_without_rope_or_temperature_tuning() -> None:
+def test_a_smollm3_nope_layer_converts_both_ways_without_rope_or_temperature_tuning() -> None:
     """SmolLM3's no_rope_layers makes layer 1 a NoPE layer: loaded without RoPE, and without Llama 4's temperature
-    tuning, which its config (no attn_temperature_tuning field) never asks for; verified."""
+    tuning, which its config (no attn_temperature_tuning field) never asks for; verified. A module without RoPE goes
+    into a config whose layer 0 is NoPE, its partial_rotary_factor (the other layers') not compared."""
     smollm3 = importlib.import_module("transformers.models.smollm3.modeling_smollm3")
     config = CONFIG_MAPPING["smollm3"](**SIZES, no_rope_layers=[1, 0])
     ours = ssm.MultiHeadAttention.from_hf(smollm3.SmolLM3Attention(config, layer_idx=1).to(torch.float64))
     assert (ours.rope_theta, ours.temperature_tuning) == (None, None)
+    nope_first = {"no_rope_layers": [0, 1], "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False)
+    back = plain.to_hf(CONFIG_MAPPING["smollm3"](**SIZES, **nope_first))
+    assert isinstance(back, smollm3.SmolLM3Attention)  # to_hf's layer 0 rotates nothing: its partial factor unread
 
 
 def test_the_probe_catches_a_conversion_that_reads_a_field_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
