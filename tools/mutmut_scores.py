@@ -608,12 +608,21 @@ EQUIVALENT: dict[str, str] = {
     f"{_H}x__rope_parameters__mutmut_10": _ROPE_SCALING_ALIAS,
     **{
         f"{_H}x__write_blocks__mutmut_{n}": (
-            "the biases reshaped otherwise (unflatten without sizes, flatten(2)) where to_hf writes CodeGen's qkv_proj "
-            "biases: it writes into a layer it builds from the config, and CodeGenAttention builds qkv_proj with "
+            "the biases reshaped otherwise (unflatten without sizes, flatten(2), stack(1)) where to_hf writes "
+            "CodeGen's qkv_proj biases: it writes into a layer it builds from the config, and CodeGenAttention builds "
+            "qkv_proj with "
             "bias=False, so that branch never runs"
         )
-        for n in (35, 44)
+        for n in (35, 39, 44)
     },
+    f"{_H}x_from_hf__mutmut_129": "layer_idx's default None for 0: read through `or 0`, 0 alike",
+    f"{_H}x__split_grouped__mutmut_78": _STRICT,
+    f"{_H}x_latent_from_hf__mutmut_187": "load_state_dict's strict=None for False: read for truth only, False alike",
+    f"{_H}x_alibi_slopes_of__mutmut_6": (
+        "Bloom's biases built in the default dtype (float32) instead of float64 for reading the slopes: Bloom's slopes "
+        "are powers of two (for any head count) and the positions 0 and 1, exact in float32; MPT's builder takes no "
+        "dtype"
+    ),
     f"{_H}x_variant_options__mutmut_383": (
         "attn_temperature_tuning's default None for False: only its truth is read, False alike"
     ),
