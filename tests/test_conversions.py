@@ -111,6 +111,10 @@ REFUSED_READINGS: dict[str, tuple[Callable[[], nn.Module], str]] = {
         _edited("phi", lambda layer: layer.config.rope_parameters.update(partial_rotary_factor=1.5)),
         "rope_parameters['partial_rotary_factor']=1.5: the rotated share of a head must be a number in (0, 1]",
     ),
+    "a rotated share that is a bool": (
+        _edited("phi", lambda layer: layer.config.rope_parameters.update(partial_rotary_factor=True)),
+        "rope_parameters['partial_rotary_factor']=True: the rotated share of a head must be a number in (0, 1]",
+    ),
     "a rotated share of an odd width": (
         _edited("phi", lambda layer: layer.config.rope_parameters.update(partial_rotary_factor=0.375)),
         "rope_parameters['partial_rotary_factor']=0.375: it rotates 3 of head_dim=8 features, not an even number",
@@ -332,6 +336,16 @@ def test_a_float32_layer_gets_the_verdict_of_its_float64_copy(model_type: str) -
     layer = model.model.layers[0].self_attn.to(torch.float64)
     assert _verdict(layer.to(torch.float32)) == _verdict(layer.to(torch.float64))
     assert all(p.dtype == torch.float64 for p in layer.parameters())  # the probe copied; the layer is left as it is
+
+
+def test_a_centring_qk_norm_with_one_weight_for_every_head_is_found_centred() -> None:
+    """A LayerNorm without bias over each head's features, with one weight row shared by the heads (Cohere's norm
+    class at width d_head, set as Qwen3's norms), is found centred and converts (verified)."""
+    cohere = importlib.import_module("transformers.models.cohere.modeling_cohere")
+    layer = _layer("qwen3")
+    layer.q_norm, layer.k_norm = (cohere.CohereLayerNorm(8, eps=1e-5).double() for _ in range(2))
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert (ours.qk_norm_centred, ours.qk_norm_over) == (True, "head")
 
 
 def test_a_float16_layer_s_qk_norm_is_compared_at_float16_s_precision() -> None:

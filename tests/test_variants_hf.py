@@ -1179,7 +1179,8 @@ def test_to_hf_round_trips_alibi_and_refuses_other_slopes_or_none(case: str) -> 
     other = ssm.MultiHeadAttention.from_hf(layer, config=config)
     with torch.no_grad():
         other.alibi_slopes.copy_(other.alibi_slopes.flip(0))  # pyright: ignore[reportOptionalMemberAccess]
-    with pytest.raises(ssm.ConfigError, match=r"alibi_slopes are .* model passes it"):
+    named = r"^MultiHeadAttention\.to_hf\(\): alibi_slopes are \[.*\] here, but \w+Attention's model passes it \[.*\]"
+    with pytest.raises(ssm.ConfigError, match=named + r"; it cannot hold this module\.$"):
         other.to_hf(config)
     plain = ssm.MultiHeadAttention(config.hidden_size, config.num_attention_heads, clip_qkv=ours.clip_qkv,
                                    bias=ours.bias)  # fmt: skip
