@@ -608,12 +608,12 @@ EQUIVALENT: dict[str, str] = {
     f"{_H}x__rope_parameters__mutmut_10": _ROPE_SCALING_ALIAS,
     **{
         f"{_H}x__write_blocks__mutmut_{n}": (
-            "the biases reshaped otherwise (unflatten without sizes, flatten(2), stack(1)) where to_hf writes "
+            "the biases reshaped otherwise (unflatten without sizes, another stack or flatten) where to_hf writes "
             "CodeGen's qkv_proj biases: it writes into a layer it builds from the config, and CodeGenAttention builds "
             "qkv_proj with "
             "bias=False, so that branch never runs"
         )
-        for n in (35, 39, 44)
+        for n in (35, 39, 40, 44, 49)
     },
     f"{_H}x_from_hf__mutmut_129": "layer_idx's default None for 0: read through `or 0`, 0 alike",
     f"{_H}x__split_grouped__mutmut_78": _STRICT,
@@ -634,8 +634,16 @@ EQUIVALENT: dict[str, str] = {
             "their offset), so both compute the layer's attention alike (Llama 4's chunked layers convert and verify "
             "the same with chunks of 2, 3 and 4)"
         )
-        for n in (222, 223, 224, 228)
+        for n in (222, 223, 224, 226, 228)
     },
+    f"{_H}x_verify_against_hf__mutmut_84": (
+        "the owner dropped from the first verify: its refusal is caught, and the second verify (with the owner and "
+        "the suspects) raises the one the caller sees"
+    ),
+    f"{_H}x_model_biases__mutmut_8": (
+        "the device's fallback None for the CPU: taken only by a layer without parameters, and every attention layer "
+        "holds its projections'"
+    ),
     f"{_H}x__hf_outputs__mutmut_110": (
         "the probe's masks built without position_ids: transformers then takes the positions from the cache, which "
         "are the ones passed (the prefill from 0 on an empty cache, the step at PROMPT after it; a shift turns only "
