@@ -538,6 +538,11 @@ EQUIVALENT: dict[str, str] = {
         "is, and the message names its type from callable(mod), not from the count"
     ),
     # --- hf ---
+    f"{_H}x__yarn_as_computed__mutmut_51": (
+        "truncate read from a key no config has (so True): the line runs only where the layer's set differs from the "
+        "top level of rope_parameters, which happens only where the top level holds sets per layer type (else the "
+        "set is the top level itself), and then the top level has no truncate of its own: True either way"
+    ),
     f"{_H}x__yarn_as_computed__mutmut_55": (
         "truncate read from a key no config has (so True): the line runs only where the layer's set differs from the "
         "top level of rope_parameters, which happens only where the top level holds sets per layer type (else the "
@@ -687,6 +692,10 @@ EQUIVALENT: dict[str, str] = {
     f"{_H}x__suspects__mutmut_5": (
         "getattr(ours, 'rotary') without a default: `ours` is always the module being verified, a MultiHeadAttention "
         "or a LatentAttention (or a subclass), and both set .rotary in __init__ (None without RoPE)"
+    ),
+    f"{_H}x_rope_interleaved__mutmut_55": (
+        "the probe's q of two heads instead of one: the model's function and the paired rotation turn every head "
+        "alike, so the comparison is the one head's twice"
     ),
     f"{_H}x_rope_interleaved__mutmut_47": (
         "the probe's q drawn in float32 instead of float64: both rotations compared are taken with the float64 tables "
