@@ -586,8 +586,20 @@ EQUIVALENT: dict[str, str] = {
             "token, which sees every key its own cache layer keeps (a sliding layer's cache keeps only its window), so "
             "the masks allow the same keys (Gemma 2's layer 2, not its first sliding one, converts the same)"
         )
-        for n in (76, 94)
+        for n in (76, 94, 102)
     },
+    f"{_H}x_rope_interleaved__mutmut_17": (
+        "width > 3 for width > 2: the rotated width is even at every call (tables of pairs), so the same test"
+    ),
+    f"{_H}x__layer_type__mutmut_13": "layer_idx's default None for 0: read through `or 0`, 0 alike",
+    f"{_H}x_model_biases__mutmut_14": (
+        "`or` for `and` before building MPT's biases: build_mpt_alibi_tensor is defined by MPT's modeling module "
+        "alone, whose attention layer takes position_bias, so both hold together"
+    ),
+    f"{_H}x_model_biases__mutmut_31": (
+        "max_seq_len's fallback None (a TypeError in max) where the config has none: the branch serves MPT's layers "
+        "alone, whose config class always holds max_seq_len"
+    ),
     f"{_H}x_from_hf__mutmut_1": (
         "from_hf's verify default made False: its callers (MultiHeadAttention.from_hf, and replace through it) always "
         "pass verify explicitly, so the default is never read"
