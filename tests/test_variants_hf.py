@@ -113,7 +113,7 @@ CASES = {
     "falcon-grouped-bias": ("falcon", 0, {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True},
                             {"num_kv_heads": 2}),
     # rope_parameters kept per layer type, and a sliding layer
-    # a sliding_window that use_sliding_window switches off (Qwen3-MoE keeps no layer_types): full attention
+    # Qwen3-MoE (no layer_types) with use_sliding_window off: its config drops the window, full attention
     "qwen3_moe-window-unused": ("qwen3_moe", 0, {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 3,
                                                  "use_sliding_window": False}, {"window": None}),
     "olmo3-qk-norm-all-sliding": (
@@ -936,7 +936,6 @@ ALIBI_CASES = {
     "mpt-8-heads": ("mpt", 8, {}),
     "mpt-6-heads-clip-qkv": ("mpt", 6, {"attn_config": {"clip_qkv": 0.4}}),  # MPT's own interleaved slopes
     "mpt-8-heads-softmax-scale": ("mpt", 8, {"attn_config": {"softmax_scale": 0.3}}),  # query_pre_attn_scalar 0.3**-2
-    "mpt-6-heads-bias": ("mpt", 6, {"no_bias": False}),  # Wqkv and out_proj with biases
 }
 
 
@@ -1186,6 +1185,19 @@ def test_to_hf_round_trips_alibi_and_refuses_other_slopes_or_none(case: str) -> 
                                    bias=ours.bias)  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"alibi=True \(module: None\)"):
         plain.to_hf(config)
+
+
+def test_mpt_s_wqkv_with_biases_loads_them_as_the_three_projections() -> None:
+    """MPT's Wqkv (no bias in MptAttention) given biases: its [q; k; v] rows' biases are loaded with them, and the
+    conversion equals the layer (verified)."""
+    layer, config = _alibi_layer("mpt-6-heads-clip-qkv")
+    biased = torch.nn.Linear(24, 72, dtype=torch.float64)
+    with torch.no_grad():
+        biased.weight.copy_(layer.Wqkv.weight)
+        biased.bias.uniform_(-0.6, 0.6)
+    layer.Wqkv = biased
+    ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    assert torch.equal(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]), biased.bias)
 
 
 def test_bloom_s_output_dropout_and_mpt_s_wqkv_of_other_sizes_are_refused_by_name() -> None:
