@@ -349,8 +349,8 @@ def test_a_centring_qk_norm_with_one_weight_for_every_head_is_found_centred() ->
 
 
 def test_a_float16_layer_s_qk_norm_is_compared_at_float16_s_precision() -> None:
-    """load_norms compares the layer's QK-norm with ours on a probe in the layer's dtype: a float16 Qwen3 layer's
-    norm (about 1e-3 off in float16 rounding) is found the RMSNorm it is, and the layer converts (verified)."""
+    """load_norms compares the layer's QK-norm with ours on a probe in the layer's dtype, at a tolerance float16's
+    rounding meets: a float16 Qwen3 layer's norm is found the RMSNorm it is, and the layer converts (verified)."""
     assert ssm.MultiHeadAttention.from_hf(_layer("qwen3").to(torch.float16)).qk_norm
 
 
