@@ -5,7 +5,10 @@ model calls it; what we do not compute is a ConfigError naming the field or the 
 what no field names is caught by the probe.
 """
 
+import functools
 import importlib
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -51,7 +54,11 @@ def _ours_equal_theirs(ours: nn.Module, layer: nn.Module) -> float:
 
 # model type, config keywords, what the ConfigError's first line must say
 REFUSED = {
-    "persimmon qk_layernorm": ("persimmon", {}, r"q_layernorm='LayerNorm': the layer holds a submodule"),
+    "persimmon qk_layernorm": (
+        "persimmon",
+        {},
+        r"q_layernorm='LayerNorm': the layer holds a submodule with parameters \(LayerNorm\) that",
+    ),
     "gptj rotary_dim wider than a head": (
         "gptj", {}, r"rotary_dim=64: the rotated part must be an even number of features in \[2, head_dim=8\]"),
     "olmo clip_qkv of 0": ("olmo", {"clip_qkv": 0.0}, r"config.clip_qkv=0.0: a clip bound must be a positive number"),
@@ -66,6 +73,185 @@ def test_from_hf_refuses_what_it_would_compute_differently_naming_why(case: str)
     model_type, config, message = REFUSED[case]
     with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention.from_hf\(\): " + message):
         ssm.MultiHeadAttention.from_hf(_layer(model_type, **config))
+
+
+def _edited(model_type: str, edit: Callable[[nn.Module], Any], **config: Any) -> Callable[[], nn.Module]:
+    """A builder of `_layer(model_type, **config)` edited in place by `edit` (a field or a part set otherwise)."""
+
+    def build() -> nn.Module:
+        layer = _layer(model_type, **config)
+        edit(layer)
+        return layer
+
+    return build
+
+
+def _llama4(layer_idx: int = 3, chunk: int | None = None, **config: Any) -> Callable[[], nn.Module]:
+    """A builder of Llama 4's layer `layer_idx` (3: its NoPE layer) with temperature tuning on, chunked by `chunk`
+    (the config read after it as `config`, a field set otherwise)."""
+
+    def build() -> nn.Module:
+        llama4 = importlib.import_module("transformers.models.llama4.modeling_llama4")
+        text = CONFIG_MAPPING["llama4_text"](
+            **SIZES | {"num_hidden_layers": 4}, attention_chunk_size=chunk, attn_temperature_tuning=True
+        )
+        for field, value in config.items():
+            setattr(text, field, value)
+        return llama4.Llama4TextAttention(text, layer_idx=layer_idx).to(torch.float64)
+
+    return build
+
+
+_WHY_NORM = (
+    "neither each head's d_head=8, every head's together (32) nor each head's with weights of its own, as q_norm does"
+)
+# what from_hf finds -> its refusal after "MultiHeadAttention.from_hf(): ", pinned whole (field, value and why)
+REFUSED_READINGS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "a rotated share over 1": (
+        _edited("phi", lambda layer: layer.config.rope_parameters.update(partial_rotary_factor=1.5)),
+        "rope_parameters['partial_rotary_factor']=1.5: the rotated share of a head must be a number in (0, 1]",
+    ),
+    "a rotated share that is a bool": (
+        _edited("phi", lambda layer: layer.config.rope_parameters.update(partial_rotary_factor=True)),
+        "rope_parameters['partial_rotary_factor']=True: the rotated share of a head must be a number in (0, 1]",
+    ),
+    "a rotated share of an odd width": (
+        _edited("phi", lambda layer: layer.config.rope_parameters.update(partial_rotary_factor=0.375)),
+        "rope_parameters['partial_rotary_factor']=0.375: it rotates 3 of head_dim=8 features, not an even number",
+    ),
+    "a negative attention multiplier": (
+        _edited("granite", lambda layer: None, attention_multiplier=-1.0),
+        "attention_multiplier=-1.0: only a positive multiplier, alone, is supported",
+    ),
+    "a scaling of its own": (
+        _edited("llama", lambda layer: setattr(layer, "scaling", 0.3)),
+        "scaling=0.3: only 1/sqrt(query_pre_attn_scalar or head_dim) = 0.353553 is supported",
+    ),
+    "a bidirectional layer": (
+        _edited("llama", lambda layer: setattr(layer, "is_causal", False)),
+        "is_causal=False: only causal (decoder) attention layers are supported",
+    ),
+    "a QK-norm without an epsilon": (
+        _edited("qwen3", lambda layer: delattr(layer.q_norm, "variance_epsilon")),
+        "q_norm='Qwen3RMSNorm': a QK-norm without an epsilon is not an RMSNorm we know",
+    ),
+    "a QK-norm of 5 features": (
+        _edited("qwen3", lambda layer: setattr(layer, "q_norm", type(layer.q_norm)(5).double())),
+        f"q_norm='Qwen3RMSNorm': it normalises features (5,), {_WHY_NORM}",
+    ),
+    "a QK-norm without weight": (
+        _edited("qwen3", lambda layer: setattr(layer, "q_norm", nn.Identity())),
+        f"q_norm='Identity': it normalises features None, {_WHY_NORM}",
+    ),
+    "sinks of another width than the heads": (
+        _edited("gpt_oss", lambda layer: setattr(layer, "sinks", nn.Parameter(torch.zeros(3, dtype=torch.float64)))),
+        "sinks=(3,): attention sinks are one logit per query head (4,)",
+    ),
+    "a parameter of the layer's own": (
+        _edited("llama", lambda layer: setattr(layer, "extra", nn.Parameter(torch.zeros(2, dtype=torch.float64)))),
+        "parameters=['extra']: the layer holds parameters of its own (attention sinks?) that are not loaded",
+    ),
+    "temperature tuning with a floor scale of 0": (
+        _llama4(floor_scale=0, attn_scale=0.4),
+        "config.floor_scale=0: temperature tuning needs a positive int floor_scale",
+    ),
+    "temperature tuning with an infinite attention scale": (
+        _llama4(floor_scale=3, attn_scale=float("inf")),
+        "config.attn_scale=inf: temperature tuning needs a finite attn_scale",
+    ),
+    "a chunked layer of chunks 0 long": (
+        _llama4(layer_idx=0, chunk=8, attention_chunk_size=0),
+        "config.attention_chunk_size=0: a chunked layer needs a positive int chunk size",
+    ),
+    "a chunked layer of no chunk size": (
+        _llama4(layer_idx=0, chunk=8, attention_chunk_size=None),
+        "config.attention_chunk_size=None: a chunked layer needs a positive int chunk size",
+    ),
+    "an output projection of other sizes than the config's": (
+        _edited("llama", lambda layer: setattr(layer, "o_proj", nn.Linear(32, 16, bias=False, dtype=torch.float64))),
+        "o_proj.weight=(16, 32): the config's sizes make it (32, 32) (hidden_size=32, num_attention_heads=4, "
+        "num_key_value_heads=2, head_dim=8)",
+    ),
+    "an older config's scaling of another type": (
+        _edited("llama", lambda layer: setattr(layer.config, "rope_parameters", {"type": "linear", "factor": 2.0})),
+        "rope_parameters['rope_type']='linear': only default, llama3, yarn, dynamic, longrope RoPE is supported",
+    ),
+    "a rotated share over 1 on the config": (
+        _edited("llama", lambda layer: setattr(layer.config, "partial_rotary_factor", 1.5)),
+        "partial_rotary_factor=1.5: the rotated share of a head must be a number in (0, 1]",
+    ),
+    "an older config's rotated share over 1": (
+        _edited("llama", lambda layer: setattr(layer.config, "rotary_pct", 1.5)),
+        "rotary_pct=1.5: the rotated share of a head must be a number in (0, 1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_READINGS)
+def test_what_from_hf_cannot_read_is_refused_naming_the_field_its_value_and_why(case: str) -> None:
+    """The refusal is the user's only lead to what to change: its one line names the field (or the part), the
+    value found there and why it is refused, every word of it pinned."""
+    build, message = REFUSED_READINGS[case]
+    whole = f"MultiHeadAttention.from_hf(): {message}; this layer would compute something else, so it is refused."
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(whole)}$"):
+        ssm.MultiHeadAttention.from_hf(build())
+
+
+def _raising(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError  # an exception without a message
+
+
+def _raising_why(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a shape it did not expect\non two lines")
+
+
+def test_a_layer_without_q_proj_or_one_that_fails_to_run_is_refused_saying_what_is_supported_or_why() -> None:
+    """A layer whose projections are not nn.Linear is refused listing the layouts that load, a latent one sent to
+    LatentAttention.from_hf; one that fails when run as its model runs it (even with an error of no message) is
+    refused naming the error and verify=False."""
+    layer = _edited("llama", lambda layer: setattr(layer, "q_proj", nn.Identity()))()
+    message = (
+        "MultiHeadAttention.from_hf(): LlamaAttention has no nn.Linear q_proj; only the q/k/v/o_proj layout (Llama, "
+        "Mistral, Qwen2; Phi's dense and GPT-J's out_proj as o_proj), GPT-NeoX's per-head query_key_value, Phi-3's "
+        "stacked qkv_proj and CodeGen's qkv_proj in blocks are supported."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention.from_hf(layer)
+    message = (
+        "MultiHeadAttention.from_hf(): DeepseekV3Attention is multi-head latent attention (kv_a_proj_with_mqa); load "
+        "it with shapesafe_mha.LatentAttention.from_hf(layer)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention.from_hf(_layer("deepseek_v3", **LATENT))
+    layer = _edited("llama", lambda layer: setattr(layer, "forward", _raising))()
+    message = (
+        "MultiHeadAttention.from_hf(): LlamaAttention could not be run as its model runs it, to verify the conversion "
+        "(RuntimeError: ); pass verify=False to convert it unverified."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention.from_hf(layer)
+    layer = _edited("llama", lambda layer: setattr(layer, "forward", _raising_why))()
+    with pytest.raises(ssm.ConfigError, match=re.escape("(RuntimeError: a shape it did not expect); pass verify=")):
+        ssm.MultiHeadAttention.from_hf(layer)  # the error's first line
+
+
+def test_rope_parameters_that_differ_by_layer_type_are_refused_for_a_layer_of_no_known_type() -> None:
+    """Gemma 3 keeps a theta per layer type (1e6 full, 1e4 sliding): asked without a layer type, rope_of cannot
+    tell which is the layer's, and names both types rather than take either; sets that agree are taken."""
+    config = CONFIG_MAPPING["gemma3_text"](**SIZES)
+    message = (
+        "MultiHeadAttention.from_hf(): rope_parameters=['full_attention', 'sliding_attention']: RoPE parameters differ "
+        "by layer type, and the layer's is not known; this layer would compute something else, so it is refused."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        _hf.rope_of(config)
+    assert _hf.rope_of(config, "sliding_attention") == (1e4, None)
+    shared = {"rope_type": "default", "rope_theta": 5e5}
+    config.rope_parameters = {"full_attention": dict(shared), "sliding_attention": dict(shared)}
+    assert _hf.rope_of(config) == (5e5, None)  # one set shared by every type: the layer's, whatever its type
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16}
+    config.rope_parameters = {"full_attention": dict(yarn), "sliding_attention": dict(shared)}
+    assert _hf.rope_of(config, "full_attention") == (1e6, yarn)  # as the set says: nothing added to compare in to_hf
 
 
 @pytest.mark.parametrize(
@@ -84,6 +270,34 @@ def test_from_hf_verified_layers_equal_their_source_full_and_decoding(model_type
     """What passes the probe equals the transformers layer on other inputs too, decoding included."""
     layer = _layer(model_type, **config)
     assert _ours_equal_theirs(ssm.MultiHeadAttention.from_hf(layer), layer) < 1e-6
+
+
+def test_a_later_sliding_layer_converts_with_its_window_and_equals_the_layer() -> None:
+    """Gemma 2's layer 2 slides (window 3) but is not the first sliding layer of its model: its window is read from
+    its own layer type, its probe runs through the cache layer it writes, and it equals the layer."""
+    gemma2 = importlib.import_module("transformers.models.gemma2.modeling_gemma2")
+    config = CONFIG_MAPPING["gemma2"](**SIZES | {"num_hidden_layers": 4}, sliding_window=3)
+    torch.manual_seed(0)
+    layer = gemma2.Gemma2Attention(config, layer_idx=2).to(torch.float64).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.4, 0.4)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.window == 3 and _ours_equal_theirs(ours, layer) < 1e-6  # its eager softmax is float32 inside
+
+
+def test_a_smollm3_nope_layer_converts_both_ways_without_rope_or_temperature_tuning() -> None:
+    """SmolLM3's no_rope_layers makes layer 1 a NoPE layer: loaded without RoPE, and without Llama 4's temperature
+    tuning, which its config (no attn_temperature_tuning field) never asks for; verified. A module without RoPE goes
+    into a config whose layer 0 is NoPE, its partial_rotary_factor (the other layers') not compared."""
+    smollm3 = importlib.import_module("transformers.models.smollm3.modeling_smollm3")
+    config = CONFIG_MAPPING["smollm3"](**SIZES, no_rope_layers=[1, 0])
+    ours = ssm.MultiHeadAttention.from_hf(smollm3.SmolLM3Attention(config, layer_idx=1).to(torch.float64))
+    assert (ours.rope_theta, ours.temperature_tuning) == (None, None)
+    nope_first = {"no_rope_layers": [0, 1], "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    plain = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=False)
+    back = plain.to_hf(CONFIG_MAPPING["smollm3"](**SIZES, **nope_first))
+    assert isinstance(back, smollm3.SmolLM3Attention)  # to_hf's layer 0 rotates nothing: its partial factor unread
 
 
 def test_the_probe_catches_a_conversion_that_reads_a_field_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,6 +336,22 @@ def test_a_float32_layer_gets_the_verdict_of_its_float64_copy(model_type: str) -
     layer = model.model.layers[0].self_attn.to(torch.float64)
     assert _verdict(layer.to(torch.float32)) == _verdict(layer.to(torch.float64))
     assert all(p.dtype == torch.float64 for p in layer.parameters())  # the probe copied; the layer is left as it is
+
+
+def test_a_centring_qk_norm_with_one_weight_for_every_head_is_found_centred() -> None:
+    """A LayerNorm without bias over each head's features, with one weight row shared by the heads (Cohere's norm
+    class at width d_head, set as Qwen3's norms), is found centred and converts (verified)."""
+    cohere = importlib.import_module("transformers.models.cohere.modeling_cohere")
+    layer = _layer("qwen3")
+    layer.q_norm, layer.k_norm = (cohere.CohereLayerNorm(8, eps=1e-5).double() for _ in range(2))
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert (ours.qk_norm_centred, ours.qk_norm_over) == (True, "head")
+
+
+def test_a_float16_layer_s_qk_norm_is_compared_at_float16_s_precision() -> None:
+    """load_norms compares the layer's QK-norm with ours on a probe in the layer's dtype, at a tolerance float16's
+    rounding meets: a float16 Qwen3 layer's norm is found the RMSNorm it is, and the layer converts (verified)."""
+    assert ssm.MultiHeadAttention.from_hf(_layer("qwen3").to(torch.float16)).qk_norm
 
 
 def test_from_hf_on_meta_loads_without_a_probe() -> None:
@@ -163,6 +393,75 @@ def test_latent_from_hf_refuses_a_layer_that_computes_something_else() -> None:
     layer = _layer("kimi_linear", "KimiLinearAttention", **LATENT)
     with pytest.raises(ssm.ConfigError, match=r"LatentAttention.from_hf\(\): .* the rotary embeddings"):
         ssm.LatentAttention.from_hf(layer)
+
+
+def test_latent_from_hf_reads_the_theta_the_norm_s_epsilon_and_the_dropout_and_keeps_a_meta_layer_on_meta() -> None:
+    """The theta of rope_parameters (5e5, not the default 1e4), kv_a_layernorm's own epsilon (0.1, not the default
+    1e-6) and the config's attention_dropout are the module's, verified on the probe; a layer on meta loads on
+    meta, without a probe (as MultiHeadAttention.from_hf does)."""
+    layer = _layer("deepseek_v3", **LATENT, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    layer.kv_a_layernorm.variance_epsilon = 0.1
+    layer.config.attention_dropout = 0.2
+    ours = ssm.LatentAttention.from_hf(layer)
+    assert (ours.rope_theta, ours.kv_a_layernorm.eps, ours.dropout) == (5e5, 0.1, 0.2)
+    biased = ssm.LatentAttention.from_hf(_layer("deepseek_v3", **LATENT, attention_bias=True))  # verified
+    assert biased.kv_a_proj_with_mqa.bias is not None
+    deepseek = importlib.import_module("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    with torch.device("meta"):
+        layer = deepseek.DeepseekV3Attention(CONFIG_MAPPING["deepseek_v3"](**SIZES | LATENT), layer_idx=0)
+    assert {p.device.type for p in ssm.LatentAttention.from_hf(layer).parameters()} == {"meta"}
+
+
+def test_latent_from_hf_names_a_layer_it_cannot_load_and_what_does_not_fit() -> None:
+    """A q/k/v/o layer is sent to MultiHeadAttention.from_hf by its class's name; a latent layer holding a part of
+    its own is refused listing the parts that do not fit; one that shares KV heads is refused naming both counts."""
+    cases = {
+        "LlamaAttention is not a multi-head latent attention layer (no .config and kv_a_proj_with_mqa); for "
+        "q/k/v/o_proj layers use MultiHeadAttention.from_hf.": _layer("llama"),
+        "DeepseekV3Attention's parameters do not match the layout: missing [], unexpected ['extra.weight', "
+        "'extra.bias'].": _edited("deepseek_v3", lambda layer: setattr(layer, "extra", nn.Linear(2, 2)), **LATENT)(),
+        "Linear is not a multi-head latent attention layer (no .config and kv_a_proj_with_mqa); for q/k/v/o_proj "
+        "layers use MultiHeadAttention.from_hf.": nn.Linear(2, 2),
+        "num_key_value_heads=2 != num_attention_heads=4: latent attention rebuilds a key and a value for every head; "
+        "this layer would compute something else, so it is refused.": _layer(
+            "deepseek_v3", **LATENT | {"num_key_value_heads": 2}
+        ),
+    }
+    for message, layer in cases.items():
+        with pytest.raises(ssm.ConfigError, match=f"^{re.escape('LatentAttention.from_hf(): ' + message)}$"):
+            ssm.LatentAttention.from_hf(layer)
+
+
+def _doubled(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)  # its signature, which the probe reads to call it as its model does
+    def twice(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        return (2 * out[0], *out[1:])
+
+    return twice
+
+
+def test_latent_from_hf_s_probe_refuses_a_layer_that_differs_headed_by_its_own_name() -> None:
+    """DeepSeek-V3's config names its RoPE pairing (rope_interleave), so one probe decides: a layer that computes
+    otherwise (here, twice its output) is refused, and the refusal is LatentAttention.from_hf()'s."""
+    layer = _layer("deepseek_v3", **LATENT)
+    layer.forward = _doubled(layer.forward)
+    with pytest.raises(ssm.ConfigError, match=r"^LatentAttention\.from_hf\(\): the converted layer differs from "):
+        ssm.LatentAttention.from_hf(layer)
+
+
+def test_to_hf_names_a_model_type_without_attention_and_a_bias_the_layer_does_not_hold() -> None:
+    """A config whose model has no attention class (Mamba) is refused naming its model_type; a module with biases
+    is refused for a Llama config without attention_bias, naming the projection and both sides' bias."""
+    message = "MultiHeadAttention.to_hf(): no transformers attention class for model_type='mamba'."
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention(32, 4, 2).to_hf(CONFIG_MAPPING["mamba"](hidden_size=32))
+    biased = ssm.MultiHeadAttention(32, 4, 2, d_head=8, bias=True, rope_theta=1e4)
+    message = (
+        "MultiHeadAttention.to_hf(): q_proj has bias=True here but False in LlamaAttention (config.attention_bias?)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        biased.to_hf(CONFIG_MAPPING["llama"](**SIZES))
 
 
 LLAMA3 = {
@@ -296,7 +595,11 @@ def test_a_layer_that_keeps_no_config_converts_with_its_models() -> None:
     config = CONFIG_MAPPING["bloom"](hidden_size=16, n_head=4, n_layer=1)
     config._attn_implementation = "eager"  # Bloom's only implementation
     layer = BloomAttention(config, layer_idx=0).to(torch.float64).eval()
-    with pytest.raises(ssm.ConfigError, match=r"BloomAttention has no \.config;.*from_hf\(layer, config=model\.config"):
+    message = (
+        "MultiHeadAttention.from_hf(): BloomAttention has no .config; pass a transformers attention layer, and for one "
+        "that keeps no config (Bloom's, MPT's) its model's: from_hf(layer, config=model.config)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         ssm.MultiHeadAttention.from_hf(layer)
     ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
     assert (ours.d_model, ours.num_heads, ours.alibi_slopes is not None) == (16, 4, True)

@@ -167,6 +167,33 @@ def test_to_hf_round_trips_rope_scaled_by_length_and_refuses_another_context(cas
         ours.to_hf(other)
 
 
+def test_to_hf_of_dynamic_rope_reads_the_config_s_length_and_ignores_an_original_one() -> None:
+    """Dynamic NTK turns past the config's max_position_embeddings; an original_max_position_embeddings beside it
+    in rope_parameters (which transformers' dynamic ignores) is no part of the scaling compared, so a module of
+    the config's length goes into it (and computes what the layer computes: verified)."""
+    parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0, "original_max_position_embeddings": 4}
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=6,
+        rope_parameters=parameters,
+    )  # fmt: skip
+    scaling = {"rope_type": "dynamic", "factor": 3.0, "max_position_embeddings": 6}
+    ours = ssm.MultiHeadAttention(32, 4, 2, bias=False, rope_theta=1e4, rope_scaling=scaling, dtype=torch.float64)
+    assert isinstance(ours.to_hf(config), LlamaAttention)
+
+
+def test_a_sliding_window_layer_with_dynamic_rope_is_probed_past_the_turn() -> None:
+    """Mistral with a window of 3 and dynamic NTK turning past 6 positions: the second probe, its positions shifted
+    to the turn, runs ours through a cache that keeps every position (as the first does), and the layer converts."""
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+
+    config = transformers.MistralConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, sliding_window=3, max_position_embeddings=6,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 3.0},
+    )  # fmt: skip
+    ours = ssm.MultiHeadAttention.from_hf(MistralAttention(config, layer_idx=0).to(torch.float64))
+    assert (ours.window, ours.rotary.context) == (3, 6)
+
+
 def _short_only(d_head: int, theta: float, scaling: Any, length: Any, **held: Any) -> torch.Tensor:
     """Bug: the frequencies never turn (LongRoPE's short factors, dynamic's unscaled ones, at every length)."""
     return rotary_module.inverse_frequencies(d_head, theta, scaling)

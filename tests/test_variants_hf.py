@@ -7,6 +7,7 @@ them, full forward and decoding."""
 
 import contextlib
 import inspect
+import re
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -55,6 +56,9 @@ CASES = {
     # Cohere's use_qk_norm: a LayerNorm without bias of each head, with weights of its own (num_heads, head_dim)
     "cohere-qk-norm-per-head": ("cohere", 0, {"num_key_value_heads": 2, "use_qk_norm": True},
                                 {"qk_norm_over": "per_head", "qk_norm_centred": True, "rope_interleaved": True}),
+    # ... with an epsilon large enough to matter (0.1): found centred on the norm's own epsilon
+    "cohere-qk-norm-per-head-eps": ("cohere", 0, {"num_key_value_heads": 2, "use_qk_norm": True, "layer_norm_eps": 0.1},
+                                    {"qk_norm_centred": True}),
     "helium-interleaved": ("helium", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
     "ernie4_5-interleaved": ("ernie4_5", 0, {"num_key_value_heads": 2, "head_dim": 8}, {"rope_interleaved": True}),
     "glm-partial-interleaved": (
@@ -106,7 +110,12 @@ CASES = {
     "falcon-multi-query": ("falcon", 0, {"multi_query": True}, {"num_kv_heads": 1}),
     "falcon-per-head": ("falcon", 0, {"multi_query": False}, {"num_kv_heads": 4}),
     "falcon-grouped": ("falcon", 0, {"new_decoder_architecture": True, "num_kv_heads": 2}, {"num_kv_heads": 2}),
+    "falcon-grouped-bias": ("falcon", 0, {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True},
+                            {"num_kv_heads": 2}),
     # rope_parameters kept per layer type, and a sliding layer
+    # Qwen3-MoE (no layer_types) with use_sliding_window off: its config drops the window, full attention
+    "qwen3_moe-window-unused": ("qwen3_moe", 0, {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 3,
+                                                 "use_sliding_window": False}, {"window": None}),
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
     ),
@@ -124,7 +133,7 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
               "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
               "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1", "gptj": "GPTJ",
               "codegen": "CodeGen", "qwen3_next": "Qwen3Next", "gpt_bigcode": "GPTBigCode",
-              "falcon": "Falcon"}[model_type]  # fmt: skip
+              "falcon": "Falcon", "qwen3_moe": "Qwen3Moe"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding", None)
 
@@ -283,7 +292,11 @@ def test_a_bad_sliding_window_in_the_config_is_refused_by_its_field() -> None:
     config = transformers.MistralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
     layer = attention_cls(config, layer_idx=0)
     layer.config.sliding_window = 0
-    with pytest.raises(ssm.ConfigError, match=r"sliding_window=0"):
+    message = (
+        "MultiHeadAttention.from_hf(): sliding_window=0: a sliding window must be a positive number of keys (None: "
+        "no window); this layer would compute something else, so it is refused."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         ssm.MultiHeadAttention.from_hf(layer)
 
 
@@ -344,7 +357,11 @@ def test_a_bug_planted_in_our_partial_or_interleaved_rope_is_refused_naming_the_
 
     layer, _ = _layer(case, "sdpa")
     monkeypatch.setattr(kernels, kernel, bug)
-    with pytest.raises(ssm.ConfigError, match=r"differs from \w+Attention by .* Known to differ here: the rotary"):
+    named = (
+        r"differs from (\w+) by .* Known to differ here: the rotary embeddings \(with every position at 0, \1 agrees: "
+        r"interleaved pairs, partial rotary or another RoPE scaling\)"
+    )
+    with pytest.raises(ssm.ConfigError, match=named):
         ssm.MultiHeadAttention.from_hf(layer)
 
 
@@ -440,14 +457,22 @@ def test_a_conversion_that_normalises_before_rope_is_refused_by_its_probe(monkey
 def test_codegen_qkv_proj_is_loaded_in_the_layers_own_blocks_and_another_split_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The blocks of CodeGen's qkv_proj are the layer's `mp_num` (4 in every checkpoint; 2 here, and still exact),
-    each block's rows [q; v; k]; a forward that splits them as [q; k; v] is refused by the conversion's probe."""
+    """The blocks of CodeGen's qkv_proj are the layer's `mp_num` (4 in every checkpoint; 2 and 1 here, and still
+    exact: one block is [q; v; k] whole, not Phi-3's stacked [q; k; v]), each block's rows [q; v; k]; a forward that
+    splits them as [q; k; v] is refused by the conversion's probe."""
     layer, rotary = _layer("codegen-rotary-dim-blocks", "sdpa")
-    layer.mp_num = 2
-    ours = ssm.MultiHeadAttention.from_hf(layer)
     x = torch.randn(2, SEQ, 32, dtype=torch.float64)
+    for blocks in (2, 1):
+        layer.mp_num = blocks
+        ours = ssm.MultiHeadAttention.from_hf(layer)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x, is_causal=True), _hf_forward(layer, rotary, x), atol=1e-10, rtol=1e-8)
+    biased = torch.nn.Linear(32, 96, dtype=torch.float64)  # a qkv_proj with biases (CodeGen's has none): each block's
     with torch.no_grad():
-        torch.testing.assert_close(ours(x, is_causal=True), _hf_forward(layer, rotary, x), atol=1e-10, rtol=1e-8)
+        biased.weight.copy_(layer.qkv_proj.weight)
+    layer.qkv_proj = biased
+    ours = ssm.MultiHeadAttention.from_hf(layer)  # its biases read in the blocks' order, verified
+    assert torch.equal(ours.v_proj.bias, biased.bias.unflatten(0, (1, 3, 32))[:, 1].flatten())
     monkeypatch.setattr(type(layer), "forward", _codegen_blocks_read_as_qkv(type(layer).forward))
     with pytest.raises(ssm.ConfigError, match=r"differs from CodeGenAttention by"):
         ssm.MultiHeadAttention.from_hf(layer)
@@ -586,6 +611,12 @@ def test_llama4_chunked_layers_load_their_chunks_forward_decoding_and_left_padde
         padded = _llama4_forward(layer, rotary, x, padding=real)
         ours_padded = ours(x, is_causal=True, key_padding_mask=real == 0)
         torch.testing.assert_close(ours_padded[:, 2:], padded[:, 2:], **tol)  # the padded queries' rows are HF's own
+
+
+def test_llama4_s_temperature_tuning_with_a_floor_scale_of_1_converts() -> None:
+    """A floor scale of 1 (a new scale at every position) is a positive int like any other: loaded, verified."""
+    _, layer, _ = _llama4(3, "sdpa", attn_temperature_tuning=True, floor_scale=1, attn_scale=0.4)
+    assert ssm.MultiHeadAttention.from_hf(layer).temperature_tuning == (1, 0.4)
 
 
 @pytest.mark.parametrize("bug", ["forgotten", "chunks not shifted by the padding"])
@@ -729,7 +760,7 @@ def test_a_fused_layout_read_with_keys_and_values_swapped_is_refused_by_the_prob
 
 
 @pytest.mark.parametrize("case", ["gpt_bigcode-multi-query", "gpt_bigcode-per-head", "falcon-multi-query",
-                                  "falcon-grouped"])  # fmt: skip
+                                  "falcon-grouped", "falcon-grouped-bias"])  # fmt: skip
 def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     """from_hf then to_hf writes the fused projection back exactly as it was (multi-query, per head, grouped)."""
     layer, _, back = _round_trip(case)
@@ -737,6 +768,77 @@ def test_to_hf_round_trips_the_fused_layouts_row_for_row(case: str) -> None:
     assert torch.equal(getattr(back, name).weight, getattr(layer, name).weight)
     theirs_bias, back_bias = getattr(layer, name).bias, getattr(back, name).bias  # Falcon's: None
     assert (back_bias is None and theirs_bias is None) or torch.equal(back_bias, theirs_bias)
+
+
+def test_to_hf_refuses_biases_that_the_fused_projection_does_not_hold() -> None:
+    """Falcon-7B's multi-query query_key_value and CodeGen's qkv_proj without bias cannot hold a module's q/k/v
+    biases: refused, naming which of ours have one and the fused projection's bias, never written without them; a
+    GPT-J config whose rotary_dim is odd is refused as from_hf refuses it, headed by to_hf."""
+    layer, ours, _ = _round_trip("falcon-multi-query")
+    biased = ssm.MultiHeadAttention(32, 4, 1, d_head=8, bias=True, rope_theta=ours.rope_theta)
+    message = (
+        "MultiHeadAttention.to_hf(): q/k/v_proj have biases [True, True, True] here, but FalconAttention's the fused "
+        "projection has bias=False (config.attention_bias?)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        biased.to_hf(layer.config)
+    codegen = transformers.CodeGenConfig(n_embd=32, n_head=4, n_layer=1, rotary_dim=6)  # qkv_proj: no bias
+    biased = ssm.MultiHeadAttention(32, 4, 4, d_head=8, bias=True, rope_theta=1e4, rope_dim=6, rope_interleaved=True)
+    message = (
+        "MultiHeadAttention.to_hf(): q/k/v_proj have biases [True, True, True] here, but CodeGenAttention's qkv_proj "
+        "has bias=False (config.attention_bias?)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        biased.to_hf(codegen)
+    for case, kv_heads in (("falcon-per-head", 4), ("falcon-grouped", 2)):  # query_key_value: no bias
+        layer, _ = _layer(case, "sdpa")
+        biased = ssm.MultiHeadAttention(32, 4, kv_heads, d_head=8, bias=True, rope_theta=1e4)
+        message = (
+            "MultiHeadAttention.to_hf(): q/k/v_proj have biases [True, True, True] here, but FalconAttention's "
+            "query_key_value has bias=False (config.attention_bias?)."
+        )
+        with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+            biased.to_hf(layer.config)
+    layer, config = _alibi_layer("mpt-8-heads")  # MPT's Wqkv: no bias (no_bias=True)
+    ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(ours, name).bias = torch.nn.Parameter(torch.zeros(32, dtype=torch.float64))
+    message = (
+        "MultiHeadAttention.to_hf(): q/k/v_proj have biases [True, True, True] here, but MptAttention's the fused "
+        "projection has bias=False (config.attention_bias?)."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ours.to_hf(config)
+    message = (
+        "MultiHeadAttention.to_hf(): rotary_dim=3: the rotated part must be an even number of features in [2, "
+        "head_dim=8]; this layer would compute something else, so it is refused."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        biased.to_hf(transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=3))
+
+
+# a fused layout -> its refusal of a fused projection 40 rows tall, after "MultiHeadAttention.from_hf(): "
+OTHER_FUSED_SIZES = {
+    "falcon-multi-query": "query_key_value.weight=(40, 32): the config's sizes make a multi-query [q; k; v] of",
+    "gpt_bigcode-multi-query": "c_attn.weight=(40, 32): the config's sizes make a multi-query [q; k; v] of",
+    "falcon-per-head": "query_key_value.weight=(40, 32): the config's sizes make a per-head fused [q; k; v] of",
+    "falcon-grouped": "query_key_value.weight=(40, 32): the config's sizes make a grouped [q; k; v] of",
+    "codegen-rotary-dim-blocks": "qkv_proj.weight=(40, 32): CodeGen's layout is 4 blocks of [q; v; k] rows,",
+}
+NEEDED = {"falcon-multi-query": "(48, 32)", "gpt_bigcode-multi-query": "(48, 32)", "falcon-per-head": "(96, 32)",
+          "falcon-grouped": "(64, 32)", "codegen-rotary-dim-blocks": "(96, 32) in all"}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", OTHER_FUSED_SIZES)
+def test_a_fused_projection_of_other_sizes_than_the_config_s_is_refused_naming_both(case: str) -> None:
+    """A fused [q; k; v] projection the config's sizes do not make is refused before it is split, naming its shape
+    and the one the layout needs (never a crash, never rows read from the wrong place)."""
+    layer, _ = _layer(case, "sdpa")
+    name = OTHER_FUSED_SIZES[case].split(".")[0]
+    setattr(layer, name, torch.nn.Linear(32, 40, bias=False).double())
+    refusal = f"{OTHER_FUSED_SIZES[case]} {NEEDED[case]}; this layer would compute something else, so it is refused."
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape('MultiHeadAttention.from_hf(): ' + refusal)}$"):
+        ssm.MultiHeadAttention.from_hf(layer)
 
 
 def test_cohere_qk_norm_equals_the_reference_and_round_trips() -> None:
@@ -803,7 +905,8 @@ def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_
     with pytest.raises(ssm.ConfigError, match=named):
         check_hf_attention(DiffLlamaAttention, transformers.DiffLlamaConfig)
     config = transformers.DiffLlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2)
-    with pytest.raises(ssm.ConfigError, match=r"lambda_q1.*the layer computes differential attention"):
+    named = r"^MultiHeadAttention\.from_hf\(\): parameters=\['lambda_q1', .*: the layer computes differential attention"
+    with pytest.raises(ssm.ConfigError, match=named):
         ssm.MultiHeadAttention.from_hf(DiffLlamaAttention(config, layer_idx=0))
 
 
@@ -881,6 +984,109 @@ def _softmax_in_float64(layer: Any) -> Iterator[None]:
     else:
         with mock.patch.object(torch.Tensor, "float", lambda t: t):
             yield
+
+
+def test_the_attention_dropout_is_read_where_gpt_j_and_mpt_keep_it() -> None:
+    """GPT-J's (and CodeGen's) attn_pdrop and MPT's attn_config.attn_pdrop are their attention dropout, loaded as
+    ours (a layer in training would otherwise drop out nothing of what the model drops)."""
+    layer, config = _alibi_layer("mpt-8-heads")
+    object.__setattr__(config.attn_config, "attn_pdrop", 0.1)  # its config types the field int: set past that
+    assert ssm.MultiHeadAttention.from_hf(layer, config=config).dropout == 0.1
+    gptj = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=4,
+                                   attn_pdrop=0.2)  # fmt: skip
+    assert ssm.MultiHeadAttention.from_hf(_classes("gptj")[1](gptj, layer_idx=0).double()).dropout == 0.2
+
+
+def test_a_rotary_part_of_one_pair_takes_a_module_of_the_default_pairing() -> None:
+    """With two rotated features there is one pair, which halves and adjacent pairs turn alike: from_hf loads
+    GPT-J's rotary_dim=2 and Phi's partial_rotary_factor=0.25 (of d_head 8) with the default pairing, and a module
+    of the default pairing goes back into either layer (verified), never refused over a pairing that cannot
+    differ."""
+    config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=2)
+    layer = _classes("gptj")[1](config, layer_idx=0).double()
+    loaded = ssm.MultiHeadAttention.from_hf(layer)
+    assert (loaded.rope_dim, loaded.rope_interleaved, loaded.rope_theta) == (2, False, 1.0)
+    ours = ssm.MultiHeadAttention(32, 4, 4, d_head=8, bias=False, rope_theta=1.0, rope_dim=2, dtype=torch.float64)
+    assert isinstance(ours.to_hf(config), _classes("gptj")[1])
+    phi = transformers.PhiConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                 rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.25})  # fmt: skip
+    loaded = ssm.MultiHeadAttention.from_hf(_classes("phi")[1](phi, layer_idx=0).double())
+    assert (loaded.rope_dim, loaded.rope_interleaved) == (2, False)
+    ours = ssm.MultiHeadAttention(32, 4, 2, d_head=8, rope_theta=1e4, rope_dim=2, dtype=torch.float64)
+    assert isinstance(ours.to_hf(phi), _classes("phi")[1])
+
+
+def test_gptj_without_a_rotary_class_beside_it_is_refused_naming_rotary_dim() -> None:
+    """GPT-J's RoPE is read from the rotary class of the layer's own modeling module: a subclass defined elsewhere
+    (here, in this test module, which holds none) has none beside it, and is refused naming rotary_dim."""
+    config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=4)
+
+    class Subclassed(_classes("gptj")[1]):
+        pass
+
+    message = (
+        "MultiHeadAttention.from_hf(): rotary_dim=4: no rotary class beside Subclassed makes its tables; this layer "
+        "would compute something else, so it is refused."
+    )
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+        ssm.MultiHeadAttention.from_hf(Subclassed(config, layer_idx=0))
+
+
+class _Tables(torch.nn.Module):
+    """A rotary class returning `tables` whatever it is asked: what sincos_rope must refuse to read."""
+
+    def __init__(self, tables: Any) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> Any:
+        return self.tables
+
+
+def test_sincos_rope_refuses_tables_it_cannot_read_naming_what_they_are() -> None:
+    """GPT-J's RoPE is read from its rotary class's (sin, cos), in either order (told apart at position 0): one
+    table, tables of another width than one angle per pair, or two that are neither a sin nor a cos at position 0
+    are refused, named, never read as angles."""
+    from shapesafe_mha._interop import hf
+
+    modeling = __import__("transformers.models.gptj.modeling_gptj", fromlist=["_"])
+    zeros, ones = torch.zeros(1, 4, 2), torch.ones(1, 4, 2)
+    cases = {
+        "no pair of tables": zeros,
+        "tables (1, 4, 3), not one angle per pair of rotary_dim=4 features": (torch.zeros(1, 4, 3),) * 2,
+        "tables that are neither a sin nor a cos (0 and 1 at position 0)": (ones, ones),
+    }
+    for what, tables in cases.items():
+        message = f"MultiHeadAttention.from_hf(): _Tables returns {what}; RoPE inside the layer is refused."
+        with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+            hf.sincos_rope(modeling, _Tables(tables), 4)
+    for tables in ((zeros, zeros, zeros), ("sin", "cos")):  # not a pair, or a pair of no tensors
+        message = "MultiHeadAttention.from_hf(): _Tables returns no pair of tables; RoPE inside the layer is refused."
+        with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
+            hf.sincos_rope(modeling, _Tables(tables), 4)
+    config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=4)
+    sin, cos = modeling.GPTJRotaryEmbedding(config)(zeros, torch.arange(4)[None])
+    read = hf.sincos_rope(modeling, _Tables((sin, cos)), 4)
+    assert hf.sincos_rope(modeling, _Tables((cos, sin)), 4) == read == (10000.0, True)  # either order: one reading
+
+
+def test_sincos_rope_reads_a_theta_that_is_no_integer_and_a_pairing_that_is_not_gpt_j_s() -> None:
+    """theta is taken as the nearest integer only where that gives every angle (10000 from float32 tables); tables
+    of theta 10000.5 in float64 give 10000.5. A modeling module whose apply_rotary_pos_emb turns no adjacent pairs
+    (here: leaves the tensor as it is) is read as halves, whose difference the conversion's probe then names."""
+    from types import SimpleNamespace
+
+    from shapesafe_mha._interop import hf
+
+    modeling = __import__("transformers.models.gptj.modeling_gptj", fromlist=["_"])
+    angles = torch.arange(4, dtype=torch.float64)[None, :, None] * 10000.5 ** -(torch.arange(0, 4, 2) / 4)
+    tables = _Tables((angles.sin(), angles.cos()))
+    assert hf.sincos_rope(modeling, tables, 4) == (pytest.approx(10000.5, abs=1e-3), True)
+    unturned = SimpleNamespace(apply_rotary_pos_emb=lambda tensor, sin, cos: tensor)
+    assert hf.sincos_rope(unturned, tables, 4)[1] is False
+    angles = torch.arange(4, dtype=torch.float64)[None, :, None] * 10000.2 ** -(torch.arange(0, 64, 2) / 64)
+    wide = _Tables((angles.sin(), angles.cos()))  # its smallest angles 1e-4: 10000 misses them by 2e-5 of themselves
+    assert hf.sincos_rope(modeling, wide, 64)[0] == pytest.approx(10000.2, abs=1e-3)
 
 
 @pytest.mark.parametrize("float64_softmax", [False, True])
@@ -972,12 +1178,42 @@ def test_to_hf_round_trips_alibi_and_refuses_other_slopes_or_none(case: str) -> 
     other = ssm.MultiHeadAttention.from_hf(layer, config=config)
     with torch.no_grad():
         other.alibi_slopes.copy_(other.alibi_slopes.flip(0))  # pyright: ignore[reportOptionalMemberAccess]
-    with pytest.raises(ssm.ConfigError, match=r"alibi_slopes are .* model passes it"):
+    named = r"^MultiHeadAttention\.to_hf\(\): alibi_slopes are \[.*\] here, but \w+Attention's model passes it \[.*\]"
+    with pytest.raises(ssm.ConfigError, match=named + r"; it cannot hold this module\.$"):
         other.to_hf(config)
     plain = ssm.MultiHeadAttention(config.hidden_size, config.num_attention_heads, clip_qkv=ours.clip_qkv,
                                    bias=ours.bias)  # fmt: skip
     with pytest.raises(ssm.ConfigError, match=r"alibi=True \(module: None\)"):
         plain.to_hf(config)
+
+
+def test_mpt_s_wqkv_with_biases_loads_them_as_the_three_projections() -> None:
+    """MPT's Wqkv (no bias in MptAttention) given biases: its [q; k; v] rows' biases are loaded with them, and the
+    conversion equals the layer (verified)."""
+    layer, config = _alibi_layer("mpt-6-heads-clip-qkv")
+    biased = torch.nn.Linear(24, 72, dtype=torch.float64)
+    with torch.no_grad():
+        biased.weight.copy_(layer.Wqkv.weight)
+        biased.bias.uniform_(-0.6, 0.6)
+    layer.Wqkv = biased
+    ours = ssm.MultiHeadAttention.from_hf(layer, config=config)
+    assert torch.equal(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]), biased.bias)
+
+
+def test_bloom_s_output_dropout_and_mpt_s_wqkv_of_other_sizes_are_refused_by_name() -> None:
+    """Bloom drops out its attention's output (hidden_dropout) before adding the residual, which we do not compute;
+    MPT's Wqkv of another height than 3 * d_model cannot be its [q; k; v]: each refused, named whole."""
+    suffix = "; this layer would compute something else, so it is refused."
+    layer, config = _alibi_layer("bloom-8-heads")
+    layer.hidden_dropout = 0.1
+    message = "config.hidden_dropout=0.1: a dropout of the layer's output is not computed here"
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape('MultiHeadAttention.from_hf(): ' + message + suffix)}$"):
+        ssm.MultiHeadAttention.from_hf(layer, config=config)
+    layer, config = _alibi_layer("mpt-8-heads")
+    layer.Wqkv = torch.nn.Linear(32, 40, bias=False).double()
+    message = "Wqkv.weight=(40, 32): the config's sizes make [q; k; v] of (96, 32)"
+    with pytest.raises(ssm.ConfigError, match=f"^{re.escape('MultiHeadAttention.from_hf(): ' + message + suffix)}$"):
+        ssm.MultiHeadAttention.from_hf(layer, config=config)
 
 
 def test_falcon_alibi_is_refused_by_its_field() -> None:

@@ -132,6 +132,19 @@ _INNERMOST_FIRST = (
     "min's key made a constant: min then takes the first span that holds the guard, and spans are noted as calls "
     "return, so that is the innermost call (the spans holding one guard nest), the one the shortest-span key picks"
 )
+_H = "shapesafe_mha._interop.hf."
+_PROBE_X = (
+    "the probe tensor given to the model's rotary class shaped otherwise ((1, 8), (2, 4, 8), (1, 4, 9) for (1, 4, 8)): "
+    "every "
+    "text model's rotary class in transformers reads only its device and dtype (the positions give the tables' "
+    "shape); the three that read a shape (EfficientLoFTR, EoMT-DINOv3, MusicFlamingo) are vision and audio classes "
+    "with no attention layer that from_hf or to_hf takes"
+)
+_ROPE_SCALING_ALIAS = (
+    "rope_parameters looked up under another name, so rope_scaling is read: since transformers 5 rope_scaling is "
+    "PretrainedConfig's property returning rope_parameters (the same dict), and older configs have no "
+    "rope_parameters (rope_scaling was read either way)"
+)
 EQUIVALENT: dict[str, str] = {
     **{f"{_ROTARY}{n}": _ARANGE for n in (22, 26, 30)},
     **{f"{_ROTARY}{n}": _EDGE for n in (84, 102, 105)},
@@ -546,6 +559,201 @@ EQUIVALENT: dict[str, str] = {
         "a replicated KV head's gradient counted on its second sharer instead of its first: backward summed the "
         "copies with an all-reduce, whose result every sharer holds alike, and a replicated head always has two "
         "sharers or more (plan_heads replicates only where world_size is a multiple of num_kv_heads above it)"
+    ),
+    # --- hf ---
+    f"{_H}x__yarn_as_computed__mutmut_51": (
+        "truncate read from a key no config has (so True): the line runs only where the layer's set differs from the "
+        "top level of rope_parameters, which happens only where the top level holds sets per layer type (else the "
+        "set is the top level itself), and then the top level has no truncate of its own: True either way"
+    ),
+    f"{_H}x__yarn_as_computed__mutmut_55": (
+        "truncate read from a key no config has (so True): the line runs only where the layer's set differs from the "
+        "top level of rope_parameters, which happens only where the top level holds sets per layer type (else the "
+        "set is the top level itself), and then the top level has no truncate of its own: True either way"
+    ),
+    **{f"{_H}x_rope_layout_of__mutmut_{n}": _PROBE_X for n in (39, 41, 43)},
+    f"{_H}x_qk_norm_names__mutmut_4": (
+        "the fallback names garbled (k_norm misspelt): they are returned only for a layer holding none of q_norm, "
+        "k_norm, query_layernorm and key_layernorm, where either name finds nothing"
+    ),
+    f"{_H}x__pairs_in__mutmut_12": "width <= 3 for width <= 2: the width is even at every call, so the same test",
+    f"{_H}x_to_hf__mutmut_80": (
+        "the GPT-J or CodeGen layer built (to read its RoPE) as layer 1 instead of 0: in_layer_rope reads only "
+        "config.rotary_dim and the rotary class beside the layer's class, neither of which depends on its index"
+    ),
+    f"{_H}x_rope_interleaved__mutmut_52": (
+        "the probe's q drawn from the global generator instead of a seeded one: an apply_rotary_pos_emb that turns "
+        "adjacent pairs matches the paired rotation on every q, and one that does not differs from it by a nonzero "
+        "linear map of q, under 1e-5 only on a null set of draws; the global generator is drawn from by the "
+        "module's own init in from_hf anyway"
+    ),
+    f"{_H}x_latent_from_hf__mutmut_74": (
+        "YaRN's mscale applied also at factor 1: (0.1 * mscale_all_dim * log(1) + 1.0) ** 2 is 1.0, the factor the "
+        "other branch gives"
+    ),
+    f"{_H}x__write_blocks__mutmut_36": (
+        "flatten(0) instead of flatten(0, 2) of the stacked biases: they are (blocks, 3, rows), three dimensions, so "
+        "both flatten all of them"
+    ),
+    **{f"{_H}x_to_hf__mutmut_{n}": _STRICT for n in (267, 270)},
+    f"{_H}x__rope_parameters__mutmut_9": _ROPE_SCALING_ALIAS,
+    f"{_H}x__yarn_as_computed__mutmut_19": _ROPE_SCALING_ALIAS,
+    f"{_H}x__yarn_as_computed__mutmut_28": (
+        "rope_scaling no longer looked up after rope_parameters: transformers >= 5 (the project's floor) gives every "
+        "config rope_parameters, and rope_scaling is its alias, so it is only ever reached where it is empty too"
+    ),
+    **{
+        f"{_H}x__hf_outputs__mutmut_{n}": (
+            "the probe's masks built without the layer's index (so from the first cache layer of the mask's kind): the "
+            "prefill runs on an empty cache, where every layer's sizes are the query's, and the decoding step is one "
+            "token, which sees every key its own cache layer keeps (a sliding layer's cache keeps only its window), so "
+            "the masks allow the same keys (Gemma 2's layer 2, not its first sliding one, converts the same)"
+        )
+        for n in (76, 94, 102)
+    },
+    f"{_H}x_rope_interleaved__mutmut_17": (
+        "width > 3 for width > 2: the rotated width is even at every call (tables of pairs), so the same test"
+    ),
+    f"{_H}x__layer_type__mutmut_13": "layer_idx's default None for 0: read through `or 0`, 0 alike",
+    f"{_H}x_model_biases__mutmut_14": (
+        "`or` for `and` before building MPT's biases: build_mpt_alibi_tensor is defined by MPT's modeling module "
+        "alone, whose attention layer takes position_bias, so both hold together"
+    ),
+    f"{_H}x_model_biases__mutmut_31": (
+        "max_seq_len's fallback None (a TypeError in max) where the config has none: the branch serves MPT's layers "
+        "alone, whose config class always holds max_seq_len"
+    ),
+    f"{_H}x_from_hf__mutmut_1": (
+        "from_hf's verify default made False: its callers (MultiHeadAttention.from_hf, and replace through it) always "
+        "pass verify explicitly, so the default is never read"
+    ),
+    f"{_H}x_latent_from_hf__mutmut_1": (
+        "latent_from_hf's verify default made False: its caller, LatentAttention.from_hf, always passes verify "
+        "explicitly"
+    ),
+    f"{_H}x__suspects__mutmut_20": "decode=None for False: our_outputs reads it for truth only (`if not decode`)",
+    f"{_H}x_sincos_rope__mutmut_49": (
+        "width / 2 for width // 2 in the tables' expected shape: width is even at every call (in_layer_rope refuses "
+        "an odd rotary_dim, the check draws even ones, the recipe passes 8), and a torch.Size equals a tuple holding "
+        "2.0 where it holds 2"
+    ),
+    f"{_H}x__pairs_in__mutmut_31": (
+        "the probe's q drawn from seed 1 instead of 0: GPT-J's apply_rotary_pos_emb and the paired rotation are "
+        "compared in float64, where they agree to rounding on every q if the function pairs features and differ by "
+        "O(1) on all but a null set of q if it does not"
+    ),
+    f"{_H}x_to_hf__mutmut_1": (
+        "to_hf's verify default made False: its caller, MultiHeadAttention.to_hf, always passes verify explicitly"
+    ),
+    f"{_H}x__rope_parameters__mutmut_10": _ROPE_SCALING_ALIAS,
+    **{
+        f"{_H}x__write_blocks__mutmut_{n}": (
+            "the biases reshaped otherwise (unflatten without sizes, another stack or flatten) where to_hf writes "
+            "CodeGen's qkv_proj biases: it writes into a layer it builds from the config, and CodeGenAttention builds "
+            "qkv_proj with "
+            "bias=False, so that branch never runs"
+        )
+        for n in (35, 39, 40, 44, 49)
+    },
+    f"{_H}x_from_hf__mutmut_129": "layer_idx's default None for 0: read through `or 0`, 0 alike",
+    f"{_H}x__split_grouped__mutmut_78": _STRICT,
+    f"{_H}x_latent_from_hf__mutmut_187": "load_state_dict's strict=None for False: read for truth only, False alike",
+    f"{_H}x_alibi_slopes_of__mutmut_6": (
+        "Bloom's biases built in the default dtype (float32) instead of float64 for reading the slopes: Bloom's slopes "
+        "are powers of two (for any head count) and the positions 0 and 1, exact in float32; MPT's builder takes no "
+        "dtype"
+    ),
+    f"{_H}x_variant_options__mutmut_383": (
+        "attn_temperature_tuning's default None for False: only its truth is read, False alike"
+    ),
+    f"{_H}x_latent_from_hf__mutmut_131": "attention_bias's default None for False: read through bool(), False alike",
+    **{
+        f"{_H}x__hf_outputs__mutmut_{n}": (
+            "a layer probed through a plain DynamicCache instead of one built from its config: "
+            "transformers' chunked and sliding masks are built from the cache they are given (the keys it keeps, "
+            "their offset), so both compute the layer's attention alike (Llama 4's chunked layers convert and verify "
+            "the same with chunks of 2, 3 and 4)"
+        )
+        for n in (222, 223, 224, 226, 228)
+    },
+    f"{_H}x_verify_against_hf__mutmut_84": (
+        "the owner dropped from the first verify: its refusal is caught, and the second verify (with the owner and "
+        "the suspects) raises the one the caller sees"
+    ),
+    f"{_H}x_model_biases__mutmut_8": (
+        "the device's fallback None for the CPU: taken only by a layer without parameters, and every attention layer "
+        "holds its projections'"
+    ),
+    f"{_H}x__hf_outputs__mutmut_110": (
+        "the probe's masks built without position_ids: transformers then takes the positions from the cache, which "
+        "are the ones passed (the prefill from 0 on an empty cache, the step at PROMPT after it; a shift turns only "
+        "the rotary angles)"
+    ),
+    f"{_H}x_variant_options__mutmut_216": (
+        "a softmax_scale exactly 1e-12 from the default loaded as query_pre_attn_scalar = softmax_scale ** -2 too: "
+        "that computes the same scale to within 1e-12, which is all that differs"
+    ),
+    f"{_H}x__pairs_in__mutmut_26": (
+        "the probe's q drawn in float32 instead of float64: both rotations compared are taken with float64 tables "
+        "(promoted alike), so they agree to rounding where the function pairs features and differ by O(1) where it "
+        "does not"
+    ),
+    f"{_H}x_model_biases__mutmut_35": (
+        "MPT's biases built for kv_len positions instead of max(max_seq_len, kv_len): they are slope x (position - "
+        "last), so the last kv_len of a longer build are the same values, and alibi_slopes_of reads a difference "
+        "of neighbours"
+    ),
+    f"{_H}x_verify_against_hf__mutmut_66": (
+        "a windowed module probed through its own cache (as long as its window) instead of one keeping every "
+        "position: the prefill and the decoding step read only the last `window` keys either way, which both caches "
+        "hold, so the outputs are the same"
+    ),
+    **{
+        f"{_H}x__suspects__mutmut_{n}": (
+            "the owner named in the second probe's verify: its refusal is caught and only whether it was raised is read"
+        )
+        for n in (9, 17)
+    },
+    f"{_H}x__split_per_head__mutmut_57": (
+        "flatten(0) for flatten(0, 1) of a bias's rows: they are (heads, d_head), two dimensions, so both flatten all"
+    ),
+    **{f"{_H}x__split_stacked__mutmut_{n}": _STRICT for n in (54, 55)},
+    f"{_H}x__split_chunked__mutmut_48": _STRICT,
+    **{f"{_H}x_load_norms__mutmut_{n}": _STRICT for n in (16, 19)},
+    f"{_H}x__multi_query__mutmut_13": "multi_query's default None for False: read through bool(), False alike",
+    f"{_H}x_variant_options__mutmut_152": (
+        "scale_attn_weights' default None for True: only `is False` is asked of it, which neither default is"
+    ),
+    f"{_H}x__suspects__mutmut_5": (
+        "getattr(ours, 'rotary') without a default: `ours` is always the module being verified, a MultiHeadAttention "
+        "or a LatentAttention (or a subclass), and both set .rotary in __init__ (None without RoPE)"
+    ),
+    f"{_H}x_rope_interleaved__mutmut_55": (
+        "the probe's q of two heads instead of one: the model's function and the paired rotation turn every head "
+        "alike, so the comparison is the one head's twice"
+    ),
+    f"{_H}x_rope_interleaved__mutmut_47": (
+        "the probe's q drawn in float32 instead of float64: both rotations compared are taken with the float64 tables "
+        "(promoted alike, or cast inside by the model's function in either case), so they agree to rounding where "
+        "the function pairs features and differ by O(1) where it does not, against a tolerance of 1e-5"
+    ),
+    **{
+        f"{_H}x_rope_interleaved__mutmut_{n}": (
+            "the tables' row of position 1 or 2 read instead of position 3 (the last): a row holds each angle twice in "
+            "a row at every position of a table that repeats them (Cohere's), and a table in halves fails the test at "
+            "any of them, its first two angles being 1 and theta ** (-2 / width) (or their scaled values, all at most "
+            "1), whose cosines differ at positions 1 to 3 alike (cos is one-to-one on [0, pi])"
+        )
+        for n in (9, 10)
+    },
+    f"{_H}x__turning_shift__mutmut_21": (
+        "context >= PROMPT for context > PROMPT: at context == PROMPT the shift it returns, context - PROMPT, is the "
+        "0 of the other branch"
+    ),
+    f"{_H}x_alibi_slopes_of__mutmut_20": (
+        "the padding mask for Bloom's build_alibi_tensor three keys long instead of two: its biases are slope x "
+        "position (the mask's cumsum less 1), so key 1's less key 0's is the slope either way; MPT's "
+        "build_mpt_alibi_tensor is not given the mask"
     ),
 }
 
