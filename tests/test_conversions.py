@@ -363,6 +363,63 @@ def test_from_hf_on_meta_loads_without_a_probe() -> None:
     assert ssm.MultiHeadAttention.from_hf(layer).q_proj.weight.device.type == "meta"
 
 
+def _gemma3() -> nn.Module:
+    """Gemma 3's text layer (its model_type, gemma3_text, has no module of that name), float64, weights drawn."""
+    modeling = importlib.import_module("transformers.models.gemma3.modeling_gemma3")
+    torch.manual_seed(0)
+    layer = modeling.Gemma3Attention(CONFIG_MAPPING["gemma3_text"](**SIZES), layer_idx=0).to(torch.float64)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-0.4, 0.4)
+    return layer.eval()
+
+
+@pytest.mark.parametrize(
+    ("build", "dtype"),
+    [
+        (lambda: _layer("qwen3"), torch.bfloat16),
+        (_gemma3, torch.bfloat16),
+        (lambda: _layer("cohere", use_qk_norm=True), torch.float16),
+    ],
+    ids=["qwen3", "gemma3", "cohere"],
+)
+def test_half_precision_qk_norms_load_as_the_float32_probe_shows_them(
+    build: Callable[[], nn.Module], dtype: torch.dtype
+) -> None:
+    """A half-precision layer is probed in float32, its QK-norms too: their own rounding (bfloat16 RMSNorm,
+    float16 LayerNorm) put them past the norm probe's rtol 1e-3 in their dtype, and they were refused as
+    computing neither norm. Loaded in its dtype, Gemma 3's `1 + weight` found, and the layer verified."""
+    layer = build().to(dtype)
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.qk_norm and ours.q_proj.weight.dtype == dtype
+    torch.testing.assert_close(ours.q_norm.weight, layer.q_norm.weight, rtol=0, atol=0)
+
+
+def test_a_meta_layer_with_qk_norm_loads_on_meta() -> None:
+    """The norm probe, like the layer's, is skipped on meta (which holds no values): a meta Qwen3 layer loads,
+    QK-norm on, instead of torch's RuntimeError from comparing meta tensors."""
+    with torch.device("meta"):
+        layer = importlib.import_module("transformers.models.qwen3.modeling_qwen3").Qwen3Attention(
+            CONFIG_MAPPING["qwen3"](**SIZES), layer_idx=0
+        )
+    ours = ssm.MultiHeadAttention.from_hf(layer)
+    assert ours.qk_norm and {p.device.type for p in ours.parameters()} == {"meta"}
+
+
+def test_a_users_subclass_of_a_transformers_layer_is_converted_and_verified_as_its_base() -> None:
+    """A subclass defined outside transformers (a user's module) finds its base's rotary class and RoPE there:
+    one that computes what its base does loads, verified; one whose forward differs is refused by the probe.
+    (The rotary class was looked up beside the subclass, and every such subclass was refused.)"""
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    same = type("MyAttention", (llama.LlamaAttention,), {"__module__": "my_project.layers"})
+    doubled = type("MyAttention", (same,), {"forward": _doubled(llama.LlamaAttention.forward)})
+    layer = same(CONFIG_MAPPING["llama"](**SIZES), layer_idx=0).double().eval()
+    assert _ours_equal_theirs(ssm.MultiHeadAttention.from_hf(layer), layer) < 1e-6  # its rotary tables: float32
+    other = doubled(CONFIG_MAPPING["llama"](**SIZES), layer_idx=0).double().eval()
+    with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention\.from_hf\(\): the converted layer differs from"):
+        ssm.MultiHeadAttention.from_hf(other)
+
+
 def test_dropout_is_carried_from_the_config() -> None:
     layer = _layer("llama", attention_dropout=0.1)
     assert ssm.MultiHeadAttention.from_hf(layer).dropout == 0.1
@@ -414,7 +471,8 @@ def test_latent_from_hf_reads_the_theta_the_norm_s_epsilon_and_the_dropout_and_k
 
 def test_latent_from_hf_names_a_layer_it_cannot_load_and_what_does_not_fit() -> None:
     """A q/k/v/o layer is sent to MultiHeadAttention.from_hf by its class's name; a latent layer holding a part of
-    its own is refused listing the parts that do not fit; one that shares KV heads is refused naming both counts."""
+    its own is refused listing the parts that do not fit; one that shares KV heads is refused naming both counts;
+    a part of another shape than its config makes is refused naming it and the sizes (not torch's size mismatch)."""
     cases = {
         "LlamaAttention is not a multi-head latent attention layer (no .config and kv_a_proj_with_mqa); for "
         "q/k/v/o_proj layers use MultiHeadAttention.from_hf.": _layer("llama"),
@@ -426,6 +484,11 @@ def test_latent_from_hf_names_a_layer_it_cannot_load_and_what_does_not_fit() -> 
         "this layer would compute something else, so it is refused.": _layer(
             "deepseek_v3", **LATENT | {"num_key_value_heads": 2}
         ),
+        "kv_b_proj.weight.shape=(28, 8): the config makes it (32, 8) (hidden_size=32, num_attention_heads=4, "
+        "kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4); this layer would "
+        "compute something else, so it is refused.": _edited(
+            "deepseek_v3", lambda layer: setattr(layer, "kv_b_proj", nn.Linear(8, 28, bias=False)), **LATENT
+        )(),
     }
     for message, layer in cases.items():
         with pytest.raises(ssm.ConfigError, match=f"^{re.escape('LatentAttention.from_hf(): ' + message)}$"):

@@ -794,7 +794,7 @@ def test_a_layer_scaling_scores_otherwise_than_its_yarn_config_is_refused_naming
     )  # fmt: skip
     layer = DeepseekV3Attention(config, layer_idx=0)
     layer.scaling = (6 + 4) ** -0.5
-    with pytest.raises(ssm.ConfigError, match=r"scaling=0.316.*the config makes it"):
+    with pytest.raises(ssm.ConfigError, match=r"^LatentAttention\.from_hf\(\): scaling=0.316.*the config makes it"):
         ssm.LatentAttention.from_hf(layer)
 
 

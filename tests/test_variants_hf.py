@@ -6,6 +6,7 @@ QK-norm after RoPE, NoPE layers), loaded with `MultiHeadAttention.from_hf` and c
 them, full forward and decoding."""
 
 import contextlib
+import importlib
 import inspect
 import re
 from collections.abc import Iterator
@@ -1016,17 +1017,23 @@ def test_a_rotary_part_of_one_pair_takes_a_module_of_the_default_pairing() -> No
     assert isinstance(ours.to_hf(phi), _classes("phi")[1])
 
 
-def test_gptj_without_a_rotary_class_beside_it_is_refused_naming_rotary_dim() -> None:
-    """GPT-J's RoPE is read from the rotary class of the layer's own modeling module: a subclass defined elsewhere
-    (here, in this test module, which holds none) has none beside it, and is refused naming rotary_dim."""
+def test_a_gptj_subclass_finds_its_bases_rotary_class_and_without_one_is_refused_naming_rotary_dim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPT-J's RoPE is read from the rotary class of the transformers module its layer class comes from: a user's
+    subclass defined elsewhere (here, in this test module) finds its base's and loads, verified; with no rotary
+    class in that module (removed here), it is refused naming rotary_dim and the module."""
     config = transformers.GPTJConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, rotary_dim=4)
 
     class Subclassed(_classes("gptj")[1]):
         pass
 
+    loaded = ssm.MultiHeadAttention.from_hf(Subclassed(config, layer_idx=0).double())
+    assert (loaded.rope_dim, loaded.rope_interleaved) == (4, True)
+    monkeypatch.delattr(importlib.import_module("transformers.models.gptj.modeling_gptj"), "GPTJRotaryEmbedding")
     message = (
-        "MultiHeadAttention.from_hf(): rotary_dim=4: no rotary class beside Subclassed makes its tables; this layer "
-        "would compute something else, so it is refused."
+        "MultiHeadAttention.from_hf(): rotary_dim=4: no rotary class in transformers.models.gptj.modeling_gptj makes "
+        "Subclassed's tables; this layer would compute something else, so it is refused."
     )
     with pytest.raises(ssm.ConfigError, match=f"^{re.escape(message)}$"):
         ssm.MultiHeadAttention.from_hf(Subclassed(config, layer_idx=0))

@@ -29,10 +29,8 @@ from .._core.errors import ConfigError
 _OWNER = "MultiHeadAttention.from_hf()"
 
 
-def _refuse(field: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(
-        f"{_OWNER}: {field}={value!r}: {why}; this layer would compute something else, so it is refused."
-    )
+def _refuse(field: str, value: Any, why: str, owner: str = _OWNER) -> ConfigError:
+    return ConfigError(f"{owner}: {field}={value!r}: {why}; this layer would compute something else, so it is refused.")
 
 
 def _rope_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
@@ -224,7 +222,8 @@ def in_layer_rope(layer: nn.Module, config: Any, head_dim: int) -> tuple[float, 
         raise _refuse("rotary_dim", width, why)
     rotary = _rotary_for(layer, config)
     if rotary is None:
-        raise _refuse("rotary_dim", width, f"no rotary class beside {type(layer).__name__} makes its tables")
+        where = f"no rotary class in {_modeling(layer).__name__} makes {type(layer).__name__}'s tables"
+        raise _refuse("rotary_dim", width, where)
     theta, interleaved = sincos_rope(_modeling(layer), rotary, width)
     return theta, (None if width == head_dim else width), interleaved
 
@@ -376,9 +375,10 @@ def _norm_offset(norm: Any) -> float:
     if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.device.type == "meta":
         return 0.0
     eps = _norm_eps(norm)
-    x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
-    with torch.no_grad():
-        got = norm(x)
+    with torch.no_grad(), probe.probing(norm) as probed:  # half precision: a float32 copy, as the layer's probe
+        weight = probed.weight
+        x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+        got = probed(x)
         normed = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
         for offset in (0.0, 1.0):
             if got.shape == x.shape and torch.allclose(got, normed * (offset + weight), rtol=1e-3, atol=1e-5):
@@ -393,18 +393,19 @@ def _norm_centred(norm: Any) -> bool:
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() not in (1, 2) or weight.device.type == "meta":
         return False
-    x = torch.randn(3, *weight.shape, generator=torch.Generator().manual_seed(0)).to(weight)
-    with torch.no_grad():
-        got = norm(x)
+    with torch.no_grad(), probe.probing(norm) as probed:  # half precision: a float32 copy, as the layer's probe
+        weight = probed.weight
+        x = torch.randn(3, *weight.shape, generator=torch.Generator().manual_seed(0)).to(weight)
+        got = probed(x)
         centred = x - x.mean(-1, keepdim=True)
         expected = centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + _norm_eps(norm)) * weight
         return got.shape == x.shape and bool(torch.allclose(got, expected, rtol=1e-3, atol=1e-5))
 
 
-def _norm_eps(norm: Any) -> float:
+def _norm_eps(norm: Any, owner: str = _OWNER) -> float:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if not isinstance(eps, float):
-        raise _refuse("q_norm", type(norm).__name__, "a QK-norm without an epsilon is not an RMSNorm we know")
+        raise _refuse("q_norm", type(norm).__name__, "a QK-norm without an epsilon is not an RMSNorm we know", owner)
     return eps
 
 
@@ -418,11 +419,15 @@ def load_norms(module: Any, attention: nn.Module) -> None:
         with torch.no_grad():
             held = getattr(theirs, "weight", None)
             ours.weight.copy_(torch.ones_like(ours.weight) if their_name == SHARED_QK_NORM else held)
-            probe = torch.randn(3, *ours.weight.shape, generator=torch.Generator().manual_seed(0))
-            probe = probe.to(device=ours.weight.device, dtype=ours.weight.dtype)
+        if not (probe.probeable(theirs) and probe.probeable(ours)):
+            continue  # meta holds no values to compare, as for the layer's own probe
+        # half precision: float32 copies, as the layer's probe (a bfloat16 RMSNorm rounds past rtol 1e-3)
+        with torch.no_grad(), probe.probing(theirs) as theirs, probe.probing(ours) as ours:
+            x = torch.randn(3, *ours.weight.shape, generator=torch.Generator().manual_seed(0))
+            x = x.to(device=ours.weight.device, dtype=ours.weight.dtype)
             # theirs on (positions, heads, d_head) where its weights are per head (Cohere's, before the transpose)
-            mine = ours(probe.transpose(0, 1)[None])[0].transpose(0, 1) if probe.dim() == 3 else ours(probe)
-            if not torch.allclose(theirs(probe), mine, rtol=1e-3, atol=1e-5):
+            mine = ours(x.transpose(0, 1)[None])[0].transpose(0, 1) if x.dim() == 3 else ours(x)
+            if not torch.allclose(theirs(x.to(probe.dtype_of(theirs))).to(x), mine, rtol=1e-3, atol=1e-5):
                 why = (
                     "it computes neither weight * x / rms(x), (1 + weight) * x / rms(x) (Gemma 3's) nor "
                     "weight * (x - mean) / std(x) (Cohere's)"
@@ -778,7 +783,10 @@ def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool 
 
 
 def _modeling(layer: nn.Module) -> Any:
-    return importlib.import_module(type(layer).__module__)
+    """The transformers modeling module of `layer`'s class, or of the transformers class a user's subclass extends
+    (its rotary class and `apply_rotary_pos_emb` live there, not beside the subclass)."""
+    modules = [cls.__module__ for cls in type(layer).__mro__]
+    return importlib.import_module(next((m for m in modules if m.startswith("transformers.")), modules[0]))
 
 
 def _layer_type(layer: nn.Module, config: Any) -> str | None:
@@ -1202,7 +1210,7 @@ def latent_from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> An
         rope_scaling=scaling,
         scale=expected,
         interleaved=bool(getattr(config, "rope_interleave", False)),
-        norm_eps=_norm_eps(norm),
+        norm_eps=_norm_eps(norm, owner),
         dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
         device=weight.device,
         dtype=weight.dtype,
@@ -1210,8 +1218,18 @@ def latent_from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> An
     held = getattr(attention, "scaling", module.scale)
     if abs(held - module.scale) > 1e-12 * module.scale:
         why = f"the config makes it {module.scale:g} (1/sqrt(qk_head_dim), YaRN's mscale_all_dim squared)"
-        raise _refuse("scaling", held, why)
+        raise _refuse("scaling", held, why, owner)
     theirs = attention.state_dict()
+    shapes = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+    for name, tensor in theirs.items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            why = (
+                f"the config makes it {shapes[name]} (hidden_size={config.hidden_size}, num_attention_heads="
+                f"{num_heads}, kv_lora_rank={config.kv_lora_rank}, q_lora_rank={config.q_lora_rank}, "
+                f"qk_nope_head_dim={config.qk_nope_head_dim}, qk_rope_head_dim={config.qk_rope_head_dim}, "
+                f"v_head_dim={config.v_head_dim})"
+            )
+            raise _refuse(f"{name}.shape", tuple(tensor.shape), why, owner)
     missing, unexpected = module.load_state_dict(theirs, strict=False)
     if missing or unexpected:
         raise ConfigError(
