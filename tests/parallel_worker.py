@@ -59,6 +59,8 @@ def _inputs(case: dict[str, Any]) -> dict[str, Any]:
     mask = None
     if case["mask"] == "heads":
         mask = torch.rand(b, case["num_heads"], s, kv, generator=generator) < 0.7
+    elif case["mask"] == "broadcast":  # one mask for every head: (batch, 1, seq, kv_seq)
+        mask = torch.rand(b, 1, s, kv, generator=generator) < 0.7
     elif case["mask"] == "2d":
         mask = torch.rand(s, kv, generator=generator) < 0.7
     padding = None

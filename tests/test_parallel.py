@@ -72,6 +72,8 @@ def all_cases() -> list[dict[str, object]]:
     each.append({**sized, "variant": "rope_partial", "d_head": 6, "seed": len(each)})
     # MQA with each head's own norm weights: the one KV head's k_norm row is shared by every rank (up to 4)
     each.append({**sized, "variant": "qk_norm_per_head", "num_heads": 4, "num_kv_heads": 1, "seed": len(each)})
+    # a 4-D mask of one head, broadcast over every head: each rank passes it whole (there are no heads to slice)
+    each.append({**sized, "variant": "none", "mask": "broadcast", "seed": 42})
     cross = {**sized, "variant": "none", "cross": True, "kv_seq": 3, "causal": False, "seed": 39}
     # a group of half the ranks, each half its own module: every collective stays in the group it was given
     halves = [{**sized, "variant": v, "seed": 40, "halves": True} for v in ("qk_norm", "qk_norm_per_head", "sinks")]
@@ -84,7 +86,8 @@ def all_cases() -> list[dict[str, object]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_sharded_equals_unsharded_on_every_rank(world_size: int) -> None:
-    """World sizes 1, 2, 4; MHA, GQA (sharded and replicated KV), MQA; masks, padding, causal, cross-attention.
+    """World sizes 1, 2, 4; MHA, GQA (sharded and replicated KV), MQA; masks (2-D, per head, one broadcast over the
+    heads), padding, causal, cross-attention.
 
     Forward, per-head weights, input and parameter gradients (gathered back, and each rank's own KV rows) of a
     loss on the output and of one on the returned weights, and prefill-then-decode with per-rank caches all equal
