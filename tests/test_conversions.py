@@ -395,15 +395,21 @@ def test_half_precision_qk_norms_load_as_the_float32_probe_shows_them(
     torch.testing.assert_close(ours.q_norm.weight, layer.q_norm.weight, rtol=0, atol=0)
 
 
-def test_a_meta_layer_with_qk_norm_loads_on_meta() -> None:
-    """The norm probe, like the layer's, is skipped on meta (which holds no values): a meta Qwen3 layer loads,
-    QK-norm on, instead of torch's RuntimeError from comparing meta tensors."""
+@pytest.mark.parametrize(
+    "build",
+    [lambda: _layer("qwen3"), _gemma3, lambda: _layer("cohere", use_qk_norm=True)],
+    ids=["qwen3", "gemma3", "cohere"],
+)
+def test_a_meta_layer_with_qk_norm_converts_to_what_its_materialized_twin_does(build: Callable[[], nn.Module]) -> None:
+    """On meta, which holds no values, the norms are probed on CPU copies of their class with drawn weights: the
+    module (Gemma 3's `1 + weight`, Cohere's centred norm) is the one the same layer with values converts to,
+    and it stays on meta. (A meta layer with QK-norm raised torch's RuntimeError, and skipping the probe there
+    would load Gemma 3 and Cohere as plain RMSNorms, silently.)"""
     with torch.device("meta"):
-        layer = importlib.import_module("transformers.models.qwen3.modeling_qwen3").Qwen3Attention(
-            CONFIG_MAPPING["qwen3"](**SIZES), layer_idx=0
-        )
-    ours = ssm.MultiHeadAttention.from_hf(layer)
+        meta = build()
+    ours = ssm.MultiHeadAttention.from_hf(meta)
     assert ours.qk_norm and {p.device.type for p in ours.parameters()} == {"meta"}
+    assert repr(ours) == repr(ssm.MultiHeadAttention.from_hf(build()))
 
 
 def test_a_users_subclass_of_a_transformers_layer_is_converted_and_verified_as_its_base() -> None:

@@ -11,9 +11,12 @@ not compute (RoPE scaling other than llama3, YaRN, dynamic and LongRoPE; a QK-no
 different layer.
 """
 
+import contextlib
+import copy
 import importlib
 import inspect
 import math
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -368,14 +371,31 @@ def _norm_over(norm: Any, config: Any) -> str:
     return "all" if width not in (None, head_dim) and width == config.num_attention_heads * head_dim else "head"
 
 
+@contextlib.contextmanager
+def _probed_norm(norm: nn.Module) -> Iterator[Any]:
+    """`norm` ready for a probe of what it computes: itself in eval mode, or an eval float32 copy where it is
+    half precision (as the layer's probe); on `meta`, which holds no values, a float32 copy on the CPU with
+    weights drawn in [0.5, 1.5] (what a norm computes is its class's code, whatever its weights)."""
+    if probe.probeable(norm):
+        with probe.probing(norm) as probed:
+            yield probed
+        return
+    copied = copy.deepcopy(norm).to_empty(device="cpu").to(torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)
+    yield copied
+
+
 def _norm_offset(norm: Any) -> float:
     """0.0 for an RMSNorm scaling by `weight`, 1.0 for one scaling by `1 + weight` (Gemma 3), shown on a probe of
     the norm with its own weights; any other norm is 0.0 here, and refused by `load_norms`'s probe."""
     weight = getattr(norm, "weight", None)
-    if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.device.type == "meta":
+    if not isinstance(weight, Tensor) or weight.dim() != 1:
         return 0.0
     eps = _norm_eps(norm)
-    with torch.no_grad(), probe.probing(norm) as probed:  # half precision: a float32 copy, as the layer's probe
+    with torch.no_grad(), _probed_norm(norm) as probed:
         weight = probed.weight
         x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
         got = probed(x)
@@ -391,9 +411,9 @@ def _norm_centred(norm: Any) -> bool:
     the norm with its own weights over its weights' shape; any other norm is False here, and refused by
     `load_norms`'s probe."""
     weight = getattr(norm, "weight", None)
-    if not isinstance(weight, Tensor) or weight.dim() not in (1, 2) or weight.device.type == "meta":
+    if not isinstance(weight, Tensor) or weight.dim() not in (1, 2):
         return False
-    with torch.no_grad(), probe.probing(norm) as probed:  # half precision: a float32 copy, as the layer's probe
+    with torch.no_grad(), _probed_norm(norm) as probed:
         weight = probed.weight
         x = torch.randn(3, *weight.shape, generator=torch.Generator().manual_seed(0)).to(weight)
         got = probed(x)
@@ -419,15 +439,20 @@ def load_norms(module: Any, attention: nn.Module) -> None:
         with torch.no_grad():
             held = getattr(theirs, "weight", None)
             ours.weight.copy_(torch.ones_like(ours.weight) if their_name == SHARED_QK_NORM else held)
-        if not (probe.probeable(theirs) and probe.probeable(ours)):
-            continue  # meta holds no values to compare, as for the layer's own probe
-        # half precision: float32 copies, as the layer's probe (a bfloat16 RMSNorm rounds past rtol 1e-3)
-        with torch.no_grad(), probe.probing(theirs) as theirs, probe.probing(ours) as ours:
-            x = torch.randn(3, *ours.weight.shape, generator=torch.Generator().manual_seed(0))
-            x = x.to(device=ours.weight.device, dtype=ours.weight.dtype)
+        # theirs as `_probed_norm` gives it (float32 for half precision, a CPU copy for meta), ours a copy of the
+        # same weights, in its dtype and on its device
+        with torch.no_grad(), _probed_norm(theirs) as probed:
+            dtype, device = probe.dtype_of(probed), next((p.device for p in probed.parameters()), None)
+            mine = copy.deepcopy(ours)
+            mine = mine.to_empty(device=device or "cpu") if not probe.probeable(mine) else mine
+            mine = mine.to(device=device, dtype=dtype).eval()
+            weight = getattr(probed, "weight", None)
+            mine.weight.copy_(torch.ones_like(mine.weight) if their_name == SHARED_QK_NORM else weight)
+            x = torch.randn(3, *mine.weight.shape, generator=torch.Generator().manual_seed(0))
+            x = x.to(device=mine.weight.device, dtype=dtype)
             # theirs on (positions, heads, d_head) where its weights are per head (Cohere's, before the transpose)
-            mine = ours(x.transpose(0, 1)[None])[0].transpose(0, 1) if x.dim() == 3 else ours(x)
-            if not torch.allclose(theirs(x.to(probe.dtype_of(theirs))).to(x), mine, rtol=1e-3, atol=1e-5):
+            got = mine(x.transpose(0, 1)[None])[0].transpose(0, 1) if x.dim() == 3 else mine(x)
+            if not torch.allclose(probed(x), got, rtol=1e-3, atol=1e-5):
                 why = (
                     "it computes neither weight * x / rms(x), (1 + weight) * x / rms(x) (Gemma 3's) nor "
                     "weight * (x - mean) / std(x) (Cohere's)"
