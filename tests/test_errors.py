@@ -706,3 +706,53 @@ def test_a_forward_mistake_gets_the_hint_of_its_own_cause_and_no_other(case: str
     with pytest.raises(ssm.ShapeError) as caught:
         _forward(ssm.MultiHeadAttention(16, 4, 2, **options), *sizes, cached=cached)
     assert str(caught.value).splitlines()[0] == f"MultiHeadAttention.forward(): {first}"
+
+
+_OWNER = "MultiHeadAttention(d_model=16, num_heads=4, num_kv_heads=2)"
+MODULE_REFUSALS = {
+    "QK-norm after RoPE without a QK-norm": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, qk_norm_after_rope=True),
+        f"{_OWNER}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head', an RMSNorm: "
+        "HunYuan's), but got qk_norm_after_rope=True, qk_norm=False, qk_norm_over='head'.",
+    ),
+    "QK-norm after RoPE with a centred norm": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, qk_norm=True, qk_norm_centred=True, qk_norm_after_rope=True),
+        f"{_OWNER}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head', an RMSNorm: "
+        "HunYuan's), but got qk_norm_after_rope=True, qk_norm=True, qk_norm_over='head', qk_norm_centred=True.",
+    ),
+    "an output gate with clip_qkv": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, output_gate=True, clip_qkv=8.0),
+        f"{_OWNER}: output_gate=True with a QK-norm over every head or clip_qkv: no model computes them together, "
+        "and the gate's place among them is not known.",
+    ),
+    **{
+        f"chunk_size={size!r}": (
+            functools.partial(ssm.MultiHeadAttention, 16, 4, 2, chunk_size=size),
+            f"{_OWNER}: chunk_size must be a positive int (Llama 4: 8192), but got {size!r}.",
+        )
+        for size in (True, 2.5, 0)
+    },
+    "positions without RoPE": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2)(torch.randn(1, 3, 16), positions=torch.arange(3)[None]),
+        "MultiHeadAttention.forward(): positions were given, but this module has no rotary embeddings "
+        "(rope_theta=None): nothing would use them. Build it with rope_theta=..., or drop positions.",
+    ),
+    "a cache keeping a narrower window": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, window=4)(
+            torch.randn(1, 3, 16), kv_cache=ssm.KVCache(1, 2, 8, 4, dtype=torch.float32, window=2)
+        ),
+        "MultiHeadAttention.forward(): kv_cache keeps a window of 2 positions, but the module attends over a window "
+        "of 4; it would have dropped keys the module needs. Make it with module.new_cache(batch, capacity).",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MODULE_REFUSALS)
+def test_a_module_refusal_is_a_config_or_shape_error_saying_what_was_given_and_the_fix(case: str) -> None:
+    """Options that do not go together, a chunk size that is not a positive int (a bool is not one), positions no
+    rotary embedding reads and a cache that drops keys are refused when made or called, each with its whole sentence:
+    what was given and what to do instead."""
+    call, first = MODULE_REFUSALS[case]
+    with pytest.raises((ssm.ConfigError, ssm.ShapeError)) as caught:
+        call()
+    assert str(caught.value).splitlines()[0] == first
