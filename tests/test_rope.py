@@ -100,7 +100,6 @@ def test_a_rope_module_fit_for_torchs_fused_kernel_still_rotates_without_grad(
     torch.testing.assert_close(without_grad, with_grad, **F64)
 
 
-
 def test_a_partial_rotary_over_adjacent_pairs_equals_the_reference_where_pairs_and_halves_differ() -> None:
     """rope_dim=4 of d_head=8 over adjacent pairs (0, 1), (2, 3) (GLM): the module == the per-head reference rotating
     those pairs, and != the one rotating the halves' pairs (0, 2), (1, 3) (with rope_dim=2 the two are one pair)."""
@@ -114,6 +113,7 @@ def test_a_partial_rotary_over_adjacent_pairs_equals_the_reference_where_pairs_a
     out = module(x, is_causal=True)
     torch.testing.assert_close(out, reference["interleaved"], **F64)
     assert not torch.allclose(out, reference["half"])
+
 
 def test_rotary_errors_name_what_is_wrong() -> None:
     module = ssm.MultiHeadAttention(32, 4, rope_theta=10000.0)

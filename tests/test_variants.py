@@ -540,7 +540,6 @@ def test_alibi_weights_a_key_d_positions_back_by_minus_d_times_its_heads_slope()
         ssm.MultiHeadAttention(16, 8, alibi="yes")  # pyright: ignore[reportArgumentType]
 
 
-
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16, torch.float64])
 def test_the_alibi_slopes_are_in_the_modules_dtype(dtype: torch.dtype | None) -> None:
     """The slopes buffer is held in the dtype of the parameters (the default dtype where none is given), as every
@@ -549,6 +548,7 @@ def test_the_alibi_slopes_are_in_the_modules_dtype(dtype: torch.dtype | None) ->
     assert module.alibi_slopes is not None
     assert module.alibi_slopes.dtype == module.q_proj.weight.dtype == (dtype or torch.get_default_dtype())
     assert module.state_dict()["alibi_slopes"].dtype == module.q_proj.weight.dtype
+
 
 # Each option away from its default, with the options it needs (rope_dim and the pairs need RoPE, the QK-norm's
 # options a QK-norm); the repr must show these arguments, as given, and nothing else beyond the sizes.
