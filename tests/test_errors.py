@@ -732,6 +732,15 @@ MODULE_REFUSALS = {
         )
         for size in (True, 2.5, 0)
     },
+    "no KV heads": (
+        lambda: ssm.MultiHeadAttention(16, 4, 0),
+        "MultiHeadAttention(d_model=16, num_heads=4, num_kv_heads=0): num_kv_heads must be a positive int, but got 0.",
+    ),
+    "a rotary width of 1, whose only even neighbour is above it": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, rope_theta=1e4, rope_dim=1),
+        f"{_OWNER}: rope_dim=1, but the rotary part of a head must be an even int in [2, d_head=4] (for example 2): "
+        "rotary embeddings rotate pairs of a head's features.",
+    ),
     "positions without RoPE": (
         lambda: ssm.MultiHeadAttention(16, 4, 2)(torch.randn(1, 3, 16), positions=torch.arange(3)[None]),
         "MultiHeadAttention.forward(): positions were given, but this module has no rotary embeddings "
@@ -749,9 +758,9 @@ MODULE_REFUSALS = {
 
 @pytest.mark.parametrize("case", MODULE_REFUSALS)
 def test_a_module_refusal_is_a_config_or_shape_error_saying_what_was_given_and_the_fix(case: str) -> None:
-    """Options that do not go together, a chunk size that is not a positive int (a bool is not one), positions no
-    rotary embedding reads and a cache that drops keys are refused when made or called, each with its whole sentence:
-    what was given and what to do instead."""
+    """Options that do not go together, a size that is not a positive int (a bool is not one; a rotary width's
+    message suggests the nearest even one that fits), positions no rotary embedding reads and a cache that drops
+    keys are refused when made or called, each with its whole sentence: what was given and what to do instead."""
     call, first = MODULE_REFUSALS[case]
     with pytest.raises((ssm.ConfigError, ssm.ShapeError)) as caught:
         call()
