@@ -302,8 +302,10 @@ def test_rope_with_cross_attention_is_refused_as_not_supported() -> None:
 def test_vmap_with_a_cache_is_a_shape_error_not_a_torch_error(kind: str) -> None:
     """A cache is one buffer for the batch; writing it from vmapped slices was torch's in-place RuntimeError
     (the module checked first: once without a verdict, once after one)."""
-    module: Any = ssm.MultiHeadAttention(16, 4, 2) if kind == "multi-head" else ssm.LatentAttention(
-        16, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4
+    module: Any = (
+        ssm.MultiHeadAttention(16, 4, 2)
+        if kind == "multi-head"
+        else ssm.LatentAttention(16, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4)
     )
     for _ in range(2):
         cache = module.new_cache(1, 8)
@@ -578,8 +580,9 @@ def test_a_verdict_remembered_outside_autocast_does_not_cover_a_call_inside_it()
     cache = module.new_cache(1, 8)
     module(torch.randn(1, 2, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
     module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
-        ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"),
     ):
         module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
     assert len(cache) == 3
@@ -753,7 +756,6 @@ def test_a_mask_over_the_first_step_only_is_refused_at_the_second(name: str) -> 
     assert len(cache) == 1
 
 
-
 def test_a_verdict_for_integer_positions_is_none_for_float_ones() -> None:
     """Float positions would turn queries and keys unchecked as well as integer ones do; after a call with integer
     positions they are still refused, as on a fresh module."""
@@ -765,7 +767,6 @@ def test_a_verdict_for_integer_positions_is_none_for_float_ones() -> None:
             warm(x, positions=positions.float())
 
 
-
 def test_a_verdict_under_float16_autocast_does_not_cover_a_call_under_bfloat16_autocast() -> None:
     """Under float16 autocast a float32 module decodes into a float16 cache; under bfloat16 autocast the same call
     computes bfloat16 keys, which that cache does not hold: refused, as on a fresh module, the cache as it was."""
@@ -774,8 +775,9 @@ def test_a_verdict_under_float16_autocast_does_not_cover_a_call_under_bfloat16_a
     with torch.autocast("cpu", dtype=torch.float16):
         module(torch.randn(1, 2, 16), is_causal=True, kv_cache=cache)
         module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
-        ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"),
     ):
         module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
     assert len(cache) == 3
@@ -802,3 +804,24 @@ def test_a_verdict_for_a_full_size_argument_is_none_for_one_that_broadcasts(name
     for warm in (ssm.MultiHeadAttention(16, 4, 2, **rope), module):
         with pytest.raises(ssm.ShapeError, match=message):
             warm(x, **{name: broadcast})
+
+
+class _FirstSequenceOnly(ssm.KVCache):
+    """A cache whose write hands back the first sequence's keys and values only: a bug in the cache's own type."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, owner: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().write(k, v, owner)
+        return keys[:1], values[:1]
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_a_verdict_for_a_plain_cache_is_none_for_a_subclass_of_it(num_kv_heads: int) -> None:
+    """The cache's type is part of what a verdict covers: after a call into a plain KVCache, the same call into a
+    subclass whose write differs is checked as on a fresh module, a ShapeError, not run unchecked (attention would
+    broadcast the one sequence's keys over the batch and return an output of the right shape)."""
+    module, x = ssm.MultiHeadAttention(16, 4, num_kv_heads), torch.randn(2, 3, 16)
+    module(x, is_causal=True, kv_cache=module.new_cache(2, 8))
+    message = r"cache returned a wrong value: the result has batch=1 \(axis 0\), but query set batch=2"
+    for warm in (ssm.MultiHeadAttention(16, 4, num_kv_heads), module):
+        with pytest.raises(ssm.ShapeError, match=message):
+            warm(x, is_causal=True, kv_cache=_FirstSequenceOnly(2, num_kv_heads, 8, 4, dtype=torch.float32))
