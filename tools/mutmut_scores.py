@@ -452,6 +452,21 @@ EQUIVALENT: dict[str, str] = {
         "kv_seq keyed also without a mask: a finer key (more calls checked, never fewer), and without a mask no check "
         "reads kv_seq, so the calls it tells apart pass their checks alike"
     ),
+    # sampled run of 2026-12-03 (branch mut-mh, seed 28)
+    f"{_MH}x_forward_key__mutmut_50": (
+        "the empty-rows flag made true also where seq equals kv_len: that equality is in the key already (the "
+        "relations number equal sizes alike; with key the query it is constant), and with a cache it then only sets "
+        "an empty cache's calls apart, a finer key"
+    ),
+    f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_407": (
+        "window left out of the constants the relational key keeps literal: no check compares a size with it (the "
+        "session's dimensions are the module's sizes and rope_dim; the window is a value the mask reads, and a "
+        "cache's window is in the key's structure)"
+    ),
+    f"{_MH}x__precheck_forward__mutmut_37": (
+        "drops arg='key' of the rotary cross-attention refusal: the forward's precheck runs at top level (never "
+        "prefixed) and its explain hook adds nothing for key or None with kv_seq, so the same message"
+    ),
     # --- prove ---
     f"{_P}xǁ_Decodeǁforward__mutmut_12": _ROOM,
     f"{_P}xǁ_LatentDecodeǁforward__mutmut_17": _ROOM,
