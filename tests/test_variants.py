@@ -603,3 +603,17 @@ def test_gate_weights_of_a_module_without_a_gate_is_a_config_error_saying_so() -
     message = r"^MultiHeadAttention\.gate_weights\(\): this module has no output gate \(output_gate=False\)\.$"
     with pytest.raises(ssm.ConfigError, match=message):
         ssm.MultiHeadAttention(32, 4, 2).gate_weights()
+
+
+def test_a_gated_module_without_biases_gives_its_query_and_gate_rows_and_no_bias() -> None:
+    """bias=False with an output gate: weights() and gate_weights() hand back each head's query rows and gate rows of
+    q_proj (interleaved per head in it) with None for their biases, and the module equals the reference given them."""
+    module = ssm.MultiHeadAttention(16, 4, 2, bias=False, output_gate=True, dtype=torch.float64)
+    rows = module.q_proj.weight.unflatten(0, (4, 2, 4))
+    weights, (gate, gate_bias) = module.weights(), module.gate_weights()
+    assert weights.b_q is None and gate_bias is None
+    assert torch.equal(weights.w_q, rows[:, 0].flatten(0, 1)) and torch.equal(gate, rows[:, 1].flatten(0, 1))
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    expected = per_head_attention(x, x, x, weights, num_heads=4, num_kv_heads=2, is_causal=True,
+                                  output_gate=(gate, gate_bias))  # fmt: skip
+    torch.testing.assert_close(module(x, is_causal=True), expected, **F64)
