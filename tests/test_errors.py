@@ -736,6 +736,10 @@ MODULE_REFUSALS = {
         lambda: ssm.MultiHeadAttention(16, 4, 0),
         "MultiHeadAttention(d_model=16, num_heads=4, num_kv_heads=0): num_kv_heads must be a positive int, but got 0.",
     ),
+    "a head width of 0": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, d_head=0),
+        f"{_OWNER}: d_head must be a positive int, but got 0.",
+    ),
     "a rotary width of 1, whose only even neighbour is above it": (
         lambda: ssm.MultiHeadAttention(16, 4, 2, rope_theta=1e4, rope_dim=1),
         f"{_OWNER}: rope_dim=1, but the rotary part of a head must be an even int in [2, d_head=4] (for example 2): "
