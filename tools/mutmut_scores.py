@@ -458,6 +458,11 @@ EQUIVALENT: dict[str, str] = {
         "relations number equal sizes alike; with key the query it is constant), and with a cache it then only sets "
         "an empty cache's calls apart, a finer key"
     ),
+    f"{_MH}x_forward_key__mutmut_17": (
+        "a window cache's kept positions after the write keyed as kept - new for kept + new: no check reads them (the "
+        "write's result binds kv_seq itself, masks are checked against seen + new, kv_len in the key, before they are "
+        "cut to the kept positions), so the calls the key merges pass their checks alike"
+    ),
     f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_407": (
         "window left out of the constants the relational key keeps literal: no check compares a size with it (the "
         "session's dimensions are the module's sizes and rope_dim; the window is a value the mask reads, and a "
