@@ -468,9 +468,17 @@ EQUIVALENT: dict[str, str] = {
         "session's dimensions are the module's sizes and rope_dim; the window is a value the mask reads, and a "
         "cache's window is in the key's structure)"
     ),
-    f"{_MH}x__precheck_forward__mutmut_37": (
-        "drops arg='key' of the rotary cross-attention refusal: the forward's precheck runs at top level (never "
-        "prefixed) and its explain hook adds nothing for key or None with kv_seq, so the same message"
+    **{
+        f"{_MH}x__precheck_forward__mutmut_{n}": (
+            "drops or renames arg='key' of the rotary cross-attention refusal: the forward's precheck runs at top "
+            "level (never prefixed) and its explain hook adds nothing for that arg with kv_seq, so the same message"
+        )
+        for n in (37, 44)
+    },
+    f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_405": (
+        "num_heads / d_head for num_heads * d_head among the key's constants: no argument's size is checked against "
+        "the query projection's width (inputs against d_model, a cache against num_kv_heads and d_head); only the "
+        "projections' weights have it, and their shapes are in the key through module_state"
     ),
     # --- prove ---
     f"{_P}xǁ_Decodeǁforward__mutmut_12": _ROOM,
