@@ -475,6 +475,11 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (37, 44)
     },
+    f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_412": (
+        "rope_dim left out of the key's constants (None put in instead, which no size equals): no argument of the "
+        "forward has a d_rope axis (it sizes only the tables and the rotated part, made inside), so no check compares "
+        "an argument's size with it"
+    ),
     f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_405": (
         "num_heads / d_head for num_heads * d_head among the key's constants: no argument's size is checked against "
         "the query projection's width (inputs against d_model, a cache against num_kv_heads and d_head); only the "
