@@ -745,6 +745,14 @@ MODULE_REFUSALS = {
         f"{_OWNER}: rope_dim=1, but the rotary part of a head must be an even int in [2, d_head=4] (for example 2): "
         "rotary embeddings rotate pairs of a head's features.",
     ),
+    **{
+        f"rope_dim={width!r}, not an int": (
+            functools.partial(ssm.MultiHeadAttention, 16, 4, 2, rope_theta=1e4, rope_dim=width),
+            f"{_OWNER}: rope_dim={width!r}, but the rotary part of a head must be an even int in [2, d_head=4]: "
+            "rotary embeddings rotate pairs of a head's features.",
+        )
+        for width in (True, "4")  # no width suggested: neither has int neighbours
+    },
     "positions without RoPE": (
         lambda: ssm.MultiHeadAttention(16, 4, 2)(torch.randn(1, 3, 16), positions=torch.arange(3)[None]),
         "MultiHeadAttention.forward(): positions were given, but this module has no rotary embeddings "

@@ -480,6 +480,10 @@ EQUIVALENT: dict[str, str] = {
         "forward has a d_rope axis (it sizes only the tables and the rotated part, made inside), so no check compares "
         "an argument's size with it"
     ),
+    f"{_MH}x__precheck_forward__mutmut_65": (
+        "drops arg='kv_cache' of the narrower-window cache refusal: the forward's precheck runs at top level (never "
+        "prefixed) and its explain hook adds nothing for kv_cache or None, so the same message"
+    ),
     f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_405": (
         "num_heads / d_head for num_heads * d_head among the key's constants: no argument's size is checked against "
         "the query projection's width (inputs against d_model, a cache against num_kv_heads and d_head); only the "
