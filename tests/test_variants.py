@@ -617,3 +617,30 @@ def test_a_gated_module_without_biases_gives_its_query_and_gate_rows_and_no_bias
     expected = per_head_attention(x, x, x, weights, num_heads=4, num_kv_heads=2, is_causal=True,
                                   output_gate=(gate, gate_bias))  # fmt: skip
     torch.testing.assert_close(module(x, is_causal=True), expected, **F64)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"qk_norm": True},
+        {"window": 2},
+        {"logit_softcap": 0.5},
+        {"query_pre_attn_scalar": 2.0},
+        {"attention_sinks": True},
+        {"clip_qkv": 0.1},
+        {"output_gate": True},
+    ],
+    ids=lambda options: next(iter(options)),
+)
+def test_a_variant_module_fit_for_torchs_fused_kernel_still_computes_its_variant_without_grad(
+    options: dict[str, Any],
+) -> None:
+    """Biased MHA whose heads tile d_model, in eval, not causal, under no_grad: what torch's fused MHA kernel needs,
+    but that kernel computes none of these variants, so the no-grad output is still the grad-mode one."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, bias=True, dtype=torch.float64, **options).eval()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    with_grad = module(x)
+    with torch.no_grad():
+        without_grad = module(x)
+    torch.testing.assert_close(without_grad, with_grad, **F64)
