@@ -60,6 +60,24 @@ def test_detail_lines_give_named_shapes_and_bound_dimensions() -> None:
     assert any(line.startswith("Bound so far:") and "d_head=64 (q)" in line for line in lines)
 
 
+
+def test_a_modules_detail_lines_show_every_tensor_it_was_called_with_masks_included() -> None:
+    """A module call's mistake lists each tensor argument it was given (the mask at fault among them), as given."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    padding = torch.zeros(2, 3, dtype=torch.bool)
+    with pytest.raises(ssm.ShapeError) as caught:
+        module(torch.randn(2, 3, 16), attn_mask=torch.ones(3, 5, dtype=torch.bool), key_padding_mask=padding)
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "MultiHeadAttention.forward(): attn_mask has kv_seq=5 (axis 1), but key set kv_seq=3."
+    assert lines[1:6] == [
+        "Called with:",
+        "  query: f32[batch=2, seq=3, d_model=16]",
+        "  key: f32[batch=2, kv_seq=3, d_model=16]",
+        "  value: f32[batch=2, kv_seq=3, d_model=16]",
+        "  attn_mask: bool[3, 5]",
+    ]
+    assert lines[6].startswith("  key_padding_mask: bool[")
+
 @pytest.mark.parametrize("mask", ["key_padding_mask", "attn_mask"])
 def test_a_cached_call_names_the_cache_plus_key_as_what_set_kv_seq(mask: str) -> None:
     """With a cache, kv_seq is the cached positions plus the new key: a mask of another length is told so, with

@@ -484,6 +484,10 @@ EQUIVALENT: dict[str, str] = {
         "drops arg='kv_cache' of the narrower-window cache refusal: the forward's precheck runs at top level (never "
         "prefixed) and its explain hook adds nothing for kv_cache or None, so the same message"
     ),
+    f"{_MH}xǁMultiHeadAttentionǁforward__mutmut_18": (
+        "jit_tracing not passed to choose_path: without it choose_path asks torch.jit.is_tracing() itself, the answer "
+        "the forward got a line before"
+    ),
     f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_405": (
         "num_heads / d_head for num_heads * d_head among the key's constants: no argument's size is checked against "
         "the query projection's width (inputs against d_model, a cache against num_kv_heads and d_head); only the "
