@@ -262,6 +262,25 @@ def test_partial_rotary_errors_name_the_table_and_d_rope() -> None:
         ssm.apply_partial_rotary(q, k, cos.float(), sin.float()[..., :2])
 
 
+
+@pytest.mark.parametrize(("rope_dim", "first", "bound"), [
+    (4, "the result has d_rope=2 (axis 2), but the module set d_rope=4.", "(the module), d_rope=4 (the module),"),
+    (None, "the result has d_head=4 (axis 2), but the module set d_head=8.", "(the module), batch=1 (query),"),
+], ids=["partial", "full"])  # fmt: skip
+def test_a_rotary_submodule_of_another_width_is_refused_by_the_modules_rotated_width(
+    rope_dim: int | None, first: str, bound: str
+) -> None:
+    """A rotary submodule swapped for a narrower one makes tables the module's rotated width does not fit: refused,
+    against d_rope (the module's rope_dim, bound by the module where it is partial) or d_head (full rotary, where
+    the module binds no d_rope)."""
+    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=rope_dim)
+    module.rotary = ssm.RotaryEmbedding(2 if rope_dim else 4)
+    with pytest.raises(ssm.ShapeError) as caught:
+        module(torch.randn(1, 5, 32))
+    lines = str(caught.value).splitlines()
+    assert lines[0] == f"MultiHeadAttention.forward(): rotary returned a wrong value: {first}"
+    assert lines[-1].startswith("Bound so far: ") and bound in lines[-1]
+
 def test_partial_rotary_module_reports_its_options() -> None:
     module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=4, rope_interleaved=True)
     assert "rope_dim=4, rope_interleaved=True" in repr(module)
