@@ -281,6 +281,20 @@ def test_a_rotary_submodule_of_another_width_is_refused_by_the_modules_rotated_w
     assert lines[0] == f"MultiHeadAttention.forward(): rotary returned a wrong value: {first}"
     assert lines[-1].startswith("Bound so far: ") and bound in lines[-1]
 
+
+def test_an_odd_head_width_is_refused_by_the_module_for_full_rotary_and_taken_for_partial() -> None:
+    """Full rotary pairs every feature of a head, so an odd d_head is the module's ConfigError (its own sizes named,
+    even widths suggested); partial rotary pairs only the first rope_dim, so d_head=9 with rope_dim=4 computes."""
+    message = (
+        "MultiHeadAttention(d_model=36, num_heads=4, num_kv_heads=2): d_head=9 is odd, but rotary embeddings rotate "
+        "pairs of features; use an even d_head (for example 8 or 10)."
+    )
+    with pytest.raises(ssm.ConfigError) as caught:
+        ssm.MultiHeadAttention(36, 4, 2, d_head=9, rope_theta=1e4)
+    assert str(caught.value) == message
+    partial = ssm.MultiHeadAttention(36, 4, 2, d_head=9, rope_theta=1e4, rope_dim=4)
+    assert partial(torch.randn(1, 3, 36)).shape == (1, 3, 36)
+
 def test_partial_rotary_module_reports_its_options() -> None:
     module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=4, rope_interleaved=True)
     assert "rope_dim=4, rope_interleaved=True" in repr(module)
