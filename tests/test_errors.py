@@ -750,6 +750,10 @@ MODULE_REFUSALS = {
         )
         for size in (True, 2.5, 0)
     },
+    "no model width": (
+        lambda: ssm.MultiHeadAttention(0, 4, 2),
+        "MultiHeadAttention(d_model=0, num_heads=4, num_kv_heads=2): d_model must be a positive int, but got 0.",
+    ),
     "no KV heads": (
         lambda: ssm.MultiHeadAttention(16, 4, 0),
         "MultiHeadAttention(d_model=16, num_heads=4, num_kv_heads=0): num_kv_heads must be a positive int, but got 0.",
