@@ -629,6 +629,8 @@ def test_a_gated_module_without_biases_gives_its_query_and_gate_rows_and_no_bias
         {"attention_sinks": True},
         {"clip_qkv": 0.1},
         {"output_gate": True},
+        {"temperature_tuning": (2, 0.5)},
+        {"chunk_size": 2},
     ],
     ids=lambda options: next(iter(options)),
 )
