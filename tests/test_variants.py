@@ -638,7 +638,8 @@ def test_a_variant_module_fit_for_torchs_fused_kernel_still_computes_its_variant
     options: dict[str, Any],
 ) -> None:
     """Biased MHA whose heads tile d_model, in eval, not causal, under no_grad: what torch's fused MHA kernel needs,
-    but that kernel computes none of these variants, so the no-grad output is still the grad-mode one."""
+    but that kernel computes none of these variants (nor Llama 4's temperature tuning or chunks), so the
+    no-grad output is still the grad-mode one."""
     torch.manual_seed(0)
     module = ssm.MultiHeadAttention(32, 4, bias=True, dtype=torch.float64, **options).eval()
     x = torch.randn(2, 7, 32, dtype=torch.float64)
