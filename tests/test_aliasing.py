@@ -116,3 +116,10 @@ def test_the_trace_observes_a_copying_split(monkeypatch: pytest.MonkeyPatch) -> 
     report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=6))
     split_q = next(s for s in report.stages if s.name == "split_q")
     assert split_q.aliases is None and split_q.allocated_bytes >= split_q.nbytes
+
+
+def test_the_trace_opens_with_the_query_by_its_named_dimensions() -> None:
+    """The first row of a module's trace is its input, the query, named (batch, seq, d_model) with the sizes given."""
+    report = ssm.trace_forward(ssm.TraceConfig(d_model=64, num_heads=8, num_kv_heads=2, seq=6))
+    first = report.stages[0]
+    assert (first.name, first.named_shape, tuple(first.shape)) == ("query", "batch seq d_model", (1, 6, 64))

@@ -60,6 +60,24 @@ def test_detail_lines_give_named_shapes_and_bound_dimensions() -> None:
     assert any(line.startswith("Bound so far:") and "d_head=64 (q)" in line for line in lines)
 
 
+
+def test_a_modules_detail_lines_show_every_tensor_it_was_called_with_masks_included() -> None:
+    """A module call's mistake lists each tensor argument it was given (the mask at fault among them), as given."""
+    module = ssm.MultiHeadAttention(16, 4, 2)
+    padding = torch.zeros(2, 3, dtype=torch.bool)
+    with pytest.raises(ssm.ShapeError) as caught:
+        module(torch.randn(2, 3, 16), attn_mask=torch.ones(3, 5, dtype=torch.bool), key_padding_mask=padding)
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "MultiHeadAttention.forward(): attn_mask has kv_seq=5 (axis 1), but key set kv_seq=3."
+    assert lines[1:6] == [
+        "Called with:",
+        "  query: f32[batch=2, seq=3, d_model=16]",
+        "  key: f32[batch=2, kv_seq=3, d_model=16]",
+        "  value: f32[batch=2, kv_seq=3, d_model=16]",
+        "  attn_mask: bool[3, 5]",
+    ]
+    assert lines[6].startswith("  key_padding_mask: bool[")
+
 @pytest.mark.parametrize("mask", ["key_padding_mask", "attn_mask"])
 def test_a_cached_call_names_the_cache_plus_key_as_what_set_kv_seq(mask: str) -> None:
     """With a cache, kv_seq is the cached positions plus the new key: a mask of another length is told so, with
@@ -706,3 +724,78 @@ def test_a_forward_mistake_gets_the_hint_of_its_own_cause_and_no_other(case: str
     with pytest.raises(ssm.ShapeError) as caught:
         _forward(ssm.MultiHeadAttention(16, 4, 2, **options), *sizes, cached=cached)
     assert str(caught.value).splitlines()[0] == f"MultiHeadAttention.forward(): {first}"
+
+
+_OWNER = "MultiHeadAttention(d_model=16, num_heads=4, num_kv_heads=2)"
+MODULE_REFUSALS = {
+    "QK-norm after RoPE without a QK-norm": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, qk_norm_after_rope=True),
+        f"{_OWNER}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head', an RMSNorm: "
+        "HunYuan's), but got qk_norm_after_rope=True, qk_norm=False, qk_norm_over='head'.",
+    ),
+    "QK-norm after RoPE with a centred norm": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, qk_norm=True, qk_norm_centred=True, qk_norm_after_rope=True),
+        f"{_OWNER}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head', an RMSNorm: "
+        "HunYuan's), but got qk_norm_after_rope=True, qk_norm=True, qk_norm_over='head', qk_norm_centred=True.",
+    ),
+    "an output gate with clip_qkv": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, output_gate=True, clip_qkv=8.0),
+        f"{_OWNER}: output_gate=True with a QK-norm over every head or clip_qkv: no model computes them together, "
+        "and the gate's place among them is not known.",
+    ),
+    **{
+        f"chunk_size={size!r}": (
+            functools.partial(ssm.MultiHeadAttention, 16, 4, 2, chunk_size=size),
+            f"{_OWNER}: chunk_size must be a positive int (Llama 4: 8192), but got {size!r}.",
+        )
+        for size in (True, 2.5, 0)
+    },
+    "no model width": (
+        lambda: ssm.MultiHeadAttention(0, 4, 2),
+        "MultiHeadAttention(d_model=0, num_heads=4, num_kv_heads=2): d_model must be a positive int, but got 0.",
+    ),
+    "no KV heads": (
+        lambda: ssm.MultiHeadAttention(16, 4, 0),
+        "MultiHeadAttention(d_model=16, num_heads=4, num_kv_heads=0): num_kv_heads must be a positive int, but got 0.",
+    ),
+    "a head width of 0": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, d_head=0),
+        f"{_OWNER}: d_head must be a positive int, but got 0.",
+    ),
+    "a rotary width of 1, whose only even neighbour is above it": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, rope_theta=1e4, rope_dim=1),
+        f"{_OWNER}: rope_dim=1, but the rotary part of a head must be an even int in [2, d_head=4] (for example 2): "
+        "rotary embeddings rotate pairs of a head's features.",
+    ),
+    **{
+        f"rope_dim={width!r}, not an int": (
+            functools.partial(ssm.MultiHeadAttention, 16, 4, 2, rope_theta=1e4, rope_dim=width),
+            f"{_OWNER}: rope_dim={width!r}, but the rotary part of a head must be an even int in [2, d_head=4]: "
+            "rotary embeddings rotate pairs of a head's features.",
+        )
+        for width in (True, "4")  # no width suggested: neither has int neighbours
+    },
+    "positions without RoPE": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2)(torch.randn(1, 3, 16), positions=torch.arange(3)[None]),
+        "MultiHeadAttention.forward(): positions were given, but this module has no rotary embeddings "
+        "(rope_theta=None): nothing would use them. Build it with rope_theta=..., or drop positions.",
+    ),
+    "a cache keeping a narrower window": (
+        lambda: ssm.MultiHeadAttention(16, 4, 2, window=4)(
+            torch.randn(1, 3, 16), kv_cache=ssm.KVCache(1, 2, 8, 4, dtype=torch.float32, window=2)
+        ),
+        "MultiHeadAttention.forward(): kv_cache keeps a window of 2 positions, but the module attends over a window "
+        "of 4; it would have dropped keys the module needs. Make it with module.new_cache(batch, capacity).",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MODULE_REFUSALS)
+def test_a_module_refusal_is_a_config_or_shape_error_saying_what_was_given_and_the_fix(case: str) -> None:
+    """Options that do not go together, a size that is not a positive int (a bool is not one; a rotary width's
+    message suggests the nearest even one that fits), positions no rotary embedding reads and a cache that drops
+    keys are refused when made or called, each with its whole sentence: what was given and what to do instead."""
+    call, first = MODULE_REFUSALS[case]
+    with pytest.raises((ssm.ConfigError, ssm.ShapeError)) as caught:
+        call()
+    assert str(caught.value).splitlines()[0] == first

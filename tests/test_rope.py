@@ -100,6 +100,21 @@ def test_a_rope_module_fit_for_torchs_fused_kernel_still_rotates_without_grad(
     torch.testing.assert_close(without_grad, with_grad, **F64)
 
 
+def test_a_partial_rotary_over_adjacent_pairs_equals_the_reference_where_pairs_and_halves_differ() -> None:
+    """rope_dim=4 of d_head=8 over adjacent pairs (0, 1), (2, 3) (GLM): the module == the per-head reference rotating
+    those pairs, and != the one rotating the halves' pairs (0, 2), (1, 3) (with rope_dim=2 the two are one pair)."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=10000.0, rope_dim=4, rope_interleaved=True,
+                                    dtype=torch.float64)  # fmt: skip
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    reference = {style: per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=2, is_causal=True,
+                                           rope_theta=10000.0, rotary_dim=4, rope_style=style)
+                 for style in ("interleaved", "half")}  # fmt: skip
+    out = module(x, is_causal=True)
+    torch.testing.assert_close(out, reference["interleaved"], **F64)
+    assert not torch.allclose(out, reference["half"])
+
+
 def test_rotary_errors_name_what_is_wrong() -> None:
     module = ssm.MultiHeadAttention(32, 4, rope_theta=10000.0)
     x = torch.randn(2, 5, 32)
@@ -246,6 +261,39 @@ def test_partial_rotary_errors_name_the_table_and_d_rope() -> None:
     with pytest.raises(ssm.ShapeError, match=r"sin has d_rope=2"):
         ssm.apply_partial_rotary(q, k, cos.float(), sin.float()[..., :2])
 
+
+
+@pytest.mark.parametrize(("rope_dim", "first", "bound"), [
+    (4, "the result has d_rope=2 (axis 2), but the module set d_rope=4.", "(the module), d_rope=4 (the module),"),
+    (None, "the result has d_head=4 (axis 2), but the module set d_head=8.", "(the module), batch=1 (query),"),
+], ids=["partial", "full"])  # fmt: skip
+def test_a_rotary_submodule_of_another_width_is_refused_by_the_modules_rotated_width(
+    rope_dim: int | None, first: str, bound: str
+) -> None:
+    """A rotary submodule swapped for a narrower one makes tables the module's rotated width does not fit: refused,
+    against d_rope (the module's rope_dim, bound by the module where it is partial) or d_head (full rotary, where
+    the module binds no d_rope)."""
+    module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=rope_dim)
+    module.rotary = ssm.RotaryEmbedding(2 if rope_dim else 4)
+    with pytest.raises(ssm.ShapeError) as caught:
+        module(torch.randn(1, 5, 32))
+    lines = str(caught.value).splitlines()
+    assert lines[0] == f"MultiHeadAttention.forward(): rotary returned a wrong value: {first}"
+    assert lines[-1].startswith("Bound so far: ") and bound in lines[-1]
+
+
+def test_an_odd_head_width_is_refused_by_the_module_for_full_rotary_and_taken_for_partial() -> None:
+    """Full rotary pairs every feature of a head, so an odd d_head is the module's ConfigError (its own sizes named,
+    even widths suggested); partial rotary pairs only the first rope_dim, so d_head=9 with rope_dim=4 computes."""
+    message = (
+        "MultiHeadAttention(d_model=36, num_heads=4, num_kv_heads=2): d_head=9 is odd, but rotary embeddings rotate "
+        "pairs of features; use an even d_head (for example 8 or 10)."
+    )
+    with pytest.raises(ssm.ConfigError) as caught:
+        ssm.MultiHeadAttention(36, 4, 2, d_head=9, rope_theta=1e4)
+    assert str(caught.value) == message
+    partial = ssm.MultiHeadAttention(36, 4, 2, d_head=9, rope_theta=1e4, rope_dim=4)
+    assert partial(torch.randn(1, 3, 36)).shape == (1, 3, 36)
 
 def test_partial_rotary_module_reports_its_options() -> None:
     module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=4, rope_interleaved=True)

@@ -540,6 +540,16 @@ def test_alibi_weights_a_key_d_positions_back_by_minus_d_times_its_heads_slope()
         ssm.MultiHeadAttention(16, 8, alibi="yes")  # pyright: ignore[reportArgumentType]
 
 
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16, torch.float64])
+def test_the_alibi_slopes_are_in_the_modules_dtype(dtype: torch.dtype | None) -> None:
+    """The slopes buffer is held in the dtype of the parameters (the default dtype where none is given), as every
+    other tensor of the module is: the state dict saves them so, and a checkpoint's slopes load into that dtype."""
+    module = ssm.MultiHeadAttention(16, 8, 2, alibi=True, dtype=dtype)
+    assert module.alibi_slopes is not None
+    assert module.alibi_slopes.dtype == module.q_proj.weight.dtype == (dtype or torch.get_default_dtype())
+    assert module.state_dict()["alibi_slopes"].dtype == module.q_proj.weight.dtype
+
+
 # Each option away from its default, with the options it needs (rope_dim and the pairs need RoPE, the QK-norm's
 # options a QK-norm); the repr must show these arguments, as given, and nothing else beyond the sizes.
 REPR_OPTIONS: list[dict[str, Any]] = [
@@ -593,3 +603,47 @@ def test_gate_weights_of_a_module_without_a_gate_is_a_config_error_saying_so() -
     message = r"^MultiHeadAttention\.gate_weights\(\): this module has no output gate \(output_gate=False\)\.$"
     with pytest.raises(ssm.ConfigError, match=message):
         ssm.MultiHeadAttention(32, 4, 2).gate_weights()
+
+
+def test_a_gated_module_without_biases_gives_its_query_and_gate_rows_and_no_bias() -> None:
+    """bias=False with an output gate: weights() and gate_weights() hand back each head's query rows and gate rows of
+    q_proj (interleaved per head in it) with None for their biases, and the module equals the reference given them."""
+    module = ssm.MultiHeadAttention(16, 4, 2, bias=False, output_gate=True, dtype=torch.float64)
+    rows = module.q_proj.weight.unflatten(0, (4, 2, 4))
+    weights, (gate, gate_bias) = module.weights(), module.gate_weights()
+    assert weights.b_q is None and gate_bias is None
+    assert torch.equal(weights.w_q, rows[:, 0].flatten(0, 1)) and torch.equal(gate, rows[:, 1].flatten(0, 1))
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    expected = per_head_attention(x, x, x, weights, num_heads=4, num_kv_heads=2, is_causal=True,
+                                  output_gate=(gate, gate_bias))  # fmt: skip
+    torch.testing.assert_close(module(x, is_causal=True), expected, **F64)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"qk_norm": True},
+        {"window": 2},
+        {"logit_softcap": 0.5},
+        {"query_pre_attn_scalar": 2.0},
+        {"attention_sinks": True},
+        {"clip_qkv": 0.1},
+        {"output_gate": True},
+        {"temperature_tuning": (2, 0.5)},
+        {"chunk_size": 2},
+    ],
+    ids=lambda options: next(iter(options)),
+)
+def test_a_variant_module_fit_for_torchs_fused_kernel_still_computes_its_variant_without_grad(
+    options: dict[str, Any],
+) -> None:
+    """Biased MHA whose heads tile d_model, in eval, not causal, under no_grad: what torch's fused MHA kernel needs,
+    but that kernel computes none of these variants (nor Llama 4's temperature tuning or chunks), so the
+    no-grad output is still the grad-mode one."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, bias=True, dtype=torch.float64, **options).eval()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    with_grad = module(x)
+    with torch.no_grad():
+        without_grad = module(x)
+    torch.testing.assert_close(without_grad, with_grad, **F64)

@@ -802,3 +802,24 @@ def test_a_verdict_for_a_full_size_argument_is_none_for_one_that_broadcasts(name
     for warm in (ssm.MultiHeadAttention(16, 4, 2, **rope), module):
         with pytest.raises(ssm.ShapeError, match=message):
             warm(x, **{name: broadcast})
+
+
+class _FirstSequenceOnly(ssm.KVCache):
+    """A cache whose write hands back the first sequence's keys and values only: a bug in the cache's own type."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, owner: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().write(k, v, owner)
+        return keys[:1], values[:1]
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_a_verdict_for_a_plain_cache_is_none_for_a_subclass_of_it(num_kv_heads: int) -> None:
+    """The cache's type is part of what a verdict covers: after a call into a plain KVCache, the same call into a
+    subclass whose write differs is checked as on a fresh module, a ShapeError, not run unchecked (attention would
+    broadcast the one sequence's keys over the batch and return an output of the right shape)."""
+    module, x = ssm.MultiHeadAttention(16, 4, num_kv_heads), torch.randn(2, 3, 16)
+    module(x, is_causal=True, kv_cache=module.new_cache(2, 8))
+    message = r"cache returned a wrong value: the result has batch=1 \(axis 0\), but query set batch=2"
+    for warm in (ssm.MultiHeadAttention(16, 4, num_kv_heads), module):
+        with pytest.raises(ssm.ShapeError, match=message):
+            warm(x, is_causal=True, kv_cache=_FirstSequenceOnly(2, num_kv_heads, 8, 4, dtype=torch.float32))

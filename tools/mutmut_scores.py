@@ -452,6 +452,47 @@ EQUIVALENT: dict[str, str] = {
         "kv_seq keyed also without a mask: a finer key (more calls checked, never fewer), and without a mask no check "
         "reads kv_seq, so the calls it tells apart pass their checks alike"
     ),
+    # sampled run of 2026-12-03 (branch mut-mh, seed 28)
+    f"{_MH}x_forward_key__mutmut_50": (
+        "the empty-rows flag made true also where seq equals kv_len: that equality is in the key already (the "
+        "relations number equal sizes alike; with key the query it is constant), and with a cache it then only sets "
+        "an empty cache's calls apart, a finer key"
+    ),
+    f"{_MH}x_forward_key__mutmut_17": (
+        "a window cache's kept positions after the write keyed as kept - new for kept + new: no check reads them (the "
+        "write's result binds kv_seq itself, masks are checked against seen + new, kv_len in the key, before they are "
+        "cut to the kept positions), so the calls the key merges pass their checks alike"
+    ),
+    f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_407": (
+        "window left out of the constants the relational key keeps literal: no check compares a size with it (the "
+        "session's dimensions are the module's sizes and rope_dim; the window is a value the mask reads, and a "
+        "cache's window is in the key's structure)"
+    ),
+    **{
+        f"{_MH}x__precheck_forward__mutmut_{n}": (
+            "drops or renames arg='key' of the rotary cross-attention refusal: the forward's precheck runs at top "
+            "level (never prefixed) and its explain hook adds nothing for that arg with kv_seq, so the same message"
+        )
+        for n in (37, 44)
+    },
+    f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_412": (
+        "rope_dim left out of the key's constants (None put in instead, which no size equals): no argument of the "
+        "forward has a d_rope axis (it sizes only the tables and the rotated part, made inside), so no check compares "
+        "an argument's size with it"
+    ),
+    f"{_MH}x__precheck_forward__mutmut_65": (
+        "drops arg='kv_cache' of the narrower-window cache refusal: the forward's precheck runs at top level (never "
+        "prefixed) and its explain hook adds nothing for kv_cache or None, so the same message"
+    ),
+    f"{_MH}xǁMultiHeadAttentionǁforward__mutmut_18": (
+        "jit_tracing not passed to choose_path: without it choose_path asks torch.jit.is_tracing() itself, the answer "
+        "the forward got a line before"
+    ),
+    f"{_MH}xǁMultiHeadAttentionǁ__init____mutmut_405": (
+        "num_heads / d_head for num_heads * d_head among the key's constants: no argument's size is checked against "
+        "the query projection's width (inputs against d_model, a cache against num_kv_heads and d_head); only the "
+        "projections' weights have it, and their shapes are in the key through module_state"
+    ),
     # --- prove ---
     f"{_P}xǁ_Decodeǁforward__mutmut_12": _ROOM,
     f"{_P}xǁ_LatentDecodeǁforward__mutmut_17": _ROOM,
