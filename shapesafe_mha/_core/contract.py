@@ -172,7 +172,7 @@ class Stage(Generic[P, R]):
         self.hints = hints
         self.signature = inspect.signature(fn)
         self.fn = fn
-        self.raw = fn if raw is None else raw  # what a remembered forward calls (see `stage`)
+        self.raw: Callable[..., Any] = fn if raw is None else raw  # what a remembered forward calls (see `stage`)
         self.name = name
         self.public = public
         self.trace = trace
