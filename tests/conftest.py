@@ -63,3 +63,23 @@ def _fresh_verdicts() -> None:
     forking the worker that runs it)."""
     for verdicts in _remembering():
         verdicts.forget()
+
+
+@pytest.fixture
+def patch_kernel(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`patch(name, replacement)`: replace `shapesafe_mha._compute.kernels.<name>` where the stages call it and
+    where a remembered forward calls it directly (a stage's `raw`, bound when the modules were imported)."""
+    from shapesafe_mha._compute import kernels
+    from shapesafe_mha._modules import latent, multihead
+
+    def patch(name: str, replacement: Any) -> None:
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, replacement)
+        for module in (multihead, latent):
+            for namespace in vars(module).values():
+                if type(namespace).__name__ == "SimpleNamespace":
+                    for key, value in vars(namespace).items():
+                        if value is original:
+                            monkeypatch.setattr(namespace, key, replacement)
+
+    return patch

@@ -589,3 +589,63 @@ def test_a_size_a_later_stage_binds_is_said_to_come_from_the_users_argument_or_f
             session.call(checking, torch.ones(1, 2, 5))
         line = str(caught.value).splitlines()[0]
         assert line == f"forward(): at check, z has d_extra=5 (axis 2), but {source} set d_extra=3.", options
+
+
+def _stages_with_raw() -> list[Any]:
+    """Every stage of the package whose remembered call skips its body for a `raw` function."""
+    from shapesafe_mha._compute import rotary, stages
+    from shapesafe_mha._core.contract import Stage
+    from shapesafe_mha._modules import latent
+
+    found = {id(v): v for m in (stages, latent, rotary) for v in vars(m).values() if isinstance(v, Stage)}
+    return [s for s in found.values() if s.raw is not s.fn]
+
+
+def test_a_stage_s_raw_is_the_one_call_its_body_makes_with_its_arguments_in_order() -> None:
+    """A remembered forward (and a remembered public stage called positionally) calls a stage's `raw` instead of
+    its body: that is the same computation only where the body is nothing but `return raw(a, b, ...)`, its own
+    parameters in order, none with a default. Each such stage is read here, its source parsed."""
+    import ast
+    import inspect
+    import textwrap
+
+    checked = _stages_with_raw()
+    assert len(checked) >= 15
+    for stage_ in checked:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(stage_.fn)))
+        function = tree.body[0]
+        assert isinstance(function, ast.FunctionDef)
+        body = [b for b in function.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+        assert len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Call)
+        parameters = function.args
+        assert not (parameters.defaults or parameters.kwonlyargs or parameters.vararg or parameters.kwarg)
+        call = body[0].value
+        assert [ast.unparse(a) for a in call.args] == [a.arg for a in parameters.args] and not call.keywords
+        assert eval(ast.unparse(call.func), stage_.fn.__globals__) is stage_.raw, stage_.name
+
+
+def test_the_forwards_call_every_stage_with_a_raw_positionally() -> None:
+    """`raw` may name its parameters otherwise than the stage: the modules' forwards, which call the raw
+    functions through `s`, pass those stages' arguments by position only, all of them."""
+    import ast
+    import inspect
+
+    from shapesafe_mha._modules import latent, multihead
+
+    stages_by_key = {
+        key: stage_
+        for module in (multihead, latent)
+        for key, stage_ in module._STAGES.items()  # what the module's raw namespace is made of
+        if stage_.raw is not stage_.fn
+    }
+    assert stages_by_key
+    calls = 0
+    for module in (multihead, latent):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in stages_by_key:
+                if isinstance(node.func.value, ast.Name) and node.func.value.id == "s":
+                    stage_ = stages_by_key[node.func.attr]
+                    assert not node.keywords and not any(isinstance(a, ast.Starred) for a in node.args)
+                    assert len(node.args) == len(stage_.signature.parameters), node.func.attr
+                    calls += 1
+    assert calls >= 10

@@ -92,7 +92,7 @@ def test_unmeasured_devices_and_older_torch_fold() -> None:
 
 
 @pytest.fixture
-def kernels_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def kernels_taken(monkeypatch: pytest.MonkeyPatch, patch_kernel: Any) -> list[str]:
     """Which kernel each attention ran on: 'native' (torch's GQA), 'folded' (the query groups folded)."""
     taken: list[str] = []
     native, fold = _kernels.sdpa_gqa, _kernels.fold_queries
@@ -105,8 +105,8 @@ def kernels_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         taken.append("folded")
         return fold(grouped)
 
-    monkeypatch.setattr(_kernels, "sdpa_gqa", recording_native)
-    monkeypatch.setattr(_kernels, "fold_queries", recording_fold)
+    patch_kernel("sdpa_gqa", recording_native)
+    patch_kernel("fold_queries", recording_fold)
     return taken
 
 

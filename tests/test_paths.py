@@ -51,7 +51,7 @@ def _paths_of(path: str, query: torch.Tensor, kv_cache: Any, need_weights: bool)
     return found
 
 
-def test_the_module_properties_take_every_execution_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_module_properties_take_every_execution_path(monkeypatch: pytest.MonkeyPatch, patch_kernel: Any) -> None:
     """Module == reference over drawn configs, grad modes, masks, caches and need_weights; every path ran, GQA
     and MQA both on torch's own kernel and folded (need_weights), so the reference checks each."""
     taken: set[str] = set()
@@ -74,8 +74,8 @@ def test_the_module_properties_take_every_execution_path(monkeypatch: pytest.Mon
             taken.add("GQA/MQA folded")
         return fold(grouped)
 
-    monkeypatch.setattr(_kernels, "sdpa_gqa", recording_native)
-    monkeypatch.setattr(_kernels, "fold_queries", recording_fold)
+    patch_kernel("sdpa_gqa", recording_native)
+    patch_kernel("fold_queries", recording_fold)
 
     @settings(max_examples=80, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(data=st.data())

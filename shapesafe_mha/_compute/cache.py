@@ -244,7 +244,7 @@ class KVCache:
             self.keys_buffer[:, :, start:end] = k
             self.values_buffer[:, :, start:end] = v
         self._length = end
-        return self.keys(), self.values()
+        return self.keys_buffer[:, :, :end], self.values_buffer[:, :, :end]  # keys() and values(), inlined
 
     def _slide(self, kept: int) -> None:
         """Move the last `kept` positions to the front, into new buffers (the old stay intact for `restore`)."""

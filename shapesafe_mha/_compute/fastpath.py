@@ -144,16 +144,20 @@ def refuse_under_vmap(tensor: Tensor, owner: str | None) -> None:
         )
 
 
-def plain_linear(module: Any) -> bool:
-    """An `nn.Linear` as torch ships it: no subclass, parametrization, adapter, hook or forward of its own."""
-    return (
-        type(module) is nn.Linear  # parametrize swaps the class; LoRA and quantization replace the module
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-        and not module._backward_hooks
-        and not module._backward_pre_hooks
-        and "forward" not in module.__dict__  # accelerate's offloading hooks replace the instance's forward
-    )
+def plain_linear(*modules: Any) -> bool:
+    """Whether each module is an `nn.Linear` as torch ships it: no subclass, parametrization, adapter, hook or
+    forward of its own. (Several in one call: the fused path asks it of three on every inference call.)"""
+    for module in modules:
+        if not (
+            type(module) is nn.Linear  # parametrize swaps the class; LoRA and quantization replace the module
+            and not module._forward_hooks
+            and not module._forward_pre_hooks
+            and not module._backward_hooks
+            and not module._backward_pre_hooks
+            and "forward" not in module.__dict__  # accelerate's offloading hooks replace the instance's forward
+        ):
+            return False
+    return True
 
 
 def project(proj: nn.Module, x: Tensor) -> Tensor:
@@ -188,25 +192,21 @@ def _stamps(sources: tuple[Tensor | None, ...]) -> tuple[int, ...]:
     return tuple(stamps)
 
 
-def _same(held: tuple[Tensor | None, ...], sources: tuple[Tensor | None, ...]) -> bool:
-    """Whether the six tensors are the ones `held` (by identity, unrolled: this runs on every inference call)."""
-    a, b, c, d, e, f = held
-    s0, s1, s2, s3, s4, s5 = sources
-    return a is s0 and b is s1 and c is s2 and d is s3 and e is s4 and f is s5
-
-
 def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None, rows: tuple[int, int, int]) -> FusedQKV | None:
     """The concatenated projection of three plain linears, reusing `cached` while it is current; else None.
 
     Only weights of exactly `rows` rows and one width are fused (the module's sizes): the fused path splits the
     product by heads, so weights of other widths that add up to the same (rows moved from one to another) would
     be split silently wrong there, where the separate path's checks refuse them."""
-    if not (plain_linear(q) and plain_linear(k) and plain_linear(v)) or global_hooks():
+    if not plain_linear(q, k, v) or global_hooks():
         return None
     qp, kp, vp = q._parameters, k._parameters, v._parameters
     sources = (qp["weight"], kp["weight"], vp["weight"], qp["bias"], kp["bias"], vp["bias"])
-    if cached is not None and _same(cached.sources, sources) and cached.stamps == _stamps(sources):
-        return cached
+    if cached is not None:  # the very tensors it was fused from (by identity, unrolled), unwritten
+        a, b, c, d, e, f = cached.sources
+        s0, s1, s2, s3, s4, s5 = sources
+        if a is s0 and b is s1 and c is s2 and d is s3 and e is s4 and f is s5 and cached.stamps == _stamps(sources):
+            return cached
     weights, biases = sources[:3], sources[3:]
     first = qp["weight"]
     if first is None or any(w is None or w.dtype != first.dtype or w.device != first.device for w in weights):

@@ -22,7 +22,9 @@ def split_fused(qkv: Tensor, num_heads: int, num_kv_heads: int) -> tuple[Tensor,
     Its features are split into heads once and the heads axis into the three: three views, where splitting
     Q, K and V apart first and each into heads takes seven (about 4 us a call on CPU). The same views either
     way (storage, offset, shape, and the strides of every axis longer than 1)."""
-    heads = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, -1)).transpose(1, 2)
+    shape = qkv.shape  # (batch, seq, features): `view`, a call of torch's C API (`unflatten` is Python's)
+    heads_total = num_heads + 2 * num_kv_heads
+    heads = qkv.view(shape[0], shape[1], heads_total, shape[2] // heads_total).transpose(1, 2)
     q, k, v = heads.split_with_sizes([num_heads, num_kv_heads, num_kv_heads], dim=1)  # Tensor.split: a Python wrapper
     return q, k, v
 
@@ -35,7 +37,8 @@ def merge_heads(x: Tensor) -> Tensor:
 
 def group_queries(q: Tensor, num_kv_heads: int) -> Tensor:
     # Query head h reads KV head h // group, so consecutive query heads form a group.
-    return q.unflatten(1, (num_kv_heads, -1))
+    shape = q.shape  # splitting one axis in two is always a view (`unflatten` is a Python call)
+    return q.view(shape[0], num_kv_heads, shape[1] // num_kv_heads, shape[2], shape[3])
 
 
 def fold_queries(grouped: Tensor) -> Tensor:
@@ -44,7 +47,10 @@ def fold_queries(grouped: Tensor) -> Tensor:
 
 
 def unfold(out: Tensor, num_heads: int) -> Tensor:
-    return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
+    """`(batch, num_kv_heads, group * seq, d_head)` folded back to `(batch, num_heads, seq, d_head)`: a view where
+    the layout allows (it does for torch's outputs), else a copy, as `unflatten(...).flatten(1, 2)` does."""
+    shape = out.shape
+    return out.reshape(shape[0], num_heads, shape[2] // (num_heads // shape[1]), shape[3])
 
 
 def tune_temperature(q: Tensor, start: int, floor_scale: int, attn_scale: float) -> Tensor:

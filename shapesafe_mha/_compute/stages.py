@@ -215,7 +215,7 @@ def project(x: LinearIn, weight: Weight, bias: Bias | None = None) -> LinearOut:
     return F.linear(x, weight, bias)
 
 
-@stage(validate=_validate_split)
+@stage(validate=_validate_split, raw=K.split_heads)
 def split_heads(x: Inner, num_heads: int) -> Heads:
     """Relabel `(batch, seq, num_heads*d_head)` as `(batch, num_heads, seq, d_head)`, as a view.
 
@@ -244,7 +244,7 @@ def split_heads(x: Inner, num_heads: int) -> Heads:
     return K.split_heads(x, num_heads)
 
 
-@stage()
+@stage(raw=K.merge_heads)
 def merge_heads(x: Heads) -> Inner:
     """The inverse of `split_heads`: `(batch, num_heads, seq, d_head)` to `(batch, seq, num_heads*d_head)`.
 
@@ -270,7 +270,7 @@ def merge_heads(x: Heads) -> Inner:
     return K.merge_heads(x)
 
 
-@stage(validate=_validate_group)
+@stage(validate=_validate_group, raw=K.group_queries)
 def group_queries(q: Heads, num_kv_heads: int) -> GroupedQueries:
     """View query heads as `(batch, num_kv_heads, group, seq, d_head)`: the GQA grouping, no copy.
 
@@ -409,7 +409,7 @@ def attention_weights(
 # forward's, so one memo spans them all.
 
 
-@stage(name="q_proj", public=("query",))
+@stage(name="q_proj", public=("query",), raw=call_projection)
 def project_query(proj: nn.Module, query: Tokens) -> QueryInner:
     return call_projection(proj, query)
 
@@ -438,11 +438,11 @@ def _project_kv(proj: nn.Module, x: KVTokens) -> NewKVInner:
     return call_projection(proj, x)
 
 
-project_key = stage(name="k_proj")(_project_kv)
-project_value = stage(name="v_proj")(_project_kv)
+project_key = stage(name="k_proj", raw=call_projection)(_project_kv)
+project_value = stage(name="v_proj", raw=call_projection)(_project_kv)
 
 
-@stage(name="qkv_proj", public=("query",))
+@stage(name="qkv_proj", public=("query",), raw=F.linear)
 def project_qkv(query: Tokens, weight: Tensor, bias: Tensor | None) -> FusedInner:
     """Q, K and V of self-attention in one matrix multiply (the weights concatenated, see `fastpath`)."""
     return F.linear(query, weight, bias)
@@ -454,12 +454,12 @@ def unfuse(qkv: FusedInner, q_width: int, kv_width: int) -> tuple[QueryInner, Ne
     return q, k, v
 
 
-@stage(name="split_qkv", trace=("split_q", "split_k", "split_v"))
+@stage(name="split_qkv", trace=("split_q", "split_k", "split_v"), raw=K.split_fused)
 def split_fused(qkv: FusedInner, num_heads: int, num_kv_heads: int) -> tuple[Heads, NewKVHeads, NewKVHeads]:
     return K.split_fused(qkv, num_heads, num_kv_heads)
 
 
-@stage(name="split_q")
+@stage(name="split_q", raw=K.split_heads)
 def split_query(x: QueryInner, num_heads: int) -> Heads:
     return K.split_heads(x, num_heads)
 
@@ -468,8 +468,8 @@ def _split_kv(x: NewKVInner, num_kv_heads: int) -> NewKVHeads:
     return K.split_heads(x, num_kv_heads)
 
 
-split_key = stage(name="split_k")(_split_kv)
-split_value = stage(name="split_v")(_split_kv)
+split_key = stage(name="split_k", raw=K.split_heads)(_split_kv)
+split_value = stage(name="split_v", raw=K.split_heads)(_split_kv)
 
 
 @stage(name="qk_norm", trace=("q_norm", "k_norm"))
@@ -666,12 +666,12 @@ def attend_native(
     return K.attend_native(q, k, v, mask, causal, may_empty, scale, dropout_p)
 
 
-@stage(name="fold_queries")
+@stage(name="fold_queries", raw=K.fold_queries)
 def fold_queries(grouped: GroupedQueries) -> FoldedQueries:
     return K.fold_queries(grouped)
 
 
-@stage(name="fold_mask", trace=("", ""))
+@stage(name="fold_mask", trace=("", ""), raw=K.fold_mask_rows)
 def fold_mask(
     mask: FullMask, may_empty: bool, num_heads: int, num_kv_heads: int
 ) -> tuple[FoldedMask, RowsWithAKey | None]:
@@ -719,17 +719,17 @@ def unfold_weights(weights: FoldedProbabilities, num_heads: int, rows: RowsWithA
     return K.zero_rows(K.unfold(weights, num_heads), rows)
 
 
-@stage(name="attention_folded", trace=("",))
+@stage(name="attention_folded", trace=("",), raw=K.weighted_values)
 def weigh_values(weights: FoldedProbabilities, v: KVHeads, dropout_p: float) -> FoldedQueries:
     return K.weighted_values(weights, v, dropout_p)
 
 
-@stage(name="merge")
+@stage(name="merge", raw=K.merge_heads)
 def merge(x: Heads) -> QueryInner:
     return K.merge_heads(x)
 
 
-@stage(name="o_proj")
+@stage(name="o_proj", raw=call_projection)
 def project_output(proj: nn.Module, x: QueryInner) -> Tokens:
     return call_projection(proj, x)
 

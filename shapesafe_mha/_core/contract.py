@@ -165,12 +165,14 @@ class Stage(Generic[P, R]):
         precheck: Precheck | None,
         validate: Validate | None,
         explain: Explain | None,
+        raw: Callable[..., Any] | None = None,
     ) -> None:
         hints = typing.get_type_hints(fn, include_extras=True)
         self.returns = hints.pop("return", None)
         self.hints = hints
         self.signature = inspect.signature(fn)
         self.fn = fn
+        self.raw: Callable[..., Any] = fn if raw is None else raw  # what a remembered forward calls (see `stage`)
         self.name = name
         self.public = public
         self.trace = trace
@@ -187,12 +189,12 @@ class Stage(Generic[P, R]):
         shared = mode.get()
         if shared is not None:
             if shared is OFF:
-                return self.fn(*args, **kwargs)
+                return self.fn(*args, **kwargs) if kwargs else self.raw(*args)
             with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
                 return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
         if key in self.exact:  # Verdicts.known, inlined: a stage has no relations key
-            return self.fn(*args, **kwargs)
+            return self.fn(*args, **kwargs) if kwargs else self.raw(*args)
         with Session(f"{self.name}()") as session:
             result = session.call(self, *args, **kwargs)
         self.verdicts.remember(key)
@@ -215,6 +217,7 @@ def stage(
     precheck: Precheck | None = None,
     validate: Validate | None = None,
     explain: Explain | None = None,
+    raw: Callable[..., Any] | None = None,
 ) -> Callable[[Callable[P, R]], Stage[P, R]]:
     """Make `fn` a stage: its annotations, arguments and result, are checked by jaxtyping+beartype.
 
@@ -223,7 +226,9 @@ def stage(
     (divisibility, a cache's capacity); both raise `mismatch(...)`. `explain(arguments, failure)`
     may return the usual fix, appended to the message. `public` names the arguments a user passed
     as they are (messages name them plainly); `trace` names the results for the trace; `sources`
-    names who set a dimension this stage binds (`{"kv_seq": "the cache plus key"}`).
+    names who set a dimension this stage binds (`{"kv_seq": "the cache plus key"}`). `raw`: where `fn`'s body is
+    only `return raw(<fn's arguments, in order>)`, the function a remembered forward calls instead of `fn`
+    (one frame fewer; `tests/test_contract.py` shows each such body is that call).
     """
 
     def decorate(fn: Callable[P, R]) -> Stage[P, R]:
@@ -236,6 +241,7 @@ def stage(
             precheck=precheck,
             validate=validate,
             explain=explain,
+            raw=raw,
         )
 
     return decorate
@@ -383,7 +389,7 @@ def recheck(checked: Callable[[], Any], failure: BaseException) -> None:
 
 def raw(**stages: Stage[..., Any]) -> SimpleNamespace:
     """The stages' functions themselves: what a forward runs once its verdict is known."""
-    return SimpleNamespace(**{n: s.fn for n, s in stages.items()})
+    return SimpleNamespace(**{n: s.raw for n, s in stages.items()})
 
 
 # --- verdicts ------------------------------------------------------------------------------------------
@@ -485,15 +491,15 @@ def remembered_forward(
     observer)`, every stage checked, and is remembered if it passes. An unchecked call that fails is run again
     checked to explain it (`recheck`); a call that fails leaves `cache` as it was.
     """
-    check = checks_enabled()
+    check = not (compiling() or mode.get() is OFF)  # checks_enabled(), spelled out: this runs on every call
     keys = None
     if check and observer is None:
         try:
             keys = key()
         except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
             keys = None
-        if keys is not None and verdicts.known(keys, lambda: keys.relations(constants)):
-            check = False
+        if keys is not None and (keys in verdicts.exact or verdicts.known(keys, lambda: keys.relations(constants))):
+            check = False  # (the exact lookup first, inlined: a decoding step's key is exact after the first)
     state = None if cache is None else cache.state()
     try:
         if not check and observer is None:

@@ -379,7 +379,7 @@ def unabsorb(out: AbsorbedOut, kv_b_weight: LatentUpWeight, num_heads: int, d_no
     return torch.matmul(out, up_values.transpose(-1, -2))
 
 
-@stage(name="merge")
+@stage(name="merge", raw=K.merge_heads)
 def merge_latent(x: LatentOutHeads) -> LatentMerged:
     return K.merge_heads(x)
 

@@ -234,7 +234,7 @@ def forward_key(
         None if positions is None else positions.shape,
     )
     # kv_seq counts the cached positions too; it is checked only against masks.
-    return CallKey(structure, shapes, kv_len if masked else None)
+    return tuple.__new__(CallKey, (structure, shapes, kv_len if masked else None))  # without NamedTuple's frame
 
 
 class MultiHeadAttention(nn.Module):
