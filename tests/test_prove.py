@@ -407,3 +407,22 @@ def test_a_failure_that_needs_both_sizes_symbolic_names_both() -> None:
     proof = ssm.prove(_FailsOnlyWithBothSymbolic())
     assert len(proof.failures) == 1, proof.failures
     assert proof.failures[0].startswith("batch or seq: the module fails at some batch or seq: no kernel for "), proof
+
+
+def test_a_guard_over_batch_and_seq_is_tried_at_every_pair_of_their_ranges() -> None:
+    """A guard torch could not prove that reads both sizes is accepted where it holds for every (batch, seq) in the
+    ranges, and refused where one pair breaks it (batch == seq, here at batch = seq = 2)."""
+    from shapesafe_mha._tools.prove import _only_guards_true_everywhere
+
+    b, s = "L['x'].size()[0]", "L['x'].size()[1]"
+    sources = {b: (2, 64), s: (2, 300)}
+
+    def refusal(guard: str) -> Exception:
+        return RuntimeError(
+            "Constraints violated (batch, seq)! For more information, run with TORCH_LOGS=\"+dynamic\".\n"
+            f"  - Not all values of seq = {s} in the specified range 2 <= seq <= 300 satisfy the generated guard "
+            f"{guard}.\n"
+        )
+
+    assert _only_guards_true_everywhere(refusal(f"min({b} + {s}, 4*{b} + 4*{s}) == ({b} + {s})"), sources)
+    assert not _only_guards_true_everywhere(refusal(f"{b} != {s}"), sources)

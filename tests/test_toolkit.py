@@ -55,7 +55,7 @@ def attention(
     scale = 1 / math.sqrt(d_model if bug == "scale_by_d_model" else d_head)
     scores = q @ k.transpose(-1, -2) * scale
     if is_causal and bug != "ignore_causal_mask":
-        offset = -1 if bug == "causal_off_by_one" else 0
+        offset = {"causal_off_by_one": -1, "causal_sees_next_key": 1}.get(bug or "", 0)
         allowed = torch.ones(s, s, dtype=torch.bool, device=x.device).tril(offset)
         scores = scores.masked_fill(~allowed, -math.inf)
     probs = torch.softmax(scores, dim=-2 if bug == "softmax_over_queries" else -1)
@@ -133,6 +133,26 @@ def test_the_report_names_the_bug_class(bug: str, named: str) -> None:
     with pytest.raises(AssertionError) as caught:
         check_attention(_planted(bug), is_causal=bug == "causal_off_by_one", kinds=("gqa",))
     assert re.search(rf"with {re.escape(named)}(;|$)", str(caught.value), re.MULTILINE), str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("bug", "named"),
+    [
+        ("causal_off_by_one", "causal mask shifted by one: no query sees its own key"),
+        ("causal_sees_next_key", "causal mask shifted by one: each query also sees the next key"),
+    ],
+)
+def test_a_causal_mask_one_key_off_is_named_at_a_length_where_one_and_two_keys_off_differ(bug: str, named: str) -> None:
+    """Over 6 positions a mask one key off either way is told apart from two keys off: the diagnosis names the planted
+    mistake, and nothing else of the mask kind."""
+    from shapesafe_mha.testing._diagnose import Scenario, Tolerance, name_bug
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=generator)
+    w = AttentionWeights(*(torch.randn(8, 8, dtype=torch.float64, generator=generator) for _ in range(4)))
+    got = attention(x, w, num_heads=2, num_kv_heads=2, is_causal=True, bug=bug)
+    found = name_bug(got, Scenario(x, x, x, w, num_heads=2, num_kv_heads=2, is_causal=True), Tolerance(1e-9))
+    assert [description for kind, description in found if kind == "mask"] == [named], found
 
 
 def test_a_wrong_head_is_located() -> None:
