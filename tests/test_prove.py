@@ -426,3 +426,20 @@ def test_a_guard_over_batch_and_seq_is_tried_at_every_pair_of_their_ranges() -> 
 
     assert _only_guards_true_everywhere(refusal(f"min({b} + {s}, 4*{b} + 4*{s}) == ({b} + {s})"), sources)
     assert not _only_guards_true_everywhere(refusal(f"{b} != {s}"), sources)
+
+
+@pytest.mark.parametrize(
+    ("ranges", "named"),
+    [({"batch": (3, 2)}, "batch=(3, 2)"), ({"seq": (-1, 4)}, "seq=(-1, 4)"), ({"batch": (1.0, 4)}, "batch=(1.0, 4)")],
+)
+def test_a_range_that_is_no_range_of_sizes_is_refused_naming_it(ranges: dict, named: str) -> None:  # type: ignore[type-arg]
+    """An empty, negative or non-integer range is refused before anything runs, the message quoting the argument."""
+    with pytest.raises(ssm.ConfigError, match=rf"^prove\(\): {re.escape(named)} is not a range of sizes"):
+        ssm.prove(ssm.MultiHeadAttention(64, 8, 2), **ranges)
+
+
+def test_a_module_without_d_model_needs_it_given() -> None:
+    """The input width is the module's d_model, or d_model= where it has none; neither is refused by name."""
+    with pytest.raises(ssm.ConfigError, match=r"^prove\(\): pass d_model="):
+        ssm.prove(nn.Identity())
+    assert ssm.prove(nn.Identity(), d_model=4, batch=(1, 2), seq=(1, 3)).ok

@@ -1096,3 +1096,40 @@ def test_a_module_that_cannot_be_loaded_is_reported_with_the_config_in_full() ->
         "\n  smallest failing config: seq=3, batch=2, d_model=8, num_heads=4, num_kv_heads=2, d_head=2, bias=False, "
         "is_causal=True (gqa, group=2, float32)"
     ), str(caught.value)
+
+
+def _diagnosed(planted: dict[str, Any], asked: dict[str, Any], *, heads: tuple[int, int] = (2, 2)) -> list[Any]:
+    """name_bug's matches for an output computed with `planted` (the code's mistake) against a check that asked
+    for `asked`: 6 positions, d_model 8, float64, biases on every projection."""
+    from shapesafe_mha.testing._diagnose import Scenario, Tolerance, name_bug
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=generator)
+    w = AttentionWeights(
+        *(torch.randn(8, 8, dtype=torch.float64, generator=generator) for _ in range(4)),
+        *(torch.randn(8, dtype=torch.float64, generator=generator) for _ in range(4)),
+    )
+    num_heads, num_kv_heads = heads
+    scenario = Scenario(x, x, x, w, num_heads=num_heads, num_kv_heads=num_kv_heads, **asked)
+    got = per_head_attention(x, x, x, w, num_heads=num_heads, num_kv_heads=num_kv_heads, **planted)
+    return name_bug(got, scenario, Tolerance(1e-9))
+
+
+_SLOPES = torch.tensor([0.5, 0.25], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("planted", "asked", "named"),
+    [
+        ({"is_causal": True}, {"is_causal": True, "window": 3}, ("window", "sliding window not applied")),
+        ({"is_causal": True, "window": 4}, {"is_causal": True, "window": 3}, ("window", "sliding window one key longer")),
+        ({}, {"logit_softcap": 2.0}, ("softcap", "logit softcapping not applied")),
+    ],
+    ids=lambda v: v[1] if isinstance(v, tuple) else None,
+)
+def test_a_layer_variant_the_code_got_wrong_is_named_as_that_mistake(
+    planted: dict[str, Any], asked: dict[str, Any], named: tuple[str, str]
+) -> None:
+    """Code that computes attention with one of a layer's variants left out or changed (the window, softcapping, ...)
+    gives an output the diagnosis names as that mistake, in its words."""
+    assert named in _diagnosed(planted, asked)
