@@ -419,7 +419,7 @@ def test_a_guard_over_batch_and_seq_is_tried_at_every_pair_of_their_ranges() -> 
 
     def refusal(guard: str) -> Exception:
         return RuntimeError(
-            "Constraints violated (batch, seq)! For more information, run with TORCH_LOGS=\"+dynamic\".\n"
+            'Constraints violated (batch, seq)! For more information, run with TORCH_LOGS="+dynamic".\n'
             f"  - Not all values of seq = {s} in the specified range 2 <= seq <= 300 satisfy the generated guard "
             f"{guard}.\n"
         )
