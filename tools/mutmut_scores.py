@@ -461,7 +461,14 @@ EQUIVALENT: dict[str, str] = {
     ),
     **{f"{_P}xǁShapeProofǁ__str____mutmut_{n}": _HIGHLIGHT for n in (12, 14, 15)},
     **{f"{_P}xǁ_Observerǁguarding_calls__mutmut_{n}": _INNERMOST_FIRST for n in (16, 19)},
+    f"{_P}x__prove_case__mutmut_112": (
+        "the query's seq axis misspelt in the sizes by name: prefill adds the first parameter's own axes after it (the "
+        "same key where that is `query`), and a decoding step's query has seq 1, a constant no guard names"
+    ),
     # --- diagnose ---
+    f"{_D}x_variants__mutmut_163": (
+        "is_causal=None for False in the no-own-key variant: the reference reads is_causal only for truth"
+    ),
     f"{_D}x__mod_variants__mutmut_56": (
         "the reversed-heads variant also for one head, where last - h is h: it is the reference itself, which the "
         "output was just found to differ from (same tolerance, same rows), so it never matches"
