@@ -173,6 +173,26 @@ def test_a_wrong_head_is_located() -> None:
         check_attention(second_head_scaled, kinds=("mha",))
 
 
+def test_a_wrong_head_is_located_in_code_that_assumes_every_bias_is_there() -> None:
+    """With bias=True the weights always carry biases, so code may add them unconditionally: each head is isolated
+    with its output bias zeroed, not taken away, and the wrong head is still found."""
+
+    def second_head_scaled(
+        x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool
+    ) -> Tensor:
+        assert w.b_q is not None and w.b_k is not None and w.b_v is not None and w.b_o is not None
+        q = ssm.split_heads(x @ w.w_q.T + w.b_q, num_heads).clone()
+        k = ssm.split_heads(x @ w.w_k.T + w.b_k, num_kv_heads)
+        v = ssm.split_heads(x @ w.w_v.T + w.b_v, num_kv_heads)
+        if num_heads > 1:
+            q[:, 1] *= 3.0
+        out = ssm.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return ssm.merge_heads(out) @ w.w_o.T + w.b_o
+
+    with pytest.raises(AssertionError, match=r"wrong heads: \[1\] of \d+"):
+        check_attention(second_head_scaled, kinds=("mha",), bias=True)
+
+
 def test_an_exception_is_a_failure_with_the_cause_chained() -> None:
     """If the implementation raises, the report says so and chains the original exception."""
 

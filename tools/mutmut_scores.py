@@ -461,6 +461,10 @@ EQUIVALENT: dict[str, str] = {
     ),
     **{f"{_P}xǁShapeProofǁ__str____mutmut_{n}": _HIGHLIGHT for n in (12, 14, 15)},
     **{f"{_P}xǁ_Observerǁguarding_calls__mutmut_{n}": _INNERMOST_FIRST for n in (16, 19)},
+    f"{_P}x__only_guards_true_everywhere__mutmut_73": (
+        "the guard eval'd in this module's globals instead of empty builtins with min and max: the guard's names were "
+        "checked first to be the sizes, min, max, and, or, not, which resolve alike in both"
+    ),
     f"{_P}x__prove_case__mutmut_112": (
         "the query's seq axis misspelt in the sizes by name: prefill adds the first parameter's own axes after it (the "
         "same key where that is `query`), and a decoding step's query has seq 1, a constant no guard names"
