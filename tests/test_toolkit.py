@@ -193,6 +193,21 @@ def test_a_wrong_head_is_located_in_code_that_assumes_every_bias_is_there() -> N
         check_attention(second_head_scaled, kinds=("mha",), bias=True)
 
 
+@pytest.mark.parametrize(
+    ("bug", "located"),
+    [
+        ("forgot_o_bias", "no single head is wrong on its own: the error is in how heads are combined (merge or W_O)"),
+        ("scale_by_d_model", "every head (4) is wrong"),
+    ],
+)
+def test_a_bug_outside_any_one_head_or_in_all_of_them_is_located_so(bug: str, located: str) -> None:
+    """The output bias dropped is wrong with every head right on its own; a wrong scale makes every head wrong."""
+    config = AttentionConfig(seq=5, kv_seq=5, batch=2, d_model=16, num_heads=4, num_kv_heads=4, d_head=4, bias=True)
+    with pytest.raises(AssertionError) as caught:
+        check_attention(_planted(bug), configs=st.just(config), max_examples=1)
+    assert located in [line.strip() for line in str(caught.value).splitlines()], str(caught.value)
+
+
 def test_an_exception_is_a_failure_with_the_cause_chained() -> None:
     """If the implementation raises, the report says so and chains the original exception."""
 
