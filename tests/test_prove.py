@@ -443,3 +443,53 @@ def test_a_module_without_d_model_needs_it_given() -> None:
     with pytest.raises(ssm.ConfigError, match=r"^prove\(\): pass d_model="):
         ssm.prove(nn.Identity())
     assert ssm.prove(nn.Identity(), d_model=4, batch=(1, 2), seq=(1, 3)).ok
+
+
+class _WrongOutput(nn.Module):
+    """Returns its input reshaped one wrong way: the output's shape is the bug."""
+
+    d_model = 16
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor, kv_cache: Any = None, is_causal: bool = False) -> torch.Tensor:
+        wrong = {
+            "2-D": lambda: x.sum(-1),
+            "4-D": lambda: x[None],
+            "narrow": lambda: x[..., :3],
+            "first batch": lambda: x[:1],
+            "first position": lambda: x[:, :1],
+            "twice": lambda: torch.cat([x, x], 1),
+        }
+        return wrong[self.how]()
+
+
+@pytest.mark.parametrize(
+    ("how", "failure", "shape"),
+    [
+        ("2-D", "the output is 2-D, not (batch, seq, d_model)", "(batch, seq)"),
+        ("4-D", "the output is 4-D, not (batch, seq, d_model)", "(1, batch, seq, 16)"),
+        ("narrow", "d_model: the output has 3 features, not d_model=16", "(batch, seq, 3)"),
+        ("first batch", "batch: the output has batch 1 whatever the input's batch", "(1, seq, 16)"),
+        ("first position", "seq: the output has 1 positions, not seq", "(batch, 1, 16)"),
+        ("twice", "seq: the output has 2*seq positions, not seq", "(batch, 2*seq, 16)"),
+    ],
+)
+def test_an_output_not_batch_seq_d_model_is_the_failure_named_by_its_axis(how: str, failure: str, shape: str) -> None:
+    """A module whose output is not `(batch, seq, d_model)` for every size is not proven: the failure says which axis
+    is wrong and what it is instead, and the output row shows the symbolic shape."""
+    proof = ssm.prove(_WrongOutput(how))
+    assert (proof.ok, proof.failures) == (False, [failure])
+    assert proof.stages == [("output", "batch seq d_model", shape)]
+
+
+def test_a_decoding_step_must_return_one_position_of_d_model_features() -> None:
+    """decode=True: a step returning two positions, or fewer features than d_model, is named for that."""
+    assert ssm.prove(_WrongOutput("twice"), decode=True).failures == [
+        "seq: one decoding step returns 2 positions, not 1"
+    ]
+    assert ssm.prove(_WrongOutput("narrow"), decode=True).failures == [
+        "d_model: the output has 3 features, not d_model=16"
+    ]
