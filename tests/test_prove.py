@@ -493,3 +493,37 @@ def test_a_decoding_step_must_return_one_position_of_d_model_features() -> None:
     assert ssm.prove(_WrongOutput("narrow"), decode=True).failures == [
         "d_model: the output has 3 features, not d_model=16"
     ]
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_a_module_on_the_meta_device_is_proven_with_inputs_made_where_its_weights_are(decode: bool) -> None:
+    """A layer too big to allocate can be proven on `meta`: the example inputs are made on the weights' device, so
+    nothing runs on a device the module is not on."""
+    module = ssm.MultiHeadAttention(64, 8, 2, device="meta")
+    proof = ssm.prove(module, is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+
+
+class _RefusesSquareBatches(nn.Module):
+    d_model = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[0] != x.shape[1])
+        return x * 2
+
+
+def test_a_runtime_assert_over_both_sizes_gives_a_counterexample_naming_each() -> None:
+    """A deferred assert that reads batch and seq, false where they are equal: the failure gives the pair of sizes at
+    which it fails, each by name."""
+    from torch.export import Dim, export
+
+    from shapesafe_mha._tools.prove import _deferred_failures
+
+    dims = {"x": {0: Dim("batch", min=2, max=64), 1: Dim("seq", min=2, max=2048)}}
+    program = export(
+        _RefusesSquareBatches(), (torch.randn(3, 5, 16),), dynamic_shapes=dims,
+        prefer_deferred_runtime_asserts_over_guards=True,
+    )  # fmt: skip
+    x = next(node for node in program.graph.nodes if node.op == "placeholder").meta["val"]
+    (failure,) = _deferred_failures(program, {"batch": str(x.shape[0]), "seq": str(x.shape[1])})
+    assert re.search(r"\(false at (seq = 2, batch = 2|batch = 2, seq = 2): a branch", failure), failure
