@@ -527,3 +527,20 @@ def test_a_runtime_assert_over_both_sizes_gives_a_counterexample_naming_each() -
     x = next(node for node in program.graph.nodes if node.op == "placeholder").meta["val"]
     (failure,) = _deferred_failures(program, {"batch": str(x.shape[0]), "seq": str(x.shape[1])})
     assert re.search(r"\(false at (seq = 2, batch = 2|batch = 2, seq = 2): a branch", failure), failure
+
+
+def test_a_guard_is_tried_at_up_to_the_exhaustive_bound_of_combinations_and_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sizes are tried one by one where their combinations number at most the bound: at exactly the bound the guard
+    is decided (true everywhere: accepted), one combination more and it is left undecided (refused)."""
+    from shapesafe_mha._tools import prove as prove_module
+
+    monkeypatch.setattr(prove_module, "_EXHAUSTIVE", 6)
+    b, s = "L['x'].size()[0]", "L['x'].size()[1]"
+    error = RuntimeError(
+        "Constraints violated (batch, seq)!\n"
+        f"  - Not all values of seq = {s} in the specified range satisfy the generated guard {b} + {s} >= 4.\n"
+    )
+    assert prove_module._only_guards_true_everywhere(error, {b: (2, 3), s: (2, 4)})  # 2 x 3 = 6 combinations
+    assert not prove_module._only_guards_true_everywhere(error, {b: (2, 3), s: (2, 5)})  # 2 x 4 = 8
