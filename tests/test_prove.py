@@ -544,3 +544,24 @@ def test_a_guard_is_tried_at_up_to_the_exhaustive_bound_of_combinations_and_no_m
     )
     assert prove_module._only_guards_true_everywhere(error, {b: (2, 3), s: (2, 4)})  # 2 x 3 = 6 combinations
     assert not prove_module._only_guards_true_everywhere(error, {b: (2, 3), s: (2, 5)})  # 2 x 4 = 8
+
+
+def test_a_condition_is_decided_for_every_size_with_a_counterexample_where_it_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """_counterexample: None where the condition holds at every size of the ranges (symbolically, or size by size
+    where sympy cannot decide it), the first sizes where it fails otherwise, and {} (undecided) for a symbol without a
+    range or more combinations than the bound."""
+    import sympy
+
+    from shapesafe_mha._tools import prove as prove_module
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    ranges = {s0: (2, 3), s1: (2, 4)}
+    assert prove_module._counterexample(sympy.Eq(sympy.Min(s0 + 1, 4 * s0 + 4), s0 + 1), {s0: (2, 2048)}) is None
+    assert prove_module._counterexample(sympy.Ne(s0 * s1, 7), ranges) is None  # no product of these is 7
+    assert prove_module._counterexample(sympy.Ne(s0 * s1, 6), ranges) == {"s0": 2, "s1": 3}
+    assert prove_module._counterexample(sympy.Ne(s0, 5), {s1: (2, 4)}) == {}
+    monkeypatch.setattr(prove_module, "_EXHAUSTIVE", 6)
+    assert prove_module._counterexample(sympy.Ne(s0 * s1, 7), ranges) is None  # 6 combinations: tried
+    assert prove_module._counterexample(sympy.Ne(s0 * s1, 7), {s0: (2, 3), s1: (2, 5)}) == {}  # 8: undecided
