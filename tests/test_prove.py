@@ -567,18 +567,27 @@ def test_a_condition_is_decided_for_every_size_with_a_counterexample_where_it_fa
     assert prove_module._counterexample(sympy.Ne(s0 * s1, 7), {s0: (2, 3), s1: (2, 5)}) == {}  # 8: undecided
 
 
-class _CausalDecodingOnly(ssm.LatentAttention):
-    """A LatentAttention that refuses a decoding step that is not causal (as a causal language model may)."""
+def _causal_decoding_only(base: type[nn.Module]) -> type[nn.Module]:
+    """`base` refusing a decoding step that is not causal (as a causal language model may)."""
 
-    def forward(self, *args: Any, is_causal: bool = False, kv_cache: Any = None, **kwargs: Any) -> Any:
-        if kv_cache is not None and not is_causal:
-            raise ValueError("a decoding step must be causal")
-        return super().forward(*args, is_causal=is_causal, kv_cache=kv_cache, **kwargs)
+    class CausalDecodingOnly(base):  # type: ignore[valid-type,misc]
+        def forward(self, *args: Any, is_causal: bool = False, kv_cache: Any = None, **kwargs: Any) -> Any:
+            if kv_cache is not None and not is_causal:
+                raise ValueError("a decoding step must be causal")
+            return super().forward(*args, is_causal=is_causal, kv_cache=kv_cache, **kwargs)
+
+    return CausalDecodingOnly
 
 
-def test_a_latent_decoding_step_is_called_causal_unless_the_caller_says_otherwise() -> None:
+@pytest.mark.parametrize("kind", ["mha", "latent"])
+def test_a_decoding_step_is_called_causal_unless_the_caller_says_otherwise(kind: str) -> None:
     """A decoding step of a causal model is causal: prove's step calls the module is_causal=True, or as given."""
-    mla = _CausalDecodingOnly(64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
-    assert ssm.prove(mla, decode=True).ok
-    refused = ssm.prove(mla, decode=True, is_causal=False)
+    if kind == "latent":
+        module = _causal_decoding_only(ssm.LatentAttention)(
+            64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8
+        )
+    else:
+        module = _causal_decoding_only(ssm.MultiHeadAttention)(64, 8, 2)
+    assert ssm.prove(module, decode=True).ok
+    refused = ssm.prove(module, decode=True, is_causal=False)
     assert refused.failures and all("a decoding step must be causal" in f for f in refused.failures), refused
