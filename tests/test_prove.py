@@ -426,6 +426,11 @@ def test_a_guard_over_batch_and_seq_is_tried_at_every_pair_of_their_ranges() -> 
 
     assert _only_guards_true_everywhere(refusal(f"min({b} + {s}, 4*{b} + 4*{s}) == ({b} + {s})"), sources)
     assert not _only_guards_true_everywhere(refusal(f"{b} != {s}"), sources)
+    # Python's operators over the sizes, as torch prints guards: each is evaluated, not refused for its word
+    for guard in (f"{b} < 2 or {s} >= 2", f"{b} >= 2 and not {s} < 2", f"max({b}, {s}) >= {s}"):
+        assert _only_guards_true_everywhere(refusal(guard), sources), guard
+    assert not _only_guards_true_everywhere(refusal(f"{b} >= 2 and {s} > 2"), sources)
+    assert not _only_guards_true_everywhere(refusal(f"abs({b}) >= 2"), sources)  # a name not allowed: refused
 
 
 @pytest.mark.parametrize(
