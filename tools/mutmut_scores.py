@@ -470,6 +470,13 @@ EQUIVALENT: dict[str, str] = {
         "same key where that is `query`), and a decoding step's query has seq 1, a constant no guard names"
     ),
     # --- diagnose ---
+    f"{_D}x_variants__mutmut_201": (
+        "the padding-ignored variant's scenario given extra=None: a variant's scenario is only asked for expected(), "
+        "which never reads extra (variants() reads it of the scenario diagnosed, never of a variant's)"
+    ),
+    f"{_D}x__layer_variants__mutmut_50": (
+        "qk_norm_centred=None for False in the RMSNorm-for-LayerNorm variant: the reference reads it only for truth"
+    ),
     f"{_D}x_variants__mutmut_163": (
         "is_causal=None for False in the no-own-key variant: the reference reads is_causal only for truth"
     ),
