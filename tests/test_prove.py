@@ -596,3 +596,11 @@ def test_a_decoding_step_is_called_causal_unless_the_caller_says_otherwise(kind:
     assert ssm.prove(module, decode=True).ok
     refused = ssm.prove(module, decode=True, is_causal=False)
     assert refused.failures and all("a decoding step must be causal" in f for f in refused.failures), refused
+
+
+def test_a_tensor_argument_with_an_axis_of_neither_size_keeps_that_axis_fixed() -> None:
+    """A 4-D mask `(batch, 1, seq, seq)` given as a function of the sizes: its batch and seq axes are the symbols, its
+    head axis of 1 stays 1, and the module is proven with it."""
+    mask = {"attn_mask": lambda batch, seq: torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril()}
+    proof = ssm.prove(ssm.MultiHeadAttention(64, 8, 2), **mask)
+    assert proof.ok, proof.failures

@@ -465,6 +465,9 @@ EQUIVALENT: dict[str, str] = {
         "the guard eval'd in this module's globals instead of empty builtins with min and max: the guard's names were "
         "checked first to be the sizes, min, max, and, or, not, which resolve alike in both"
     ),
+    f"{_P}x__check_named__mutmut_35": (
+        "zip without strict=True: the lengths of tokens and shape were just found equal (else `continue`)"
+    ),
     f"{_P}x__prove_case__mutmut_112": (
         "the query's seq axis misspelt in the sizes by name: prefill adds the first parameter's own axes after it (the "
         "same key where that is `query`), and a decoding step's query has seq 1, a constant no guard names"
