@@ -604,3 +604,13 @@ def test_a_tensor_argument_with_an_axis_of_neither_size_keeps_that_axis_fixed() 
     mask = {"attn_mask": lambda batch, seq: torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril()}
     proof = ssm.prove(ssm.MultiHeadAttention(64, 8, 2), **mask)
     assert proof.ok, proof.failures
+
+
+def test_a_latent_stage_is_checked_against_the_modules_own_q_lora_rank() -> None:
+    """q_lora_rank is a size the module declares, which its stages must have: a module whose attribute says 12 where
+    its query down-projection gives 16 is not proven, that stage named, not taken as the size's first sighting."""
+    mla = ssm.LatentAttention(64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
+    mla.q_lora_rank = 12
+    assert ssm.prove(mla).failures == [
+        "q_lora_rank: q_a_proj has 16 at axis 2 where its annotation 'batch seq q_lora_rank' needs 12"
+    ]
