@@ -407,3 +407,210 @@ def test_a_failure_that_needs_both_sizes_symbolic_names_both() -> None:
     proof = ssm.prove(_FailsOnlyWithBothSymbolic())
     assert len(proof.failures) == 1, proof.failures
     assert proof.failures[0].startswith("batch or seq: the module fails at some batch or seq: no kernel for "), proof
+
+
+def test_a_guard_over_batch_and_seq_is_tried_at_every_pair_of_their_ranges() -> None:
+    """A guard torch could not prove that reads both sizes is accepted where it holds for every (batch, seq) in the
+    ranges, and refused where one pair breaks it (batch == seq, here at batch = seq = 2)."""
+    from shapesafe_mha._tools.prove import _only_guards_true_everywhere
+
+    b, s = "L['x'].size()[0]", "L['x'].size()[1]"
+    sources = {b: (2, 64), s: (2, 300)}
+
+    def refusal(guard: str) -> Exception:
+        return RuntimeError(
+            'Constraints violated (batch, seq)! For more information, run with TORCH_LOGS="+dynamic".\n'
+            f"  - Not all values of seq = {s} in the specified range 2 <= seq <= 300 satisfy the generated guard "
+            f"{guard}.\n"
+        )
+
+    assert _only_guards_true_everywhere(refusal(f"min({b} + {s}, 4*{b} + 4*{s}) == ({b} + {s})"), sources)
+    assert not _only_guards_true_everywhere(refusal(f"{b} != {s}"), sources)
+    # Python's operators over the sizes, as torch prints guards: each is evaluated, not refused for its word
+    for guard in (f"{b} < 2 or {s} >= 2", f"{b} >= 2 and not {s} < 2", f"max({b}, {s}) >= {s}"):
+        assert _only_guards_true_everywhere(refusal(guard), sources), guard
+    assert not _only_guards_true_everywhere(refusal(f"{b} >= 2 and {s} > 2"), sources)
+    assert not _only_guards_true_everywhere(refusal(f"abs({b}) >= 2"), sources)  # a name not allowed: refused
+
+
+@pytest.mark.parametrize(
+    ("ranges", "named"),
+    [({"batch": (3, 2)}, "batch=(3, 2)"), ({"seq": (-1, 4)}, "seq=(-1, 4)"), ({"batch": (1.0, 4)}, "batch=(1.0, 4)")],
+)
+def test_a_range_that_is_no_range_of_sizes_is_refused_naming_it(ranges: dict, named: str) -> None:  # type: ignore[type-arg]
+    """An empty, negative or non-integer range is refused before anything runs, the message quoting the argument."""
+    with pytest.raises(ssm.ConfigError, match=rf"^prove\(\): {re.escape(named)} is not a range of sizes"):
+        ssm.prove(ssm.MultiHeadAttention(64, 8, 2), **ranges)
+
+
+def test_a_module_without_d_model_needs_it_given() -> None:
+    """The input width is the module's d_model, or d_model= where it has none; neither is refused by name."""
+    with pytest.raises(ssm.ConfigError, match=r"^prove\(\): pass d_model="):
+        ssm.prove(nn.Identity())
+    assert ssm.prove(nn.Identity(), d_model=4, batch=(1, 2), seq=(1, 3)).ok
+
+
+class _WrongOutput(nn.Module):
+    """Returns its input reshaped one wrong way: the output's shape is the bug."""
+
+    d_model = 16
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor, kv_cache: Any = None, is_causal: bool = False) -> torch.Tensor:
+        wrong = {
+            "2-D": lambda: x.sum(-1),
+            "4-D": lambda: x[None],
+            "narrow": lambda: x[..., :3],
+            "first batch": lambda: x[:1],
+            "first position": lambda: x[:, :1],
+            "twice": lambda: torch.cat([x, x], 1),
+        }
+        return wrong[self.how]()
+
+
+@pytest.mark.parametrize(
+    ("how", "failure", "shape"),
+    [
+        ("2-D", "the output is 2-D, not (batch, seq, d_model)", "(batch, seq)"),
+        ("4-D", "the output is 4-D, not (batch, seq, d_model)", "(1, batch, seq, 16)"),
+        ("narrow", "d_model: the output has 3 features, not d_model=16", "(batch, seq, 3)"),
+        ("first batch", "batch: the output has batch 1 whatever the input's batch", "(1, seq, 16)"),
+        ("first position", "seq: the output has 1 positions, not seq", "(batch, 1, 16)"),
+        ("twice", "seq: the output has 2*seq positions, not seq", "(batch, 2*seq, 16)"),
+    ],
+)
+def test_an_output_not_batch_seq_d_model_is_the_failure_named_by_its_axis(how: str, failure: str, shape: str) -> None:
+    """A module whose output is not `(batch, seq, d_model)` for every size is not proven: the failure says which axis
+    is wrong and what it is instead, and the output row shows the symbolic shape."""
+    proof = ssm.prove(_WrongOutput(how))
+    assert (proof.ok, proof.failures) == (False, [failure])
+    assert proof.stages == [("output", "batch seq d_model", shape)]
+
+
+def test_a_decoding_step_must_return_one_position_of_d_model_features() -> None:
+    """decode=True: a step returning two positions, or fewer features than d_model, is named for that."""
+    assert ssm.prove(_WrongOutput("twice"), decode=True).failures == [
+        "seq: one decoding step returns 2 positions, not 1"
+    ]
+    assert ssm.prove(_WrongOutput("narrow"), decode=True).failures == [
+        "d_model: the output has 3 features, not d_model=16"
+    ]
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_a_module_on_the_meta_device_is_proven_with_inputs_made_where_its_weights_are(decode: bool) -> None:
+    """A layer too big to allocate can be proven on `meta`: the example inputs are made on the weights' device, so
+    nothing runs on a device the module is not on."""
+    module = ssm.MultiHeadAttention(64, 8, 2, device="meta")
+    proof = ssm.prove(module, is_causal=True, decode=decode)
+    assert proof.ok, proof.failures
+
+
+class _RefusesSquareBatches(nn.Module):
+    d_model = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[0] != x.shape[1])
+        return x * 2
+
+
+def test_a_runtime_assert_over_both_sizes_gives_a_counterexample_naming_each() -> None:
+    """A deferred assert that reads batch and seq, false where they are equal: the failure gives the pair of sizes at
+    which it fails, each by name."""
+    from torch.export import Dim, export
+
+    from shapesafe_mha._tools.prove import _deferred_failures
+
+    dims = {"x": {0: Dim("batch", min=2, max=64), 1: Dim("seq", min=2, max=2048)}}
+    program = export(
+        _RefusesSquareBatches(), (torch.randn(3, 5, 16),), dynamic_shapes=dims,
+        prefer_deferred_runtime_asserts_over_guards=True,
+    )  # fmt: skip
+    x = next(node for node in program.graph.nodes if node.op == "placeholder").meta["val"]
+    (failure,) = _deferred_failures(program, {"batch": str(x.shape[0]), "seq": str(x.shape[1])})
+    assert re.search(r"\(false at (seq = 2, batch = 2|batch = 2, seq = 2): a branch", failure), failure
+
+
+def test_a_guard_is_tried_at_up_to_the_exhaustive_bound_of_combinations_and_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sizes are tried one by one where their combinations number at most the bound: at exactly the bound the guard
+    is decided (true everywhere: accepted), one combination more and it is left undecided (refused)."""
+    from shapesafe_mha._tools import prove as prove_module
+
+    monkeypatch.setattr(prove_module, "_EXHAUSTIVE", 6)
+    b, s = "L['x'].size()[0]", "L['x'].size()[1]"
+    error = RuntimeError(
+        "Constraints violated (batch, seq)!\n"
+        f"  - Not all values of seq = {s} in the specified range satisfy the generated guard {b} + {s} >= 4.\n"
+    )
+    assert prove_module._only_guards_true_everywhere(error, {b: (2, 3), s: (2, 4)})  # 2 x 3 = 6 combinations
+    assert not prove_module._only_guards_true_everywhere(error, {b: (2, 3), s: (2, 5)})  # 2 x 4 = 8
+
+
+def test_a_condition_is_decided_for_every_size_with_a_counterexample_where_it_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """_counterexample: None where the condition holds at every size of the ranges (symbolically, or size by size
+    where sympy cannot decide it), the first sizes where it fails otherwise, and {} (undecided) for a symbol without a
+    range or more combinations than the bound."""
+    import sympy
+
+    from shapesafe_mha._tools import prove as prove_module
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    ranges = {s0: (2, 3), s1: (2, 4)}
+    assert prove_module._counterexample(sympy.Eq(sympy.Min(s0 + 1, 4 * s0 + 4), s0 + 1), {s0: (2, 2048)}) is None
+    assert prove_module._counterexample(sympy.Ne(s0 * s1, 7), ranges) is None  # no product of these is 7
+    assert prove_module._counterexample(sympy.Ne(s0 * s1, 6), ranges) == {"s0": 2, "s1": 3}
+    assert prove_module._counterexample(sympy.Ne(s0, 5), {s1: (2, 4)}) == {}
+    monkeypatch.setattr(prove_module, "_EXHAUSTIVE", 6)
+    assert prove_module._counterexample(sympy.Ne(s0 * s1, 7), ranges) is None  # 6 combinations: tried
+    assert prove_module._counterexample(sympy.Ne(s0 * s1, 7), {s0: (2, 3), s1: (2, 5)}) == {}  # 8: undecided
+
+
+def _causal_decoding_only(base: type[nn.Module]) -> type[nn.Module]:
+    """`base` refusing a decoding step that is not causal (as a causal language model may)."""
+
+    class CausalDecodingOnly(base):  # type: ignore[valid-type,misc]
+        def forward(self, *args: Any, is_causal: bool = False, kv_cache: Any = None, **kwargs: Any) -> Any:
+            if kv_cache is not None and not is_causal:
+                raise ValueError("a decoding step must be causal")
+            return super().forward(*args, is_causal=is_causal, kv_cache=kv_cache, **kwargs)
+
+    return CausalDecodingOnly
+
+
+@pytest.mark.parametrize("kind", ["mha", "latent"])
+def test_a_decoding_step_is_called_causal_unless_the_caller_says_otherwise(kind: str) -> None:
+    """A decoding step of a causal model is causal: prove's step calls the module is_causal=True, or as given."""
+    if kind == "latent":
+        module = _causal_decoding_only(ssm.LatentAttention)(
+            64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8
+        )
+    else:
+        module = _causal_decoding_only(ssm.MultiHeadAttention)(64, 8, 2)
+    assert ssm.prove(module, decode=True).ok
+    refused = ssm.prove(module, decode=True, is_causal=False)
+    assert refused.failures and all("a decoding step must be causal" in f for f in refused.failures), refused
+
+
+def test_a_tensor_argument_with_an_axis_of_neither_size_keeps_that_axis_fixed() -> None:
+    """A 4-D mask `(batch, 1, seq, seq)` given as a function of the sizes: its batch and seq axes are the symbols, its
+    head axis of 1 stays 1, and the module is proven with it."""
+    mask = {"attn_mask": lambda batch, seq: torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril()}
+    proof = ssm.prove(ssm.MultiHeadAttention(64, 8, 2), **mask)
+    assert proof.ok, proof.failures
+
+
+def test_a_latent_stage_is_checked_against_the_modules_own_q_lora_rank() -> None:
+    """q_lora_rank is a size the module declares, which its stages must have: a module whose attribute says 12 where
+    its query down-projection gives 16 is not proven, that stage named, not taken as the size's first sighting."""
+    mla = ssm.LatentAttention(64, 8, q_lora_rank=16, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
+    mla.q_lora_rank = 12
+    assert ssm.prove(mla).failures == [
+        "q_lora_rank: q_a_proj has 16 at axis 2 where its annotation 'batch seq q_lora_rank' needs 12"
+    ]

@@ -55,7 +55,7 @@ def attention(
     scale = 1 / math.sqrt(d_model if bug == "scale_by_d_model" else d_head)
     scores = q @ k.transpose(-1, -2) * scale
     if is_causal and bug != "ignore_causal_mask":
-        offset = -1 if bug == "causal_off_by_one" else 0
+        offset = {"causal_off_by_one": -1, "causal_sees_next_key": 1}.get(bug or "", 0)
         allowed = torch.ones(s, s, dtype=torch.bool, device=x.device).tril(offset)
         scores = scores.masked_fill(~allowed, -math.inf)
     probs = torch.softmax(scores, dim=-2 if bug == "softmax_over_queries" else -1)
@@ -135,6 +135,26 @@ def test_the_report_names_the_bug_class(bug: str, named: str) -> None:
     assert re.search(rf"with {re.escape(named)}(;|$)", str(caught.value), re.MULTILINE), str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("bug", "named"),
+    [
+        ("causal_off_by_one", "causal mask shifted by one: no query sees its own key"),
+        ("causal_sees_next_key", "causal mask shifted by one: each query also sees the next key"),
+    ],
+)
+def test_a_causal_mask_one_key_off_is_named_at_a_length_where_one_and_two_keys_off_differ(bug: str, named: str) -> None:
+    """Over 6 positions a mask one key off either way is told apart from two keys off: the diagnosis names the planted
+    mistake, and nothing else of the mask kind."""
+    from shapesafe_mha.testing._diagnose import Scenario, Tolerance, name_bug
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=generator)
+    w = AttentionWeights(*(torch.randn(8, 8, dtype=torch.float64, generator=generator) for _ in range(4)))
+    got = attention(x, w, num_heads=2, num_kv_heads=2, is_causal=True, bug=bug)
+    found = name_bug(got, Scenario(x, x, x, w, num_heads=2, num_kv_heads=2, is_causal=True), Tolerance(1e-9))
+    assert [description for kind, description in found if kind == "mask"] == [named], found
+
+
 def test_a_wrong_head_is_located() -> None:
     """A bug confined to one head is reported as that head."""
 
@@ -151,6 +171,41 @@ def test_a_wrong_head_is_located() -> None:
 
     with pytest.raises(AssertionError, match=r"wrong heads: \[1\] of 2"):
         check_attention(second_head_scaled, kinds=("mha",))
+
+
+def test_a_wrong_head_is_located_in_code_that_assumes_every_bias_is_there() -> None:
+    """With bias=True the weights always carry biases, so code may add them unconditionally: each head is isolated
+    with its output bias zeroed, not taken away, and the wrong head is still found."""
+
+    def second_head_scaled(
+        x: Tensor, w: AttentionWeights, *, num_heads: int, num_kv_heads: int, is_causal: bool
+    ) -> Tensor:
+        assert w.b_q is not None and w.b_k is not None and w.b_v is not None and w.b_o is not None
+        q = ssm.split_heads(x @ w.w_q.T + w.b_q, num_heads).clone()
+        k = ssm.split_heads(x @ w.w_k.T + w.b_k, num_kv_heads)
+        v = ssm.split_heads(x @ w.w_v.T + w.b_v, num_kv_heads)
+        if num_heads > 1:
+            q[:, 1] *= 3.0
+        out = ssm.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return ssm.merge_heads(out) @ w.w_o.T + w.b_o
+
+    with pytest.raises(AssertionError, match=r"wrong heads: \[1\] of \d+"):
+        check_attention(second_head_scaled, kinds=("mha",), bias=True)
+
+
+@pytest.mark.parametrize(
+    ("bug", "located"),
+    [
+        ("forgot_o_bias", "no single head is wrong on its own: the error is in how heads are combined (merge or W_O)"),
+        ("scale_by_d_model", "every head (4) is wrong"),
+    ],
+)
+def test_a_bug_outside_any_one_head_or_in_all_of_them_is_located_so(bug: str, located: str) -> None:
+    """The output bias dropped is wrong with every head right on its own; a wrong scale makes every head wrong."""
+    config = AttentionConfig(seq=5, kv_seq=5, batch=2, d_model=16, num_heads=4, num_kv_heads=4, d_head=4, bias=True)
+    with pytest.raises(AssertionError) as caught:
+        check_attention(_planted(bug), configs=st.just(config), max_examples=1)
+    assert located in [line.strip() for line in str(caught.value).splitlines()], str(caught.value)
 
 
 def test_an_exception_is_a_failure_with_the_cause_chained() -> None:
@@ -1076,3 +1131,142 @@ def test_a_module_that_cannot_be_loaded_is_reported_with_the_config_in_full() ->
         "\n  smallest failing config: seq=3, batch=2, d_model=8, num_heads=4, num_kv_heads=2, d_head=2, bias=False, "
         "is_causal=True (gqa, group=2, float32)"
     ), str(caught.value)
+
+
+def _diagnosed(
+    planted: dict[str, Any], asked: dict[str, Any], *, heads: tuple[int, int] = (2, 2), weights: Any = None
+) -> list[Any]:
+    """name_bug's matches for an output computed with `planted` (the code's mistake; `weights` changes the weights it
+    uses) against a check that asked for `asked`: 6 positions, d_model 8, float64, biases on every projection."""
+    from shapesafe_mha.testing._diagnose import Scenario, Tolerance, name_bug
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=generator)
+    w = AttentionWeights(
+        *(torch.randn(8, 8, dtype=torch.float64, generator=generator) for _ in range(4)),
+        *(torch.randn(8, dtype=torch.float64, generator=generator) for _ in range(4)),
+    )
+    num_heads, num_kv_heads = heads
+    if num_kv_heads != num_heads:
+        w = replace(w, w_k=w.w_k[: 8 * num_kv_heads // num_heads], w_v=w.w_v[: 8 * num_kv_heads // num_heads],
+                    b_k=w.b_k[: 8 * num_kv_heads // num_heads], b_v=w.b_v[: 8 * num_kv_heads // num_heads])  # fmt: skip
+    scenario = Scenario(x, x, x, w, num_heads=num_heads, num_kv_heads=num_kv_heads, **asked)
+    used = weights(w) if weights is not None else w
+    got = per_head_attention(x, x, x, used, num_heads=num_heads, num_kv_heads=num_kv_heads, **planted)
+    return name_bug(got, scenario, Tolerance(1e-9))
+
+
+def _gen(seed: int, *shape: int) -> Tensor:
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+_SLOPES = torch.tensor([0.5, 0.25], dtype=torch.float64)
+_NORM = (1 + _gen(1, 4).abs(), 1 + _gen(2, 4).abs())
+_ROPE = {"rope_theta": 10000.0}
+_AT = torch.arange(6).expand(2, 6)
+_TILED = (
+    "KV heads tiled: query head i reads KV head i % num_kv_heads (`repeat` where `repeat_interleave` was meant); if "
+    'that is your convention (x-transformers), pass kv_heads="interleaved"'
+)
+_GROUPED = (
+    "query head i reads KV head i // group (transformers' repeat_kv, torch's enable_gqa), not i % num_kv_heads; if "
+    'that is your convention, pass kv_heads="grouped"'
+)
+_VARIANTS = [
+    ({"is_causal": True}, {"is_causal": True, "window": 3}, ("window", "sliding window not applied")),
+    ({"is_causal": True, "window": 4}, {"is_causal": True, "window": 3}, ("window", "sliding window one key longer")),
+    ({}, {"logit_softcap": 2.0}, ("softcap", "logit softcapping not applied")),
+    ({}, {"sinks": _SLOPES}, ("sinks", "attention sinks left out of the softmax")),
+    ({}, {"alibi_slopes": _SLOPES}, ("ALiBi", "ALiBi biases not applied")),
+    ({"alibi_slopes": _SLOPES.flip(0)}, {"alibi_slopes": _SLOPES}, ("ALiBi", "ALiBi slopes in the reverse head order")),
+    ({}, {"output_gate": (_gen(3, 8, 8), None)}, ("output gate", "the output gate not applied")),
+    ({}, {"out_norm": (1 + _gen(4, 8).abs(), 1e-6)}, ("output norm", "the merged heads' norm not applied")),
+    ({"scale": 0.5}, {"scale": 0.3}, ("scaling", "scores scaled by 1/sqrt(d_head), not the config's scale")),
+    ({}, {"qk_norm": _NORM}, ("QK-norm", "QK-norm not applied")),
+    (
+        {**_ROPE, "qk_norm": _NORM, "qk_norm_after_rope": True},
+        {**_ROPE, "qk_norm": _NORM},
+        ("QK-norm", "QK-norm applied after RoPE"),
+    ),
+    (
+        {**_ROPE, "qk_norm": _NORM},
+        {**_ROPE, "qk_norm": _NORM, "qk_norm_after_rope": True},
+        ("QK-norm", "QK-norm applied before RoPE"),
+    ),
+    (
+        {"qk_norm": _NORM},
+        {"qk_norm": _NORM, "qk_norm_centred": True},
+        ("QK-norm", "QK-norm an RMSNorm where a LayerNorm (each head's mean subtracted) was meant"),
+    ),
+    ({"scale": 1.0}, {}, ("scaling", "scores not scaled by 1/sqrt(d_head)")),
+    ({"scale": 8**-0.5}, {}, ("scaling", "scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)")),
+    ({}, {"is_causal": True}, ("mask", "no causal mask: every query sees every key")),
+    ({"is_causal": True}, {}, ("mask", "a causal mask applied where none was asked for")),
+    ({}, {"key_padding_mask": _AT >= 4}, ("padding/mask", "padding ignored: padded keys are attended to")),
+    ({}, _ROPE, ("RoPE/positions", "RoPE not applied")),
+    (
+        {**_ROPE, "positions": -_AT},
+        _ROPE,
+        ("RoPE/positions", "RoPE turned the wrong way (the sign of sin, or of rotate_half)"),
+    ),
+    (
+        {**_ROPE, "rope_style": "interleaved"},
+        _ROPE,
+        ("RoPE/positions", "RoPE rotates pairs (2i, 2i+1) where (i, i + d_head/2) was meant"),
+    ),
+    (
+        {**_ROPE, "rope_style": "half"},
+        {**_ROPE, "rope_style": "interleaved"},
+        ("RoPE/positions", "RoPE rotates pairs (i, i + d_head/2) where (2i, 2i+1) was meant"),
+    ),
+    (
+        {**_ROPE, "positions": _AT + 1, "key_positions": _AT},
+        _ROPE,
+        ("RoPE/positions", "RoPE positions of the queries off by one against the keys'"),
+    ),
+    (
+        {**_ROPE},
+        {**_ROPE, "rotary_dim": 2},
+        ("RoPE/positions", "RoPE over every feature where only the first 2 rotate (partial rotary)"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("planted", "asked", "named"), _VARIANTS, ids=[v[2][1][:40] for v in _VARIANTS])
+def test_a_variant_the_code_got_wrong_is_named_as_that_mistake(
+    planted: dict[str, Any], asked: dict[str, Any], named: tuple[str, str]
+) -> None:
+    """Code that computes attention with one thing left out or changed (a layer's window, softcapping, the scale, the
+    causal mask, RoPE, ...) gives an output the diagnosis names as that mistake, in its words."""
+    assert named in _diagnosed(planted, asked)
+
+
+@pytest.mark.parametrize(
+    ("asked", "planted", "named"),
+    [
+        ({"kv_heads": "grouped"}, {"kv_heads": "interleaved"}, _TILED),
+        ({"kv_heads": "interleaved"}, {"kv_heads": "grouped"}, _GROUPED),
+    ],
+    ids=["tiled", "grouped"],
+)
+def test_kv_heads_read_in_the_other_convention_are_named_with_the_option_to_pass(
+    asked: dict[str, Any], planted: dict[str, Any], named: str
+) -> None:
+    """4 query heads over 2 KV heads read in the other order than the check was told: named, with the kv_heads= that
+    says the code's convention."""
+    assert ("heads", named) in _diagnosed(planted, asked, heads=(4, 2))
+
+
+@pytest.mark.parametrize("role", "qkvo")
+def test_a_bias_left_out_is_named_by_its_projection(role: str) -> None:
+    """Code that drops one projection's bias is named as that projection's bias not added (not another's)."""
+    found = _diagnosed({}, {}, weights=lambda w: replace(w, **{f"b_{role}": None}))
+    assert [named for named in found if named[0] == "bias"] == [("bias", f"the {role} projection's bias not added")]
+
+
+def test_keys_and_values_swapped_are_named() -> None:
+    """Keys projected by the value weights and values by the key weights."""
+    swap = lambda w: replace(w, w_k=w.w_v, w_v=w.w_k, b_k=w.b_v, b_v=w.b_k)  # noqa: E731
+    assert ("k/v", "k and v swapped (keys from the value projection and values from the key projection)") in (
+        _diagnosed({}, {}, weights=swap)
+    )

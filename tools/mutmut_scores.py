@@ -502,7 +502,28 @@ EQUIVALENT: dict[str, str] = {
     ),
     **{f"{_P}xǁShapeProofǁ__str____mutmut_{n}": _HIGHLIGHT for n in (12, 14, 15)},
     **{f"{_P}xǁ_Observerǁguarding_calls__mutmut_{n}": _INNERMOST_FIRST for n in (16, 19)},
+    f"{_P}x__only_guards_true_everywhere__mutmut_73": (
+        "the guard eval'd in this module's globals instead of empty builtins with min and max: the guard's names were "
+        "checked first to be the sizes, min, max, and, or, not, which resolve alike in both"
+    ),
+    f"{_P}x__check_named__mutmut_35": (
+        "zip without strict=True: the lengths of tokens and shape were just found equal (else `continue`)"
+    ),
+    f"{_P}x__prove_case__mutmut_112": (
+        "the query's seq axis misspelt in the sizes by name: prefill adds the first parameter's own axes after it (the "
+        "same key where that is `query`), and a decoding step's query has seq 1, a constant no guard names"
+    ),
     # --- diagnose ---
+    f"{_D}x_variants__mutmut_201": (
+        "the padding-ignored variant's scenario given extra=None: a variant's scenario is only asked for expected(), "
+        "which never reads extra (variants() reads it of the scenario diagnosed, never of a variant's)"
+    ),
+    f"{_D}x__layer_variants__mutmut_50": (
+        "qk_norm_centred=None for False in the RMSNorm-for-LayerNorm variant: the reference reads it only for truth"
+    ),
+    f"{_D}x_variants__mutmut_163": (
+        "is_causal=None for False in the no-own-key variant: the reference reads is_causal only for truth"
+    ),
     f"{_D}x__mod_variants__mutmut_56": (
         "the reversed-heads variant also for one head, where last - h is h: it is the reference itself, which the "
         "output was just found to differ from (same tolerance, same rows), so it never matches"
