@@ -47,10 +47,8 @@ def fold_queries(grouped: Tensor) -> Tensor:
 
 
 def unfold(out: Tensor, num_heads: int) -> Tensor:
-    """`(batch, num_kv_heads, group * seq, d_head)` folded back to `(batch, num_heads, seq, d_head)`: a view where
-    the layout allows (it does for torch's outputs), else a copy, as `unflatten(...).flatten(1, 2)` does."""
-    shape = out.shape
-    return out.reshape(shape[0], num_heads, shape[2] // (num_heads // shape[1]), shape[3])
+    # unflatten and flatten, not one reshape: with symbolic sizes (export) a reshape's layout check guards on seq
+    return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
 
 
 def tune_temperature(q: Tensor, start: int, floor_scale: int, attn_scale: float) -> Tensor:
