@@ -120,7 +120,7 @@ MUTANTS: list[Mutant] = [
       "rows with nothing to attend to are not zeroed after softmax", EQ, PINS),
     M("_compute/kernels.py", "mask.repeat(1, 1, group, 1)", "mask.repeat_interleave(group, dim=2)",
       "mask folded in the wrong order for GQA's folded queries", EQ, PINS),
-    M("_compute/kernels.py", "return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)",
+    M("_compute/kernels.py", "return out.view(shape[0], shape[1], group, shape[2] // group, shape[3]).flatten(1, 2)",
       "return out.unflatten(2, (-1, num_heads // out.shape[1])).transpose(2, 3).flatten(1, 2)",
       "GQA output unfolded as (seq, group) instead of (group, seq)", EQ),
     M("_compute/kernels.py", "scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale",

@@ -47,8 +47,9 @@ def fold_queries(grouped: Tensor) -> Tensor:
 
 
 def unfold(out: Tensor, num_heads: int) -> Tensor:
-    # unflatten and flatten, not one reshape: with symbolic sizes (export) a reshape's layout check guards on seq
-    return out.unflatten(2, (num_heads // out.shape[1], -1)).flatten(1, 2)
+    shape = out.shape  # a view split then a flatten (`unflatten` is a Python call; one reshape makes export guard)
+    group = num_heads // shape[1]
+    return out.view(shape[0], shape[1], group, shape[2] // group, shape[3]).flatten(1, 2)
 
 
 def tune_temperature(q: Tensor, start: int, floor_scale: int, attn_scale: float) -> Tensor:
