@@ -220,7 +220,7 @@ EQUIVALENT: dict[str, str] = {
         "is never taken"
     ),
     # --- fast paths ---
-    f"{_F}x_fused_qkv__mutmut_56": (
+    f"{_F}x_fused_qkv__mutmut_80": (
         "biases[1] for biases[0]: the line above returns unless all three biases are None or none is, so they agree"
     ),
     **{
@@ -382,7 +382,7 @@ EQUIVALENT: dict[str, str] = {
         "a free size numbered -2 - i instead of -1 - i: still distinct negatives, never 0, 1 or a constant, and keys "
         "are only compared for equality"
     ),
-    f"{_CO}x_remembered_forward__mutmut_15": (
+    f"{_CO}x_remembered_forward__mutmut_20": (
         "check = None for False where the verdict is known: check is only read for truth (not check, if check)"
     ),
     **{
@@ -390,7 +390,7 @@ EQUIVALENT: dict[str, str] = {
             "`state is not None or cache is not None` for `and`: state is None exactly when cache is (state() is a "
             "tuple)"
         )
-        for n in (26, 44)
+        for n in (31, 49)
     },
     f"{_CO}xǁCallKeyǁrelations__mutmut_10": (
         "`kv_seq is not None` for `is None`: the flag is negated in every key alike, and keys are only compared for "
@@ -448,7 +448,7 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in (68, 71)
     },
-    f"{_MH}x_forward_key__mutmut_90": (
+    f"{_MH}x_forward_key__mutmut_91": (
         "kv_seq keyed also without a mask: a finer key (more calls checked, never fewer), and without a mask no check "
         "reads kv_seq, so the calls it tells apart pass their checks alike"
     ),
@@ -719,7 +719,7 @@ EQUIVALENT: dict[str, str] = {
     },
     f"{_H}x_from_hf__mutmut_129": "layer_idx's default None for 0: read through `or 0`, 0 alike",
     f"{_H}x__split_grouped__mutmut_78": _STRICT,
-    f"{_H}x_latent_from_hf__mutmut_187": "load_state_dict's strict=None for False: read for truth only, False alike",
+    f"{_H}x_latent_from_hf__mutmut_208": "load_state_dict's strict=None for False: read for truth only, False alike",
     f"{_H}x_alibi_slopes_of__mutmut_6": (
         "Bloom's biases built in the default dtype (float32) instead of float64 for reading the slopes: Bloom's slopes "
         "are powers of two (for any head count) and the positions 0 and 1, exact in float32; MPT's builder takes no "
