@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
 from shapesafe_mha._compute import kernels as _kernels
+from shapesafe_mha.reference import per_head_attention
 from shapesafe_mha.testing import assert_no_kv_expansion, attention_configs, attention_masks
 
 B, H, HKV, S, KV, D = 2, 8, 2, 3, 40, 8  # K at num_heads heads is larger than every legitimate tensor
@@ -95,7 +96,7 @@ def test_unmeasured_devices_and_older_torch_fold() -> None:
 def kernels_taken(monkeypatch: pytest.MonkeyPatch, patch_kernel: Any) -> list[str]:
     """Which kernel each attention ran on: 'native' (torch's GQA), 'folded' (the query groups folded)."""
     taken: list[str] = []
-    native, fold = _kernels.sdpa_gqa, _kernels.fold_queries
+    native, fold, fold_one = _kernels.sdpa_gqa, _kernels.fold_queries, _kernels.fold_one_query
 
     def recording_native(*args: Any) -> torch.Tensor:
         taken.append("native")
@@ -105,8 +106,13 @@ def kernels_taken(monkeypatch: pytest.MonkeyPatch, patch_kernel: Any) -> list[st
         taken.append("folded")
         return fold(grouped)
 
+    def recording_fold_one(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        taken.append("folded")
+        return fold_one(q, num_kv_heads)
+
     patch_kernel("sdpa_gqa", recording_native)
     patch_kernel("fold_queries", recording_fold)
+    patch_kernel("fold_one_query", recording_fold_one)
     return taken
 
 
@@ -236,6 +242,46 @@ def test_one_decoding_query_against_many_keys_folds_and_equals_a_per_head_loop(m
         mask[0] = False
     ours = ssm.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
     torch.testing.assert_close(ours, _per_head(q, k, v, mask, True), atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("how", ["fused", "separate", "padding mask", "need_weights", "multi-query"])
+def test_a_module_decoding_against_many_keys_folds_one_query_and_equals_the_reference(
+    how: str, kernels_taken: list[str]
+) -> None:
+    """Decoding one query a step against LONG cached keys folds (each KV head's group of query heads as its rows,
+    one view; the output merged by one reshape), on the fused projection (inference) and the separate ones (grad),
+    with a padding mask that leaves a sequence no key, with weights, and MQA: every step equals
+    `per_head_attention` over the whole sequence, and the fold ran at every step."""
+    heads, kv_heads = H, (1 if how == "multi-query" else HKV)
+    module = ssm.MultiHeadAttention(H * D, heads, kv_heads).double().eval()
+    steps = 3
+    x = torch.randn(B, LONG + steps, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    padding = None
+    if how == "padding mask":
+        padding = torch.rand(B, LONG + steps, generator=torch.Generator().manual_seed(1)) > 0.5
+        padding[0] = True  # the first sequence attends to nothing: zeros
+    expected = per_head_attention(
+        x, x, x, module.weights(), num_heads=heads, num_kv_heads=kv_heads, is_causal=True, key_padding_mask=padding
+    )
+    cache = module.new_cache(B, LONG + steps)
+    with torch.set_grad_enabled(how == "separate"):
+        module(
+            x[:, :LONG], is_causal=True, kv_cache=cache, key_padding_mask=None if padding is None else padding[:, :LONG]
+        )
+        kernels_taken.clear()
+        got = []
+        for i in range(LONG, LONG + steps):
+            step = module(
+                x[:, i : i + 1],
+                is_causal=True,
+                kv_cache=cache,
+                key_padding_mask=None if padding is None else padding[:, : i + 1],
+                need_weights=how == "need_weights",
+            )
+            got.append(step[0] if how == "need_weights" else step)
+    assert not _kernels.native_decodes(B, heads, LONG, D)
+    assert kernels_taken == ["folded"] * steps
+    torch.testing.assert_close(torch.cat(got, dim=1), expected[:, LONG:], atol=1e-10, rtol=1e-8)
 
 
 @pytest.mark.skipif(_kernels.TORCH_RELEASE < MEASURED, reason="measured from torch 2.13")

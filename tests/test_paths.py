@@ -76,6 +76,14 @@ def test_the_module_properties_take_every_execution_path(monkeypatch: pytest.Mon
 
     patch_kernel("sdpa_gqa", recording_native)
     patch_kernel("fold_queries", recording_fold)
+    fold_one = _kernels.fold_one_query
+
+    def recording_fold_one(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        if q.shape[1] > num_kv_heads:
+            taken.add("GQA/MQA folded")
+        return fold_one(q, num_kv_heads)
+
+    patch_kernel("fold_one_query", recording_fold_one)
 
     @settings(max_examples=80, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(data=st.data())

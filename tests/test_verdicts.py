@@ -227,6 +227,23 @@ def test_with_surgery_between_calls_a_warm_module_answers_as_a_fresh_one(steps: 
 # --- autocast, failed calls, raw errors ---------------------------------------------------------------------
 
 
+def test_autocast_on_agrees_with_torchs_public_test_of_each_device_type() -> None:
+    """`autocast_on` reads torch's private any-autocast flag, in that one place: it agrees with the public
+    `torch.is_autocast_enabled` of every device type, off, inside CPU autocast, nested, and after it."""
+    from shapesafe_mha._compute.stages import autocast_on
+
+    def public() -> bool:
+        return any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda", "xpu", "mps", "hpu", "xla"))
+
+    assert autocast_on() is public() is False
+    with torch.autocast("cpu", torch.bfloat16):
+        assert autocast_on() is public() is True
+        with torch.autocast("cpu", enabled=False):
+            assert autocast_on() is public() is False
+        assert autocast_on() is True
+    assert autocast_on() is public() is False
+
+
 def test_under_autocast_the_checked_path_accepts_what_unchecked_computes() -> None:
     """A float32 module and input under bfloat16 autocast: a float32 attn_mask and a float32 KVCache were
     refused (the message said "bfloat16 like the module"); now checked == unchecked, and a cache in a third
@@ -302,8 +319,10 @@ def test_rope_with_cross_attention_is_refused_as_not_supported() -> None:
 def test_vmap_with_a_cache_is_a_shape_error_not_a_torch_error(kind: str) -> None:
     """A cache is one buffer for the batch; writing it from vmapped slices was torch's in-place RuntimeError
     (the module checked first: once without a verdict, once after one)."""
-    module: Any = ssm.MultiHeadAttention(16, 4, 2) if kind == "multi-head" else ssm.LatentAttention(
-        16, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4
+    module: Any = (
+        ssm.MultiHeadAttention(16, 4, 2)
+        if kind == "multi-head"
+        else ssm.LatentAttention(16, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4)
     )
     for _ in range(2):
         cache = module.new_cache(1, 8)
@@ -578,8 +597,9 @@ def test_a_verdict_remembered_outside_autocast_does_not_cover_a_call_inside_it()
     cache = module.new_cache(1, 8)
     module(torch.randn(1, 2, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
     module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
-        ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"),
     ):
         module(torch.randn(1, 1, 16, dtype=torch.float16), is_causal=True, kv_cache=cache)
     assert len(cache) == 3
@@ -753,7 +773,6 @@ def test_a_mask_over_the_first_step_only_is_refused_at_the_second(name: str) -> 
     assert len(cache) == 1
 
 
-
 def test_a_verdict_for_integer_positions_is_none_for_float_ones() -> None:
     """Float positions would turn queries and keys unchecked as well as integer ones do; after a call with integer
     positions they are still refused, as on a fresh module."""
@@ -765,7 +784,6 @@ def test_a_verdict_for_integer_positions_is_none_for_float_ones() -> None:
             warm(x, positions=positions.float())
 
 
-
 def test_a_verdict_under_float16_autocast_does_not_cover_a_call_under_bfloat16_autocast() -> None:
     """Under float16 autocast a float32 module decodes into a float16 cache; under bfloat16 autocast the same call
     computes bfloat16 keys, which that cache does not hold: refused, as on a fresh module, the cache as it was."""
@@ -774,8 +792,9 @@ def test_a_verdict_under_float16_autocast_does_not_cover_a_call_under_bfloat16_a
     with torch.autocast("cpu", dtype=torch.float16):
         module(torch.randn(1, 2, 16), is_causal=True, kv_cache=cache)
         module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
-        ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(ssm.ShapeError, match=r"kv_cache holds float16 on cpu, but the module computes bfloat16 on cpu"),
     ):
         module(torch.randn(1, 1, 16), is_causal=True, kv_cache=cache)
     assert len(cache) == 3

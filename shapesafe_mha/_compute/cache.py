@@ -9,6 +9,7 @@ from .._core.contract import Session, Stage, Verdicts, checks_enabled, signature
 from .._core.dims import CacheBuffer, KVHeads, NewKVHeads
 from .._core.errors import ConfigError, ShapeError
 from .._core.messages import dtype_name, mismatch
+from .fastpath import batched_tensor as _batched
 from .fastpath import refuse_under_vmap
 
 CacheState = tuple[Tensor, Tensor, int, int]
@@ -220,8 +221,10 @@ class KVCache:
     def write(self, k: Tensor, v: Tensor, owner: str | None = None) -> tuple[Tensor, Tensor]:
         """Append without checking shapes (the capacity is always checked); views of all cached."""
         new = k.shape[2]
-        refuse_under_vmap(k, owner)
-        self._check_room(new, owner)
+        if _batched(k):  # (the test of refuse_under_vmap, inlined: this runs on every decoding step)
+            refuse_under_vmap(k, owner)
+        if self._length + new > self.capacity:  # (_check_room's own test first, inlined likewise)
+            self._check_room(new, owner)
         # out of place also without grad while a buffer is in a graph: an earlier step's backward reads it
         keys, values = self.keys_buffer, self.values_buffer
         tracked = keys.requires_grad or values.requires_grad or (

@@ -36,22 +36,17 @@ from .._core.trace import current_observer
 # faster; beyond it SDPA's flash kernel wins (measured on CPU: 0.82x of the kernel's time at 256).
 NATIVE_MAX_SEQ = 128
 
-_GLOBAL_HOOKS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks_with_kwargs",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-)
-
 
 def global_hooks() -> bool:
     """Whether any module-wide hook (`register_module_forward_hook` and friends) is registered."""
-    hooks = _module_hooks.__dict__
-    for name in _GLOBAL_HOOKS:  # a plain loop: this runs on every inference call
-        if hooks.get(name):
-            return True
-    return False
+    hooks = _module_hooks.__dict__  # each table by its name, unrolled: this runs on every inference call
+    return bool(
+        hooks["_global_forward_hooks"]
+        or hooks["_global_forward_pre_hooks"]
+        or hooks["_global_forward_hooks_with_kwargs"]
+        or hooks["_global_backward_hooks"]
+        or hooks["_global_backward_pre_hooks"]
+    )
 
 
 def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" = None) -> tuple[Any, ...]:
@@ -80,9 +75,11 @@ def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" =
     for module in modules:  # a plain loop: this runs on every call whose verdict is known
         if module is None or module is q or module is k or module is v:
             continue
-        if module._forward_hooks or module._forward_pre_hooks:
-            tables += (module._forward_hooks, module._forward_pre_hooks)
-        weight = module._parameters.get("weight")
+        own = module.__dict__  # subscripts, cheaper than nn.Module's attribute lookups
+        forward_hooks, pre_hooks = own["_forward_hooks"], own["_forward_pre_hooks"]
+        if forward_hooks or pre_hooks:
+            tables += (forward_hooks, pre_hooks)
+        weight = own["_parameters"].get("weight")
         shapes.append(None if weight is None else weight.shape)
     for table in tables:
         if table:
@@ -129,9 +126,14 @@ def call_restoring(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         raise
 
 
+# Whether a tensor is one slice of a `torch.vmap`: torch documents no public test for it, so its private one is
+# named here only (`vmapped`; `KVCache.write` calls it directly, once a decoding step).
+batched_tensor = torch._C._functorch.is_batchedtensor  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def vmapped(tensor: Tensor) -> bool:
-    """Whether `tensor` is one slice of a `torch.vmap` (torch documents no public test for it)."""
-    return bool(torch._C._functorch.is_batchedtensor(tensor))  # pyright: ignore[reportAttributeAccessIssue]
+    """Whether `tensor` is one slice of a `torch.vmap`."""
+    return bool(batched_tensor(tensor))
 
 
 def refuse_under_vmap(tensor: Tensor, owner: str | None) -> None:
@@ -148,16 +150,20 @@ def plain_linear(*modules: Any) -> bool:
     """Whether each module is an `nn.Linear` as torch ships it: no subclass, parametrization, adapter, hook or
     forward of its own. (Several in one call: the fused path asks it of three on every inference call.)"""
     for module in modules:
+        own = module.__dict__  # its attributes read from it: a subscript each, cheaper than attribute lookups
         if not (
-            type(module) is nn.Linear  # parametrize swaps the class; LoRA and quantization replace the module
-            and not module._forward_hooks
-            and not module._forward_pre_hooks
-            and not module._backward_hooks
-            and not module._backward_pre_hooks
-            and "forward" not in module.__dict__  # accelerate's offloading hooks replace the instance's forward
+            type(module) is _Linear  # parametrize swaps the class; LoRA and quantization replace the module
+            and not own["_forward_hooks"]
+            and not own["_forward_pre_hooks"]
+            and not own["_backward_hooks"]
+            and not own["_backward_pre_hooks"]
+            and "forward" not in own  # accelerate's offloading hooks replace the instance's forward
         ):
             return False
     return True
+
+
+_Linear = nn.Linear
 
 
 def project(proj: nn.Module, x: Tensor) -> Tensor:
@@ -239,7 +245,8 @@ def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> b
     )
 
 
-SEPARATE, FUSED, NATIVE = "separate", "fused", "native"  # the execution paths of MultiHeadAttention.forward
+SEPARATE, FUSED, NATIVE = "separate", "fused", "native"
+_compiling = torch.compiler.is_compiling  # the execution paths of MultiHeadAttention.forward
 
 
 def choose_path(
@@ -262,7 +269,7 @@ def choose_path(
         return SEPARATE, None  # (a gated q_proj holds each head's gate beside its queries: no fused split)
     if jit_tracing is None:
         jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
-    if torch.compiler.is_compiling() or jit_tracing or not isinstance(query, Tensor):
+    if _compiling() or jit_tracing or not isinstance(query, Tensor):
         return SEPARATE, None
     modules = module._modules
     fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], module._fused, module._qkv_rows)

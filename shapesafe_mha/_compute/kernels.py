@@ -24,7 +24,10 @@ def split_fused(qkv: Tensor, num_heads: int, num_kv_heads: int) -> tuple[Tensor,
     way (storage, offset, shape, and the strides of every axis longer than 1)."""
     shape = qkv.shape  # (batch, seq, features): `view`, a call of torch's C API (`unflatten` is Python's)
     heads_total = num_heads + 2 * num_kv_heads
-    heads = qkv.view(shape[0], shape[1], heads_total, shape[2] // heads_total).transpose(1, 2)
+    if shape[1] == 1:  # one position (decoding): heads before it by one view, no transpose to dispatch
+        heads = qkv.view(shape[0], heads_total, 1, shape[2] // heads_total)
+    else:
+        heads = qkv.view(shape[0], shape[1], heads_total, shape[2] // heads_total).transpose(1, 2)
     q, k, v = heads.split_with_sizes([num_heads, num_kv_heads, num_kv_heads], dim=1)  # Tensor.split: a Python wrapper
     return q, k, v
 
@@ -44,6 +47,19 @@ def group_queries(q: Tensor, num_kv_heads: int) -> Tensor:
 def fold_queries(grouped: Tensor) -> Tensor:
     """GQA without copying K/V: the query heads of a group laid end to end along the query axis."""
     return grouped.flatten(2, 3)
+
+
+def fold_one_query(q: Tensor, num_kv_heads: int) -> Tensor:
+    """`fold_queries(group_queries(q, num_kv_heads))` for one query a head (decoding): one view, never a copy
+    (splitting the heads axis and dropping the query axis of size 1 fit any strides)."""
+    shape = q.shape
+    return q.view(shape[0], num_kv_heads, shape[1] // num_kv_heads, shape[3])
+
+
+def merge_one_query(out: Tensor) -> Tensor:
+    """`merge_heads(unfold(out, num_heads))` for one query a head (decoding): the folded rows of a KV head are its
+    group's heads in order, so the heads merge as they lie; one reshape (a copy only where SDPA laid them apart)."""
+    return out.reshape(out.shape[0], 1, -1)
 
 
 def unfold(out: Tensor, num_heads: int) -> Tensor:
@@ -130,9 +146,7 @@ def combine_masks(
     return allowed
 
 
-def chunk_mask(
-    attn_mask: Tensor | None, key_padding_mask: Tensor | None, q: Tensor, k: Tensor, chunk: int
-) -> Tensor:
+def chunk_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, q: Tensor, k: Tensor, chunk: int) -> Tensor:
     """Llama 4's chunked attention as a mask joined to `attn_mask` (bool: and; float: -inf where hidden): a query
     sees only the keys of its own chunk of `chunk` positions (query i at position kv_seq - seq + i), the chunks
     counted from each sequence's first real key (after its left padding in `key_padding_mask`, as transformers

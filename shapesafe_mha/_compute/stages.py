@@ -509,9 +509,15 @@ def check_temperature_tuning(owner: str, tuning: Any) -> tuple[int, float] | Non
     if tuning is None:
         return None
     pair = tuple(tuning) if isinstance(tuning, tuple | list) else ()
-    if len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 1 or isinstance(
-        pair[1], bool
-    ) or not isinstance(pair[1], int | float) or not math.isfinite(pair[1]):
+    if (
+        len(pair) != 2
+        or isinstance(pair[0], bool)
+        or not isinstance(pair[0], int)
+        or pair[0] < 1
+        or isinstance(pair[1], bool)
+        or not isinstance(pair[1], int | float)
+        or not math.isfinite(pair[1])
+    ):
         raise ConfigError(
             f"{owner}temperature_tuning must be (floor_scale, attn_scale): a positive int and a finite number "
             f"(Llama 4: (8192, 0.1)), but got {tuning!r}."
@@ -558,8 +564,15 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def autocast_on() -> bool:
-    """Whether `torch.autocast` is on for CPU or CUDA (cheaper than asking for a device's dtype)."""
-    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+    """Whether `torch.autocast` is on for any device (cheaper than asking for a device's dtype).
+
+    torch's own test, `torch._C._is_any_autocast_enabled` (what `torch.autocast` itself reads; no public name):
+    one call, where asking `torch.is_autocast_enabled` of each device type parses its name each time
+    (`tests/test_verdicts.py` pins that the two agree)."""
+    return _any_autocast()
+
+
+_any_autocast = torch._C._is_any_autocast_enabled  # pyright: ignore[reportAttributeAccessIssue, reportPrivateUsage]
 
 
 def _precheck_cache(arguments: dict[str, Any]) -> None:
@@ -671,6 +684,12 @@ def fold_queries(grouped: GroupedQueries) -> FoldedQueries:
     return K.fold_queries(grouped)
 
 
+@stage(name="fold_queries", raw=K.fold_one_query)
+def fold_one_query(q: Heads, num_kv_heads: int) -> FoldedQueries:
+    """One query a head (decoding): each KV head's group of query heads as its rows, by one view."""
+    return K.fold_one_query(q, num_kv_heads)
+
+
 @stage(name="fold_mask", trace=("", ""), raw=K.fold_mask_rows)
 def fold_mask(
     mask: FullMask, may_empty: bool, num_heads: int, num_kv_heads: int
@@ -729,6 +748,12 @@ def merge(x: Heads) -> QueryInner:
     return K.merge_heads(x)
 
 
+@stage(name="merge", raw=K.merge_one_query)
+def merge_one_query(out: FoldedQueries) -> QueryInner:
+    """One query a head (decoding): the folded attention's output merged at once (unfolding it is a view)."""
+    return K.merge_one_query(out)
+
+
 @stage(name="o_proj", raw=call_projection)
 def project_output(proj: nn.Module, x: QueryInner) -> Tokens:
     return call_projection(proj, x)
@@ -771,6 +796,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "attend_native": attend_native,
     "group_queries": group_queries,
     "fold_queries": fold_queries,
+    "fold_one_query": fold_one_query,
     "fold_mask": fold_mask,
     "attend_folded": attend_folded,
     "unfold": unfold,
@@ -779,6 +805,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "unfold_weights": unfold_weights,
     "weigh_values": weigh_values,
     "merge": merge,
+    "merge_one_query": merge_one_query,
     "project_output": project_output,
     "native_attention": native_attention,
 }

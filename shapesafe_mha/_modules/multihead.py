@@ -193,7 +193,7 @@ def forward_key(
     kv_len = key_shape[1]
     cache_kind = buffer_shape = kept = None
     if kv_cache is not None:
-        kv_len += len(kv_cache)
+        kv_len += kv_cache._start + kv_cache._length  # len(kv_cache), without a Python call of __len__
         buffer = kv_cache.keys_buffer
         cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache.window), buffer.shape
         if kv_cache.window is not None:
@@ -842,7 +842,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
         mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window, native)
-        weights = None
+        weights = merged = None
         if mask is None and num_heads == num_kv_heads and not explicit:
             out = s.attend_heads(q, k, v, K.native_causal(is_causal, q, k), dropout_p, scale)
         elif native:
@@ -852,7 +852,8 @@ class MultiHeadAttention(nn.Module):
             )
             out = s.attend_native(q, k, v, mask, causal, may_empty, dropout_p, scale)
         else:
-            folded = s.fold_queries(s.group_queries(q, num_kv_heads))
+            single = q.shape[2] == 1  # decoding: the fold and the merge are one view or reshape each
+            folded = s.fold_one_query(q, num_kv_heads) if single else s.fold_queries(s.group_queries(q, num_kv_heads))
             folded_mask, rows = None, None
             if mask is not None:
                 may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
@@ -865,8 +866,13 @@ class MultiHeadAttention(nn.Module):
                     weights = s.unfold_weights(folded_weights, num_heads, rows)
                 out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)
             else:
-                out = s.unfold(s.attend_folded(folded, k, v, folded_mask, dropout_p, scale), num_heads, rows)
-        merged = s.merge(out)
+                out = s.attend_folded(folded, k, v, folded_mask, dropout_p, scale)
+                if single and rows is None:
+                    merged = s.merge_one_query(out)
+                else:
+                    out = s.unfold(out, num_heads, rows)
+        if merged is None:
+            merged = s.merge(out)
         if gate is not None:
             merged = s.gate_output(merged, gate)
         out = s.project_output(o_proj, merged)
