@@ -303,3 +303,12 @@ def test_torchs_cpu_kernel_zeroes_rows_with_no_key_itself(dtype: torch.dtype) ->
     out = module(x, key_padding_mask=padding)
     out.sum().backward()
     assert torch.equal(out[0], torch.zeros_like(out[0])) and x.grad is not None and not x.grad.isnan().any()
+
+
+def test_one_query_folded_and_merged_for_an_empty_batch_on_meta() -> None:
+    """Where every decode folds (meta stands for the unmeasured devices), an empty batch decodes to an empty
+    output of the right shape: the merge names its sizes (a reshape to -1 cannot infer one from 0 elements)."""
+    module = ssm.MultiHeadAttention(H * D, H, HKV, device="meta").eval()
+    with torch.no_grad():
+        out = module(torch.empty(0, 1, H * D, device="meta"), torch.empty(0, 7, H * D, device="meta"))
+    assert out.shape == (0, 1, H * D)

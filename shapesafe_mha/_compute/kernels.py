@@ -59,7 +59,8 @@ def fold_one_query(q: Tensor, num_kv_heads: int) -> Tensor:
 def merge_one_query(out: Tensor) -> Tensor:
     """`merge_heads(unfold(out, num_heads))` for one query a head (decoding): the folded rows of a KV head are its
     group's heads in order, so the heads merge as they lie; one reshape (a copy only where SDPA laid them apart)."""
-    return out.reshape(out.shape[0], 1, -1)
+    shape = out.shape  # sizes, not -1: an empty batch has no size to infer
+    return out.reshape(shape[0], 1, shape[1] * shape[2] * shape[3])
 
 
 def unfold(out: Tensor, num_heads: int) -> Tensor:
