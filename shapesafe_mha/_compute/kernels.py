@@ -58,7 +58,8 @@ def fold_one_query(q: Tensor, num_kv_heads: int) -> Tensor:
 
 def merge_one_query(out: Tensor) -> Tensor:
     """`merge_heads(unfold(out, num_heads))` for one query a head (decoding): the folded rows of a KV head are its
-    group's heads in order, so the heads merge as they lie; one reshape (a copy only where SDPA laid them apart)."""
+    group's heads in order, so the heads merge as they lie; one reshape (a copy only where SDPA laid them apart).
+    Also `merge_heads(x)` of one query a head, `(batch, num_heads, 1, d_head)`: its transpose moves an axis of 1."""
     shape = out.shape  # sizes, not -1: an empty batch has no size to infer
     return out.reshape(shape[0], 1, shape[1] * shape[2] * shape[3])
 

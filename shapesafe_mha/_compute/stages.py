@@ -749,6 +749,12 @@ def merge(x: Heads) -> QueryInner:
 
 
 @stage(name="merge", raw=K.merge_one_query)
+def merge_one_query_heads(x: Heads) -> QueryInner:
+    """One query a head (decoding on torch's kernel): its heads merged at once, by one reshape (no transpose)."""
+    return K.merge_one_query(x)
+
+
+@stage(name="merge", raw=K.merge_one_query)
 def merge_one_query(out: FoldedQueries) -> QueryInner:
     """One query a head (decoding): the folded attention's output merged at once (unfolding it is a view)."""
     return K.merge_one_query(out)
@@ -806,6 +812,7 @@ FORWARD_STAGES: dict[str, Any] = {
     "weigh_values": weigh_values,
     "merge": merge,
     "merge_one_query": merge_one_query,
+    "merge_one_query_heads": merge_one_query_heads,
     "project_output": project_output,
     "native_attention": native_attention,
 }

@@ -871,8 +871,8 @@ class MultiHeadAttention(nn.Module):
                     merged = s.merge_one_query(out)
                 else:
                     out = s.unfold(out, num_heads, rows)
-        if merged is None:
-            merged = s.merge(out)
+        if merged is None:  # one query a head (decoding): the heads merge by one reshape, no transpose
+            merged = s.merge_one_query_heads(out) if q.shape[2] == 1 else s.merge(out)
         if gate is not None:
             merged = s.gate_output(merged, gate)
         out = s.project_output(o_proj, merged)
