@@ -312,3 +312,51 @@ def test_one_query_folded_and_merged_for_an_empty_batch_on_meta() -> None:
     with torch.no_grad():
         out = module(torch.empty(0, 1, H * D, device="meta"), torch.empty(0, 7, H * D, device="meta"))
     assert out.shape == (0, 1, H * D)
+
+
+@pytest.mark.parametrize("num_kv_heads", [H, HKV, 1])
+@pytest.mark.parametrize(
+    "how",
+    ["plain", "causal", "causal, more keys", "scale", "masked", "window", "softcap", "decode", "decode, many keys"],
+)
+def test_a_remembered_public_attention_runs_what_its_checked_call_ran(
+    num_kv_heads: int, how: str, kernels_taken: list[str]
+) -> None:
+    """The second call of a signature runs the plan its first, checked call remembered (torch's own call with the
+    flags bound, or the stage's body): the same kernels and the same values, the checked call's and a per-head
+    loop's. Then the flags changed, the shapes kept: another key, checked again, and computed with the new flags."""
+    generator = torch.Generator().manual_seed(0)
+    seq, kv_seq = {"causal": (S, S), "decode": (1, KV), "decode, many keys": (1, LONG)}.get(how, (S, KV))
+    q = torch.randn(B, H, seq, D, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(B, num_kv_heads, kv_seq, D, generator=generator, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(B, 1, seq, kv_seq, generator=generator) > 0.3
+    flags: dict[str, Any] = {
+        "plain": {},
+        "causal": {"is_causal": True},
+        "causal, more keys": {"is_causal": True},
+        "scale": {"scale": 0.3},
+        "masked": {"attn_mask": mask},
+        "window": {"is_causal": True, "window": 4},
+        "softcap": {"softcap": 0.5},
+        "decode": {"is_causal": True},
+        "decode, many keys": {"is_causal": True},
+    }[how]
+    first = ssm.scaled_dot_product_attention(q, k, v, **flags)
+    checked_kernels = list(kernels_taken)
+    kernels_taken.clear()
+    again = ssm.scaled_dot_product_attention(q, k, v, **flags)
+    assert ssm.scaled_dot_product_attention.exact, "the first call's verdict is remembered"
+    assert kernels_taken == checked_kernels
+    assert torch.equal(again, first)
+    if how not in ("window", "softcap", "scale"):  # what the per-head loop computes: masks and causal only
+        reference = _per_head(q, k, v, flags.get("attn_mask"), flags.get("is_causal", False))
+        torch.testing.assert_close(again, reference, atol=1e-10, rtol=0)
+    other = {"is_causal": not flags.get("is_causal", False), "scale": 0.5}
+    expected = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(H // num_kv_heads, 1), v.repeat_interleave(H // num_kv_heads, 1), scale=0.5
+    )
+    changed = ssm.scaled_dot_product_attention(q, k, v, **{**flags, **other})
+    if not other["is_causal"] and how not in ("masked", "window", "softcap"):
+        torch.testing.assert_close(changed, expected, atol=1e-10, rtol=0)
+    else:
+        assert not torch.allclose(changed, again)

@@ -8,6 +8,7 @@ memo, with its result checked and reported to the trace.
 """
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -295,7 +296,29 @@ def group_queries(q: Heads, num_kv_heads: int) -> GroupedQueries:
     return K.group_queries(q, num_kv_heads)
 
 
-@stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
+def _as_torch(
+    q_shape: torch.Size, k_shape: torch.Size, attn_mask: Any, is_causal: bool, window: Any, softcap: Any
+) -> bool:
+    """Whether torch's own SDPA computes this attention as it is: no mask, window or softcap, and causal only with
+    as many queries as keys (where torch's top-left alignment is our lower-right one)."""
+    return softcap is None and attn_mask is None and window is None and (not is_causal or q_shape[2] == k_shape[2])
+
+
+def _plan_attention(arguments: dict[str, Any]) -> Callable[..., Tensor] | None:
+    """A remembered `scaled_dot_product_attention` whose body would be one call of torch's: that call, its flags
+    bound (they are in the call's key), without the body's decisions (`Stage.remembered_call`). The kernel is
+    looked up in `K` at each call, as the body does."""
+    q, k, is_causal, scale, dropout_p = (arguments[n] for n in ("q", "k", "is_causal", "scale", "dropout_p"))
+    if not _as_torch(q.shape, k.shape, arguments["attn_mask"], is_causal, arguments["window"], arguments["softcap"]):
+        return None
+    if q.shape[1] == k.shape[1]:
+        return lambda q, k, v, **_: K.sdpa(q, k, v, None, is_causal, scale, dropout_p)
+    if K.native_gqa(q, k, dropout_p):
+        return lambda q, k, v, **_: K.sdpa_gqa(q, k, v, None, is_causal, scale, dropout_p)
+    return None
+
+
+@stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention, plan=_plan_attention)
 def scaled_dot_product_attention(
     q: Heads,
     k: KVHeads,
@@ -352,7 +375,7 @@ def scaled_dot_product_attention(
         ConfigError: `window` is not a positive int, or `softcap` not a positive number.
     """
     q_shape, k_shape = q.shape, k.shape
-    if softcap is None and attn_mask is None and window is None and (not is_causal or q_shape[2] == k_shape[2]):
+    if _as_torch(q_shape, k_shape, attn_mask, is_causal, window, softcap):
         if q_shape[1] == k_shape[1]:  # torch's own call, nothing around it
             return K.sdpa(q, k, v, None, is_causal, scale, dropout_p)
         if K.native_gqa(q, k, dropout_p):

@@ -149,6 +149,7 @@ Precheck = Callable[[dict[str, Any]], None]
 Validate = Callable[[dict[str, Any], dict[str, int]], None]
 Explain = Callable[[dict[str, Any], ExplainedError], str | None]
 Observer = Callable[[str, str, torch.Tensor], None]
+Plan = Callable[[dict[str, Any]], Callable[..., Any] | None]
 
 
 class Stage(Generic[P, R]):
@@ -166,6 +167,7 @@ class Stage(Generic[P, R]):
         validate: Validate | None,
         explain: Explain | None,
         raw: Callable[..., Any] | None = None,
+        plan: Plan | None = None,
     ) -> None:
         hints = typing.get_type_hints(fn, include_extras=True)
         self.returns = hints.pop("return", None)
@@ -178,8 +180,9 @@ class Stage(Generic[P, R]):
         self.trace = trace
         self.sources = sources
         self.precheck, self.validate, self.explain = precheck, validate, explain
+        self.plan = plan
         self.verdicts = Verdicts()
-        self.exact = self.verdicts.exact  # read on every call (Verdicts.forget clears it in place)
+        self.exact = self.verdicts.exact  # key -> what a remembered call runs (Verdicts.forget clears it in place)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -193,12 +196,25 @@ class Stage(Generic[P, R]):
             with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
                 return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
-        if key in self.exact:  # Verdicts.known, inlined: a stage has no relations key
-            return self.fn(*args, **kwargs) if kwargs else self.raw(*args)
+        run = self.exact.get(key)  # Verdicts.known, inlined: a stage has no relations key
+        if run is not None:
+            return run(*args, **kwargs)
         with Session(f"{self.name}()") as session:
             result = session.call(self, *args, **kwargs)
-        self.verdicts.remember(key)
+        self.verdicts.remember(key, note=self.remembered_call(args, kwargs))
         return result
+
+    def remembered_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
+        """What a call of this exact signature runs once its checks passed: `plan(arguments)` where the stage
+        has one and it applies, else `fn` (`raw`, the same computation in one frame fewer, where all arguments
+        are positional). A plan may decide from anything the key holds: shapes, dtypes, devices, flags."""
+        if self.plan is not None:
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            planned = self.plan(dict(bound.arguments))
+            if planned is not None:
+                return planned
+        return self.fn if kwargs else self.raw
 
     def result_names(self) -> list[tuple[str, Any]]:
         """(trace name, annotation) of each tensor the stage returns."""
@@ -218,6 +234,7 @@ def stage(
     validate: Validate | None = None,
     explain: Explain | None = None,
     raw: Callable[..., Any] | None = None,
+    plan: Plan | None = None,
 ) -> Callable[[Callable[P, R]], Stage[P, R]]:
     """Make `fn` a stage: its annotations, arguments and result, are checked by jaxtyping+beartype.
 
@@ -228,7 +245,8 @@ def stage(
     as they are (messages name them plainly); `trace` names the results for the trace; `sources`
     names who set a dimension this stage binds (`{"kv_seq": "the cache plus key"}`). `raw`: where `fn`'s body is
     only `return raw(<fn's arguments, in order>)`, the function a remembered forward calls instead of `fn`
-    (one frame fewer; `tests/test_contract.py` shows each such body is that call).
+    (one frame fewer; `tests/test_contract.py` shows each such body is that call). `plan(arguments)`: what a
+    remembered call with these arguments runs instead of `fn`, or None (see `Stage.remembered_call`).
     """
 
     def decorate(fn: Callable[P, R]) -> Stage[P, R]:
@@ -242,6 +260,7 @@ def stage(
             validate=validate,
             explain=explain,
             raw=raw,
+            plan=plan,
         )
 
     return decorate
