@@ -842,3 +842,21 @@ def test_a_verdict_for_a_plain_cache_is_none_for_a_subclass_of_it(num_kv_heads: 
     for warm in (ssm.MultiHeadAttention(16, 4, num_kv_heads), module):
         with pytest.raises(ssm.ShapeError, match=message):
             warm(x, is_causal=True, kv_cache=_FirstSequenceOnly(2, num_kv_heads, 8, 4, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    "second",
+    [7, True, 7.0, None, "seven", torch.zeros(2, 7), nn.Parameter(torch.zeros(7)), torch.zeros(3, device="meta")],
+    ids=["int", "bool", "float", "None", "str", "tensor", "parameter", "meta tensor"],
+)
+def test_a_two_argument_stage_call_is_keyed_as_its_arguments_one_by_one(second: Any) -> None:
+    """`signature_key` builds the usual (tensor, tensor) and (tensor, head count) keys in one tuple: the same key
+    as each argument's own, laid end to end (so a bool or float never passes for the int, nor a meta tensor for a
+    CPU one), and either order gives it."""
+    from shapesafe_mha._core.contract import signature_key
+
+    first = torch.zeros(2, 3)
+    for pair in ((first, second), (second, first)):
+        assert signature_key(pair, {}) == signature_key(pair[:1], {}) + signature_key(pair[1:], {})
+    other = 8 if type(second) is int else 7
+    assert signature_key((first, second), {}) != signature_key((first, other), {})

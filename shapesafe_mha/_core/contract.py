@@ -441,6 +441,13 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
     """The exact signature of a call, keyword names included: `signature_of` each value, a tensor's three
     parts inlined into one flat tuple (this runs on every remembered call of a stage). Flat is unambiguous:
     only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable)."""
+    if not kwargs and len(args) == 2:  # the usual stage call, (tensor, tensor) or (tensor, head count), in one tuple
+        first, second = args
+        if isinstance(first, _Tensor):
+            if type(second) is int:
+                return (first.shape, first.dtype, first.device, second)
+            if isinstance(second, _Tensor):
+                return (first.shape, first.dtype, first.device, second.shape, second.dtype, second.device)
     key: list[Any] = []
     for value in args:
         if isinstance(value, _Tensor):
