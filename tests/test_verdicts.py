@@ -860,3 +860,34 @@ def test_a_two_argument_stage_call_is_keyed_as_its_arguments_one_by_one(second: 
         assert signature_key(pair, {}) == signature_key(pair[:1], {}) + signature_key(pair[1:], {})
     other = 8 if type(second) is int else 7
     assert signature_key((first, second), {}) != signature_key((first, other), {})
+
+
+def test_a_keyword_call_remembered_does_not_cover_a_text_argument_in_its_place() -> None:
+    """`project(x, weight=w)` and `project(x, "weight", w)` are two keys (the keywords follow a marker), so the
+    second, refused by a fresh process, is refused after the first too, with our message, not torch's TypeError;
+    the same for the keys of users' decorated functions."""
+    from shapesafe_mha._core.contract import signature_key
+    from shapesafe_mha._core.shapecheck import annotation_key
+
+    x, w = torch.randn(2, 5, 8), torch.randn(6, 8)
+    assert signature_key((x,), {"weight": w}) != signature_key((x, "weight", w), {})
+    assert annotation_key((x,), {"weight": w}) != annotation_key((x, "weight", w), {})
+    assert ssm.project(x, weight=w).shape == (2, 5, 6)
+    with pytest.raises(ssm.ShapeError, match=r"^project\(\): weight must be a torch.Tensor, but got str"):
+        ssm.project(x, "weight", w)  # pyright: ignore[reportArgumentType]
+
+
+def test_a_stage_verdict_for_plain_tensors_does_not_cover_a_subclass_of_them() -> None:
+    """A tensor's type is in a stage's key: a subclass can change what torch returns (here SDPA's result in
+    int64), which the result check of a fresh call refuses; remembered for plain tensors, it is checked again."""
+
+    class Integral(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = super().__torch_function__(func, types, args, kwargs or {})
+            return out.to(torch.int64) if func is torch.nn.functional.scaled_dot_product_attention else out
+
+    q = torch.randn(2, 4, 5, 8)
+    assert ssm.scaled_dot_product_attention(q, q, q).dtype == torch.float32
+    with pytest.raises(ssm.ShapeError, match="returned a wrong value"):
+        ssm.scaled_dot_product_attention(q.as_subclass(Integral), q, q)

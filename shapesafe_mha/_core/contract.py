@@ -419,13 +419,21 @@ class _Uncacheable:
 
 
 _UNCACHEABLE = _Uncacheable
+
+
+class _Keywords:
+    """Marks where a key's keyword arguments begin (no value's signature is a class: `signature_of` one is
+    uncacheable), so `f(x, weight=w)` and `f(x, "weight", w)` are two keys."""
+
+
+KEYWORDS = _Keywords
 _ITSELF = frozenset({int, str, type(None), torch.dtype, torch.device})  # hashable, no two kinds collide
 
 
 def signature_of(value: Any) -> Any:
     """What a check depends on: a tensor's shape, dtype and device; a plain value with its type."""
     if isinstance(value, torch.Tensor):  # the common case first: this runs on every remembered call
-        return (value.shape, value.dtype, value.device)
+        return (type(value), value.shape, value.dtype, value.device)
     kind = type(value)
     if kind in _ITSELF:
         return value
@@ -438,29 +446,34 @@ def signature_of(value: Any) -> Any:
 
 
 def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The exact signature of a call, keyword names included: `signature_of` each value, a tensor's three
+    """The exact signature of a call, keyword names included: `signature_of` each value, a tensor's four
     parts inlined into one flat tuple (this runs on every remembered call of a stage). Flat is unambiguous:
-    only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable)."""
+    only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable);
+    the keywords follow `KEYWORDS`, so a keyword's name is never a text argument in its place."""
     if not kwargs and len(args) == 2:  # the usual stage call, (tensor, tensor) or (tensor, head count), in one tuple
         first, second = args
         if isinstance(first, _Tensor):
             if type(second) is int:
-                return (first.shape, first.dtype, first.device, second)
+                return (type(first), first.shape, first.dtype, first.device, second)
             if isinstance(second, _Tensor):
-                return (first.shape, first.dtype, first.device, second.shape, second.dtype, second.device)
+                return (
+                    *(type(first), first.shape, first.dtype, first.device),
+                    *(type(second), second.shape, second.dtype, second.device),
+                )
     key: list[Any] = []
     for value in args:
         if isinstance(value, _Tensor):
-            key += (value.shape, value.dtype, value.device)
+            key += (type(value), value.shape, value.dtype, value.device)
         elif type(value) is int:  # signature_of(value), without its call: a head count is the other common case
             key.append(value)
         else:
             key.append(signature_of(value))
     if kwargs:
+        key.append(KEYWORDS)
         for name, value in kwargs.items():
             key.append(name)
             if isinstance(value, _Tensor):
-                key += (value.shape, value.dtype, value.device)
+                key += (type(value), value.shape, value.dtype, value.device)
             else:
                 key.append(signature_of(value))
     return tuple(key)

@@ -23,6 +23,7 @@ from torch import nn
 
 from . import trace as _trace
 from .contract import (
+    KEYWORDS,
     OFF,
     Session,
     Verdicts,
@@ -95,6 +96,7 @@ def annotation_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, 
         else:
             key.append(signature_of(value))
     if kwargs:
+        key.append(KEYWORDS)  # a keyword's name is never a text argument in its place
         for name, value in kwargs.items():
             key.append(name)
             if isinstance(value, _Tensor):
