@@ -431,7 +431,7 @@ _ITSELF = frozenset({int, str, type(None), torch.dtype, torch.device})  # hashab
 
 
 def signature_of(value: Any) -> Any:
-    """What a check depends on: a tensor's shape, dtype and device; a plain value with its type."""
+    """What a check depends on: a tensor's type, shape, dtype and device; a plain value with its type."""
     if isinstance(value, torch.Tensor):  # the common case first: this runs on every remembered call
         return (type(value), value.shape, value.dtype, value.device)
     kind = type(value)
@@ -457,9 +457,9 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
                 return (type(first), first.shape, first.dtype, first.device, second)
             if isinstance(second, _Tensor):
                 return (
-                    *(type(first), first.shape, first.dtype, first.device),
-                    *(type(second), second.shape, second.dtype, second.device),
-                )
+                    type(first), first.shape, first.dtype, first.device,
+                    type(second), second.shape, second.dtype, second.device,
+                )  # fmt: skip
     key: list[Any] = []
     for value in args:
         if isinstance(value, _Tensor):
