@@ -7,6 +7,7 @@ failed call changes nothing, a hook on the module itself raising included.
 """
 
 import copy
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from jaxtyping import Float
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
@@ -844,22 +846,45 @@ def test_a_verdict_for_a_plain_cache_is_none_for_a_subclass_of_it(num_kv_heads: 
             warm(x, is_causal=True, kv_cache=_FirstSequenceOnly(2, num_kv_heads, 8, 4, dtype=torch.float32))
 
 
-@pytest.mark.parametrize(
-    "second",
-    [7, True, 7.0, None, "seven", torch.zeros(2, 7), nn.Parameter(torch.zeros(7)), torch.zeros(3, device="meta")],
-    ids=["int", "bool", "float", "None", "str", "tensor", "parameter", "meta tensor"],
-)
-def test_a_two_argument_stage_call_is_keyed_as_its_arguments_one_by_one(second: Any) -> None:
-    """`signature_key` builds the usual (tensor, tensor) and (tensor, head count) keys in one tuple: the same key
-    as each argument's own, laid end to end (so a bool or float never passes for the int, nor a meta tensor for a
-    CPU one), and either order gives it."""
+_VALUES = [7, True, 7.0, None, "seven", torch.zeros(2, 7), nn.Parameter(torch.zeros(7)), torch.zeros(3, device="meta")]
+_VALUE_IDS = ["int", "bool", "float", "None", "str", "tensor", "parameter", "meta tensor"]
+
+
+def _key_by_definition(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """`signature_key` as its docstring defines it: each value's `signature_of`, a tensor's four parts inline,
+    the keywords after `KEYWORDS`, each after its name."""
+    from shapesafe_mha._core.contract import KEYWORDS, signature_of
+
+    def parts(value: Any) -> tuple[Any, ...]:
+        return signature_of(value) if isinstance(value, torch.Tensor) else (signature_of(value),)
+
+    key = [part for value in args for part in parts(value)]
+    if kwargs:
+        key += [KEYWORDS, *(part for name, value in kwargs.items() for part in (name, *parts(value)))]
+    return tuple(key)
+
+
+@pytest.mark.parametrize("second", _VALUES, ids=_VALUE_IDS)
+def test_a_stage_call_is_keyed_as_its_definition_says_on_every_fast_path(second: Any) -> None:
+    """`signature_key` builds the usual keys in one tuple, (tensor,), (tensor, tensor), (tensor, head count) and
+    a flag as a keyword: each the key its definition gives (so a bool or float never passes for the int, nor a
+    meta tensor for a CPU one), whatever the other argument, in either order, positional or by keyword."""
     from shapesafe_mha._core.contract import signature_key
 
     first = torch.zeros(2, 3)
-    for pair in ((first, second), (second, first)):
-        assert signature_key(pair, {}) == signature_key(pair[:1], {}) + signature_key(pair[1:], {})
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((second,), {}),
+        ((first, second), {}),
+        ((second, first), {}),
+        ((first, first, second), {}),
+        ((first,), {"flag": second}),
+        ((first, first, first), {"is_causal": True, "flag": second}),
+    ]
+    for args, kwargs in calls:
+        assert signature_key(args, kwargs) == _key_by_definition(args, kwargs), (args, kwargs)
     other = 8 if type(second) is int else 7
     assert signature_key((first, second), {}) != signature_key((first, other), {})
+    assert signature_key((first,), {"flag": second}) != signature_key((first,), {"flag": other})
 
 
 def test_a_keyword_call_remembered_does_not_cover_a_text_argument_in_its_place() -> None:
@@ -881,13 +906,56 @@ def test_a_stage_verdict_for_plain_tensors_does_not_cover_a_subclass_of_them() -
     """A tensor's type is in a stage's key: a subclass can change what torch returns (here SDPA's result in
     int64), which the result check of a fresh call refuses; remembered for plain tensors, it is checked again."""
 
-    class Integral(torch.Tensor):
-        @classmethod
-        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = super().__torch_function__(func, types, args, kwargs or {})
-            return out.to(torch.int64) if func is torch.nn.functional.scaled_dot_product_attention else out
-
     q = torch.randn(2, 4, 5, 8)
     assert ssm.scaled_dot_product_attention(q, q, q).dtype == torch.float32
     with pytest.raises(ssm.ShapeError, match="returned a wrong value"):
-        ssm.scaled_dot_product_attention(q.as_subclass(Integral), q, q)
+        ssm.scaled_dot_product_attention(q.as_subclass(_Integral), q, q)
+
+
+class _Integral(torch.Tensor):
+    """A tensor whose SDPA returns int64: what torch returns changed by a subclass."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.to(torch.int64) if func is torch.nn.functional.scaled_dot_product_attention else out
+
+
+_Head = Float[torch.Tensor, "batch num_heads seq d_head"]
+
+
+def _attend(q: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+def _one(a: _Head) -> _Head:
+    return _attend(a)
+
+
+def _two(a: _Head, b: _Head) -> _Head:
+    return _attend(a + b)
+
+
+def _three(a: _Head, b: _Head, c: _Head) -> _Head:
+    return _attend(a + b + c)
+
+
+def _four(a: _Head, b: _Head, c: _Head, d: _Head) -> _Head:
+    return _attend(a + b + c + d)
+
+
+@pytest.mark.parametrize("fn", [_one, _two, _three, _four], ids=lambda fn: fn.__name__)
+def test_a_decorated_function_s_verdict_for_plain_tensors_does_not_cover_a_subclass_of_them(fn: Any) -> None:
+    """Users' decorated functions of one to four tensors are keyed unrolled (`_ARRAYS_KEY`); the type is in that
+    key as in the general one: a subclass whose SDPA returns int64, refused by a fresh call's result check, is
+    refused after a call with plain tensors of the same shapes too, in every position."""
+    q = torch.randn(2, 4, 5, 8)
+    arguments = len(inspect.signature(fn).parameters)
+    for position in range(arguments):
+        checked = ssm.shapecheck(fn)
+        assert checked.__shapecheck__.arity == arguments  # the unrolled key, not the general one
+        tensors = [q] * arguments
+        assert checked(*tensors).dtype == torch.float32
+        tensors[position] = q.as_subclass(_Integral)
+        with pytest.raises(ssm.ShapeError, match="the result has dtype int64"):
+            checked(*tensors)

@@ -450,16 +450,22 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
     parts inlined into one flat tuple (this runs on every remembered call of a stage). Flat is unambiguous:
     only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable);
     the keywords follow `KEYWORDS`, so a keyword's name is never a text argument in its place."""
-    if not kwargs and len(args) == 2:  # the usual stage call, (tensor, tensor) or (tensor, head count), in one tuple
-        first, second = args
-        if isinstance(first, _Tensor):
-            if type(second) is int:
-                return (type(first), first.shape, first.dtype, first.device, second)
-            if isinstance(second, _Tensor):
-                return (
-                    type(first), first.shape, first.dtype, first.device,
-                    type(second), second.shape, second.dtype, second.device,
-                )  # fmt: skip
+    if not kwargs:  # the usual stage calls, (tensor, tensor), (tensor, head count) and (tensor,), in one tuple
+        count = len(args)
+        if count == 2:
+            first, second = args
+            if isinstance(first, _Tensor):
+                if type(second) is int:
+                    return (type(first), first.shape, first.dtype, first.device, second)
+                if isinstance(second, _Tensor):
+                    return (
+                        type(first), first.shape, first.dtype, first.device,
+                        type(second), second.shape, second.dtype, second.device,
+                    )  # fmt: skip
+        elif count == 1:
+            first = args[0]
+            if isinstance(first, _Tensor):
+                return (type(first), first.shape, first.dtype, first.device)
     key: list[Any] = []
     for value in args:
         if isinstance(value, _Tensor):
@@ -474,6 +480,8 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
             key.append(name)
             if isinstance(value, _Tensor):
                 key += (type(value), value.shape, value.dtype, value.device)
+            elif type(value) is bool:  # signature_of(value), without its call: a flag is the usual keyword
+                key.append((bool, value))
             else:
                 key.append(signature_of(value))
     return tuple(key)

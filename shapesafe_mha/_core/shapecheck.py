@@ -108,28 +108,28 @@ def annotation_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, 
 
 def _arrays1(args: tuple[Any, ...]) -> tuple[Any, ...]:
     (a,) = args
-    return (a.shape, a.dtype)
+    return (type(a), a.shape, a.dtype)
 
 
 def _arrays2(args: tuple[Any, ...]) -> tuple[Any, ...]:
     a, b = args
-    return (a.shape, a.dtype, b.shape, b.dtype)
+    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype)
 
 
 def _arrays3(args: tuple[Any, ...]) -> tuple[Any, ...]:
     a, b, c = args
-    return (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype)
+    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype, type(c), c.shape, c.dtype)
 
 
 def _arrays4(args: tuple[Any, ...]) -> tuple[Any, ...]:
     a, b, c, d = args
-    return (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype, d.shape, d.dtype)
+    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype, type(c), c.shape, c.dtype, type(d), d.shape, d.dtype)
 
 
 # The key of a call of 1-4 tensors to a function whose every parameter is annotated `X[Tensor, ...]`,
-# unrolled: what those annotations read is each value's shape and dtype, and `isinstance(value, Tensor)`.
-# The type is left out: a value that is no tensor but has a shape and a dtype (a numpy array) fails the
-# check, so it is never remembered, and its dtype equals no torch dtype. Anything else falls to `annotation_key`.
+# unrolled: what those annotations read is each value's shape and dtype, and `isinstance(value, Tensor)`;
+# and its type, as `annotation_key` (the same key): a subclass can change what torch returns (a result in
+# another dtype), which a fresh call's result check refuses. Anything else falls to `annotation_key`.
 _ARRAYS_KEY = {1: _arrays1, 2: _arrays2, 3: _arrays3, 4: _arrays4}
 
 
