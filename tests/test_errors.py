@@ -10,7 +10,7 @@ import torch
 from error_catalogue import CATALOGUE, PAGE, PRELUDE, SEQ_FIRST, SEQ_FIRST_CAUGHT, Entry, run
 from hypothesis import given
 from hypothesis import strategies as st
-from jaxtyping import Float, Int
+from jaxtyping import Float, Float32, Int
 from torch import Tensor
 
 import shapesafe_mha as ssm
@@ -251,6 +251,11 @@ def _integers(x: Int[Tensor, " n"]) -> Int[Tensor, " n"]:
 
 
 @ssm.shapecheck
+def _single_precision(x: Float32[Tensor, " n"]) -> Float32[Tensor, " n"]:
+    return x
+
+
+@ssm.shapecheck
 def _square(x: Float[Tensor, "n n"]) -> Float[Tensor, " n"]:
     return x[0]
 
@@ -321,6 +326,10 @@ WHOLE_MESSAGES = {
         lambda: _integers(_z(3)),
         "_integers(): x has dtype float32, but it must be int16 or int2 or int32 or int4 or int64 or int8.\n"
         "Called with:\n  x: f32[n=3]",
+    ),
+    "a float32 annotation given half precision (the dtype it names, not every float's kind)": (
+        lambda: _single_precision(_z(3).half()),
+        "_single_precision(): x has dtype float16, but it must be float32.\nCalled with:\n  x: f16[n=3]",
     ),
     "a dimension repeated in one annotation": (
         lambda: _square(_z(3, 4)),

@@ -912,6 +912,17 @@ def test_a_stage_verdict_for_plain_tensors_does_not_cover_a_subclass_of_them() -
         ssm.scaled_dot_product_attention(q.as_subclass(_Integral), q, q)
 
 
+def test_the_hf_backend_s_verdict_for_plain_tensors_does_not_cover_a_subclass_of_them() -> None:
+    """`attn_implementation="shapesafe"`'s key holds the tensors' types too: a subclass whose SDPA returns int64 is
+    refused after a call with plain tensors of the same shapes, as by a fresh process."""
+    from shapesafe_mha.hf import attention
+
+    layer, q = nn.Module(), torch.randn(2, 4, 5, 8)
+    assert attention(layer, q, q, q, is_causal=True)[0].dtype == torch.float32
+    with pytest.raises(ssm.ShapeError, match="the result has dtype int64"):
+        attention(layer, q.as_subclass(_Integral), q, q, is_causal=True)
+
+
 class _Integral(torch.Tensor):
     """A tensor whose SDPA returns int64: what torch returns changed by a subclass."""
 
@@ -959,3 +970,129 @@ def test_a_decorated_function_s_verdict_for_plain_tensors_does_not_cover_a_subcl
         tensors[position] = q.as_subclass(_Integral)
         with pytest.raises(ssm.ShapeError, match="the result has dtype int64"):
             checked(*tensors)
+
+
+def _sequential_output(module: ssm.MultiHeadAttention) -> None:
+    module.o_proj = nn.Sequential(nn.Linear(16, 16))
+
+
+def _narrowed_by_another_layer(module: Any) -> None:
+    module.o_proj[0] = nn.Linear(16, 8)
+
+
+def _narrowed_through_data(module: Any) -> None:
+    layer = module.o_proj[0]
+    layer.weight.data, layer.bias.data = torch.ones(8, 16), torch.ones(8)
+
+
+def _set(name: str, value: Callable[[], Any]) -> Callable[[Any], None]:
+    return lambda module: setattr(module, name, value())
+
+
+def _written(name: str, value: Callable[[], Any]) -> Callable[[Any], None]:
+    return lambda module: setattr(getattr(module, name), "data", value())
+
+
+_CHANGES: dict[str, tuple[dict[str, Any], Callable[[Any], None] | None, Callable[[Any], None]]] = {
+    "sinks set, one a KV head": ({"attention_sinks": True}, None, _set("sinks", lambda: nn.Parameter(torch.ones(2)))),
+    "sinks written through .data": ({"attention_sinks": True}, None, _written("sinks", lambda: torch.ones(2))),
+    "ALiBi slopes set, one a KV head": ({"alibi": True}, None, _set("alibi_slopes", lambda: torch.ones(2))),
+    "ALiBi slopes written through .data": ({"alibi": True}, None, _written("alibi_slopes", lambda: torch.ones(2))),
+    "num_heads set to the KV heads'": ({}, None, _set("num_heads", lambda: 2)),
+    "window set wider than the cache's": ({"window": 4}, None, _set("window", lambda: 8)),
+    "a wrapped projection's layer replaced": (
+        {},
+        _sequential_output,
+        lambda m: m.o_proj.__setitem__(0, nn.Linear(16, 8)),
+    ),
+    "a wrapped projection's layer written through .data": ({}, _sequential_output, _narrowed_through_data),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "change"),
+    [(call, change) for call in ("decoding", "prefill with autograd") for change in _CHANGES
+     if call == "decoding" or "cache" not in change],  # (a window matters only beside a cache)
+)  # fmt: skip
+def test_what_the_module_holds_changed_after_a_verdict_is_checked_as_by_a_fresh_module(call: str, change: str) -> None:
+    """Calls remembered (decoding steps, or prefills with autograd on, the separate projections' path), then
+    something the module holds changed without its submodules being replaced: its own tensors (sinks, ALiBi
+    slopes) set or written through `.data`, a size or option set, a layer inside a wrapped projection replaced or
+    written. The next call is refused as by a fresh copy of the changed module, with the same first line."""
+    options, prepare, mutate = _CHANGES[change]
+    module = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2, **options).eval()
+    if prepare is not None:
+        prepare(module)
+    decoding = call == "decoding"
+    cache = module.new_cache(1, 16) if decoding else None
+    with torch.set_grad_enabled(not decoding):
+        if cache is not None:
+            module(torch.randn(1, 3, 16), is_causal=True, kv_cache=cache)
+        for _ in range(3):
+            x = torch.randn(1, 1 if decoding else 5, 16)
+            assert _outcome(lambda x=x: module(x, is_causal=True, kv_cache=cache))[0] == "ok"
+        mutate(module)
+        fresh, fresh_cache = _fresh(module), copy.deepcopy(cache)
+        x = torch.randn(1, 1 if decoding else 5, 16)
+        expected = _outcome(lambda: fresh(x, is_causal=True, kv_cache=fresh_cache))
+        assert expected[0] == "ShapeError", expected
+        _same(_outcome(lambda: module(x, is_causal=True, kv_cache=cache)), expected)
+
+
+class _Projection(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d_out, d_in))
+
+    @ssm.shapecheck
+    def forward(self, x: Float[torch.Tensor, "batch d_model"]) -> Float[torch.Tensor, "batch d_model"]:
+        return x @ self.w.T
+
+
+def _replaced(module: _Projection) -> _Projection:
+    module.w = nn.Parameter(torch.randn(4, 8))
+    return module
+
+
+def _written(module: _Projection) -> _Projection:
+    module.w.data = torch.randn(4, 8)
+    return module
+
+
+@pytest.mark.parametrize(
+    "second",
+    [lambda first: _Projection(8, 4), _replaced, _written],
+    ids=["another instance", "its parameter replaced", "its parameter written through .data"],
+)
+def test_a_decorated_method_s_verdict_does_not_cover_what_self_changes_in_its_result(second: Any) -> None:
+    """A method's body reads `self`, which its key does not hold (its sizes on self only): a call remembered for
+    one instance does not cover another's whose parameter makes the result wrong, nor the same instance's after
+    its parameter is replaced or written through `.data`; each is refused as by the same method with nothing
+    remembered (the result compared with the checked call's, and checked where they differ)."""
+    first, x = _Projection(8, 8), torch.randn(2, 8)
+    assert first(x).shape == (2, 8)
+    other = second(first)
+    fresh = ssm.shapecheck(_Projection.forward.__wrapped__)  # the same method, nothing remembered
+    expected = _outcome(lambda: fresh(other, x))
+    assert expected[0] == "ShapeError", expected
+    _same(_outcome(lambda: other(x)), expected)
+    _same(_outcome(lambda: other(x)), expected)  # and again, the new result remembered as checked
+
+
+@pytest.mark.parametrize(("name", "value"), [("num_heads", 2), ("d_rope", 2), ("d_value", 3), ("d_model", 32)])
+def test_a_latent_module_s_size_set_after_a_verdict_is_what_it_checks_against(name: str, value: int) -> None:
+    """A `LatentAttention` size set after construction (decoding remembered) is the size its checks seed, in the
+    next step of the warm module and of a fresh copy alike: the step is refused by both, with the same first line
+    (the sizes it checked against were the ones it was built with, so a changed `d_rope`, `d_value` or `d_model`
+    ran silently, and a changed `num_heads` was blamed on the projection's split)."""
+    module = ssm.LatentAttention(64, 4, q_lora_rank=24, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=6)
+    cache = module.new_cache(1, 16)
+    with torch.no_grad():
+        module(torch.randn(1, 5, 64), is_causal=True, kv_cache=cache)
+        module(torch.randn(1, 1, 64), is_causal=True, kv_cache=cache)
+        setattr(module, name, value)
+        fresh, fresh_cache = _fresh(module), copy.deepcopy(cache)
+        step = torch.randn(1, 1, 64)
+        expected = _outcome(lambda: fresh(step, is_causal=True, kv_cache=fresh_cache))
+        assert expected[0] == "ShapeError" and f"{name}={value}" in expected[1], expected
+        _same(_outcome(lambda: module(step, is_causal=True, kv_cache=cache)), expected)

@@ -51,7 +51,8 @@ def global_hooks() -> bool:
 
 def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" = None) -> tuple[Any, ...]:
     """What a verdict reads of `modules` (a module's submodules) besides which they are: their forward hooks
-    and torch's module-wide ones, as how many and the newest one's handle id, and their weights' shapes.
+    and torch's module-wide ones, as how many and the newest one's handle id, and their weights' shapes; of a
+    wrapper without a weight of its own (a LoRA layer, `nn.Sequential`), what it `held`, all the way down.
 
     Handle ids only grow, so adding a hook raises the newest and removing one lowers the count. A weight
     of another shape can change a result without an error (`o_proj`'s rows are the output's width); a
@@ -80,12 +81,27 @@ def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" =
         if forward_hooks or pre_hooks:
             tables += (forward_hooks, pre_hooks)
         weight = own["_parameters"].get("weight")
-        shapes.append(None if weight is None else weight.shape)
+        if weight is not None:
+            shapes.append(weight.shape)
+        elif own["_modules"] or own["_parameters"]:  # a wrapper (a LoRA layer, nn.Sequential): what it holds
+            shapes.append(held(module))
+        else:
+            shapes.append(None)
     for table in tables:
         if table:
             count += len(table)
             newest = max(newest, *table)
     return (count, newest, *shapes)
+
+
+def held(module: nn.Module) -> tuple[Any, ...]:
+    """What a module holds, all the way down: each module in it (one replaced is another key), its hooks' handle
+    ids, and its parameters' and buffers' shapes (written through `.data`, a tensor keeps its identity)."""
+    return tuple(
+        (m, *m._forward_hooks, *m._forward_pre_hooks, *(None if t is None else t.shape for t in m._parameters.values()),
+         *(None if t is None else t.shape for t in m._buffers.values()))
+        for m in module.modules()
+    )  # fmt: skip
 
 
 def forward_hooked(module: nn.Module) -> bool:

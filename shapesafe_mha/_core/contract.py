@@ -419,6 +419,7 @@ class _Uncacheable:
 
 
 _UNCACHEABLE = _Uncacheable
+UNCACHEABLE = _UNCACHEABLE  # what `signature_of` gives a value nothing can stand for
 
 
 class _Keywords:

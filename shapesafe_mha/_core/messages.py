@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from beartype.door import is_bearable
-from jaxtyping import AbstractArray
+from jaxtyping import AbstractArray, Float
 
 from .errors import ShapeError
 
@@ -123,13 +123,20 @@ def spec(hint: Any) -> str:
 
 
 def kind_of(hint: Any) -> str:
-    """ "floating point" or "bool" or "bool or floating point": what dtypes an array type accepts."""
-    kinds = set()
+    """What dtypes an array type accepts: "floating point" (every float, `Float`), "bool", "bool or floating
+    point", or the dtypes it names ("float32" for `Float32`)."""
     if not isinstance(hint.dtypes, list | tuple):
         return "any dtype"
-    for name in hint.dtypes:
-        kinds.add("bool" if name.startswith("bool") else "floating point" if "float" in name else name)
+    names = set(hint.dtypes)
+    kinds = set()
+    if _FLOATING <= names:
+        kinds.add("floating point")
+        names -= _FLOATING
+    kinds.update("bool" if name.startswith("bool") else name for name in names)
     return " or ".join(sorted(kinds))
+
+
+_FLOATING = frozenset(typing.cast(Any, Float).dtypes)  # what `Float` accepts, in this jaxtyping
 
 
 def _expected(axis: Axis, memo: Memo) -> tuple[int | None, str]:

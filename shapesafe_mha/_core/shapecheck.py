@@ -25,6 +25,7 @@ from . import trace as _trace
 from .contract import (
     KEYWORDS,
     OFF,
+    UNCACHEABLE,
     Session,
     Verdicts,
     checks_enabled,
@@ -209,28 +210,56 @@ class _Checked:
     def run(self, session: Session, args: tuple[Any, ...], kwargs: dict[str, Any], shared: bool = False) -> Any:
         """The call checked in `session` (its own, or a scope's), arguments first, then the result."""
         with session.calling(self.owner, shared):
-            try:
-                bound = self.signature.bind(*args, **kwargs)
-            except TypeError as failure:
-                raise TypeError(f"{self.owner}: {failure}") from None
-            bound.apply_defaults()
-            _seed(session, self.sizes(bound), self.owner)
-            values = list(self.arguments(bound))
-            session.called_with = [(label, value, hint) for label, value, hint in values]
-            for label, value, hint in values:
-                self.fit(session, label, value, hint, label + session.where)
+            self.fit_arguments(session, args, kwargs)
             token = _current.set(session)
             try:
                 result = self.fn(*args, **kwargs)
             finally:
                 _current.reset(token)
-            parts = typing.get_args(self.returns) if typing.get_origin(self.returns) is tuple else None
-            if parts and isinstance(result, tuple) and ... not in parts:
-                for index, (value, hint) in enumerate(zip(result, parts, strict=False)):
-                    self.fit(session, f"the result[{index}]", value, hint, f"the result of {self.owner}")
-            else:
-                self.fit(session, "the result", result, self.returns, f"the result of {self.owner}")
+            self.fit_result(session, result)
             return result
+
+    def fit_arguments(self, session: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as failure:
+            raise TypeError(f"{self.owner}: {failure}") from None
+        bound.apply_defaults()
+        _seed(session, self.sizes(bound), self.owner)
+        values = list(self.arguments(bound))
+        session.called_with = [(label, value, hint) for label, value, hint in values]
+        for label, value, hint in values:
+            self.fit(session, label, value, hint, label + session.where)
+
+    def fit_result(self, session: Session, result: Any) -> None:
+        parts = typing.get_args(self.returns) if typing.get_origin(self.returns) is tuple else None
+        if parts and isinstance(result, tuple) and ... not in parts:
+            for index, (value, hint) in enumerate(zip(result, parts, strict=False)):
+                self.fit(session, f"the result[{index}]", value, hint, f"the result of {self.owner}")
+        else:
+            self.fit(session, "the result", result, self.returns, f"the result of {self.owner}")
+
+    def remembered(self, note: tuple[bool, Any], key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A method's call whose verdict is known: its body reads `self` (parameters, flags), which the key does
+        not hold, so what it returns is compared with what the checked call returned (`signature_of`); where
+        they differ the result is checked, in the call's dimensions (the arguments checked again), as a fresh
+        call's would be. The body runs once either way."""
+        expects, returned = note
+        if expects:  # they held for these shapes: `expect` inside skips its check
+            token = _current.set(_KNOWN)
+            try:
+                result = self.fn(*args, **kwargs)
+            finally:
+                _current.reset(token)
+        else:
+            result = self.fn(*args, **kwargs)
+        now = signature_of(result)
+        if now != returned or now is UNCACHEABLE:
+            with Session(self.owner) as session, session.calling(self.owner, False):
+                self.fit_arguments(session, args, kwargs)
+                self.fit_result(session, result)
+            self.verdicts.remember(key, note=(expects, now))
+        return result
 
     def report(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call, its annotated arguments, expectations and result reported to the active observer (for
@@ -312,8 +341,9 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
     `jaxtyping`+`beartype` decide; a failure is a `ShapeError` whose first line names the function, the
     argument (or "the result"), the dimension, the axis, both sizes and what bound the expected one.
     Int arguments named like a dimension of the annotations bind it, and so do int attributes of `self`
-    in a method (a module's sizes). Verdicts are remembered per exact signature, as our stages' are;
-    `ssm.unchecked()`, `SHAPESAFE_MHA_UNCHECKED=1` and `torch.compile` turn the checks off.
+    in a method (a module's sizes). Verdicts are remembered per exact signature, as our stages' are (a
+    method's result is compared with its checked call's, since its body reads `self`, and checked where it
+    differs); `ssm.unchecked()`, `SHAPESAFE_MHA_UNCHECKED=1` and `torch.compile` turn the checks off.
 
     Example:
         >>> import torch, shapesafe_mha as ssm
@@ -339,7 +369,8 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
         return type(fn)(shapecheck(fn.__func__))  # type: ignore[return-value]
     contract = _Checked(fn)
     verdicts, run, owner = contract.verdicts, contract.run, contract.owner
-    key_of = contract.key if contract.method else annotation_key  # a method's key holds its sizes on self
+    method = contract.method
+    key_of = contract.key if method else annotation_key  # a method's key holds its sizes on self
     arity, arrays_key, exact = contract.arity, _ARRAYS_KEY.get(contract.arity), verdicts.exact
 
     def unchecked_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -367,15 +398,18 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
             expects = exact.get(key)  # remembered: whether the checked call made expectations
         if expects is False:
             return fn(*args, **kwargs)
-        if expects:  # they held for these shapes too: `expect` inside skips its check
+        if expects is True:  # they held for these shapes too: `expect` inside skips its check
             token = _current.set(_KNOWN)
             try:
                 return fn(*args, **kwargs)
             finally:
                 _current.reset(token)
+        if expects is not None:  # a method's: what it returned is compared
+            return contract.remembered(expects, key, args, kwargs)
         with Session(owner) as session:
             result = run(session, args, kwargs)
-        verdicts.remember(key, note=getattr(session, "expectations", 0) > 0)
+        expected = getattr(session, "expectations", 0) > 0
+        verdicts.remember(key, note=(expected, signature_of(result)) if method else expected)
         return result
 
     checked.__shapecheck__ = contract  # type: ignore[attr-defined]

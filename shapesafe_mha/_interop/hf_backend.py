@@ -163,6 +163,7 @@ def _call_key(module: nn.Module, sizes: Sizes, query: Tensor, key: Tensor, value
             type(module), sizes, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
             query.device, key.device, value.device, None if mask is None else (mask.shape, mask.dtype, mask.device),
             options["is_causal"], options["dropout_p"], type(scale), scale, type(softcap), softcap,
+            (type(query), type(key), type(value), type(mask)),  # a subclass can change what torch returns
         )  # fmt: skip
     except AttributeError:  # not tensors: keyed as any call is (or not at all), checked in full
         return (type(module), sizes, *signature_key((query, key, value), options))
@@ -172,7 +173,7 @@ def _relations(exact: Any) -> Any:
     """The same key with batch and sequence sizes replaced by how they relate (`relational`), so decoding step
     after step is one verdict. Heads and `d_head` stay exact: the stage also checks that KV heads divide
     the query heads, which no equality shows. None where the call is not 4-D tensors."""
-    if len(exact) != 18 or not isinstance(exact[2], torch.Size):  # the fallback key: exact only
+    if len(exact) != 19 or not isinstance(exact[2], torch.Size):  # the fallback key: exact only
         return None
     q, k, v, mask = exact[2], exact[3], exact[4], exact[11]
     shapes = (q, k, v) if mask is None else (q, k, v, mask[0])

@@ -474,6 +474,9 @@ class LatentAttention(nn.Module):
         ConfigError: a size is not a positive int, `d_rope` is odd, or `dropout` is not in [0, 1).
     """
 
+    _sizes: tuple[int, ...]  # derived (`_derive`)
+    _constants: frozenset[int]
+
     def __init__(
         self,
         d_model: int,
@@ -531,9 +534,24 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (d_nope + d_value), bias=False, **factory)
         self.o_proj = nn.Linear(num_heads * d_value, d_model, bias=bias, **factory)
         self.rotary = RotaryEmbedding(d_rope, rope_theta, rope_scaling).to(device=device)
-        self._sizes = (d_model, num_heads, kv_lora_rank, d_nope, d_rope, d_value)
-        self._constants = frozenset({*self._sizes, q_lora_rank or 0, d_nope + d_rope, kv_lora_rank + d_rope})
-        self._verdicts = Verdicts()
+        self._derive()
+
+    def _derive(self) -> None:
+        """What the sizes fix, derived from them (again, when one is set after construction: a verdict remembered
+        under the old ones is forgotten)."""
+        derived = self.__dict__  # not __setattr__: these are what it derives
+        sizes = (self.d_model, self.num_heads, self.kv_lora_rank, self.d_nope, self.d_rope, self.d_value)
+        derived["_sizes"] = sizes
+        derived["_constants"] = frozenset(
+            {*sizes, self.q_lora_rank or 0, self.d_nope + self.d_rope, self.kv_lora_rank + self.d_rope}
+        )
+        derived["_verdicts"] = Verdicts()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A size or option set after construction: derive what they fix again, and forget what was remembered.
+        super().__setattr__(name, value)
+        if "_verdicts" in self.__dict__ and not name.startswith("_") and name != "training":
+            self._derive()
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LatentAttention":
         super()._apply(fn, recurse)

@@ -201,6 +201,8 @@ def forward_key(
     masked = attn_mask is not None or key_padding_mask is not None
     device = query.device
     modules = module._modules.values()
+    own = module.__dict__  # its own tensors, read each call (`.data` swapped, a tensor keeps its identity)
+    sinks, slopes = own["_parameters"].get("sinks"), own["_buffers"].get("alibi_slopes")
     structure = (
         path,
         type(query),
@@ -222,6 +224,8 @@ def forward_key(
         autocast_on() and autocast_dtype(device),
         *modules,  # a projection replaced is another module (compared by identity)
         module_state(modules, fused),  # hooks added, parameters replaced or re-typed
+        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
+        None if slopes is None else (slopes.shape, slopes.dtype, slopes.device),
     )
     shapes = (
         shape,
@@ -326,6 +330,9 @@ class MultiHeadAttention(nn.Module):
     """
 
     alibi_slopes: Tensor | None  # ALiBi's slopes, one per query head (a buffer; None without ALiBi)
+    native_shape: bool  # derived (`_derive`): torch's fused MHA kernel fits these sizes and options
+    _qkv_rows: tuple[int, int, int]
+    _constants: frozenset[int]
 
     def __init__(
         self,
@@ -482,16 +489,34 @@ class MultiHeadAttention(nn.Module):
                 "would drop keys a chunk still sees; pass one of them."
             )
         self.chunk_size = chunk_size
-        variant = variant or self.temperature_tuning is not None or chunk_size is not None or alibi
+        self._derive()
+
+    def _derive(self) -> None:
+        """What the sizes and options fix, derived from them (again, when one is set after construction: a
+        verdict or fused weight remembered under the old ones is forgotten)."""
+        d_model, num_heads, num_kv_heads, d_head = self.d_model, self.num_heads, self.num_kv_heads, self.d_head
+        variant = (
+            self.qk_norm
+            or self.window is not None
+            or self.logit_softcap is not None
+            or self.query_pre_attn_scalar is not None
+            or self._parameters.get("sinks") is not None
+            or self.clip_qkv is not None
+            or self.output_gate
+            or self.temperature_tuning is not None
+            or self.chunk_size is not None
+            or self._buffers.get("alibi_slopes") is not None
+        )
+        derived = self.__dict__  # not __setattr__: these are what it derives
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
-        self.native_shape = (
-            num_kv_heads == num_heads and num_heads * d_head == d_model and rope_theta is None and not variant
+        derived["native_shape"] = (
+            num_kv_heads == num_heads and num_heads * d_head == d_model and self.rope_theta is None and not variant
         )
         # the rows of q_proj, k_proj and v_proj this module's sizes fix: the only ones fused (fastpath.fused_qkv)
-        self._qkv_rows = (num_heads * d_head, num_kv_heads * d_head, num_kv_heads * d_head)
-        self._constants = frozenset(
+        derived["_qkv_rows"] = (num_heads * d_head, num_kv_heads * d_head, num_kv_heads * d_head)
+        derived["_constants"] = frozenset(
             {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
-            | ({window} if window is not None else set())
+            | ({self.window} if self.window is not None else set())
             | ({self.rope_dim} if self.rope_dim is not None else set())
         )
         self._forget()
@@ -509,10 +534,16 @@ class MultiHeadAttention(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A projection replaced (PEFT wraps and later unwraps them, writing weights through `.data`,
-        # which no version counter sees): forget the fused weight built from the old ones.
+        # which no version counter sees): forget the fused weight built from the old ones. A size, an option
+        # or a tensor of the module's own set (head pruning, sinks or ALiBi slopes loaded another way): derive
+        # what they fix again, and forget what was remembered under the old ones.
         super().__setattr__(name, value)
-        if isinstance(value, nn.Module) and "_fused" in self.__dict__:
+        if "_fused" not in self.__dict__:  # still in __init__
+            return
+        if isinstance(value, nn.Module):
             self._forget()
+        elif not name.startswith("_") and name != "training":  # (the mode is in every verdict's key)
+            self._derive()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
