@@ -651,3 +651,60 @@ def test_an_expectation_reached_only_on_a_later_call_is_still_checked() -> None:
     rows(torch.zeros(2, 3))  # no expectation on this path
     with pytest.raises(ssm.ShapeError, match=r"^expect\(\): expectation 1 has 4=3 \(axis 1\)"):
         rows(torch.ones(2, 3))
+
+
+class _Sized(nn.Module):
+    """A module whose d_model is held the ways a module holds a size: set on the instance, a class constant, a
+    property, or forwarded by a `__getattr__` of its own (to a config)."""
+
+    def __init__(self, how: str, d_model: int) -> None:
+        super().__init__()
+        self.how, self.config = how, {"d_model": d_model}
+        if how == "instance":
+            self.d_model = d_model
+
+    @ssm.shapecheck
+    def forward(self, x: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_model"]:
+        return x
+
+
+class _Constant(_Sized):
+    d_model = 8
+
+
+class _Property(_Sized):
+    @property
+    def size(self) -> int:  # (a property named like no dimension is never read)
+        return 0
+
+    @property
+    def d_model(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.config["d_model"]
+
+
+class _Forwarded(_Sized):
+    def __getattr__(self, name: str) -> Any:
+        config = self.__dict__.get("config", {})
+        return config[name] if name in config else super().__getattr__(name)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [_Sized("instance", 8), _Constant("class", 8), _Property("property", 8), _Forwarded("forwarded", 8)],
+    ids=lambda m: m.how,
+)
+def test_a_method_s_sizes_on_self_bind_however_the_module_holds_them(module: nn.Module) -> None:
+    """`self.d_model` binds `d_model` whether the instance holds it, its class, a property or its own `__getattr__`
+    (read without nn.Module's exception for the names it does not hold): a wrong width is refused, checked fresh
+    and after a right call was remembered, and the size is in the key (another module's is checked again)."""
+    with pytest.raises(ssm.ShapeError, match=r"x has d_model=6 \(axis 1\), but the module set d_model=8"):
+        module(torch.zeros(2, 6))
+    assert module(torch.zeros(2, 8)).shape == (2, 8)
+    with pytest.raises(ssm.ShapeError, match=r"x has d_model=6 \(axis 1\), but the module set d_model=8"):
+        module(torch.zeros(2, 6))
+    if isinstance(module, _Constant):
+        return
+    wider = type(module)(module.how, 6)
+    assert wider(torch.zeros(2, 6)).shape == (2, 6)
+    with pytest.raises(ssm.ShapeError, match=r"but the module set d_model=6"):
+        wider(torch.zeros(2, 8))

@@ -268,6 +268,8 @@ MUTANTS: list[Mutant] = [
       "the HF backend's verdict for plain tensors covers a subclass of them", VERDICTS),
     M("_core/shapecheck.py", "        if now != returned or now is UNCACHEABLE:", "        if now is UNCACHEABLE:",
       "a decorated method's verdict covers another instance's result, or its own after a parameter changed", VERDICTS),
+    M("_core/shapecheck.py", 'getattr(kind, "__getattr__", _MODULE_GETATTR) is not _MODULE_GETATTR', "False",
+      "a method's size forwarded by its class's own __getattr__ is not read", "tests/test_shapecheck.py"),
     M("_core/messages.py", "    if _FLOATING <= names:", "    if _FLOATING & names:",
       "a Float32 annotation's dtype named as any floating point", "tests/test_errors.py"),
     M("_core/contract.py", 'failure = self.fits("the result", value, hint, stage.sources.get("result", stage.name))', "failure = None",

@@ -138,6 +138,22 @@ def _is_size(value: Any) -> typing.TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
+def _attribute(owner: Any, name: str) -> Any:
+    """`getattr(owner, name, None)`, without the exception a missing one costs on an `nn.Module` (its `__getattr__`
+    formats a message, about a microsecond; a method's key reads every dimension name of its annotations, most of
+    them no attribute of `self`): the class's attribute (a property, a constant) as getattr reads it, else the
+    instance's own. (`nn.Module.__getattr__` finds only parameters, buffers and submodules, never an int; a class
+    with a `__getattr__` of its own is asked as it is.)"""
+    kind = type(owner)
+    if hasattr(kind, name) or getattr(kind, "__getattr__", _MODULE_GETATTR) is not _MODULE_GETATTR:
+        return getattr(owner, name, None)
+    own = getattr(owner, "__dict__", None)
+    return None if own is None else own.get(name)
+
+
+_MODULE_GETATTR = nn.Module.__getattr__
+
+
 class _Checked:
     """What `shapecheck` reads of a function once, at decoration; `__call__` checks one call."""
 
@@ -188,7 +204,7 @@ class _Checked:
         if not self.method or not args:
             return annotation_key(args, kwargs)
         owner = args[0]
-        held = tuple(getattr(owner, name, None) for name in self.self_dims)
+        held = tuple(_attribute(owner, name) for name in self.self_dims)
         return (type(owner), *(h if type(h) is int else None for h in held), *annotation_key(args[1:], kwargs))
 
     def sizes(self, bound: inspect.BoundArguments) -> dict[str, tuple[int, str]]:
@@ -202,7 +218,7 @@ class _Checked:
             owner = bound.arguments["self"]
             where = "the module" if isinstance(owner, nn.Module) else f"self ({type(owner).__name__})"
             for name in self.self_dims:
-                value = getattr(owner, name, None)
+                value = _attribute(owner, name)
                 if name not in sizes and _is_size(value):
                     sizes[name] = (value, where)
         return sizes
