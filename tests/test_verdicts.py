@@ -993,6 +993,48 @@ def _written(name: str, value: Callable[[], Any]) -> Callable[[Any], None]:
     return lambda module: setattr(getattr(module, name), "data", value())
 
 
+class _BufferLinear(nn.Module):
+    """A projection whose weight is a buffer, as quantized layers hold theirs."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(d_out, d_in) / d_in**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.w)
+
+
+class _PostLinear(nn.Linear):
+    """A linear layer with a module of its own after it."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out)
+        self.post: nn.Module = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(super().forward(x))
+
+
+def _buffer_output(module: Any) -> None:
+    module.o_proj = _BufferLinear(16, 16)
+
+
+def _post_output(module: Any) -> None:
+    module.o_proj = _PostLinear(16, 16)
+
+
+def _narrower_post(module: Any) -> None:
+    module.o_proj.post = nn.Linear(16, 8)
+
+
+def _written_buffer(module: Any) -> None:
+    module.o_proj.w.data = torch.ones(8, 16)
+
+
+def _wider_rotary_tables(module: Any) -> None:
+    module.rotary.inv_freq.data = torch.ones(2)
+
+
 _CHANGES: dict[str, tuple[dict[str, Any], Callable[[Any], None] | None, Callable[[Any], None]]] = {
     "sinks set, one a KV head": ({"attention_sinks": True}, None, _set("sinks", lambda: nn.Parameter(torch.ones(2)))),
     "sinks written through .data": ({"attention_sinks": True}, None, _written("sinks", lambda: torch.ones(2))),
@@ -1006,6 +1048,9 @@ _CHANGES: dict[str, tuple[dict[str, Any], Callable[[Any], None] | None, Callable
         lambda m: m.o_proj.__setitem__(0, nn.Linear(16, 8)),
     ),
     "a wrapped projection's layer written through .data": ({}, _sequential_output, _narrowed_through_data),
+    "a buffer-held projection weight written through .data": ({}, _buffer_output, _written_buffer),
+    "a projection's own submodule replaced": ({}, _post_output, _narrower_post),
+    "partial rotary's tables written through .data": ({"rope_theta": 1e4, "rope_dim": 2}, None, _wider_rotary_tables),
 }
 
 
@@ -1096,3 +1141,39 @@ def test_a_latent_module_s_size_set_after_a_verdict_is_what_it_checks_against(na
         expected = _outcome(lambda: fresh(step, is_causal=True, kv_cache=fresh_cache))
         assert expected[0] == "ShapeError" and f"{name}={value}" in expected[1], expected
         _same(_outcome(lambda: module(step, is_causal=True, kv_cache=cache)), expected)
+
+
+class _Block(nn.Module):
+    """A feed-forward block whose hidden width its `forward` expects to be 4 * d_model."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.up, self.down = nn.Linear(d_model, hidden), nn.Linear(hidden, d_model)
+
+    @ssm.shapecheck
+    def forward(self, x: Float[torch.Tensor, "batch seq d_model"]) -> Float[torch.Tensor, "batch seq d_model"]:
+        hidden = ssm.expect(self.up(x), "batch seq 4*d_model", "hidden")
+        return self.down(ssm.expect(hidden.relu(), "batch seq 4*d_model", "activated"))
+
+
+def test_a_decorated_method_s_expectations_are_compared_when_its_verdict_is_remembered() -> None:
+    """`ssm.expect` inside a remembered method: its body reads `self`, so each expectation is compared with the
+    checked call's and checked from the first that differs on, with the arguments' dimensions: another instance
+    whose hidden width breaks `4*d_model`, or the same one's layers replaced, is refused as by the method with
+    nothing remembered, and a right instance still passes, before and after."""
+    x = torch.randn(2, 5, 16)
+    right = _Block(16, 64)
+    assert right(x).shape == (2, 5, 16)
+    message = (
+        r"^_Block.forward\(\): hidden has 4\*d_model=32 \(axis 2\), but the module \(d_model=16\) set 4\*d_model=64"
+    )
+    with pytest.raises(ssm.ShapeError, match=message):
+        _Block(16, 32)(x)
+    assert right(x).shape == (2, 5, 16)
+    right.up, right.down = nn.Linear(16, 32), nn.Linear(32, 16)
+    with pytest.raises(ssm.ShapeError, match=message):
+        right(x)
+    fresh = ssm.shapecheck(_Block.forward.__wrapped__)
+    with pytest.raises(ssm.ShapeError, match=message):
+        fresh(right, x)

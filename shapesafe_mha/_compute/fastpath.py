@@ -52,7 +52,8 @@ def global_hooks() -> bool:
 def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" = None) -> tuple[Any, ...]:
     """What a verdict reads of `modules` (a module's submodules) besides which they are: their forward hooks
     and torch's module-wide ones, as how many and the newest one's handle id, and their weights' shapes; of a
-    wrapper without a weight of its own (a LoRA layer, `nn.Sequential`), what it `held`, all the way down.
+    leaf without a weight parameter, its tensors' shapes (rotary tables, a quantized layer's buffers); of a module
+    with modules of its own (a LoRA layer, `nn.Sequential`), what it `held`, all the way down.
 
     Handle ids only grow, so adding a hook raises the newest and removing one lowers the count. A weight
     of another shape can change a result without an error (`o_proj`'s rows are the output's width); a
@@ -80,11 +81,14 @@ def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" =
         forward_hooks, pre_hooks = own["_forward_hooks"], own["_forward_pre_hooks"]
         if forward_hooks or pre_hooks:
             tables += (forward_hooks, pre_hooks)
-        weight = own["_parameters"].get("weight")
-        if weight is not None:
-            shapes.append(weight.shape)
-        elif own["_modules"] or own["_parameters"]:  # a wrapper (a LoRA layer, nn.Sequential): what it holds
+        parameters, buffers = own["_parameters"], own["_buffers"]
+        weight = parameters.get("weight")
+        if own["_modules"]:  # a wrapper (a LoRA layer, nn.Sequential, a layer with one of its own): all it holds
             shapes.append(held(module))
+        elif weight is not None:
+            shapes.append(weight.shape)
+        elif parameters or buffers:  # a leaf without a weight parameter: rotary tables, a quantized layer's buffers
+            shapes.append(tuple(None if t is None else t.shape for t in (*parameters.values(), *buffers.values())))
         else:
             shapes.append(None)
     for table in tables:

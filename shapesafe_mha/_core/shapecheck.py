@@ -40,8 +40,8 @@ from .messages import ExplainedError, arrays_of, axes
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# The session of the innermost checked call (where `expect` binds), `_KNOWN` inside a call whose verdict
-# is remembered (its expectations held for these shapes), or None.
+# The session of the innermost checked call (where `expect` binds), `_KNOWN` inside a function's call whose
+# verdict is remembered (its expectations held for these shapes), a `_Replay` inside a method's, or None.
 _KNOWN = object()
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_current", default=None)
 
@@ -255,26 +255,28 @@ class _Checked:
         else:
             self.fit(session, "the result", result, self.returns, f"the result of {self.owner}")
 
-    def remembered(self, note: tuple[bool, Any], key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A method's call whose verdict is known: its body reads `self` (parameters, flags), which the key does
-        not hold, so what it returns is compared with what the checked call returned (`signature_of`); where
-        they differ the result is checked, in the call's dimensions (the arguments checked again), as a fresh
-        call's would be. The body runs once either way."""
-        expects, returned = note
-        if expects:  # they held for these shapes: `expect` inside skips its check
-            token = _current.set(_KNOWN)
-            try:
-                result = self.fn(*args, **kwargs)
-            finally:
-                _current.reset(token)
-        else:
+    def remembered(self, note: tuple[Any, ...], key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A method's call whose verdict is known. Its body reads `self` (parameters, flags, submodules), which the
+        key does not hold, so each `expect` inside and what it returns are compared with what the checked call's
+        expected and returned (`signature_of`, in order); from the first that differs on, they are checked, in the
+        call's dimensions (the arguments and the expectations before it checked again), as a fresh call's would
+        be, and the new signatures are remembered. The body runs once either way."""
+        returned, expected = note
+        replay = _Replay(self, args, kwargs, expected)
+        token = _current.set(replay)
+        try:
             result = self.fn(*args, **kwargs)
-        now = signature_of(result)
-        if now != returned or now is UNCACHEABLE:
-            with Session(self.owner) as session, session.calling(self.owner, False):
-                self.fit_arguments(session, args, kwargs)
-                self.fit_result(session, result)
-            self.verdicts.remember(key, note=(expects, now))
+            now = signature_of(result)
+            if replay.session is None and now == returned and now is not UNCACHEABLE:
+                return result
+            self.fit_result(replay.session or replay.begin(), result)
+        except BaseException as failure:
+            replay.end(failure)
+            raise
+        finally:
+            _current.reset(token)
+        replay.end(None)
+        self.verdicts.remember(key, note=(now, tuple(replay.signatures)))
         return result
 
     def report(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -420,12 +422,14 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
                 return fn(*args, **kwargs)
             finally:
                 _current.reset(token)
-        if expects is not None:  # a method's: what it returned is compared
+        if expects is not None:  # a method's: its expectations and result are compared
             return contract.remembered(expects, key, args, kwargs)
         with Session(owner) as session:
             result = run(session, args, kwargs)
-        expected = getattr(session, "expectations", 0) > 0
-        verdicts.remember(key, note=(expected, signature_of(result)) if method else expected)
+        if method:
+            verdicts.remember(key, note=(signature_of(result), tuple(getattr(session, "signatures", ()))))
+        else:
+            verdicts.remember(key, note=getattr(session, "expectations", 0) > 0)
         return result
 
     checked.__shapecheck__ = contract  # type: ignore[attr-defined]
@@ -459,6 +463,9 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
     if session is _KNOWN:
         return tensor
     hint = _shape_hint(shape) if isinstance(shape, str) else shape
+    if type(session) is _Replay:
+        session.expect(tensor, hint, name)
+        return tensor
     if session is None:
         key = (id(hint), *annotation_key((tensor,), {}))
         if hint in _alone and key in _alone[hint]:
@@ -483,6 +490,58 @@ def _expect_in(session: Session, tensor: Any, hint: Any, name: str | None) -> No
     failure = fits(session, label, tensor, hint, label + session.where)
     if failure is not None:
         raise session.fail(failure) from None
+    if count == 1:
+        session.signatures = []  # type: ignore[attr-defined]
+    session.signatures.append((label, signature_of(tensor)))  # type: ignore[attr-defined]  (for `_Replay`)
+
+
+class _Replay:
+    """A remembered method's call in progress (`_Checked.remembered`): its expectations compared, in order, with
+    its checked call's, and checked from the first that differs on, in a session of the call's own."""
+
+    __slots__ = ("args", "contract", "expected", "kwargs", "seen", "session", "signatures", "stack")
+
+    def __init__(self, contract: _Checked, args: tuple[Any, ...], kwargs: dict[str, Any], expected: Any) -> None:
+        self.contract, self.args, self.kwargs, self.expected = contract, args, kwargs, expected
+        self.seen: list[tuple[Any, Any, str | None]] = []
+        self.signatures: list[tuple[str, Any]] = []
+        self.session: Session | None = None
+        self.stack: contextlib.ExitStack | None = None  # the session's, once begun
+
+    def expect(self, tensor: Any, hint: Any, name: str | None) -> None:
+        index = len(self.seen)
+        signature = (name or f"expectation {index + 1}", signature_of(tensor))
+        session = self.session
+        if session is None:
+            if index < len(self.expected) and self.expected[index] == signature and signature[1] is not UNCACHEABLE:
+                self.seen.append((tensor, hint, name))
+                self.signatures.append(signature)
+                return
+            session = self.begin()
+        self.seen.append((tensor, hint, name))
+        _expect_in(session, tensor, hint, name)
+        self.signatures = list(session.signatures)  # type: ignore[attr-defined]
+
+    def begin(self) -> Session:
+        """Check the call as a fresh one would have up to here: its arguments, then the expectations so far."""
+        owner = self.contract.owner
+        self.stack = stack = contextlib.ExitStack()
+        session = stack.enter_context(Session(owner))
+        stack.enter_context(session.calling(owner, False))
+        self.session = session
+        self.contract.fit_arguments(session, self.args, self.kwargs)
+        for tensor, hint, name in self.seen:
+            _expect_in(session, tensor, hint, name)
+        return session
+
+    def end(self, failure: BaseException | None) -> None:
+        """Close the call's session, if one was begun (as its `with` would, with the call's failure)."""
+        if self.stack is None:
+            return
+        if failure is None:
+            self.stack.close()
+        else:
+            self.stack.__exit__(type(failure), failure, failure.__traceback__)
 
 
 @contextlib.contextmanager
