@@ -1027,6 +1027,10 @@ def _narrower_post(module: Any) -> None:
     module.o_proj.post = nn.Linear(16, 8)
 
 
+def _narrowing_inner_hook(module: Any) -> None:
+    module.o_proj[0].register_forward_hook(lambda layer, inputs, output: output[..., :8])
+
+
 def _written_buffer(module: Any) -> None:
     module.o_proj.w.data = torch.ones(8, 16)
 
@@ -1048,6 +1052,7 @@ _CHANGES: dict[str, tuple[dict[str, Any], Callable[[Any], None] | None, Callable
         lambda m: m.o_proj.__setitem__(0, nn.Linear(16, 8)),
     ),
     "a wrapped projection's layer written through .data": ({}, _sequential_output, _narrowed_through_data),
+    "a hook that narrows, added inside a wrapped projection": ({}, _sequential_output, _narrowing_inner_hook),
     "a buffer-held projection weight written through .data": ({}, _buffer_output, _written_buffer),
     "a projection's own submodule replaced": ({}, _post_output, _narrower_post),
     "partial rotary's tables written through .data": ({"rope_theta": 1e4, "rope_dim": 2}, None, _wider_rotary_tables),

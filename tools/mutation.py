@@ -259,6 +259,8 @@ MUTANTS: list[Mutant] = [
     *(M(path, line, mutated, description, VERDICTS) for path, line, mutated, description in (
         ("_compute/fastpath.py", '        if own["_modules"]:  # a wrapper', "        if False:  # a wrapper",
          "a wrapped projection's layer replaced or written after a verdict: in no key"),
+        ("_compute/fastpath.py", "            found.append((_Hooks, *hooks, *pre_hooks))", "            pass",
+         "a hook added inside a wrapped projection after a verdict: in no key"),
         ("_compute/fastpath.py", "        elif parameters or buffers:", "        elif False:",
          "a leaf's tensors other than a weight parameter (rotary tables, a buffer weight) written: in no key"),
         ("_modules/multihead.py", "        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),\n", "        None,\n",

@@ -99,13 +99,33 @@ def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" =
 
 
 def held(module: nn.Module) -> tuple[Any, ...]:
-    """What a module holds, all the way down: each module in it (one replaced is another key), its hooks' handle
-    ids, and its parameters' and buffers' shapes (written through `.data`, a tensor keeps its identity)."""
-    return tuple(
-        (m, *m._forward_hooks, *m._forward_pre_hooks, *(None if t is None else t.shape for t in m._parameters.values()),
-         *(None if t is None else t.shape for t in m._buffers.values()))
-        for m in module.modules()
-    )  # fmt: skip
+    """What a module holds, all the way down, flat: each module in it (one replaced is another key), then its
+    hooks' handle ids (after `_Hooks`) and its parameters' and buffers' shapes (written through `.data`, a tensor
+    keeps its identity). A walk of `_modules` by hand: this runs on every call of a module with a wrapped
+    projection (a LoRA layer, 11 modules: 2.9 us, 13 us by `modules()` and a tuple each)."""
+    found: list[Any] = []
+    stack: list[Any] = [module]
+    while stack:
+        inner = stack.pop()
+        found.append(inner)
+        if inner is None:  # (an empty slot of `_modules`)
+            continue
+        own = inner.__dict__
+        hooks, pre_hooks = own["_forward_hooks"], own["_forward_pre_hooks"]
+        if hooks or pre_hooks:
+            found.append((_Hooks, *hooks, *pre_hooks))
+        for tensor in own["_parameters"].values():  # (plain loops: comprehensions cost a frame each here)
+            found.append(None if tensor is None else tensor.shape)
+        for tensor in own["_buffers"].values():
+            found.append(None if tensor is None else tensor.shape)
+        children = own["_modules"]
+        if children:
+            stack += children.values()
+    return tuple(found)
+
+
+class _Hooks:
+    """Marks a module's hook ids in what it `held` (a tuple of ints would equal a `torch.Size`)."""
 
 
 def forward_hooked(module: nn.Module) -> bool:
