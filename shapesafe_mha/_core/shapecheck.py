@@ -360,8 +360,9 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
     argument (or "the result"), the dimension, the axis, both sizes and what bound the expected one.
     Int arguments named like a dimension of the annotations bind it, and so do int attributes of `self`
     in a method (a module's sizes). Verdicts are remembered per exact signature, as our stages' are (a
-    method's result is compared with its checked call's, since its body reads `self`, and checked where it
-    differs); `ssm.unchecked()`, `SHAPESAFE_MHA_UNCHECKED=1` and `torch.compile` turn the checks off.
+    method's expectations and result are compared with its checked call's, since its body reads `self`, and
+    checked from the first that differs); `ssm.unchecked()`, `SHAPESAFE_MHA_UNCHECKED=1` and `torch.compile`
+    turn the checks off.
 
     Example:
         >>> import torch, shapesafe_mha as ssm

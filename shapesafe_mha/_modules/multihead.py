@@ -476,9 +476,7 @@ class MultiHeadAttention(nn.Module):
         if alibi:  # not learned: a buffer, kept in the state dict so that loaded slopes (MPT's) stay
             slopes = K.alibi_slopes(num_heads).to(device=device, dtype=dtype or torch.get_default_dtype())
         self.register_buffer("alibi_slopes", slopes)
-        variant = qk_norm or window is not None or logit_softcap is not None or query_pre_attn_scalar is not None
         self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
-        variant = variant or attention_sinks or clip_qkv is not None or output_gate
         self.temperature_tuning = check_temperature_tuning(f"{owner}: ", temperature_tuning)
         chunked = chunk_size is not None
         if chunked and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
