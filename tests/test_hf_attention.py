@@ -1,5 +1,6 @@
 """check_hf_attention passes the real transformers classes as written and names the property a planted bug breaks."""
 
+import inspect
 import re
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from hf_bugs import BUGS, REAL, Bug
 from torch import nn
 
+from shapesafe_mha import ConfigError
 from shapesafe_mha.testing.hf import check_hf_attention
 
 
@@ -14,6 +16,41 @@ from shapesafe_mha.testing.hf import check_hf_attention
 def test_the_real_classes_pass_as_written(attention_cls: type[nn.Module], config_cls: type) -> None:
     """Llama, Qwen2 (q/k/v bias, no o bias), Mistral (no bias), GPT-2 (Conv1D c_attn), Phi-3 (qkv_proj) pass."""
     check_hf_attention(attention_cls, config_cls, max_examples=25)
+
+
+def _wrapped_constructor(cls: type[nn.Module]) -> type[nn.Module]:
+    """A class decorator as transformers 5.25's `use_kernelized_func`: `__init__` replaced, no functools.wraps."""
+    init = cls.__init__
+
+    def new_init(self: nn.Module, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+
+    cls.__init__ = new_init  # type: ignore[method-assign]
+    return cls
+
+
+def test_a_constructor_wrapped_without_its_signature_is_checked_as_its_model_builds_it() -> None:
+    """What a layer is built from is observed by building it, not read from a signature a decorator hides."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    @_wrapped_constructor
+    class Wrapped(LlamaAttention):
+        pass
+
+    @_wrapped_constructor
+    class TakesOther(LlamaAttention):
+        def __init__(self, config: LlamaConfig, dropout_rate: float) -> None:
+            super().__init__(config, 0)
+
+    for cls in (Wrapped, TakesOther):  # beside Llama's rotary class, where its model module holds them
+        cls.__module__ = LlamaAttention.__module__
+
+    for cls in (Wrapped, TakesOther):
+        assert list(inspect.signature(cls.__init__).parameters) == ["self", "args", "kwargs"]
+    check_hf_attention(Wrapped, LlamaConfig, max_examples=5)
+    with pytest.raises(ConfigError, match=r"TakesOther: a layer built as TakesOther\(args, kwargs\), not from"):
+        check_hf_attention(TakesOther, LlamaConfig, max_examples=5)
 
 
 @pytest.mark.parametrize(

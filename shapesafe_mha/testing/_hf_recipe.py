@@ -312,15 +312,22 @@ def _norm_of(
     raise refuse(name, f"{label}={type(norm).__name__}, a norm other than weight * x / rms(x) or a LayerNorm")
 
 
+def _not_built_from_config(attention_cls: type[nn.Module]) -> str:
+    taken = ", ".join(p for p in inspect.signature(attention_cls.__init__).parameters if p != "self")
+    return f"a layer built as {attention_cls.__name__}({taken}), not from (config, layer_idx)"
+
+
 def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation: str) -> Recipe:
     name = attention_cls.__name__
     with deciding(name, f"reading {name}'s constructor and forward"):
         init = inspect.signature(attention_cls.__init__).parameters
         required = [p for p, v in init.items() if p not in ("self", "config", "layer_idx") and v.default is v.empty
                     and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]  # fmt: skip
-        if "config" not in init or "layer_idx" not in init or required:
-            taken = ", ".join(p for p in init if p != "self")
-            raise refuse(name, f"a layer built as {name}({taken}), not from (config, layer_idx)")
+        # A constructor wrapped by a decorator without functools.wraps (transformers 5.25's use_kernelized_func)
+        # shows only (*args, **kwargs): it says nothing, and building the layer below decides.
+        opaque = all(v.kind in (v.VAR_KEYWORD, v.VAR_POSITIONAL) for p, v in init.items() if p != "self")
+        if not opaque and ("config" not in init or "layer_idx" not in init or required):
+            raise refuse(name, _not_built_from_config(attention_cls))
         forward = inspect.signature(attention_cls.forward).parameters
         passed = _PASSED | ({"alibi"} if getattr(config_cls(), "alibi", None) is False else set())  # Falcon: None
         alibi = _alibi_keyword(attention_cls, config_cls, forward)
@@ -376,6 +383,8 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         config = tiny_config(config_cls, **sizes)
         try:
             module = attention_cls(config, layer_idx=layers[0][0])
+        except TypeError:  # what a model passes its layers is not what this one takes
+            raise refuse(name, _not_built_from_config(attention_cls)) from None
         except ValueError:
             if sizes.get("num_key_value_heads") != 1:
                 raise
@@ -413,9 +422,9 @@ def read_recipe(attention_cls: type[nn.Module], config_cls: type, implementation
         for held_module in modules.values():
             _refuse_unloaded(held_module, name, fused)
         nope = _nope_layers(attention_cls, config_cls, rotary_cls, sizes, layers) if rotary_cls else frozenset()
-        try:
-            source = inspect.getsource(attention_cls)
-        except OSError:  # no source to read: taken as computing attention itself
+        try:  # the forward that runs (inherited by a subclass, unwrapped where a decorator says what it wraps)
+            source = inspect.getsource(inspect.unwrap(attention_cls.forward))
+        except (OSError, TypeError):  # no source to read: taken as computing attention itself
             source = ""
     if implementation != "eager" and "ALL_ATTENTION_FUNCTIONS" not in source:
         raise refuse(
