@@ -53,7 +53,7 @@ def test_forward_never_expands_kv(
             return module(x, memory, need_weights=need_weights, key_padding_mask=padding)
 
     with torch.no_grad():
-        module(x)  # the first no-grad self-attention builds the fused Q/K/V weight: a copy of weights, not of K/V
+        module(x)  # the first no-grad self-attention views the fused Q/K/V weight (and remembers its verdict)
         assert_no_kv_expansion(run, batch=b, num_heads=h, kv_seq=kv, d_head=d, dtype=torch.float32)
 
 

@@ -1,5 +1,6 @@
 """Inference self-attention projects Q, K, V with one fused matmul; it computes exactly what the unfused path does."""
 
+import copy
 from unittest import mock
 
 import pytest
@@ -68,8 +69,9 @@ def test_projection_rows_moved_from_one_to_another_are_refused_with_or_without_g
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
         module(x)
-        module.q_proj.weight.data = torch.randn(40, 32)
-        module.k_proj.weight.data = torch.randn(8, 32)
+        packed = module.q_proj.weight.detach().as_strided((64, 32), (32, 1))  # q, k, v side by side in one storage
+        module.q_proj.weight.data = packed[:40]  # still one after another: only the widths tell them apart
+        module.k_proj.weight.data = packed[40:48]
     for grad in (False, True):
         with torch.set_grad_enabled(grad), pytest.raises(ssm.ShapeError, match="q_proj returned a wrong value"):
             module(x)
@@ -94,64 +96,106 @@ def test_fusion_survives_dtype_and_device_moves_and_loading() -> None:
     torch.testing.assert_close(fused, per_head_attention(x, x, x, other.weights(), num_heads=6, num_kv_heads=2), **F64)
 
 
-def test_a_replaced_or_written_parameter_is_seen_by_the_fused_weight() -> None:
-    """The fused weight is a cache of the parameters: a new Parameter or an in-place write rebuilds it."""
+def _warm(m: ssm.MultiHeadAttention) -> None:
+    with torch.no_grad():
+        m(torch.randn(1, 3, 16, dtype=torch.float64))
+
+
+def _vector_then_write(m: ssm.MultiHeadAttention) -> None:
+    vector = nn.utils.parameters_to_vector(m.parameters())
+    nn.utils.vector_to_parameters(vector, m.parameters())
+    _warm(m)
+    vector.mul_(1.5)  # the parameters are slices of it: written, their version counters unmoved
+
+
+def _data_then_write(m: ssm.MultiHeadAttention) -> None:
+    held = torch.randn_like(m.k_proj.weight)
+    m.k_proj.weight.data = held
+    _warm(m)
+    held.add_(1.0)
+
+
+def _optimizer_step(m: ssm.MultiHeadAttention) -> None:
+    with torch.enable_grad():
+        m(torch.randn(1, 3, 16, dtype=torch.float64)).square().sum().backward()
+    torch.optim.SGD(m.parameters(), lr=0.5).step()
+
+
+def _load_assign_then_write(m: ssm.MultiHeadAttention) -> None:
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    m.load_state_dict(state, assign=True)
+    _warm(m)
+    state["v_proj.weight"].mul_(-1.0)
+
+
+# Every route by which the values a projection computes with can change; each is a write the fused weight
+# must see (it is a view of the parameters, never a copy), or a layout it must refuse to view.
+WRITES = {
+    "in place under no_grad": lambda m: m.k_proj.weight.add_(1.0),
+    "through .data (no version counter moves)": lambda m: m.q_proj.weight.data.add_(1.0),
+    "through .detach()": lambda m: m.v_proj.bias.detach().mul_(2.0),
+    ".data = its transpose, at the same address": lambda m: setattr(m.k_proj.weight, "data", m.k_proj.weight.data.t()),
+    ".data = another tensor, then that tensor written": _data_then_write,
+    "a new Parameter": lambda m: setattr(m.k_proj, "weight", nn.Parameter(torch.randn_like(m.k_proj.weight))),
+    "a new Parameter over the same storage read transposed": lambda m: setattr(
+        m.k_proj, "weight", nn.Parameter(m.k_proj.weight.detach().as_strided((16, 16), (1, 16)))
+    ),
+    "vector_to_parameters, then the vector written": _vector_then_write,
+    "load_state_dict": lambda m: m.load_state_dict({k: v + 1 for k, v in m.state_dict().items()}),
+    "load_state_dict(assign=True), then the state written": _load_assign_then_write,
+    "an optimizer step": _optimizer_step,
+    "copied to float32 and back": lambda m: m.float().double(),
+}
+
+
+@pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
+def test_every_route_of_writing_a_projection_is_seen_by_the_next_inference_call(write) -> None:
+    """Warm (its fused weight built) after the write computes what the reference computes with the parameters as
+    they are now, in inference and with autograd, the same as a module deep-copied after it."""
     torch.manual_seed(0)
     module = ssm.MultiHeadAttention(16, 4, dtype=torch.float64)
     x = torch.randn(1, 3, 16, dtype=torch.float64)
     assert _uses_fused_path(module, x)
-    module.k_proj.weight = nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
     with torch.no_grad():
-        out = module(x)
-    torch.testing.assert_close(out, per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4), **F64)
+        write(module)
+    expected = per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4)
     with torch.no_grad():
-        module.v_proj.bias.add_(1.0)  # pyright: ignore[reportOptionalMemberAccess]
-        out = module(x)
-    torch.testing.assert_close(out, per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4), **F64)
-    assert _uses_fused_path(module, x)
+        torch.testing.assert_close(module(x), expected, **F64)
+        torch.testing.assert_close(copy.deepcopy(module)(x), expected, **F64)
+    torch.testing.assert_close(module(x), expected, **F64)
 
 
-def test_a_weight_assigned_through_data_is_used_by_the_next_no_grad_forward() -> None:
-    """`proj.weight.data = new` moves no version counter, but it is another tensor: the fused weight is rebuilt,
-    as _fastpath's docstring promises (a stale one is about 0.3 off here)."""
-    torch.manual_seed(0)
+def test_the_fused_weight_is_a_view_of_the_parameters_and_comes_back_after_a_move() -> None:
+    """No copy of the weights is made; written in place it stays in use; after parameters replaced by the user's
+    own tensors the projections run separately (their storage is the user's), and `.to()` packs them again."""
     module = ssm.MultiHeadAttention(16, 4, 2, dtype=torch.float64)
     x = torch.randn(1, 3, 16, dtype=torch.float64)
-    with torch.no_grad():
-        module(x)  # builds the fused weight
-    for proj in (module.q_proj, module.k_proj, module.v_proj):
-        proj.weight.data = torch.randn_like(proj.weight)
-        with torch.no_grad():
-            out = module(x)
-        expected = per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=2)
-        torch.testing.assert_close(out, expected, **F64)
     assert _uses_fused_path(module, x)
-
-
-def test_a_parameter_replaced_by_another_view_of_its_storage_rebuilds_the_fused_weight() -> None:
-    """A new Parameter over the same storage (same data pointer, same version counter) read another way (its
-    transpose) holds other values: the fused weight is keyed on which tensors it was made from, not only their
-    stamps."""
-    torch.manual_seed(0)
-    module = ssm.MultiHeadAttention(16, 4, dtype=torch.float64)
-    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    fused = module._fused
+    assert fused is not None and fused.weight.data_ptr() == module.q_proj.weight.data_ptr()
     with torch.no_grad():
-        module(x)  # builds the fused weight
-    old = module.k_proj.weight.detach()
-    module.k_proj.weight = nn.Parameter(old.as_strided(old.shape, (1, old.shape[0])))
-    assert module.k_proj.weight.data_ptr() == old.data_ptr() and module.k_proj.weight._version == old._version
-    with torch.no_grad():
-        out = module(x)
-    torch.testing.assert_close(out, per_head_attention(x, x, x, module.weights(), num_heads=4, num_kv_heads=4), **F64)
+        module.v_proj.weight.data.add_(1.0)
+    assert _uses_fused_path(module, x) and module._fused is fused
+    module.k_proj.weight = nn.Parameter(torch.randn(8, 16, dtype=torch.float64))
+    assert not _uses_fused_path(module, x)
+    module.float().double()
+    assert _uses_fused_path(module, x)
+    assert _uses_fused_path(copy.deepcopy(module), x)
 
 
-def test_state_dict_tensors_do_not_share_storage() -> None:
-    """Saved q/k/v weights are tensors of their own (safetensors refuses shared storage); loading refills the fusion."""
+def test_state_dict_saves_and_loads_with_safetensors() -> None:
+    """The q/k/v weights share one storage, side by side: safetensors saves them (it refuses overlapping tensors
+    only), and what loads equals what was saved."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
     module = ssm.MultiHeadAttention(16, 4, 2)
     state = module.state_dict()
-    pointers = [state[f"{n}_proj.weight"].untyped_storage().data_ptr() for n in "qkv"]
-    assert len(set(pointers)) == 3
-    assert torch.equal(state["q_proj.weight"], module.q_proj.weight)
+    loaded = safetensors_torch.load(safetensors_torch.save(state))
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    other = ssm.MultiHeadAttention(16, 4, 2)
+    other.load_state_dict(loaded)
+    x = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        assert torch.equal(other(x), module(x))
 
 
 @given(data=st.data())

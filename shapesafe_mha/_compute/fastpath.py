@@ -7,12 +7,13 @@ one device, without autograd and outside any tracer or compiler. Otherwise the m
 submodules, silently. A plain projection is computed as its `forward` would, `F.linear(x, weight,
 bias)`, without nn.Module's call (`project`), on every path.
 
-The concatenated Q/K/V weight is a cache, not a parameter: it is rebuilt whenever any of the
-parameters it was made from is replaced or written (their version counters move, or their data
-pointer), or a projection submodule is replaced, so loads, optimizer steps, `share_memory`,
-`state_dict` and parameter swaps see plain, separate parameters. The one write it cannot see is
-the one autograd cannot see either: in place through `param.data` (`p.data += x`); write under
-`torch.no_grad()` instead, or call `module.to(module.q_proj.weight.device)` afterwards.
+The fused Q/K/V weight is never a copy: `pack_qkv` lays the three projections' weights (and biases) out
+one after another in one storage, and the fused weight is a view over all three, so every write to them, by
+any route (an optimizer step, `load_state_dict`, `p.data.add_`, a write through another view), is a write to
+it. It is used only while the parameters still lie so (`fused_qkv` compares their data pointers, shapes and
+strides with the layout on every call); a weight replaced, re-pointed with `.data =` or assigned from
+elsewhere (`load_state_dict(assign=True)`, `vector_to_parameters`) makes the module call its projections
+separately, until it is packed again where that is safe (`.to()` and deep copies make fresh tensors).
 
 torch has no public API for some of what this needs (a module's hooks, a tensor's version counter,
 the fused kernel itself, whether a tensor is a `vmap` slice, whether `nn.Module.__call__` would do more
@@ -219,27 +220,85 @@ def project(proj: nn.Module, x: Tensor) -> Tensor:
 
 @dataclass
 class FusedQKV:
-    """The q/k/v weights (and biases) concatenated, and what they were made from."""
+    """The q/k/v weights (and biases) as one view over the storage they are laid out in, and that layout."""
 
     sources: tuple[Tensor | None, ...]
-    stamps: tuple[int, ...]
+    layout: tuple[Any, ...]
     weight: Tensor
     bias: Tensor | None
     modules: tuple[nn.Module, nn.Module, nn.Module]  # the projections, for `module_state`
 
 
-def _stamps(sources: tuple[Tensor | None, ...]) -> tuple[int, ...]:
-    # Writes move torch's version counter (`_version`, how many times a tensor was written in place);
-    # `param.data = ...` does not, but moves the data pointer. A plain loop: this runs on every inference call.
-    stamps: list[int] = []
+def _layout(sources: tuple[Tensor | None, ...]) -> tuple[Any, ...]:
+    # Where each tensor's values lie: the same data pointers, shapes and strides read the same memory, which the
+    # fused view keeps alive (so no other tensor can come to lie at those addresses). A plain loop: this runs on
+    # every inference call.
+    layout: list[Any] = []
     for p in sources:
         if p is not None:
-            stamps += (p._version, p.data_ptr())
-    return tuple(stamps)
+            layout += (p.data_ptr(), p.shape, p.stride())
+    return tuple(layout)
+
+
+def _adjacent(tensors: list[Tensor]) -> Tensor | None:
+    """One view over `tensors` (same dtype, device and trailing shape, each contiguous), where each begins where
+    the one before it ends in one storage: their concatenation, without a copy. None where they do not lie so."""
+    first = tensors[0]
+    if first.device.type == "meta":  # no values to go stale: the concatenation allocates nothing
+        kinds = {(t.dtype, t.device, t.shape[1:]) for t in tensors}
+        return torch.cat([t.detach() for t in tensors]) if len(kinds) == 1 else None
+    if not all(t.is_contiguous() for t in tensors):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for t in tensors:
+        if t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]:
+            return None
+        if t.untyped_storage().data_ptr() != storage or t.data_ptr() != end:
+            return None
+        end += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def pack_qkv(q: Any, k: Any, v: Any, fresh: Any = None) -> None:
+    """Lay the weights (and biases) of three plain linears out one after another in one new storage, each
+    parameter re-pointed (`.data =`) at its rows, so that `fused_qkv` can view them as one without a copy.
+
+    Only tensors `fresh(tensor)` says no one else holds are moved (a tensor the user pointed a parameter at, with
+    `.data =` or `vector_to_parameters`, stays theirs); default: each, where it is its storage whole."""
+    if not all(isinstance(m, nn.Module) for m in (q, k, v)) or not plain_linear(q, k, v):
+        return
+    fresh = fresh or _whole
+    for name in ("weight", "bias"):
+        tensors = [m._parameters[name] for m in (q, k, v)]
+        if any(t is None for t in tensors):
+            continue
+        if _adjacent(tensors) is not None or not all(fresh(t) for t in tensors):
+            continue
+        if len({(t.dtype, t.device, t.shape[1:]) for t in tensors}) != 1:
+            continue
+        with torch.no_grad():
+            packed = torch.cat([t.detach() for t in tensors])
+        start = 0
+        for t in tensors:
+            t.data = packed[start : start + t.shape[0]]
+            start += t.shape[0]
+
+
+def _kind(tensor: Tensor) -> tuple[torch.dtype, torch.device]:
+    return tensor.dtype, tensor.device
+
+
+def _whole(tensor: Tensor) -> bool:
+    """Whether `tensor` is the whole of its storage (not a slice of a flat vector someone else holds)."""
+    storage = tensor.untyped_storage()
+    return tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
 
 
 def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None, rows: tuple[int, int, int]) -> FusedQKV | None:
-    """The concatenated projection of three plain linears, reusing `cached` while it is current; else None.
+    """The projection of three plain linears as one, a view over their weights, reusing `cached` while they lie
+    where it was made; None where they do not lie one after another in one storage (see `pack_qkv`).
 
     Only weights of exactly `rows` rows and one width are fused (the module's sizes): the fused path splits the
     product by heads, so weights of other widths that add up to the same (rows moved from one to another) would
@@ -248,24 +307,23 @@ def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None, rows: tuple[int, 
         return None
     qp, kp, vp = q._parameters, k._parameters, v._parameters
     sources = (qp["weight"], kp["weight"], vp["weight"], qp["bias"], kp["bias"], vp["bias"])
-    if cached is not None:  # the very tensors it was fused from (by identity, unrolled), unwritten
+    if cached is not None:  # the very tensors it was made from (by identity, unrolled), where they lay
         a, b, c, d, e, f = cached.sources
         s0, s1, s2, s3, s4, s5 = sources
-        if a is s0 and b is s1 and c is s2 and d is s3 and e is s4 and f is s5 and cached.stamps == _stamps(sources):
+        if a is s0 and b is s1 and c is s2 and d is s3 and e is s4 and f is s5 and cached.layout == _layout(sources):
             return cached
     weights, biases = sources[:3], sources[3:]
-    first = qp["weight"]
-    if first is None or any(w is None or w.dtype != first.dtype or w.device != first.device for w in weights):
+    if any(w is None or w.dim() != 2 for w in weights):
         return None
-    shapes = [tuple(w.shape) for w in weights if w is not None]
-    if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes) or tuple(s[0] for s in shapes) != rows:
+    if tuple(w.shape[0] for w in weights if w is not None) != rows:
         return None  # (the separate path's checks explain these)
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
-    with torch.no_grad():
-        weight = torch.cat([w for w in weights if w is not None])
-        bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
-    return FusedQKV(sources, _stamps(sources), weight, bias, (q, k, v))
+    weight = _adjacent([w for w in weights if w is not None])
+    bias = None if biases[0] is None else _adjacent([b for b in biases if b is not None])
+    if weight is None or (biases[0] is not None and (bias is None or _kind(bias) != _kind(weight))):
+        return None
+    return FusedQKV(sources, _layout(sources), weight, bias, (q, k, v))
 
 
 def native_fits(module: Any, query: Tensor, fused: FusedQKV, tracing: bool) -> bool:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .._compute import kernels as K
 from .._compute.cache import KVCache
-from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state
+from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state, pack_qkv
 from .._compute.norms import HeadNorm, OffsetRMSNorm
 from .._compute.rotary import (
     RotaryEmbedding,
@@ -406,6 +406,7 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
+        pack_qkv(self.q_proj, self.k_proj, self.v_proj)  # one storage, viewed whole by the fused path
         self.rope_theta = rope_theta
         self.rope_dim = _rope_dim(owner, rope_theta, rope_dim, rope_interleaved, d_head)
         self.rope_interleaved = bool(rope_interleaved)
@@ -526,14 +527,29 @@ class MultiHeadAttention(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "MultiHeadAttention":
         # .to(), .half(), .cuda(): the parameters change dtype or device; what was remembered may not hold.
+        # The projections' tensors it made anew are packed again (`pack_qkv`); one it left as it was stays.
+        before = {id(t): t.data_ptr() for t in self._qkv_tensors()}
         super()._apply(fn, recurse)
         self._forget()
+        pack_qkv(*self._qkv_modules(), fresh=lambda t: before.get(id(t)) != t.data_ptr())
         return self
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy and pickle: tensors of its own, packed again where each is its storage whole
+        super().__setstate__(state)
+        pack_qkv(*self._qkv_modules())
+
+    def _qkv_modules(self) -> tuple[Any, Any, Any]:
+        modules = self._modules
+        return modules.get("q_proj"), modules.get("k_proj"), modules.get("v_proj")
+
+    def _qkv_tensors(self) -> list[Tensor]:
+        modules = [m for m in self._qkv_modules() if isinstance(m, nn.Module)]
+        return [t for m in modules for t in m._parameters.values() if t is not None]
+
     def __setattr__(self, name: str, value: Any) -> None:
-        # A projection replaced (PEFT wraps and later unwraps them, writing weights through `.data`,
-        # which no version counter sees): forget the fused weight built from the old ones. A size, an option
-        # or a tensor of the module's own set (head pruning, sinks or ALiBi slopes loaded another way): derive
+        # A projection replaced (PEFT wraps and later unwraps them): forget the fused view of the old ones. A size,
+        # an option or a tensor of the module's own set (head pruning, sinks or ALiBi slopes loaded another way): derive
         # what they fix again, and forget what was remembered under the old ones.
         super().__setattr__(name, value)
         if "_fused" not in self.__dict__:  # still in __init__

@@ -138,8 +138,8 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         )
         cache.append(filler, filler)
     with torch.no_grad():
-        # The fused Q/K/V weight is built once and kept (a fast path's cache): build it before tracing,
-        # so the trace shows what every call allocates, and count it apart.
+        # The fused Q/K/V view is made once and kept (a fast path's cache; a copy only where the projections do not
+        # lie side by side): make it before tracing, so the trace shows what every call allocates, and count it apart.
         choose_path(module, x, x, x, None, None, True, False, cache, None)
     fused = module._fused
     with torch.no_grad(), tracing() as tracer:
@@ -157,7 +157,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     stages = tracer.stages
     totals: dict[str, Any] = {
         "allocated_bytes": sum(s.allocated_bytes for s in tracer.stages),
-        "fused_qkv_weight_bytes": 0 if fused is None else fused.weight.numel() * itemsize,
+        # a view of the projections' own storage (fastpath.pack_qkv): no bytes of its own
+        "fused_qkv_weight_bytes": 0 if fused is None or fused.weight.device.type == "meta" or _views(fused, module)
+        else fused.weight.numel() * itemsize,
         "kv_cache_bytes": per_kind["this"],
         "kv_cache_positions": positions,
         "kv_cache_bytes_mha": per_kind["mha"],
@@ -272,3 +274,9 @@ def trace_latent(config: LatentTraceConfig = LatentTraceConfig()) -> TraceReport
         "kv_cache_ratio_mqa_vs_mha": 1 / config.num_heads,
     }
     return TraceReport(asdict(config), tracer.stages, totals)
+
+
+def _views(fused: Any, module: Any) -> bool:
+    """Whether the fused Q/K/V weight lies in the q projection's own storage (a view, not a copy)."""
+    own = module.q_proj.weight.untyped_storage().data_ptr()
+    return fused.weight.untyped_storage().data_ptr() == own
