@@ -1182,3 +1182,33 @@ def test_a_decorated_method_s_expectations_are_compared_when_its_verdict_is_reme
     fresh = ssm.shapecheck(_Block.forward.__wrapped__)
     with pytest.raises(ssm.ShapeError, match=message):
         fresh(right, x)
+
+
+def _outcome(fn: Callable[..., Any], *args: Any) -> type | None:
+    try:
+        fn(*args)
+    except ssm.ShapeError as error:
+        return type(error)
+    return None
+
+
+@given(calls=st.lists(st.tuples(st.sampled_from([1.0, -1.0]), st.sampled_from([1.0, 9.0])), min_size=1, max_size=4))
+def test_a_value_validator_is_checked_on_every_call_as_by_a_fresh_decoration(calls: list[tuple[float, float]]) -> None:
+    """An annotation whose verdict reads values (beartype's `Is[...]`), on an argument or the result, is never
+    covered by a verdict remembered from another call with the same shapes: each call's outcome is a fresh one's."""
+    from typing import Annotated
+
+    from beartype.vale import Is
+
+    Positive = Annotated[Float[torch.Tensor, "batch seq"], Is[lambda t: bool((t > 0).all())]]
+    Small = Annotated[float, Is[lambda s: s < 5]]
+
+    def body(x: Positive, scale: Small) -> Float[torch.Tensor, "batch seq"]:
+        return x * scale
+
+    warm = ssm.shapecheck(body)
+    outcomes = []
+    for sign, scale in calls:
+        x = torch.full((2, 3), sign)
+        outcomes.append(_outcome(warm, x, scale))
+        assert outcomes[-1] == _outcome(ssm.shapecheck(body), x, scale)

@@ -46,6 +46,14 @@ _KNOWN = object()
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_current", default=None)
 
 
+def _reads_values(hint: Any) -> bool:
+    """Whether an annotation's verdict depends on values, not only on types and shapes: `Annotated` metadata
+    (a beartype validator, `Annotated[Tensor, Is[lambda t: ...]]`) anywhere in it."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return True
+    return any(_reads_values(part) for part in typing.get_args(hint) if part is not ...)
+
+
 def dims_of(hint: Any) -> set[str]:
     """Every dimension name an annotation uses (its array types', arithmetic included)."""
     names: set[str] = set()
@@ -198,6 +206,8 @@ class _Checked:
         )
         self.arity = len(plain) if arrays_only and not self.method and len(plain) in _ARRAYS_KEY else -1
         self.verdicts = Verdicts()
+        # a value validator (beartype's `Annotated[..., Is[...]]`) decides by values no key holds: never remembered
+        self.reads_values = any(_reads_values(h) for h in [*hints.values(), self.returns])
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """What the check reads, exactly: the arguments' signatures, and a method's sizes on `self`."""
@@ -388,7 +398,7 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
         return type(fn)(shapecheck(fn.__func__))  # type: ignore[return-value]
     contract = _Checked(fn)
     verdicts, run, owner = contract.verdicts, contract.run, contract.owner
-    method = contract.method
+    method, reads_values = contract.method, contract.reads_values
     key_of = contract.key if method else annotation_key  # a method's key holds its sizes on self
     arity, arrays_key, exact = contract.arity, _ARRAYS_KEY.get(contract.arity), verdicts.exact
 
@@ -427,6 +437,8 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
             return contract.remembered(expects, key, args, kwargs)
         with Session(owner) as session:
             result = run(session, args, kwargs)
+        if reads_values:
+            return result
         if method:
             verdicts.remember(key, note=(signature_of(result), tuple(getattr(session, "signatures", ()))))
         else:
