@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._core.shapecheck import shape_scope as shape_scope
     from ._core.shapecheck import shapecheck as shapecheck
     from ._core.weights import AttentionWeights as AttentionWeights
+    from ._modules.config import AttentionConfig as AttentionConfig
     from ._modules.latent import LatentAttention as LatentAttention
     from ._modules.latent import LatentCache as LatentCache
     from ._modules.multihead import MultiHeadAttention as MultiHeadAttention
@@ -47,6 +48,7 @@ _WHERE = {
     "ShapeError": "_core.errors",
     "ShapesafeError": "_core.errors",
     "flex_attention": "_compute.flex",
+    "AttentionConfig": "_modules.config",
     "LatentAttention": "_modules.latent",
     "LatentCache": "_modules.latent",
     "MultiHeadAttention": "_modules.multihead",
@@ -95,6 +97,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionConfig",
     "AttentionWeights",
     "ConfigError",
     "KVCache",

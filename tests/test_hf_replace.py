@@ -294,3 +294,24 @@ def test_a_multi_query_or_grouped_fused_layer_is_left_named_with_why(config_name
     assert all("the query rows beside the keys' and values'" in why for why in done.left.values())
     layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
     assert ssm.MultiHeadAttention.from_hf(layer).num_kv_heads == (1 if "multi_query" in options else 2)
+
+
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if "window" in a])
+@pytest.mark.parametrize("window", [2, 5])
+def test_replaced_layers_follow_a_window_their_models_config_changes_after_the_replacement(
+    architecture: str, window: int
+) -> None:
+    """transformers builds its masks and sliding caches from `config.sliding_window` at each call: the replaced
+    layers read it then too, and the model computes what the unreplaced one computes with the same change."""
+    theirs, ours, _ = _pair(architecture)
+    for model in (theirs, ours):
+        model.config.sliding_window = window
+        text = getattr(model.config, "text_config", None)
+        if text is not None and text is not model.config:
+            text.sliding_window = window
+    ids, mask = _batch()
+    tolerance = ARCHITECTURES[architecture][4]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=tolerance, rtol=0)
+        expected = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), expected)

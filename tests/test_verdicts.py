@@ -1184,7 +1184,7 @@ def test_a_decorated_method_s_expectations_are_compared_when_its_verdict_is_reme
         fresh(right, x)
 
 
-def _outcome(fn: Callable[..., Any], *args: Any) -> type | None:
+def _verdict_of(fn: Callable[..., Any], *args: Any) -> type | None:
     try:
         fn(*args)
     except ssm.ShapeError as error:
@@ -1210,5 +1210,5 @@ def test_a_value_validator_is_checked_on_every_call_as_by_a_fresh_decoration(cal
     outcomes = []
     for sign, scale in calls:
         x = torch.full((2, 3), sign)
-        outcomes.append(_outcome(warm, x, scale))
-        assert outcomes[-1] == _outcome(ssm.shapecheck(body), x, scale)
+        outcomes.append(_verdict_of(warm, x, scale))
+        assert outcomes[-1] == _verdict_of(ssm.shapecheck(body), x, scale)

@@ -235,6 +235,9 @@ def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[
     layer.hf_path, layer.replaced = path, type(theirs).__name__
     layer.layer_idx = getattr(theirs, "layer_idx", None)
     layer.config = getattr(theirs, "config", None)
+    # a sliding layer's window (Mistral's: every layer's) is the config's, which transformers' masks and caches
+    # read at each call: the layer reads it then too (`HFAttention.forward`)
+    layer.window_from_config = getattr(theirs, "sliding_window", True) is not None
     layer.is_causal = True
     return layer
 
@@ -252,7 +255,8 @@ class HFAttention(MultiHeadAttention):
     hf_path: str
     replaced: str
     layer_idx: int | None
-    config: Any
+    config: Any = None  # its model's config, as transformers' layers hold it (`_described()`: ours)
+    window_from_config: bool
     is_causal: bool
 
     def forward(  # pyright: ignore[reportIncompatibleMethodOverride]  (transformers' calling convention)
@@ -272,6 +276,13 @@ class HFAttention(MultiHeadAttention):
         """
         if kwargs:
             refuse_unknown(self, kwargs)
+        if self.window_from_config:
+            window = getattr(self.config, "sliding_window", None)
+            if window != self.window:  # changed on the model's config since the replacement: followed, re-derived
+                try:
+                    self.window = window
+                except ConfigError as error:
+                    raise ConfigError(f"{layer_name(self)}: config.sliding_window={window!r}: {error}") from None
         cache = past_key_values if cache is None else cache
         if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4):
             kind = type(attention_mask).__name__ if not isinstance(attention_mask, Tensor) else "a 2-D padding mask"

@@ -18,19 +18,10 @@ from .._core.weights import AttentionWeights
 
 
 def _variants(module: Any) -> list[str]:
-    """The options of `module` that `nn.MultiheadAttention` does not compute, as `name=value`."""
-    options = {
-        "rope_theta": module.rope_theta,
-        "qk_norm": module.qk_norm or None,
-        "window": module.window,
-        "logit_softcap": module.logit_softcap,
-        "query_pre_attn_scalar": module.query_pre_attn_scalar,
-        "clip_qkv": module.clip_qkv,
-        "attention_sinks": module.sinks is not None or None,
-        "alibi": module.alibi_slopes is not None or None,
-        "output_gate": module.output_gate or None,
-    }
-    return [f"{name}={value!r}" for name, value in options.items() if value is not None]
+    """The options of `module` that `nn.MultiheadAttention` does not compute, as `name=value` (every option that
+    differs from its default but dropout, which it computes, and biases, which it holds)."""
+    variants = module._described().variants()
+    return [f"{name}={value!r}" for name, value in variants.items() if name not in ("dropout", "bias")]
 
 
 def to_torch(module: Any, *, verify: bool = True) -> nn.MultiheadAttention:

@@ -1,7 +1,7 @@
 """`MultiHeadAttention`: the module, for MHA, GQA and MQA, composed of checked stages."""
 
 import contextlib
-import math
+import dataclasses
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -27,11 +27,8 @@ from .._compute.stages import (
     autocast_dtype,
     autocast_on,
     check_cache,
-    check_groups,
     check_temperature_tuning,
-    check_variants,
     explain_mask,
-    positive_count,
 )
 from .._core.contract import CallKey, Session, Stage, Verdicts, raw, remembered_forward, witness
 from .._core.dims import (
@@ -46,9 +43,53 @@ from .._core.dims import (
     Tokens,
 )
 from .._core.errors import ConfigError
-from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from .._core.messages import ExplainedError, dtype_name, mismatch
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
+from .config import OPTIONS, SIZES, AttentionConfig
+
+# The options held as attributes of the module under their own names (`config` reads them back).
+_HELD = tuple(name for name in OPTIONS if name not in ("bias", "rope_scaling", "rope_dim", "attention_sinks", "alibi"))
+# What each option that submodules or parameters were built from fixed: set on a built module, it is refused.
+_BUILT_FROM = {
+    "bias": "projections",
+    "rope_theta": "rotary tables",
+    "rope_scaling": "rotary tables",
+    "rope_dim": "rotary tables",
+    "rope_interleaved": "rotary tables",
+    "qk_norm": "QK-norm modules",
+    "qk_norm_over": "QK-norm modules",
+    "qk_norm_centred": "QK-norm modules",
+    "qk_norm_offset": "QK-norm modules",
+    "qk_norm_after_rope": "QK-norm modules",
+    "norm_eps": "QK-norm modules",
+    "attention_sinks": "sinks parameter",
+    "alibi": "ALiBi slopes",
+    "output_gate": "q_proj",
+}
+
+
+
+def _scalar(module: Any, scalar: float | None) -> float | None:
+    module.__dict__["scale"] = None if scalar is None else float(scalar) ** -0.5  # the scores' scale it fixes
+    return scalar
+
+
+def _bound(module: Any, clip: float | None) -> float | None:
+    return None if clip is None else float(clip)
+
+
+def _same(module: Any, value: Any) -> Any:
+    return value
+
+
+# An option set on a built module, validated, as it is held (and what it fixes besides, re-derived).
+_DERIVED = {"query_pre_attn_scalar": _scalar, "clip_qkv": _bound, "temperature_tuning": lambda m, t: _tuning(t)}
+
+
+def _tuning(tuning: Any) -> tuple[int, float] | None:
+    return check_temperature_tuning("", tuning)
+
 
 _STAGES = FORWARD_STAGES | {
     "rotary_tables": rotary_tables,
@@ -127,31 +168,6 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
                 f"move one of them ({name}.to('{device}') or module.to('{tensor.device}')).",
                 arg=name,
             )
-
-
-def _rope_dim(owner: str, theta: float | None, rope_dim: Any, interleaved: Any, d_head: int) -> int | None:
-    """The rotated width of each head (None without RoPE); `ConfigError` for one RoPE options cannot use."""
-    if theta is None:
-        if rope_dim is not None or interleaved:
-            given = "rope_dim" if rope_dim is not None else "rope_interleaved"
-            raise ConfigError(
-                f"{owner}: {given} was given, but the module has no rotary embeddings (rope_theta=None): nothing "
-                f"would use it. Pass rope_theta=... (Llama: 10000.0), or drop {given}."
-            )
-        return None
-    if not isinstance(interleaved, bool):
-        raise ConfigError(f"{owner}: rope_interleaved must be True or False, but got {interleaved!r}.")
-    if rope_dim is None:
-        return d_head
-    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 2 <= rope_dim <= d_head or rope_dim % 2:
-        near = (rope_dim - 1, rope_dim + 1) if isinstance(rope_dim, int) and not isinstance(rope_dim, bool) else ()
-        even = [w for w in near if 2 <= w <= d_head and w % 2 == 0]
-        suggestion = f" (for example {even[0]})" if even else ""
-        raise ConfigError(
-            f"{owner}: rope_dim={rope_dim!r}, but the rotary part of a head must be an even int in [2, d_head={d_head}]"
-            f"{suggestion}: rotary embeddings rotate pairs of a head's features."
-        )
-    return rope_dim
 
 
 def _kind(tensor: Tensor) -> tuple[Any, ...]:
@@ -366,129 +382,98 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        owner = f"MultiHeadAttention(d_model={d_model}, num_heads={num_heads}, num_kv_heads={num_kv_heads})"
-        for name, size in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            positive_count(f"{owner}: ", name, size)
-        if num_kv_heads > num_heads:
-            raise ConfigError(
-                f"{owner}: num_kv_heads={num_kv_heads} is more than num_heads={num_heads}; each KV head serves "
-                f"a group of query heads, so num_kv_heads must divide num_heads (MQA: 1, MHA: {num_heads})."
-            )
-        check_groups(num_heads, num_kv_heads, owner)
-        if d_head is None:
-            if d_model % num_heads:
-                raise ConfigError(
-                    f"{owner}: d_model must be num_heads * d_head, and {d_model} is not divisible by {num_heads}; "
-                    f"pass d_head explicitly or use num_heads in {shown(divisors(d_model), limit=5)}."
-                )
-            d_head = d_model // num_heads
-        positive_count(f"{owner}: ", "d_head", d_head)
-        if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
-        check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar, norm_eps, clip_qkv)
-        self.d_model = d_model
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.d_head = d_head
+        config = AttentionConfig(**{name: value for name, value in locals().items() if name in OPTIONS})
+        self._build(config, {"device": device, "dtype": dtype})
+
+    def _build(self, config: AttentionConfig, factory: dict[str, Any]) -> None:
+        """The submodules, parameters and attributes `config` describes (validated when it was made)."""
+        d_model, num_heads, num_kv_heads, d_head = config.d_model, config.num_heads, config.kv_heads, config.head_width
+        c, device, dtype = config, factory["device"], factory["dtype"]
+        self.d_model, self.num_heads, self.num_kv_heads, self.d_head = d_model, num_heads, num_kv_heads, d_head
         self.group = num_heads // num_kv_heads
-        self.dropout = dropout
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        if not isinstance(output_gate, bool):
-            raise ConfigError(f"{owner}: output_gate must be True or False, but got {output_gate!r}.")
-        if output_gate and ((qk_norm_over == "all" and qk_norm) or clip_qkv is not None):
-            raise ConfigError(
-                f"{owner}: output_gate=True with a QK-norm over every head or clip_qkv: no model computes them "
-                "together, and the gate's place among them is not known."
-            )
-        self.output_gate = output_gate
-        self.q_proj = nn.Linear(d_model, num_heads * d_head * (2 if output_gate else 1), bias=bias, **factory)
+        self.dropout = c.dropout
+        self.output_gate = c.output_gate
+        bias = c.bias
+        self.q_proj = nn.Linear(d_model, num_heads * d_head * (2 if c.output_gate else 1), bias=bias, **factory)
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
         pack_qkv(self.q_proj, self.k_proj, self.v_proj)  # one storage, viewed whole by the fused path
-        self.rope_theta = rope_theta
-        self.rope_dim = _rope_dim(owner, rope_theta, rope_dim, rope_interleaved, d_head)
-        self.rope_interleaved = bool(rope_interleaved)
+        self.rope_theta = c.rope_theta
+        self.rope_dim = c.rotated_width
+        self.rope_interleaved = c.rope_interleaved
         self.rotary: RotaryEmbedding | None = None
-        if rope_theta is not None:
+        if c.rope_theta is not None:
             if self.rope_dim == d_head:
-                check_rotary_width(d_head, owner)
-            self.rotary = RotaryEmbedding(self.rope_dim or d_head, rope_theta, rope_scaling, rope_interleaved)
+                check_rotary_width(d_head, c.owner)
+            self.rotary = RotaryEmbedding(self.rope_dim or d_head, c.rope_theta, c.rope_scaling, c.rope_interleaved)
             self.rotary.to(device=device)
-        self.qk_norm = bool(qk_norm)
-        if qk_norm_over not in ("head", "all", "per_head"):
-            raise ConfigError(
-                f"{owner}: qk_norm_over must be 'head' (each head's d_head features), 'all' (every head's "
-                f"together, OLMo-2) or 'per_head' (each head's, with weights of its own, Cohere), but got "
-                f"{qk_norm_over!r}."
-            )
-        self.qk_norm_over = qk_norm_over
-        if not isinstance(qk_norm_centred, bool) or (qk_norm_centred and (not qk_norm or qk_norm_over == "all")):
-            raise ConfigError(
-                f"{owner}: qk_norm_centred=True needs qk_norm=True over each head (qk_norm_over='head' or "
-                f"'per_head'), but got qk_norm_centred={qk_norm_centred!r}, qk_norm={qk_norm!r}, "
-                f"qk_norm_over={qk_norm_over!r}."
-            )
-        self.qk_norm_centred = qk_norm_centred
-        offset = qk_norm_offset
-        if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
-            raise ConfigError(f"{owner}: qk_norm_offset must be a finite number (Gemma 3: 1.0), but got {offset!r}.")
-        self.qk_norm_offset = float(offset)
-        if offset and (qk_norm_centred or qk_norm_over == "per_head"):
-            raise ConfigError(
-                f"{owner}: qk_norm_offset={offset!r} with qk_norm_centred={qk_norm_centred!r}, "
-                f"qk_norm_over={qk_norm_over!r}: the scale 1 + weight is Gemma 3's RMSNorm with one weight for every "
-                "head; no model offsets a centred norm or one with weights for each head."
-            )
-        after = qk_norm_after_rope
-        if not isinstance(after, bool) or (after and (not qk_norm or qk_norm_over != "head" or qk_norm_centred)):
-            raise ConfigError(
-                f"{owner}: qk_norm_after_rope=True needs qk_norm=True over each head (qk_norm_over='head', an RMSNorm: "
-                f"HunYuan's), but got qk_norm_after_rope={after!r}, qk_norm={qk_norm!r}, qk_norm_over={qk_norm_over!r}"
-                + (", qk_norm_centred=True." if qk_norm_centred else ".")
-            )
-        self.qk_norm_after_rope = qk_norm_after_rope
-        if qk_norm:
-            every = qk_norm_over == "all"
+        self.qk_norm, self.qk_norm_over, self.qk_norm_centred = c.qk_norm, c.qk_norm_over, c.qk_norm_centred
+        self.qk_norm_offset, self.qk_norm_after_rope = float(c.qk_norm_offset), c.qk_norm_after_rope
+        self.norm_eps = c.norm_eps
+        if c.qk_norm:
+            norm_eps, offset = c.norm_eps, c.qk_norm_offset
+            every = c.qk_norm_over == "all"
             widths = (num_heads * d_head, num_kv_heads * d_head) if every else (d_head, d_head)
-            if qk_norm_over == "per_head" or qk_norm_centred:  # Cohere: a norm of each head, its own weights
-                heads = (num_heads, num_kv_heads) if qk_norm_over == "per_head" else (None, None)
-                self.q_norm = HeadNorm(heads[0], d_head, norm_eps, qk_norm_centred, **factory)
-                self.k_norm = HeadNorm(heads[1], d_head, norm_eps, qk_norm_centred, **factory)
+            if c.qk_norm_over == "per_head" or c.qk_norm_centred:  # Cohere: a norm of each head, its own weights
+                heads = (num_heads, num_kv_heads) if c.qk_norm_over == "per_head" else (None, None)
+                self.q_norm = HeadNorm(heads[0], d_head, norm_eps, c.qk_norm_centred, **factory)
+                self.k_norm = HeadNorm(heads[1], d_head, norm_eps, c.qk_norm_centred, **factory)
             elif offset:
                 self.q_norm = OffsetRMSNorm(widths[0], norm_eps, float(offset), **factory)
                 self.k_norm = OffsetRMSNorm(widths[1], norm_eps, float(offset), **factory)
             else:
                 self.q_norm = nn.RMSNorm(widths[0], eps=norm_eps, **factory)
                 self.k_norm = nn.RMSNorm(widths[1], eps=norm_eps, **factory)
-        self.window = window
-        self.logit_softcap = logit_softcap
-        self.query_pre_attn_scalar = query_pre_attn_scalar
-        self.scale = None if query_pre_attn_scalar is None else float(query_pre_attn_scalar) ** -0.5
-        if not isinstance(attention_sinks, bool):
-            raise ConfigError(f"{owner}: attention_sinks must be True or False, but got {attention_sinks!r}.")
+        self.window = c.window
+        self.logit_softcap = c.logit_softcap
+        self.query_pre_attn_scalar = _scalar(self, c.query_pre_attn_scalar)
         self.sinks: nn.Parameter | None = None
-        if attention_sinks:
+        if c.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
-        if not isinstance(alibi, bool):
-            raise ConfigError(f"{owner}: alibi must be True or False, but got {alibi!r}.")
         slopes = None
-        if alibi:  # not learned: a buffer, kept in the state dict so that loaded slopes (MPT's) stay
+        if c.alibi:  # not learned: a buffer, kept in the state dict so that loaded slopes (MPT's) stay
             slopes = K.alibi_slopes(num_heads).to(device=device, dtype=dtype or torch.get_default_dtype())
         self.register_buffer("alibi_slopes", slopes)
-        self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
-        self.temperature_tuning = check_temperature_tuning(f"{owner}: ", temperature_tuning)
-        chunked = chunk_size is not None
-        if chunked and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ConfigError(f"{owner}: chunk_size must be a positive int (Llama 4: 8192), but got {chunk_size!r}.")
-        if chunk_size is not None and window is not None:
-            raise ConfigError(
-                f"{owner}: chunk_size={chunk_size} with window={window}: no model computes both, and a window cache "
-                "would drop keys a chunk still sees; pass one of them."
-            )
-        self.chunk_size = chunk_size
+        self.clip_qkv = _bound(self, c.clip_qkv)
+        self.temperature_tuning = _tuning(c.temperature_tuning)
+        self.chunk_size = c.chunk_size
         self._derive()
+
+    @classmethod
+    def from_config(
+        cls, config: AttentionConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> "MultiHeadAttention":
+        """The module `config` describes, its parameters freshly initialised.
+
+        Example:
+            >>> import dataclasses, torch, shapesafe_mha as ssm
+            >>> attn = ssm.MultiHeadAttention(64, 8, 2)
+            >>> wider = ssm.MultiHeadAttention.from_config(dataclasses.replace(attn.config, window=16))
+            >>> wider.window, wider(torch.randn(1, 4, 64), is_causal=True).shape
+            (16, torch.Size([1, 4, 64]))
+        """
+        if not isinstance(config, AttentionConfig):
+            raise ConfigError(
+                f"MultiHeadAttention.from_config(): config must be an AttentionConfig, but got {type(config).__name__}."
+            )
+        return cls(**{name: getattr(config, name) for name in OPTIONS}, device=device, dtype=dtype)
+
+    @property
+    def config(self) -> AttentionConfig:
+        """The module as it is now, described as one `AttentionConfig` (`bias`: whether `q_proj` has one)."""
+        return self._described()
+
+    def _described(self) -> AttentionConfig:
+        rotary = self._modules.get("rotary")
+        return AttentionConfig(
+            **{name: getattr(self, name) for name in _HELD},
+            bias=self.bias,
+            rope_scaling=getattr(rotary, "scaling", None),
+            rope_dim=None if self.rope_dim == self.d_head else self.rope_dim,
+            attention_sinks=self._parameters.get("sinks") is not None,
+            alibi=self._buffers.get("alibi_slopes") is not None,
+        )
 
     def _derive(self) -> None:
         """What the sizes and options fix, derived from them (again, when one is set after construction: a
@@ -507,6 +492,8 @@ class MultiHeadAttention(nn.Module):
             or self._buffers.get("alibi_slopes") is not None
         )
         derived = self.__dict__  # not __setattr__: these are what it derives
+        if num_kv_heads and num_heads % num_kv_heads == 0:  # (sizes set one by one: the call checks them)
+            derived["group"] = num_heads // num_kv_heads
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
         derived["native_shape"] = (
             num_kv_heads == num_heads and num_heads * d_head == d_model and self.rope_theta is None and not variant
@@ -551,8 +538,19 @@ class MultiHeadAttention(nn.Module):
         # A projection replaced (PEFT wraps and later unwraps them): forget the fused view of the old ones. A size,
         # an option or a tensor of the module's own set (head pruning, sinks or ALiBi slopes loaded another way): derive
         # what they fix again, and forget what was remembered under the old ones.
+        built = "_fused" in self.__dict__  # (not while __init__ sets them)
+        if built and name in OPTIONS and name not in SIZES:
+            if name in _BUILT_FROM:
+                raise ConfigError(
+                    f"MultiHeadAttention: {name} cannot be set on a built module: its {_BUILT_FROM[name]} "
+                    f"{'were' if _BUILT_FROM[name].endswith('s') else 'was'} built from it. Build one that has it: "
+                    f"MultiHeadAttention.from_config(dataclasses.replace(module.config, {name}={value!r})), then "
+                    "load_state_dict(module.state_dict())."
+                )
+            dataclasses.replace(self._described(), **{name: value})  # validated as at construction (ConfigError)
+            value = _DERIVED.get(name, _same)(self, value)
         super().__setattr__(name, value)
-        if "_fused" not in self.__dict__:  # still in __init__
+        if not built:
             return
         if isinstance(value, nn.Module):
             self._forget()
@@ -568,27 +566,13 @@ class MultiHeadAttention(nn.Module):
         return call_restoring(self, args, kwargs, KVCache)  # a hook that raises after forward changes nothing
 
     def extra_repr(self) -> str:
-        return (
-            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"d_head={self.d_head}, dropout={self.dropout}"
-            + (f", rope_theta={self.rope_theta}" if self.rope_theta is not None else "")
-            + (f", rope_dim={self.rope_dim}" if self.rope_dim not in (None, self.d_head) else "")
-            + (", rope_interleaved=True" if self.rope_interleaved else "")
-            + (", qk_norm=True" if self.qk_norm else "")
-            + (f", qk_norm_over={self.qk_norm_over!r}" if self.qk_norm and self.qk_norm_over != "head" else "")
-            + (", qk_norm_centred=True" if self.qk_norm_centred else "")
-            + (f", qk_norm_offset={self.qk_norm_offset}" if self.qk_norm and self.qk_norm_offset else "")
-            + (", qk_norm_after_rope=True" if self.qk_norm_after_rope else "")
-            + (f", window={self.window}" if self.window is not None else "")
-            + (f", logit_softcap={self.logit_softcap}" if self.logit_softcap is not None else "")
-            + ("" if self.query_pre_attn_scalar is None else f", query_pre_attn_scalar={self.query_pre_attn_scalar}")
-            + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv is not None else "")
-            + (f", temperature_tuning={self.temperature_tuning}" if self.temperature_tuning is not None else "")
-            + (f", chunk_size={self.chunk_size}" if self.chunk_size is not None else "")
-            + (", attention_sinks=True" if self.sinks is not None else "")
-            + (", alibi=True" if self.alibi_slopes is not None else "")
-            + (", output_gate=True" if self.output_gate else "")
-        )
+        # the sizes (resolved) and dropout, then each option that differs from its default (AttentionConfig's)
+        sizes = ", ".join(f"{name}={getattr(self, name)!r}" for name in (*SIZES, "dropout"))
+        try:
+            variants = {k: v for k, v in self._described().variants().items() if k not in ("dropout", "bias")}
+        except ConfigError:  # sizes set one by one (head pruning) that do not fit yet
+            return sizes
+        return ", ".join([sizes, *(f"{name}={value!r}" for name, value in variants.items())])
 
     @property
     def bias(self) -> bool:

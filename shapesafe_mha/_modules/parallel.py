@@ -5,6 +5,7 @@ rank keeps the rows of its heads), the output projection row-parallel (each rank
 of its heads), so each rank computes a partial output and one all-reduce sums them.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,36 +110,12 @@ def _rows(heads: range, d_head: int) -> slice:
 def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHeadAttention, nn.Parameter | None]:
     """This rank's `MultiHeadAttention` (every option of `module`, its heads' rows) and the output bias apart."""
     weight = module.q_proj.weight
-    rotary = module.rotary
-    local = MultiHeadAttention(
-        module.d_model,
-        shard.local_heads,
-        shard.local_kv_heads,
-        d_head=module.d_head,
-        bias=True,
-        dropout=module.dropout,
-        rope_theta=module.rope_theta,
-        rope_scaling=None if rotary is None else rotary.scaling,
-        rope_dim=module.rope_dim if rotary is not None else None,
-        rope_interleaved=module.rope_interleaved,
-        qk_norm=module.qk_norm,
-        qk_norm_over=module.qk_norm_over,
-        qk_norm_centred=module.qk_norm_centred,
-        qk_norm_offset=module.qk_norm_offset,
-        qk_norm_after_rope=module.qk_norm_after_rope,
-        norm_eps=module.q_norm.eps if module.qk_norm else 1e-6,  # pyright: ignore[reportArgumentType]
-        window=module.window,
-        logit_softcap=module.logit_softcap,
-        query_pre_attn_scalar=module.query_pre_attn_scalar,
-        clip_qkv=module.clip_qkv,
-        attention_sinks=module.sinks is not None,
-        alibi=module.alibi_slopes is not None,
-        output_gate=module.output_gate,
-        temperature_tuning=module.temperature_tuning,  # a factor by position: the same on every rank's heads
-        chunk_size=module.chunk_size,  # a mask by position: the same on every rank's heads
-        device=weight.device,
-        dtype=weight.dtype,
+    # every option of the module, described once (`config`): a temperature or chunk mask is by position, the same
+    # on every rank's heads
+    config = dataclasses.replace(
+        module.config, num_heads=shard.local_heads, num_kv_heads=shard.local_kv_heads, d_head=module.d_head, bias=True
     )
+    local = MultiHeadAttention.from_config(config, device=weight.device, dtype=weight.dtype)
     q_rows, kv_rows = _rows(shard.q_heads, module.d_head), _rows(shard.kv_heads, module.d_head)
     per_query_head = module.q_proj.weight.shape[0] // module.num_heads  # 2 * d_head with an output gate
     with torch.no_grad():

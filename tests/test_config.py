@@ -1,0 +1,118 @@
+"""One description of a layer: `AttentionConfig` holds every option, and a built module follows it or refuses.
+
+Invariants: a module rebuilt from its own `config` computes what it computes; an option set on a built module
+either makes it compute what a module built with that option computes (decoding included), or is refused with
+`ConfigError` naming `from_config(dataclasses.replace(...))`, the module left as it was. Never half applied.
+"""
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import shapesafe_mha as ssm
+from shapesafe_mha._modules.config import OPTIONS, SIZES
+
+# A module with most options on, so that an option set after construction meets the others.
+BASE = {"d_model": 32, "num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0, "qk_norm": True, "window": 6}
+
+# For every option, a value other than BASE's (and valid beside it). A field added to AttentionConfig fails
+# test_every_option_has_a_value_here until it is listed: its behaviour on a built module is then tested.
+CHANGED: dict[str, Any] = {
+    "bias": False,
+    "dropout": 0.25,
+    "rope_theta": 500.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8},
+    "rope_dim": 4,
+    "rope_interleaved": True,
+    "qk_norm": False,
+    "qk_norm_over": "per_head",
+    "qk_norm_centred": True,
+    "qk_norm_offset": 1.0,
+    "qk_norm_after_rope": True,
+    "norm_eps": 1e-3,
+    "window": 3,
+    "logit_softcap": 2.0,
+    "query_pre_attn_scalar": 3.0,
+    "clip_qkv": 0.5,
+    "temperature_tuning": (2, 0.5),
+    "chunk_size": None,  # (with a window: both are refused together; None is its other value here)
+    "attention_sinks": True,
+    "alibi": True,
+    "output_gate": True,
+}  # fmt: skip
+
+
+def test_every_option_has_a_value_here() -> None:
+    assert set(CHANGED) == set(OPTIONS) - set(SIZES)
+
+
+def _outputs(module: ssm.MultiHeadAttention, x: torch.Tensor) -> list[torch.Tensor]:
+    """A causal prefill, then two decoding steps through the module's own cache."""
+    module = module.double().eval()
+    with torch.no_grad():
+        cache = module.new_cache(x.shape[0], 8)
+        outs = [module(x, is_causal=True)]
+        outs.append(module(x[:, :3], is_causal=True, kv_cache=cache))
+        for t in (3, 4):
+            outs.append(module(x[:, t : t + 1], is_causal=True, kv_cache=cache))
+    return outs
+
+
+def _agree(a: ssm.MultiHeadAttention, b: ssm.MultiHeadAttention) -> None:
+    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for got, expected in zip(_outputs(a, x), _outputs(b, x), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-8)
+
+
+def test_a_module_rebuilt_from_its_config_computes_what_it_computes() -> None:
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(**BASE, logit_softcap=5.0, attention_sinks=True)
+    rebuilt = ssm.MultiHeadAttention.from_config(module.config)
+    rebuilt.load_state_dict(module.state_dict())
+    assert rebuilt.config == module.config and repr(rebuilt) == repr(module)
+    _agree(rebuilt, module)
+
+
+@pytest.mark.parametrize("name", list(CHANGED))
+def test_an_option_set_on_a_built_module_is_followed_or_refused_never_half_applied(name: str) -> None:
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(**BASE)
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad():
+        module(x, is_causal=True)  # remembered: a verdict, the fused view
+    value = CHANGED[name]
+    try:
+        target = ssm.MultiHeadAttention.from_config(dataclasses.replace(module.config, **{name: value}))
+    except ssm.ConfigError:  # a combination no module takes: setting it must be refused as well
+        target = None
+    before, state = module.config, {k: v.clone() for k, v in module.state_dict().items()}
+    try:
+        setattr(module, name, value)
+    except ssm.ConfigError as error:
+        if target is not None:
+            assert "from_config(dataclasses.replace(module.config" in str(error)
+        assert module.config == before  # refused: nothing changed
+        assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+        return
+    assert target is not None, f"{name}={value!r} was accepted on a built module but refused at construction"
+    assert module.config == target.config
+    target.load_state_dict(module.state_dict())
+    _agree(module, target)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("window", 0), ("logit_softcap", -1.0), ("query_pre_attn_scalar", float("nan")), ("dropout", 1.0),
+     ("clip_qkv", 0), ("temperature_tuning", (0, 1.0)), ("chunk_size", 4)],  # (chunks beside the window)
+)  # fmt: skip
+def test_an_option_set_out_of_its_range_is_refused_as_at_construction(name: str, value: Any) -> None:
+    module = ssm.MultiHeadAttention(**BASE)
+    with pytest.raises(ssm.ConfigError) as constructed:
+        ssm.MultiHeadAttention(**(BASE | {name: value}))
+    with pytest.raises(ssm.ConfigError) as set_later:
+        setattr(module, name, value)
+    assert str(set_later.value) == str(constructed.value)
+    assert module.config == ssm.MultiHeadAttention(**BASE).config
