@@ -1,9 +1,36 @@
 """Static shapes: the shipped stub is what the runtime annotations generate; pyrefly flags the catalogue."""
 
+import json
+import re
+import shutil
+import site
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tools.static_stubs import STUB, generate
+
+CATALOGUE = Path(__file__).parent / "static"
+MARKER = re.compile(r"#\s*static:\s*(error|miss|false-alarm|reveal)\b\s*(.*)$")
+
+# What pyrefly cannot express: each a catalogue file whose marked mistake it must not flag (said, not silent).
+# When pyrefly learns one, its test fails: make it a `mistake_` file.
+EXPECTED_MISSES = {
+    "miss_repeat_divides.py": "KV heads repeated by a factor that still divides num_heads: the shapes hold, the head "
+    "pairing is wrong (no shape shows it; runtime misses it too)",
+    "miss_module_heads.py": "MultiHeadAttention(64, 6): a constructor has no result shape for a shape function to "
+    "check (the constructor raises ConfigError at run time)",
+    "miss_mask_dtype.py": "an integer mask: pyrefly's tensors carry shapes, not dtypes (runtime: ShapeError)",
+}
+# Correct code pyrefly flags: a limit of its arithmetic, listed, so that correct files avoid it.
+KNOWN_FALSE_ALARMS = {
+    "limit_symbolic_width.py": "with a symbolic width, 8 * (d_model // 8) is not simplified to d_model",
+}
+KINDS = ("correct_", "mistake_", "miss_", "limit_")
 
 
 def test_the_shipped_stub_is_generated_from_the_runtime_annotations() -> None:
@@ -29,3 +56,90 @@ def test_import_never_loads_the_static_helpers() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def catalogue(kind: str) -> list[str]:
+    return sorted(p.name for p in CATALOGUE.glob(f"{kind}*.py"))
+
+
+def markers(name: str) -> dict[int, tuple[str, str]]:
+    """`{line: (kind, rest)}` of the `# static: ...` comments of a catalogue file."""
+    found = {}
+    for number, line in enumerate((CATALOGUE / name).read_text().splitlines(), 1):
+        match = MARKER.search(line)
+        if match:
+            found[number] = (match[1], match[2].strip())
+    return found
+
+
+def torch_stubs_installed() -> bool:
+    return any((Path(p) / "torch-stubs").is_dir() for p in [*site.getsitepackages(), site.getusersitepackages()])
+
+
+@pytest.fixture(scope="module")
+def pyrefly() -> dict[str, list[dict[str, Any]]]:
+    """pyrefly's errors and revealed types over the catalogue, by file name."""
+    exe = shutil.which("pyrefly", path=str(Path(sys.executable).parent)) or shutil.which("pyrefly")
+    if exe is None:
+        pytest.skip("pyrefly is not installed: pip install -e '.[static]' (in an environment without pyright's run)")
+    if not torch_stubs_installed():
+        pytest.skip("pyrefly-torch-stubs is not installed: pip install -e '.[static]'")
+    command = [exe, "check", "-c", str(CATALOGUE / "pyrefly.toml"), "--python-interpreter-path", sys.executable]
+    start = time.perf_counter()
+    result = subprocess.run([*command, "--output-format", "json"], capture_output=True, text=True, cwd=CATALOGUE)
+    seconds = time.perf_counter() - start
+    assert result.returncode in (0, 1), result.stderr
+    by_file: dict[str, list[dict[str, Any]]] = {}
+    for entry in json.loads(result.stdout)["errors"]:
+        by_file.setdefault(Path(entry["path"]).name, []).append(entry)
+    print(f"pyrefly over {len(list(CATALOGUE.glob('*.py')))} catalogue files: {seconds:.2f} s")
+    return by_file
+
+
+def errors(report: dict[str, list[dict[str, Any]]], name: str) -> dict[int, list[str]]:
+    lines: dict[int, list[str]] = {}
+    for entry in report.get(name, []):
+        if entry["severity"] == "error":
+            lines.setdefault(entry["line"], []).append(entry["concise_description"])
+    return lines
+
+
+def test_every_catalogue_file_is_of_a_kind_and_marked() -> None:
+    """A file is correct code, a mistake, an expected miss or a known false alarm; all but correct code mark a line."""
+    files = sorted(p.name for p in CATALOGUE.glob("*.py"))
+    assert files and all(f.startswith(KINDS) for f in files), files
+    for name in files:
+        kinds = {kind for kind, _ in markers(name).values()}
+        planted = {"mistake_": {"error"}, "miss_": {"miss"}, "limit_": {"false-alarm"}}
+        expected = planted.get(name[: name.index("_") + 1])
+        if expected is not None:
+            assert expected <= kinds, name
+    assert set(catalogue("miss_")) == set(EXPECTED_MISSES)
+    assert set(catalogue("limit_")) == set(KNOWN_FALSE_ALARMS)
+
+
+@pytest.mark.parametrize("name", catalogue("mistake_"))
+def test_each_planted_mistake_is_flagged_on_its_line_and_nowhere_else(pyrefly: Any, name: str) -> None:
+    planted = {line for line, (kind, _) in markers(name).items() if kind == "error"}
+    assert set(errors(pyrefly, name)) == planted, errors(pyrefly, name)
+
+
+@pytest.mark.parametrize("name", catalogue("correct_"))
+def test_correct_code_has_no_static_error_and_reveals_its_shapes(pyrefly: Any, name: str) -> None:
+    assert errors(pyrefly, name) == {}
+    revealed = {e["line"]: e["concise_description"] for e in pyrefly.get(name, []) if e["name"] == "reveal-type"}
+    for line, (kind, expected) in markers(name).items():
+        if kind == "reveal":
+            assert revealed.get(line) == f"revealed type: {expected}", (line, revealed.get(line))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_MISSES))
+def test_the_expected_misses_are_still_missed(pyrefly: Any, name: str) -> None:
+    """What pyrefly cannot express, listed: if it starts flagging one, move the file to the mistakes."""
+    assert errors(pyrefly, name) == {}, f"pyrefly now catches {name}: rename it mistake_ and mark `# static: error`"
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_FALSE_ALARMS))
+def test_the_known_false_alarms_are_exactly_those_listed(pyrefly: Any, name: str) -> None:
+    listed = {line for line, (kind, _) in markers(name).items() if kind == "false-alarm"}
+    assert set(errors(pyrefly, name)) == listed, errors(pyrefly, name)

@@ -1,0 +1,22 @@
+"""A module with a KV cache, generic over its sizes: attn(x) is (batch, seq, 64); no static error."""
+
+from typing import reveal_type
+
+import torch
+from jaxtyping import Float
+from shape_extensions import static_jaxtyping
+from torch import Tensor
+
+import shapesafe_mha as ssm
+
+
+@static_jaxtyping("batch seq")
+def attention(x: Float[Tensor, "batch seq 64"]) -> Float[Tensor, "batch seq 64"]:
+    attn = ssm.MultiHeadAttention(64, 8, 2)
+    reveal_type(attn)  # static: reveal MultiHeadAttention[64, 8, 2]
+    cache = ssm.KVCache(x.shape[0], 2, 64, 8, dtype=x.dtype)
+    keys, _ = cache.append(torch.zeros(x.shape[0], 2, 1, 8), torch.zeros(x.shape[0], 2, 1, 8))
+    reveal_type(keys)  # static: reveal Tensor[[batch, 2, int, 8]]
+    out = attn(x, is_causal=True, kv_cache=cache)
+    reveal_type(out)  # static: reveal Tensor[[batch, seq, 64]]
+    return out
