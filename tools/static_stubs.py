@@ -1,4 +1,4 @@
-"""Write `shapesafe_mha/__init__.pyi`: the public stages' shapes for pyrefly, from their runtime annotations.
+"""Write `shapesafe_mha-stubs/__init__.pyi`: the public stages' shapes for pyrefly, from their runtime annotations.
 
 The runtime contract of each public stage is its jaxtyping annotation (`x: Inner` is
 `Float[Tensor, "batch seq d_inner"]`), read here with `typing.get_type_hints` and jaxtyping's public
@@ -26,7 +26,7 @@ from typing import Any
 import shapesafe_mha
 from shapesafe_mha._core.dims import DIMS
 
-STUB = Path(__file__).resolve().parent.parent / "shapesafe_mha" / "__init__.pyi"
+STUB = Path(__file__).resolve().parent.parent / "shapesafe_mha-stubs" / "__init__.pyi"
 
 
 @dataclass(frozen=True)
