@@ -14,7 +14,9 @@ import pytest
 
 from tools.static_stubs import STUB, generate
 
-CATALOGUE = Path(__file__).parent / "static"
+ROOT = Path(__file__).resolve().parent.parent
+CATALOGUE = ROOT / "tests" / "static"
+PAGE = ROOT / "docs" / "static-shapes.md"
 MARKER = re.compile(r"#\s*static:\s*(error|miss|false-alarm|reveal)\b\s*(.*)$")
 
 # What pyrefly cannot express: each a catalogue file whose marked mistake it must not flag (said, not silent).
@@ -34,7 +36,7 @@ KINDS = ("correct_", "mistake_", "miss_", "limit_")
 
 
 def test_the_shipped_stub_is_generated_from_the_runtime_annotations() -> None:
-    """`shapesafe_mha/__init__.pyi` is exactly what `tools/static_stubs.py` writes from today's annotations."""
+    """`shapesafe_mha-stubs/__init__.pyi` is exactly what `tools/static_stubs.py` writes from today's annotations."""
     assert STUB.read_text() == generate(), "the stub is stale: run `python -m tools.static_stubs`"
 
 
@@ -76,24 +78,28 @@ def torch_stubs_installed() -> bool:
     return any((Path(p) / "torch-stubs").is_dir() for p in [*site.getsitepackages(), site.getusersitepackages()])
 
 
-@pytest.fixture(scope="module")
-def pyrefly() -> dict[str, list[dict[str, Any]]]:
-    """pyrefly's errors and revealed types over the catalogue, by file name."""
+def run_pyrefly(config: Path) -> dict[str, list[dict[str, Any]]]:
+    """pyrefly's errors and revealed types over the project `config` configures, by file name; skips without it."""
     exe = shutil.which("pyrefly", path=str(Path(sys.executable).parent)) or shutil.which("pyrefly")
     if exe is None:
-        pytest.skip("pyrefly is not installed: pip install -e '.[static]' (in an environment without pyright's run)")
+        pytest.skip("pyrefly is not installed: pip install -e '.[static]' (in an environment pyright does not use)")
     if not torch_stubs_installed():
         pytest.skip("pyrefly-torch-stubs is not installed: pip install -e '.[static]'")
-    command = [exe, "check", "-c", str(CATALOGUE / "pyrefly.toml"), "--python-interpreter-path", sys.executable]
+    command = [exe, "check", "-c", str(config), "--python-interpreter-path", sys.executable, "--output-format", "json"]
     start = time.perf_counter()
-    result = subprocess.run([*command, "--output-format", "json"], capture_output=True, text=True, cwd=CATALOGUE)
-    seconds = time.perf_counter() - start
+    result = subprocess.run(command, capture_output=True, text=True, cwd=config.parent)
+    print(f"pyrefly over {len(list(config.parent.glob('*.py')))} files: {time.perf_counter() - start:.2f} s")
     assert result.returncode in (0, 1), result.stderr
     by_file: dict[str, list[dict[str, Any]]] = {}
     for entry in json.loads(result.stdout)["errors"]:
         by_file.setdefault(Path(entry["path"]).name, []).append(entry)
-    print(f"pyrefly over {len(list(CATALOGUE.glob('*.py')))} catalogue files: {seconds:.2f} s")
     return by_file
+
+
+@pytest.fixture(scope="module")
+def pyrefly() -> dict[str, list[dict[str, Any]]]:
+    """pyrefly over the catalogue."""
+    return run_pyrefly(CATALOGUE / "pyrefly.toml")
 
 
 def errors(report: dict[str, list[dict[str, Any]]], name: str) -> dict[int, list[str]]:
@@ -143,3 +149,19 @@ def test_the_expected_misses_are_still_missed(pyrefly: Any, name: str) -> None:
 def test_the_known_false_alarms_are_exactly_those_listed(pyrefly: Any, name: str) -> None:
     listed = {line for line, (kind, _) in markers(name).items() if kind == "false-alarm"}
     assert set(errors(pyrefly, name)) == listed, errors(pyrefly, name)
+
+
+def test_the_docs_example_has_no_static_error(tmp_path: Path) -> None:
+    """The shape-typed python blocks of docs/static-shapes.md pass pyrefly as they pass the docs test."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.DOTALL) if "static_jaxtyping" in b]
+    assert blocks
+    (tmp_path / "example.py").write_text("\n".join(blocks))
+    (tmp_path / "pyrefly.toml").write_text(f'python-version = "3.11"\nsearch-path = ["{ROOT}"]\n')
+    report = run_pyrefly(tmp_path / "pyrefly.toml")
+    assert errors(report, "example.py") == {}
+
+
+def test_the_docs_comparison_lists_every_catalogue_file() -> None:
+    """The page's table (measured by `python -m tools.static_compare`) has a row for each file, and no other."""
+    rows = set(re.findall(r"^\| `(\w+\.py)` \|", PAGE.read_text(), re.MULTILINE))
+    assert rows == {p.name for p in CATALOGUE.glob("*.py")}

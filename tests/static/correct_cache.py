@@ -1,4 +1,6 @@
-"""A module with a KV cache, generic over its sizes: attn(x) is (batch, seq, 64); no static error."""
+"""A module with a KV cache, generic over its sizes: attn(x) is (batch, seq, 64); no static error.
+
+The cache holds one earlier position and has room for the sequence (capacity seq + 1)."""
 
 from typing import reveal_type
 
@@ -14,7 +16,7 @@ import shapesafe_mha as ssm
 def attention(x: Float[Tensor, "batch seq 64"]) -> Float[Tensor, "batch seq 64"]:
     attn = ssm.MultiHeadAttention(64, 8, 2)
     reveal_type(attn)  # static: reveal MultiHeadAttention[64, 8, 2]
-    cache = ssm.KVCache(x.shape[0], 2, 64, 8, dtype=x.dtype)
+    cache = ssm.KVCache(x.shape[0], 2, x.shape[1] + 1, 8, dtype=x.dtype)
     keys, _ = cache.append(torch.zeros(x.shape[0], 2, 1, 8), torch.zeros(x.shape[0], 2, 1, 8))
     reveal_type(keys)  # static: reveal Tensor[[batch, 2, int, 8]]
     out = attn(x, is_causal=True, kv_cache=cache)
