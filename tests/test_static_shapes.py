@@ -165,3 +165,30 @@ def test_the_docs_comparison_lists_every_catalogue_file() -> None:
     """The page's table (measured by `python -m tools.static_compare`) has a row for each file, and no other."""
     rows = set(re.findall(r"^\| `(\w+\.py)` \|", PAGE.read_text(), re.MULTILINE))
     assert rows == {p.name for p in CATALOGUE.glob("*.py")}
+
+
+def test_on_the_docs_and_examples_the_stub_flags_only_the_calls_they_expect_to_fail(tmp_path: Path) -> None:
+    """Every python block of the docs (but errors.md's fragments) and every example, under pyrefly: an error that
+    names shapesafe_mha is only ever a call the docs make wrong on purpose, the first line of a `try:` whose
+    `except` catches `ssm.ShapeError` (the stub's shapes agree with the runtime checks; no false alarm)."""
+    pages = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "errors.md")]
+    block = re.compile(r"```python\n(.*?)```", re.DOTALL)
+    sources = {p.stem.replace("-", "_") + ".py": "\n".join(block.findall(p.read_text())) for p in pages}
+    sources |= {f"example_{p.name}": p.read_text() for p in (ROOT / "examples").glob("*.py")}
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "pyrefly.toml").write_text(f'python-version = "3.11"\nsearch-path = ["{ROOT}"]\n')
+    report = run_pyrefly(tmp_path / "pyrefly.toml")
+    ours = [
+        (name, entry)
+        for name, entries in report.items()
+        for entry in entries
+        if entry["severity"] == "error" and "shapesafe_mha" in entry["description"]
+    ]
+    for name, entry in ours:
+        lines = sources[name].splitlines()
+        line = entry["line"]
+        after = lines[line:]
+        expects = next((text for text in after if text.strip().startswith("except")), "")
+        assert lines[line - 2].strip() == "try:" and "ShapeError" in expects, (name, line, entry["description"])
+    assert len(ours) >= 3  # README's, index.md's and from-hf.md's deliberate mistakes
