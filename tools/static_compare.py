@@ -99,7 +99,7 @@ def load(path: Path) -> Any:
 
 def make(annotation: Any, sizes: dict[str, int]) -> torch.Tensor:
     """A random tensor of a jaxtyping annotation, its named sizes from `sizes`."""
-    shape = [int(d) if d.isdigit() else sizes[d] for d in annotation.dim_str.split()]
+    shape = [eval(d, {}, dict(sizes)) for d in annotation.dim_str.split()]  # a name, a number or `seq+1`
     dtypes = set(annotation.dtypes)
     if "bool" in dtypes:
         return torch.ones(shape, dtype=torch.bool).tril()

@@ -36,15 +36,19 @@ class Rule:
     `derived`: a result dimension no argument binds, as an expression of those bound (`"int"`: known only at
     run time). `multiple`: `(whole, part)`, two dimensions where `part` must divide `whole`; with both sizes
     known statically, pyrefly reports the call. `selects`: a `bool` argument that picks the member of a
-    union result (False: the first member, True: the tuple), written as two overloads. `whole`: the argument
+    union result (False: the first member, True: the tuple), written as overloads. `whole`: the argument
     whose whole shape the result is computed from, by a shape function (what keeps a shape that an earlier
     error left unknown from raising a second, spurious error: pyrefly cannot solve `d_in` from `@_ * @_`).
+    `given`: an optional argument whose presence renames dimensions of others (`when_given`, by argument), as
+    overloads with it None and given.
     """
 
     derived: dict[str, str] = field(default_factory=dict)
     multiple: tuple[str, str] | None = None
     selects: str | None = None
     whole: str | None = None
+    given: str | None = None
+    when_given: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 GROUPS = ("num_heads", "num_kv_heads")  # each KV head serves a whole group of query heads
@@ -60,7 +64,12 @@ SHAPE_RULES: dict[str, Rule] = {
     "KVCache.append": Rule(derived={"kv_seq": "int"}),  # len(cache): how many positions were appended
     "KVCache.keys": Rule(derived={"kv_seq": "int"}),
     "KVCache.values": Rule(derived={"kv_seq": "int"}),
-    "MultiHeadAttention.forward": Rule(selects="need_weights"),
+    # With a KV cache, key and value are the new positions; kv_seq counts the cache's (cached + new).
+    "MultiHeadAttention.forward": Rule(
+        selects="need_weights",
+        given="kv_cache",
+        when_given={"key": {"kv_seq": "new"}, "value": {"kv_seq": "new"}},
+    ),
 }
 
 # Public classes left to their runtime annotations: their shapes need more than this table can say.
@@ -192,18 +201,36 @@ def default(value: Any) -> str:
 def render_function(
     writer: Writer, name: str, fn: Any, rule: Rule, indent: str = "", class_dims: tuple[str, ...] = ()
 ) -> list[str]:
-    """A function's stub: its signature with every shape static (two overloads where `rule.selects`)."""
+    """A function's stub: its signature with every shape static; overloads where `rule.selects` or `rule.given`."""
     hints = typing.get_type_hints(fn, include_extras=True)
     signature = inspect.signature(fn)
     result = hints.get("return", type(None))
-    if rule.selects is None:
-        return render_overload(writer, name, signature, hints, result, rule, indent, class_dims, None)
-    plain, pair = typing.get_args(result)
-    return [
-        *render_overload(writer, name, signature, hints, plain, rule, indent, class_dims, (rule.selects, False)),
-        *render_overload(writer, name, signature, hints, pair, rule, indent, class_dims, (rule.selects, True)),
-        *render_overload(writer, name, signature, hints, result, rule, indent, class_dims, (rule.selects, None)),
-    ]
+    if rule.selects is None and rule.given is None:
+        return render_overload(writer, name, signature, hints, result, rule, indent, class_dims)
+    lines: list[str] = []
+    for given in (False, True) if rule.given is not None else (None,):
+        for selected in (False, True) if rule.selects is not None else (None,):
+            overrides: dict[str, tuple[str, str | None]] = {}
+            renames: dict[str, dict[str, str]] = {}
+            returns = result
+            if rule.selects is not None:
+                overrides[rule.selects] = (f"Literal[{selected}]", "False" if selected is False else None)
+                returns = typing.get_args(result)[1 if selected else 0]
+            if rule.given is not None and not given:
+                overrides[rule.given] = ("None", "None")
+            elif rule.given is not None:
+                present = [m for m in members(hints[rule.given]) if m is not type(None)]
+                overrides[rule.given] = (" | ".join(writer.annotation(m, {}) for m in present), None)
+                renames = rule.when_given
+            lines += render_overload(
+                writer, name, signature, hints, returns, rule, indent, class_dims, overrides, renames, overload=True
+            )
+    # Any other call (a `bool` variable for the selector, a cache that may be None): the union, nothing renamed
+    # tied to what it may rename (so it is never stricter than a precise overload).
+    loose = rule.when_given if rule.given is not None else {}
+    return lines + render_overload(
+        writer, name, signature, hints, result, rule, indent, class_dims, {}, loose, overload=True
+    )
 
 
 def render_overload(
@@ -215,8 +242,13 @@ def render_overload(
     rule: Rule,
     indent: str,
     class_dims: tuple[str, ...],
-    literal: tuple[str, bool | None] | None,
+    overrides: dict[str, tuple[str, str | None]] | None = None,
+    renames: dict[str, dict[str, str]] | None = None,
+    overload: bool = False,
 ) -> list[str]:
+    """One signature; `overrides`: an argument's annotation and default (None: required) as given;
+    `renames`: dimensions renamed in an argument's shape."""
+    overrides, renames = overrides or {}, renames or {}
     params: list[str] = []
     bound: list[str] = []
     seen_star = False
@@ -228,15 +260,15 @@ def render_overload(
         if parameter.name == rule.whole:
             params.append(f'{parameter.name}: Shaped[Tensor, "{parameter.name}_shape"]')
             continue
-        if literal is not None and parameter.name == literal[0] and literal[1] is not None:
-            text = f"Literal[{literal[1]}]"
+        if parameter.name in overrides:
+            text = overrides[parameter.name][0]
         elif parameter.name in DIMS and int in members(tp):  # an int that is a dimension binds it
             text = " | ".join(
                 f'Shaped[int, "{parameter.name}"]' if m is int else writer.annotation(m, {}) for m in members(tp)
             )
             bound.append(parameter.name)
         else:
-            text = writer.annotation(tp, {})
+            text = writer.annotation(tp, renames.get(parameter.name, {}))
             for shape in re.findall(r'"(\[[^"]*\])"', text):
                 bound.extend(names_in(shape))
         if parameter.kind is parameter.KEYWORD_ONLY and not seen_star:
@@ -249,15 +281,11 @@ def render_overload(
         if parameter.kind is parameter.VAR_KEYWORD:
             params.append(f"**{parameter.name}: {text}")
             continue
-        selector = literal is not None and parameter.name == literal[0] and literal[1] is not None
-        if parameter.default is not parameter.empty and not selector:
-            params.append(f"{parameter.name}: {text} = {default(parameter.default)}")
-        elif selector and literal is not None and literal[1] is False:
-            params.append(f"{parameter.name}: {text} = False")
+        if parameter.name in overrides:
+            value = overrides[parameter.name][1]
         else:
-            params.append(f"{parameter.name}: {text}")
-    if literal is not None and literal[1] is True:  # `need_weights: Literal[True]` has no default: keyword-only
-        params = move_required_literal(params, literal[0])
+            value = None if parameter.default is parameter.empty else default(parameter.default)
+        params.append(f"{parameter.name}: {text}" + ("" if value is None else f" = {value}"))
     wrap = None
     if rule.multiple is not None:
         wrap = f"_multiple_{'_of_'.join(rule.multiple[::-1])}({{shape}}, IntTuple[{', '.join(rule.multiple)}])"
@@ -271,20 +299,11 @@ def render_overload(
         returns = writer.annotation(result, rule.derived, wrap)
     used = list(dict.fromkeys(bound + (names_in(" ".join(re.findall(r'"([^"]*)"', returns))))))
     local = [n for n in used if n not in class_dims]
-    lines = [f"{indent}@overload"] if literal is not None else []
+    lines = [f"{indent}@overload"] if overload else []
     if local:
         lines.append(f'{indent}@shape_vars("{", ".join(local)}")')
     lines.append(f"{indent}def {name}({', '.join(params)}) -> {returns}: ...")
     return lines
-
-
-def move_required_literal(params: list[str], name: str) -> list[str]:
-    """A `Literal[True]` overload's selector has no default, so it (and what follows) becomes keyword-only."""
-    text = f"{name}: Literal[True]"
-    rest = [p for p in params if p != text]
-    if "*" not in rest:
-        rest.append("*")
-    return [*rest[: rest.index("*") + 1], text, *rest[rest.index("*") + 1 :]]
 
 
 def render_class(writer: Writer, name: str, cls: type) -> list[str]:
