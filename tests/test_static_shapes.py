@@ -155,10 +155,19 @@ def test_the_docs_example_has_no_static_error(tmp_path: Path) -> None:
     """The shape-typed python blocks of docs/static-shapes.md pass pyrefly as they pass the docs test."""
     blocks = [b for b in re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.DOTALL) if "static_jaxtyping" in b]
     assert blocks
-    (tmp_path / "example.py").write_text("\n".join(blocks))
-    (tmp_path / "pyrefly.toml").write_text(f'python-version = "3.11"\nsearch-path = ["{ROOT}"]\n')
-    report = run_pyrefly(tmp_path / "pyrefly.toml")
-    assert errors(report, "example.py") == {}
+    seen = "\nfrom typing import reveal_type\n\nreveal_type(gqa)\n"  # a revealed type: the file was checked
+    (tmp_path / "example.py").write_text("\n".join(blocks) + seen)
+    (tmp_path / "pyrefly.toml").write_text(
+        f'python-version = "3.11"\nsearch-path = ["{ROOT}"]\nproject-includes = ["example.py"]\n'
+    )
+    generic = next(b for b in re.findall(r"```text\n(.*?)```", PAGE.read_text(), re.DOTALL) if "def gqa[" in b)
+    (tmp_path / "generic").mkdir()
+    (tmp_path / "generic" / "generic.py").write_text(generic + seen)  # PEP 695: pyrefly's generic form needs 3.12+
+    (tmp_path / "generic" / "pyrefly.toml").write_text(f'python-version = "3.13"\nsearch-path = ["{ROOT}"]\n')
+    for config, name in ((tmp_path, "example.py"), (tmp_path / "generic", "generic.py")):
+        report = run_pyrefly(config / "pyrefly.toml")
+        assert errors(report, name) == {}
+        assert any(entry["name"] == "reveal-type" for entry in report[name])
 
 
 def test_the_docs_comparison_lists_every_catalogue_file() -> None:
