@@ -64,8 +64,10 @@ SHAPE_RULES: dict[str, Rule] = {
     "KVCache.append": Rule(derived={"kv_seq": "int"}),  # len(cache): how many positions were appended
     "KVCache.keys": Rule(derived={"kv_seq": "int"}),
     "KVCache.values": Rule(derived={"kv_seq": "int"}),
-    # With a KV cache, key and value are the new positions; kv_seq counts the cache's (cached + new).
+    # With a KV cache, key and value are the new positions; kv_seq counts the cache's (cached + new). A module's
+    # constructor has no result to check, so its KV heads are checked where it is called.
     "MultiHeadAttention.forward": Rule(
+        multiple=GROUPS,
         selects="need_weights",
         given="kv_cache",
         when_given={"key": {"kv_seq": "new"}, "value": {"kv_seq": "new"}},
