@@ -14,6 +14,7 @@ Usage:
 
 import argparse
 import collections.abc
+import dataclasses
 import inspect
 import re
 import sys
@@ -75,7 +76,7 @@ SHAPE_RULES: dict[str, Rule] = {
 }
 
 # Public classes left to their runtime annotations: their shapes need more than this table can say.
-UNSHAPED_CLASSES = ("AttentionWeights", "LatentAttention", "LatentCache", "RotaryEmbedding")
+UNSHAPED_CLASSES = ("AttentionWeights", "LatentCache", "RotaryEmbedding")
 
 # The shape functions pyrefly evaluates for `Rule.multiple`; `Invalid` is the error a call reports.
 MULTIPLE_CHECKS = {
@@ -323,9 +324,13 @@ def render_class(writer: Writer, name: str, cls: type) -> list[str]:
         if not any(has_shape(tp) for tp in typing.get_type_hints(fn, include_extras=True).values()):
             continue
         rule = SHAPE_RULES.get(f"{name}.{method}", Rule())
-        lines += render_function(writer, method, fn, rule, "    ", dims)
-        if method == "forward":  # a module is called, not its forward
-            lines += render_function(writer, "__call__", fn, rule, "    ", dims)
+        if method != "forward":
+            lines += render_function(writer, method, fn, rule, "    ", dims)
+            continue
+        # A module is called, not its forward: the call carries the divisibility checks, while `forward` keeps a
+        # result its base class's can take (a shape function's result is not comparable to it).
+        lines += render_function(writer, method, fn, dataclasses.replace(rule, multiple=None), "    ", dims)
+        lines += render_function(writer, "__call__", fn, rule, "    ", dims)
     return lines
 
 
@@ -377,7 +382,9 @@ def generate() -> str:
         for n, o in objects.items()
         if not isinstance(o, type) and callable(o) and any(has_shape(tp) for tp in safe_hints(o).values())
     }
-    writer = Writer({o: f"_{n}" for n, o in shaped_classes.items()})  # the runtime class: what the base accepts
+    # A public class by its public name; a shaped one by its runtime class (what the base class's methods accept).
+    public_classes = {o: n for n, o in objects.items() if isinstance(o, type)}
+    writer = Writer({o: f"_{n}" if n in shaped_classes else n for o, n in public_classes.items()})
     body: list[str] = []
     for name, cls in shaped_classes.items():
         body += ["", "", *render_class(writer, name, cls)]
