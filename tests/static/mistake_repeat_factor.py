@@ -1,0 +1,22 @@
+"""2 KV heads repeated 3 times for 8 query heads (the factor is 8 // 2 = 4): 6 heads, which do not divide 8."""
+
+from jaxtyping import Float
+from shape_extensions import static_jaxtyping
+from torch import Tensor
+
+import shapesafe_mha as ssm
+
+
+@static_jaxtyping("batch seq")
+def attention(
+    x: Float[Tensor, "batch seq 64"],
+    w_q: Float[Tensor, "64 64"],
+    w_k: Float[Tensor, "16 64"],
+    w_v: Float[Tensor, "16 64"],
+    w_o: Float[Tensor, "64 64"],
+) -> Float[Tensor, "batch seq 64"]:
+    q = ssm.split_heads(ssm.project(x, w_q), 8)
+    k = ssm.split_heads(ssm.project(x, w_k), 2).repeat_interleave(3, dim=1)
+    v = ssm.split_heads(ssm.project(x, w_v), 2).repeat_interleave(3, dim=1)
+    out = ssm.scaled_dot_product_attention(q, k, v, is_causal=True)  # static: error
+    return ssm.project(ssm.merge_heads(out), w_o)
