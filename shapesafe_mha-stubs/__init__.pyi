@@ -30,6 +30,7 @@ from ._core.shapecheck import expect as expect
 from ._core.shapecheck import shape_scope as shape_scope
 from ._core.shapecheck import shapecheck as shapecheck
 from ._core.weights import AttentionWeights as AttentionWeights
+from ._modules.config import AttentionConfig as AttentionConfig
 from ._modules.latent import LatentAttention as _LatentAttention
 from ._modules.latent import LatentCache as LatentCache
 from ._modules.multihead import MultiHeadAttention as _MultiHeadAttention
@@ -43,6 +44,7 @@ from ._tools.report import trace_latent as trace_latent
 
 __version__: str
 __all__ = [
+    "AttentionConfig",
     "AttentionWeights",
     "ConfigError",
     "KVCache",
