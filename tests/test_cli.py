@@ -286,3 +286,24 @@ def test_an_error_nobody_foresaw_is_one_line_too(
     monkeypatch.setenv("SHAPESAFE_MHA_TRACEBACK", "1")
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         main()
+
+
+def test_check_without_hypothesis_names_the_extra_that_brings_it() -> None:
+    """`pip install shapesafe_mha` brings no hypothesis: `check` says which install does, in one line, exit 1."""
+    code = (
+        "import sys\n"
+        "class Missing:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'hypothesis':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "from shapesafe_mha._tools.cli import main\n"
+        "sys.argv = ['shapesafe-mha', 'check', '--examples', '1']\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "shapesafe-mha check: error: the property suite needs hypothesis, not installed here: "
+        'pip install "shapesafe_mha[testing]"'
+    ]

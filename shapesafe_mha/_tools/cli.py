@@ -373,6 +373,13 @@ def check(
         fail("check", "pass --impl or --module, not both")
     if impl is None and module is None and (kv_heads is not KVHeads.grouped or atol is not None):
         fail("check", "--kv-heads and --atol apply to your code: pass --impl or --module too")
+    try:  # first: the suite is hypothesis's, an extra that `pip install shapesafe_mha` does not bring
+        from ..testing._suite import PROPERTIES, module_properties, run_suite, user_properties
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "hypothesis":
+            raise
+        needs = 'the property suite needs hypothesis, not installed here: pip install "shapesafe_mha[testing]"'
+        fail("check", needs, 1)
     spec, option = (impl, "--impl") if impl is not None else (module, "--module")
     target = load(spec, option, "check") if spec is not None else None
     _usable(device, "check")
@@ -380,7 +387,6 @@ def check(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    from ..testing._suite import PROPERTIES, module_properties, run_suite, user_properties
     from .report import DTYPES
 
     properties = PROPERTIES
