@@ -53,7 +53,7 @@ class ShapeProof:
         legend = ", ".join(f"{name} is torch's {symbol}" for name, symbol in self.symbols.items())
         table = Table(title=f"{'proven' if self.ok else 'NOT proven'} for {ranges}", caption=legend or None)
         for column in ("stage", "named shape", "symbolic shape"):
-            table.add_column(column)
+            table.add_column(column, overflow="fold")  # wrapped at any width, never cut
         for row in self.stages:
             table.add_row(*row)
         return table
