@@ -46,7 +46,7 @@ from .._core.dims import (
     Tokens,
 )
 from .._core.errors import ConfigError
-from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, shown
+from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, not_dense, shown
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
 
@@ -78,6 +78,10 @@ def _module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device] 
 def _precheck_forward(arguments: dict[str, Any]) -> None:
     """Inputs in the module's dtype and on its device; a cache of the right kind."""
     module = arguments["self"]
+    for name in ("query", "key", "value", "attn_mask", "key_padding_mask", "positions"):
+        failure = not_dense(name, arguments[name])
+        if failure is not None:  # first: a nested tensor's sizes are symbolic, a sparse one has no views
+            raise failure
     if arguments["positions"] is not None and module.rotary is None:
         raise ConfigError(
             "positions were given, but this module has no rotary embeddings (rope_theta=None): "
