@@ -165,6 +165,12 @@ class _Checked:
     """What `shapecheck` reads of a function once, at decoration; `__call__` checks one call."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
+        if isinstance(fn, functools.partial) or not callable(fn) or not isinstance(getattr(fn, "__qualname__", 0), str):
+            what = "a functools.partial" if isinstance(fn, functools.partial) else f"a {type(fn).__name__}"
+            raise ConfigError(
+                f"shapecheck: {what} is no function with annotations of its own to check; decorate the function "
+                "itself (def, or a method), and bind arguments afterwards: functools.partial(shapecheck(fn), ...)."
+            )
         self.fn = fn
         self.owner = f"{fn.__qualname__}()"
         if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
@@ -493,13 +499,13 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
         reporting = _current.get() if _trace._active else None
         if isinstance(reporting, _Reporting):  # under prove(): reported, to be checked symbolically
             reporting.expectations += 1
-            hint = _shape_hint(shape) if isinstance(shape, str) else shape
+            hint = _hint_of(shape)
             reporting.add(name or f"expectation {reporting.expectations}", tensor, hint)
         return tensor
     session = _current.get()
     if session is _KNOWN:
         return tensor
-    hint = _shape_hint(shape) if isinstance(shape, str) else shape
+    hint = _hint_of(shape)
     if type(session) is _Replay:
         session.expect(tensor, hint, name)
         return tensor
@@ -518,6 +524,21 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
 
 
 _alone: dict[Any, set[Any]] = {}  # verdicts of expectations checked outside any call
+
+
+def _hint_of(shape: Any) -> Any:
+    """`expect`'s `shape` as an annotation: a string's (cached), or a type or typing form as given."""
+    if isinstance(shape, str):
+        try:
+            return _shape_hint(shape)
+        except Exception as failure:  # jaxtyping refuses the string itself (two variadic names, ...)
+            raise ConfigError(f"expect(): shape={shape!r} is not a jaxtyping shape string: {failure}") from None
+    if isinstance(shape, type) or typing.get_origin(shape) is not None:
+        return shape
+    raise ConfigError(
+        'expect(): shape must be a string of dimension names ("batch seq d_model") or a jaxtyping annotation '
+        f'(Float[Tensor, "batch seq d_model"]), but got {shape!r}.'
+    )
 
 
 def _expect_in(session: Session, tensor: Any, hint: Any, name: str | None, binding: Any) -> None:

@@ -391,6 +391,11 @@ class MultiHeadAttention(nn.Module):
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
         check_variants(f"{owner}: ", window, logit_softcap, query_pre_attn_scalar, norm_eps, clip_qkv)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ConfigError(
+                f"{owner}: dtype={dtype!r} is not a floating-point torch.dtype, but the weights are learned and "
+                "softmax needs fractions; pass torch.float32, torch.bfloat16, torch.float16 or torch.float64."
+            )
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
