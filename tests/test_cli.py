@@ -286,3 +286,69 @@ def test_an_error_nobody_foresaw_is_one_line_too(
     monkeypatch.setenv("SHAPESAFE_MHA_TRACEBACK", "1")
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         main()
+
+
+def test_check_without_hypothesis_names_the_extra_that_brings_it() -> None:
+    """`pip install shapesafe_mha` brings no hypothesis: `check` says which install does, in one line, exit 1."""
+    code = (
+        "import sys\n"
+        "class Missing:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'hypothesis':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "from shapesafe_mha._tools.cli import main\n"
+        "sys.argv = ['shapesafe-mha', 'check', '--examples', '1']\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "shapesafe-mha check: error: the property suite needs hypothesis, not installed here: "
+        'pip install "shapesafe_mha[testing]"'
+    ]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TRACE_ARGS = ["--rope-theta", "10000", "--qk-norm", "--window", "64"]
+
+
+def _column_texts(rendered: str, columns: int) -> list[str]:
+    """Each column of a boxed table's body, its cells' lines joined with every space and newline dropped."""
+    lines = rendered.splitlines()
+    body = lines[next(i for i, line in enumerate(lines) if line.startswith("┡")) + 1 :]
+    body = body[: next(i for i, line in enumerate(body) if line.startswith("└"))]
+    texts = [""] * columns
+    for line in body:
+        cells = line.split("│")[1:-1]
+        assert len(cells) == columns, line
+        for index, cell in enumerate(cells):
+            texts[index] += "".join(cell.split())
+    return texts
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_trace_in_a_terminal_wraps_every_cell_at_any_width_and_cuts_none(width: int) -> None:
+    """In a terminal of any width the table wraps (a long name folds): every stage name, named shape, shape,
+    and stride is there whole, in order, once a cell's lines are joined; nothing is cut to '…'."""
+    env = {"COLUMNS": str(width), "LINES": "50", "TTY_COMPATIBLE": "1", "NO_COLOR": "1"}
+    result = runner.invoke(app, ["trace", *_TRACE_ARGS], env=env)
+    assert result.exit_code == 0, result.output
+    shown = _ANSI.sub("", result.output)
+    assert "…" not in shown and "┡" in shown and max(len(line) for line in shown.splitlines()) <= width
+    stages = _trace_json(*_TRACE_ARGS)["stages"]
+    texts = _column_texts(shown, 7)
+    for index, field in enumerate(["name", "named_shape", "shape", "strides"]):
+        values = [s[field] for s in stages]
+        if field in ("shape", "strides"):
+            values = [str(tuple(v)) for v in values]
+        assert texts[index] == "".join("".join(str(v).split()) for v in values), field
+
+
+def test_prove_into_a_pipe_is_plain_text_without_box_characters() -> None:
+    """`prove` sent to a pipe or a file prints its table as plain text, as `trace` does there."""
+    args = ["prove", "--d-model", "16", "--num-heads", "4", "--num-kv-heads", "2", "--batch-max", "4", "--seq-max", "8"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "named shape" in result.output and "proven for" in result.output
+    assert not set(result.output) & set("─│┏┃┡└━╇┳┓┩┘┌┐"), result.output

@@ -614,3 +614,22 @@ def test_a_latent_stage_is_checked_against_the_modules_own_q_lora_rank() -> None
     assert ssm.prove(mla).failures == [
         "q_lora_rank: q_a_proj has 16 at axis 2 where its annotation 'batch seq q_lora_rank' needs 12"
     ]
+
+
+class _BufferOf64Positions(nn.Module):
+    """Writes its input into a buffer of 64 positions and reads back as many as it got: right up to seq 64 only."""
+
+    d_model = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        held = x.new_zeros(x.shape[0], 64, 16)
+        held[:, : x.shape[1]] = x
+        return held[:, : x.shape[1]]
+
+
+def test_a_limit_is_said_as_torchs_suggested_range_not_as_one_of_its_guards() -> None:
+    """torch guards this code with `(16*seq) != 1024` beside `seq <= 64`, and suggests `Dim('seq', max=64)`: the
+    failure says where the shapes hold (seq <= 64), not "only where seq != 64", which the sizes past 64 belie."""
+    assert ssm.prove(_BufferOf64Positions()).failures == [
+        "seq: the shapes hold only where seq <= 64 (a branch, view or buffer that depends on seq)"
+    ]

@@ -7,6 +7,7 @@ decorator must keep (methods, keyword-only, defaults, *args, classmethods, stati
 torch.compile without graph breaks or recompiles; and the switch that turns it all off.
 """
 
+import functools
 import re
 import subprocess
 import sys
@@ -708,3 +709,54 @@ def test_a_method_s_sizes_on_self_bind_however_the_module_holds_them(module: nn.
     assert wider(torch.zeros(2, 6)).shape == (2, 6)
     with pytest.raises(ssm.ShapeError, match=r"but the module set d_model=6"):
         wider(torch.zeros(2, 8))
+
+
+@ssm.shapecheck
+def seven_heads(x: Float[Tensor, "batch seq d_model"], num_heads: int) -> Float[Tensor, "batch seq d_model"]:
+    b, s, _ = x.shape
+    heads = ssm.expect(x.view(b, s, 7, -1).transpose(1, 2), "batch num_heads seq d_head")
+    return heads.transpose(1, 2).reshape(b, s, -1)
+
+
+class _SevenHeads(nn.Module):
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+
+    @ssm.shapecheck
+    def forward(self, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
+        b, s, _ = x.shape
+        heads = ssm.expect(x.view(b, s, 7, -1).transpose(1, 2), "batch num_heads seq d_head")
+        return heads.transpose(1, 2).reshape(b, s, -1)
+
+
+def _verdict(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except ssm.ShapeError as failure:
+        return str(failure).splitlines()[0]
+    return "passes"
+
+
+@pytest.mark.parametrize("where", ["argument", "module"])
+def test_expect_binds_int_arguments_and_self_sizes_as_an_annotation_would_warm_or_fresh(where: str) -> None:
+    """A name an `expect` uses and no annotation does is bound by what would bind it in an annotation (an int
+    argument so named, else an int attribute of `self`): a tensor of 7 heads is refused where num_heads is 4,
+    the first call and every remembered one alike (warm equals fresh, whatever came before)."""
+    x = torch.zeros(2, 10, 21)
+    if where == "argument":
+        contract = seven_heads.__shapecheck__  # pyright: ignore[reportFunctionMemberAccess]
+        modules = {h: functools.partial(seven_heads, x, num_heads=h) for h in (7, 4)}
+    else:
+        contract = _SevenHeads.forward.__shapecheck__  # pyright: ignore[reportFunctionMemberAccess]
+        modules = {h: functools.partial(_SevenHeads(h), x) for h in (7, 4)}
+    expected = {
+        7: "passes",
+        4: f"{contract.owner}: expectation 1 has num_heads=7 (axis 1), but "
+        + ("the argument num_heads" if where == "argument" else "the module")
+        + " set num_heads=4.",
+    }
+    for heads in (4, 7, 7, 4, 7, 4, 4):
+        assert _verdict(modules[heads]) == expected[heads], heads  # warm: after whatever came before
+        contract.verdicts.forget()
+        assert _verdict(modules[heads]) == expected[heads], heads  # fresh

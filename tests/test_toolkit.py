@@ -125,6 +125,11 @@ def test_every_planted_bug_is_caught_with_a_readable_report(bug: str) -> None:
         ("causal_off_by_one", "causal mask shifted by one: no query sees its own key"),
         ("forgot_v_bias", "the v projection's bias not added"),
         ("merge_d_h", "heads merged in (d_head num_heads) order: a reshape without the transpose back"),
+        (
+            "merge_without_transpose",
+            "heads merged without the transpose: (batch, num_heads, seq, d_head) reshaped to "
+            "(batch, seq, num_heads * d_head), which mixes positions across heads",
+        ),
     ],
 )
 def test_the_report_names_the_bug_class(bug: str, named: str) -> None:
@@ -826,7 +831,7 @@ def test_rope_pairs_are_rotate_half_by_default_and_gpt_j_pairs_are_named() -> No
 def test_a_failed_check_carries_how_far_off_its_example_was() -> None:
     """The raised error's `deviation` (what the CLI's suite reports as the worst) is the failing example's largest
     deviation for a wrong value or float32 rounding, and None where nothing was compared (the code raised)."""
-    from shapesafe_mha.testing._toolkit import FailedCheckError
+    from shapesafe_mha.testing import FailedCheckError
 
     def softmax_in_float32(x: Tensor, w: AttentionWeights, **kwargs: Any) -> Tensor:
         return attention(x.float(), _cast(w, torch.float32), **kwargs).double()
@@ -996,7 +1001,7 @@ def test_a_wrong_formula_off_by_less_than_1e_5_on_the_rows_that_count_is_named_n
         judge(got, scenario, Tolerance(1e-12), torch.float64, "here", rows=rows)
     deviation = caught.value.deviation  # type: ignore[attr-defined]
     assert 0 < deviation < 1e-5 and "float32 rounding" not in str(caught.value), str(caught.value)
-    assert "scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)" in caught.value.diagnose()  # type: ignore[attr-defined]
+    assert "scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)" in caught.value.report()  # type: ignore[attr-defined]
 
 
 def test_an_error_that_is_no_failed_check_reaches_the_caller_as_raised_without_hypothesis_notes() -> None:
@@ -1033,7 +1038,7 @@ def test_the_wrong_head_is_located_on_the_rows_that_count() -> None:
 
     with pytest.raises(AssertionError) as caught:
         judge(run(w), scenario, Tolerance(1e-8), torch.float64, "here", run=run, rows=rows)
-    assert "wrong heads: [1] of 2" in caught.value.diagnose()  # type: ignore[attr-defined]
+    assert "wrong heads: [1] of 2" in caught.value.report()  # type: ignore[attr-defined]
 
 
 def test_without_configs_the_property_draws_the_kinds_cross_attention_and_thresholds_asked_for() -> None:
@@ -1270,3 +1275,45 @@ def test_keys_and_values_swapped_are_named() -> None:
     assert ("k/v", "k and v swapped (keys from the value projection and values from the key projection)") in (
         _diagnosed({}, {}, weights=swap)
     )
+
+
+@pytest.mark.parametrize("entry", ["check_attention", "check_module"])
+def test_a_failed_check_is_the_public_error_its_report_first_and_none_of_our_frames(entry: str) -> None:
+    """A failure is `shapesafe_mha.testing.FailedCheckError` (an AssertionError, named by its public path); the report
+    starts with the property, the smallest failing config and the bug class; its traceback holds the public call's
+    frame and none of the toolkit's below it (pytest hides that one too)."""
+    import traceback
+
+    from shapesafe_mha.testing import FailedCheckError
+
+    assert FailedCheckError.__module__ == "shapesafe_mha.testing" and issubclass(FailedCheckError, AssertionError)
+    with pytest.raises(FailedCheckError) as caught:
+        if entry == "check_attention":
+            check_attention(_planted("merge_without_transpose"), kinds=("gqa",))
+        else:
+
+            class Unmoved(nn.Module):
+                def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, d_head: int, bias: bool) -> None:
+                    super().__init__()
+                    self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+                    self.q_proj = nn.Linear(d_model, num_heads * d_head, bias=bias)
+                    self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias)
+                    self.k_proj, self.v_proj = (nn.Linear(d_model, num_kv_heads * d_head, bias=bias) for _ in "kv")
+
+                def forward(self, x: Tensor) -> Tensor:
+                    w = AttentionWeights(
+                        self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight,
+                        self.q_proj.bias, self.k_proj.bias, self.v_proj.bias, self.o_proj.bias,
+                    )  # fmt: skip
+                    return attention(x, w, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, is_causal=False,
+                                     bug="merge_without_transpose")  # fmt: skip
+
+            check_module(Unmoved, kinds=("gqa",))
+    assert type(caught.value).__qualname__ == "FailedCheckError"
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("the implementation differs from the per-head reference by "), lines
+    assert lines[1].startswith("  smallest failing config: seq="), lines
+    assert lines[2].startswith("  bug class: heads: the output matches the reference with heads merged without the "
+                               "transpose"), lines  # fmt: skip
+    ours = [f.name for f in traceback.extract_tb(caught.value.__traceback__) if "shapesafe_mha" in f.filename]
+    assert ours == [entry], ours

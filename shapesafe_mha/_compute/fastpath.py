@@ -57,8 +57,9 @@ def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" =
     with modules of its own (a LoRA layer, `nn.Sequential`), what it `held`, all the way down.
 
     Handle ids only grow, so adding a hook raises the newest and removing one lowers the count. A weight
-    of another shape can change a result without an error (`o_proj`'s rows are the output's width); a
-    bias, dtype or device that disagrees makes torch fail instead, and `recheck` explains that failure.
+    of another shape can change a result without an error (`o_proj`'s rows are the output's width), and so can
+    a bias of one feature (broadcast); a dtype or device that disagrees makes torch fail instead, and `recheck`
+    explains that failure.
 
     With `fused`, current for this call (`fused_qkv` found the projections plain, with no hook of their own
     nor any module-wide one, and their weights the very tensors it was fused from, unwritten, of the rows the
@@ -87,7 +88,8 @@ def module_state(modules: Iterable[nn.Module | None], fused: "FusedQKV | None" =
         if own["_modules"]:  # a wrapper (a LoRA layer, nn.Sequential, a layer with one of its own): all it holds
             shapes.append(held(module))
         elif weight is not None:
-            shapes.append(weight.shape)
+            bias = parameters.get("bias")  # a bias of one feature broadcasts without an error: in the key too
+            shapes += (weight.shape, None if bias is None else bias.shape)
         elif parameters or buffers:  # a leaf without a weight parameter: rotary tables, a quantized layer's buffers
             shapes.append(tuple(None if t is None else t.shape for t in (*parameters.values(), *buffers.values())))
         else:
@@ -319,6 +321,8 @@ def fused_qkv(q: Any, k: Any, v: Any, cached: FusedQKV | None, rows: tuple[int, 
         return None  # (the separate path's checks explain these)
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
+    if biases[0] is not None and any(b is None or b.shape != (n,) for b, n in zip(biases, rows, strict=True)):
+        return None  # a bias that does not fit its weight: the separate path's checks explain it
     weight = _adjacent([w for w in weights if w is not None])
     bias = None if biases[0] is None else _adjacent([b for b in biases if b is not None])
     if weight is None or (biases[0] is not None and (bias is None or _kind(bias) != _kind(weight))):

@@ -54,6 +54,15 @@ def _precheck_flex(arguments: dict[str, Any]) -> None:
 
 def _validate_flex(arguments: dict[str, Any], dims: dict[str, int]) -> None:
     _validate_attention(arguments, dims)
+    if dims["kv_seq"] == 0 and dims["seq"]:  # torch's kernel reduces over the keys, and raises an IndexError on none
+        raise mismatch(
+            "k has kv_seq=0 (axis 2), but FlexAttention needs at least one key position to attend to; "
+            "skip the call for an empty context, or use scaled_dot_product_attention, whose rows without a key "
+            "are zeros.",
+            arg="k",
+            dim="kv_seq",
+            size=0,
+        )
     block_mask = arguments["block_mask"]
     if block_mask is None:
         return
@@ -162,6 +171,8 @@ def flex_attention(
         ShapeError: shapes, dtypes or devices disagree, `num_kv_heads` does not divide `num_heads`, or
             `block_mask` was built for other lengths, batch or heads, or on another device.
     """
+    if not q.shape[2] and not torch.compiler.is_compiling():  # no query: the empty result torch gives without mods
+        return q.new_zeros((q.shape[0], q.shape[1], 0, v.shape[-1]))  # (its eager path cannot run a mod over none)
     if q.shape[1] == k.shape[1] or torch.compiler.is_compiling():
         return _torch_flex(
             q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,

@@ -16,6 +16,7 @@ transformers model decoding through its `DynamicCache` computes.
 """
 
 import math
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,8 +35,14 @@ BY_LENGTH = ("dynamic", "longrope")
 
 
 def check_rotary_width(d_head: int, owner: str, name: str = "d_head") -> None:
-    """Raise `ConfigError` unless `d_head` (or the rotary part `name`) is even: RoPE rotates pairs of features."""
-    if d_head % 2:
+    """Raise `ConfigError` unless `d_head` (or the rotary part `name`) is an even int: RoPE rotates feature pairs."""
+    try:
+        width = operator.index(d_head)  # an int, or a numpy or one-element torch integer
+    except (TypeError, RuntimeError, ValueError):
+        width = None
+    if width is None or isinstance(d_head, bool):
+        raise ConfigError(f"{owner}: {name} must be an int (the features a head rotates), but got {d_head!r}.")
+    if width % 2:
         raise ConfigError(
             f"{owner}: {name}={d_head} is odd, but rotary embeddings rotate pairs of features; "
             f"use an even {name} (for example {f'{d_head - 1} or ' if d_head > 1 else ''}{d_head + 1})."
@@ -43,6 +50,11 @@ def check_rotary_width(d_head: int, owner: str, name: str = "d_head") -> None:
 
 
 def _kind(scaling: Mapping[str, Any] | None) -> str:
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ConfigError(
+            f"RotaryEmbedding(): rope_scaling must be a dict of transformers' rope_parameters, such as "
+            f"{{'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 4096}}, but got {scaling!r}."
+        )
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
@@ -323,6 +335,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.d_head, self.theta, self.interleaved = d_head, theta, bool(interleaved)
+        _kind(scaling)  # a mapping, or refused by name before it is read
         self.scaling = dict(scaling) if scaling else None
         self.register_buffer("inv_freq", inverse_frequencies(d_head, theta, scaling), persistent=False)
         self.by_length = _kind(scaling) in BY_LENGTH

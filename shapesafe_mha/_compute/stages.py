@@ -428,16 +428,55 @@ def attention_weights(
 
 
 # --- the module's stages --------------------------------------------------------------------------------
+
+
+def _linear_fits(name: str, given: str, what: str) -> Callable[[dict[str, Any], dict[str, int]], None]:
+    """A projection's `validate`: an `nn.Linear`'s weight and bias fit each other and the tensor it projects (the
+    argument `given`, `what` to the user), so torch's own error, or its silent broadcast of a bias of one feature,
+    never stands for ours."""
+
+    def validate(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+        proj, x = arguments["proj"], arguments[given]
+        if not isinstance(proj, nn.Linear) or not isinstance(x, Tensor):
+            return  # an adapter, a quantized layer: its own call decides, and the result is checked
+        weight, bias = proj.weight, proj.bias
+        if not isinstance(weight, Tensor) or weight.ndim != 2 or weight.shape[1] != x.shape[-1]:
+            shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+            raise mismatch(
+                f"{name}.weight has shape {shape}, but {name} reads {what}'s {x.shape[-1]} features, so it must be "
+                f"(out_features, {x.shape[-1]}) in nn.Linear's layout; load a weight of that shape.",
+                arg=f"{name}.weight",
+            )
+        if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+            shape = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+            raise mismatch(
+                f"{name}.bias has shape {shape}, but {name}.weight has {weight.shape[0]} output features, so it "
+                f"must be ({weight.shape[0]},); load a bias of that shape (or set {name}.bias = None).",
+                arg=f"{name}.bias",
+            )
+        casts = autocast_dtype(x.device) is not None  # autocast casts the weights to the input's dtype
+        for part, tensor in (("weight", weight), ("bias", bias)):
+            if isinstance(tensor, Tensor) and ((tensor.dtype != x.dtype and not casts) or tensor.device != x.device):
+                have = f"{dtype_name(tensor.dtype)} on {tensor.device}"
+                want = f"{dtype_name(x.dtype)} on {x.device}"
+                raise mismatch(
+                    f"{name}.{part} is {have}, but {what} is {want}; keep the module's parameters in one dtype and "
+                    f"on one device (module.to({x.dtype}) or module.to('{x.device}')).",
+                    arg=f"{name}.{part}",
+                )
+
+    return validate
+
 # What MultiHeadAttention.forward is made of. Names are the trace's; dimension names are the
 # forward's, so one memo spans them all.
 
 
-@stage(name="q_proj", public=("query",), raw=call_projection)
+@stage(name="q_proj", public=("query",), raw=call_projection, validate=_linear_fits("q_proj", "query", "query"))
 def project_query(proj: nn.Module, query: Tokens) -> QueryInner:
     return call_projection(proj, query)
 
 
-@stage(name="q_proj", public=("query",))
+@stage(name="q_proj", public=("query",), validate=_linear_fits("q_proj", "query", "query"))
 def project_gated_query(proj: nn.Module, query: Tokens) -> GatedQueryInner:
     """Queries with an output gate (Qwen3-Next): each head's `d_head` query features, then its `d_head` gate."""
     return call_projection(proj, query)
@@ -461,8 +500,8 @@ def _project_kv(proj: nn.Module, x: KVTokens) -> NewKVInner:
     return call_projection(proj, x)
 
 
-project_key = stage(name="k_proj", raw=call_projection)(_project_kv)
-project_value = stage(name="v_proj", raw=call_projection)(_project_kv)
+project_key = stage(name="k_proj", raw=call_projection, validate=_linear_fits("k_proj", "x", "key"))(_project_kv)
+project_value = stage(name="v_proj", raw=call_projection, validate=_linear_fits("v_proj", "x", "value"))(_project_kv)
 
 
 @stage(name="qkv_proj", public=("query",), raw=F.linear)
@@ -783,7 +822,7 @@ def merge_one_query(out: FoldedQueries) -> QueryInner:
     return K.merge_one_query(out)
 
 
-@stage(name="o_proj", raw=call_projection)
+@stage(name="o_proj", raw=call_projection, validate=_linear_fits("o_proj", "x", "the merged heads"))
 def project_output(proj: nn.Module, x: QueryInner) -> Tokens:
     return call_projection(proj, x)
 

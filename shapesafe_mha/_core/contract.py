@@ -25,7 +25,7 @@ import torch
 from jaxtyping import jaxtyped
 
 from .errors import ConfigError
-from .messages import ExplainedError, Memo, bearable, bind, explain, named_shape_of, shape_error
+from .messages import ExplainedError, Memo, bearable, bind, explain, named_shape_of, not_dense, shape_error
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -198,11 +198,20 @@ class Stage(Generic[P, R]):
         key = signature_key(args, kwargs)
         run = self.exact.get(key)  # Verdicts.known, inlined: a stage has no relations key
         if run is not None:
-            return run(*args, **kwargs)
-        with Session(f"{self.name}()") as session:
-            result = session.call(self, *args, **kwargs)
+            try:
+                return run(*args, **kwargs)
+            except SHAPE_FAILURES as failure:  # what the key does not hold (a sparse tensor's layout): explained
+                if isinstance(failure, torch.OutOfMemoryError):
+                    raise
+                recheck(lambda: self.checked(args, kwargs), failure)
+        result = self.checked(args, kwargs)
         self.verdicts.remember(key, note=self.remembered_call(args, kwargs))
         return result
+
+    def checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call checked in a session of its own (a fresh call's)."""
+        with Session(f"{self.name}()") as session:
+            return session.call(self, *args, **kwargs)
 
     def remembered_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
         """What a call of this exact signature runs once its checks passed: `plan(arguments)` where the stage
@@ -325,6 +334,8 @@ class Session:
         """Check one value against its annotation in this session's memo: None, or why it fails."""
         if hint is None or not self.check:  # only observing: nothing to bind (sizes may be symbolic)
             return None
+        if isinstance(value, torch.Tensor) and (value.is_nested or value.layout is not torch.strided):
+            return not_dense(label, value)
         if not bearable(value, hint):
             return explain(label, value, hint, self.memo) or ExplainedError(
                 f"{label} does not satisfy its annotation {hint}.", arg=label
@@ -543,10 +554,13 @@ def remembered_forward(
     keys = None
     if check and observer is None:
         try:
-            keys = key()
-        except (AttributeError, TypeError, IndexError):  # not tensors: the checked forward explains
-            keys = None
-        if keys is not None and (keys in verdicts.exact or verdicts.known(keys, lambda: keys.relations(constants))):
+            found = keys = key()
+            known = found is not None and (
+                found in verdicts.exact or verdicts.known(found, lambda: found.relations(constants))
+            )
+        except (AttributeError, TypeError, IndexError):  # not tensors, or a value no key can hold (a list): checked
+            keys, known = None, False
+        if known:
             check = False  # (the exact lookup first, inlined: a decoding step's key is exact after the first)
     state = None if cache is None else cache.state()
     try:

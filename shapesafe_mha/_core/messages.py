@@ -253,10 +253,35 @@ def bind(name: str, value: Any, hint: Any, memo: Memo, source: str) -> None:
 _ABBREVIATIONS = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
 
 
+def _layout(value: torch.Tensor) -> str | None:
+    """"nested" or "sparse (torch.sparse_coo)" for a tensor that is not dense, else None."""
+    if value.is_nested:
+        return "nested"
+    return None if value.layout is torch.strided else f"sparse ({value.layout})"
+
+
+def not_dense(label: str, value: Any) -> ExplainedError | None:
+    """A nested or sparse tensor, refused by name (every stage computes on dense tensors), or None."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    layout = _layout(value)
+    if layout is None:
+        return None
+    if layout == "nested":
+        fix = f"pad it (torch.nested.to_padded_tensor({label}, 0.0)) and mask the padding"
+    else:
+        fix = f"make it dense ({label}.to_dense())"
+    sentence = f"{label} is a {layout} tensor, but shapesafe_mha computes on dense tensors; {fix}."
+    return ExplainedError(sentence, arg=label)
+
+
 def named_shape(value: Any, hint: Any = None) -> str:
     """`f32[batch=2, seq=5, d_model=32]` for a tensor, or its type's name for anything else."""
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
+    layout = _layout(value)
+    if layout is not None:
+        return f"a {layout} tensor"
     dtype = _ABBREVIATIONS.get(dtype_name(value.dtype), dtype_name(value.dtype))
     for alternative in arrays_of(hint):
         names = [a.name for a in axes(alternative)]

@@ -44,6 +44,8 @@ R = TypeVar("R")
 # verdict is remembered (its expectations held for these shapes), a `_Replay` inside a method's, or None.
 _KNOWN = object()
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_current", default=None)
+# The innermost checked call's contract and bound arguments, while its body runs: what `expect` binds its names from.
+_binding: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_binding", default=None)
 
 
 def _reads_values(hint: Any) -> bool:
@@ -64,6 +66,11 @@ def dims_of(hint: Any) -> set[str]:
         for part in typing.get_args(hint):
             names |= dims_of(part)
     return names
+
+
+@functools.lru_cache(maxsize=256)
+def _names_of(hint: Any) -> frozenset[str]:
+    return frozenset(dims_of(hint))
 
 
 @functools.lru_cache(maxsize=256)
@@ -166,6 +173,12 @@ class _Checked:
     """What `shapecheck` reads of a function once, at decoration; `__call__` checks one call."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
+        if isinstance(fn, functools.partial) or not callable(fn) or not isinstance(getattr(fn, "__qualname__", 0), str):
+            what = "a functools.partial" if isinstance(fn, functools.partial) else f"a {type(fn).__name__}"
+            raise ConfigError(
+                f"shapecheck: {what} is no function with annotations of its own to check; decorate the function "
+                "itself (def, or a method), and bind arguments afterwards: functools.partial(shapecheck(fn), ...)."
+            )
         self.fn = fn
         self.owner = f"{fn.__qualname__}()"
         if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
@@ -194,9 +207,13 @@ class _Checked:
                 'jaxtyping (Float[Tensor, "batch seq d_model"]) or an alias of shapesafe_mha.dims.'
             )
         names = set().union(*(dims_of(h) for h in arrays))
+        self.names = frozenset(names)
         self.int_dims = tuple(p.name for p in parameters if p.name in names)
         self.method = bool(parameters) and parameters[0].name == "self"
         self.self_dims = tuple(sorted(names)) if self.method else ()
+        # what a method's key reads of `self`: its annotations' names, and every name an `expect` inside bound
+        self.key_dims = self.self_dims
+        self.widened = 0  # how often `key_dims` grew (a call in flight then keeps no verdict)
         self.variadic = {p.name: p.kind for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         # every parameter a torch array (a jaxtyping class over Tensor, not a union), passed positionally
         plain = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -214,20 +231,25 @@ class _Checked:
         if not self.method or not args:
             return annotation_key(args, kwargs)
         owner = args[0]
-        held = tuple(_attribute(owner, name) for name in self.self_dims)
+        held = tuple(_attribute(owner, name) for name in self.key_dims)
         return (type(owner), *(h if type(h) is int else None for h in held), *annotation_key(args[1:], kwargs))
 
-    def sizes(self, bound: inspect.BoundArguments) -> dict[str, tuple[int, str]]:
-        """Sizes known before any tensor: int arguments named like a dimension, then int attributes of `self`."""
+    def sizes(self, bound: inspect.BoundArguments, names: frozenset[str] | None = None) -> dict[str, tuple[int, str]]:
+        """Sizes known before any tensor: int arguments named like a dimension, then int attributes of `self`; of
+        the annotations' dimension names, or of `names` (an expectation's, `expecting`)."""
+        int_dims, self_dims = self.int_dims, self.self_dims
+        if names is not None:
+            int_dims = tuple(n for n in self.signature.parameters if n in names)
+            self_dims = tuple(sorted(names)) if self.method else ()
         sizes: dict[str, tuple[int, str]] = {}
-        for name in self.int_dims:
+        for name in int_dims:
             value = bound.arguments.get(name)
             if _is_size(value):
                 sizes[name] = (value, f"the argument {name}")
         if self.method:
             owner = bound.arguments["self"]
             where = "the module" if isinstance(owner, nn.Module) else f"self ({type(owner).__name__})"
-            for name in self.self_dims:
+            for name in self_dims:
                 value = _attribute(owner, name)
                 if name not in sizes and _is_size(value):
                     sizes[name] = (value, where)
@@ -236,16 +258,17 @@ class _Checked:
     def run(self, session: Session, args: tuple[Any, ...], kwargs: dict[str, Any], shared: bool = False) -> Any:
         """The call checked in `session` (its own, or a scope's), arguments first, then the result."""
         with session.calling(self.owner, shared):
-            self.fit_arguments(session, args, kwargs)
-            token = _current.set(session)
+            bound = self.fit_arguments(session, args, kwargs)
+            token, binding = _current.set(session), _binding.set((self, bound))
             try:
                 result = self.fn(*args, **kwargs)
             finally:
+                _binding.reset(binding)
                 _current.reset(token)
             self.fit_result(session, result)
             return result
 
-    def fit_arguments(self, session: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def fit_arguments(self, session: Session, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as failure:
@@ -256,6 +279,21 @@ class _Checked:
         session.called_with = [(label, value, hint) for label, value, hint in values]
         for label, value, hint in values:
             self.fit(session, label, value, hint, label + session.where)
+        return bound
+
+    def expecting(self, session: Session, bound: inspect.BoundArguments, hint: Any) -> None:
+        """Before an `expect` in the call: its dimension names that no annotation uses bound as an annotation's
+        would be (`sizes`, the one rule: an int argument so named, else an int attribute of `self`). A method's
+        key reads those of `self` from now on (a verdict that did not hold them is forgotten), so a remembered
+        call of an instance with another size is checked as a fresh one."""
+        extra = _names_of(hint) - self.names
+        if not extra:
+            return
+        if self.method and not extra.issubset(self.key_dims):
+            self.key_dims = tuple(sorted({*self.key_dims, *extra}))
+            self.widened += 1
+            self.verdicts.forget()
+        _seed(session, self.sizes(bound, extra), self.owner)
 
     def fit_result(self, session: Session, result: Any) -> None:
         parts = typing.get_args(self.returns) if typing.get_origin(self.returns) is tuple else None
@@ -272,6 +310,7 @@ class _Checked:
         call's dimensions (the arguments and the expectations before it checked again), as a fresh call's would
         be, and the new signatures are remembered. The body runs once either way."""
         returned, expected = note
+        widened = self.widened
         replay = _Replay(self, args, kwargs, expected)
         token = _current.set(replay)
         try:
@@ -286,7 +325,8 @@ class _Checked:
         finally:
             _current.reset(token)
         replay.end(None)
-        self.verdicts.remember(key, note=(now, tuple(replay.signatures)))
+        if widened == self.widened:  # else `key` lacks a size on self that an expectation bound
+            self.verdicts.remember(key, note=(now, tuple(replay.signatures)))
         return result
 
     def report(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -435,12 +475,14 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
                 _current.reset(token)
         if expects is not None:  # a method's: its expectations and result are compared
             return contract.remembered(expects, key, args, kwargs)
+        widened = contract.widened
         with Session(owner) as session:
             result = run(session, args, kwargs)
         if reads_values:
             return result
         if method:
-            verdicts.remember(key, note=(signature_of(result), tuple(getattr(session, "signatures", ()))))
+            if widened == contract.widened:  # else `key` lacks a size on self that an expectation bound
+                verdicts.remember(key, note=(signature_of(result), tuple(getattr(session, "signatures", ()))))
         else:
             verdicts.remember(key, note=getattr(session, "expectations", 0) > 0)
         return result
@@ -469,13 +511,13 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
         reporting = _current.get() if _trace._active else None
         if isinstance(reporting, _Reporting):  # under prove(): reported, to be checked symbolically
             reporting.expectations += 1
-            hint = _shape_hint(shape) if isinstance(shape, str) else shape
+            hint = _hint_of(shape)
             reporting.add(name or f"expectation {reporting.expectations}", tensor, hint)
         return tensor
     session = _current.get()
     if session is _KNOWN:
         return tensor
-    hint = _shape_hint(shape) if isinstance(shape, str) else shape
+    hint = _hint_of(shape)
     if type(session) is _Replay:
         session.expect(tensor, hint, name)
         return tensor
@@ -484,19 +526,38 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
         if hint in _alone and key in _alone[hint]:
             return tensor
         with Session("expect()") as alone:
-            _expect_in(alone, tensor, hint, name)
+            _expect_in(alone, tensor, hint, name, None)
         _alone.setdefault(hint, set()).add(key)
         if len(_alone[hint]) > 4096:
             _alone[hint].clear()
         return tensor
-    _expect_in(session, tensor, hint, name)
+    _expect_in(session, tensor, hint, name, _binding.get())
     return tensor
 
 
 _alone: dict[Any, set[Any]] = {}  # verdicts of expectations checked outside any call
 
 
-def _expect_in(session: Session, tensor: Any, hint: Any, name: str | None) -> None:
+def _hint_of(shape: Any) -> Any:
+    """`expect`'s `shape` as an annotation: a string's (cached), or a type or typing form as given."""
+    if isinstance(shape, str):
+        try:
+            return _shape_hint(shape)
+        except Exception as failure:  # jaxtyping refuses the string itself (two variadic names, ...)
+            raise ConfigError(f"expect(): shape={shape!r} is not a jaxtyping shape string: {failure}") from None
+    if isinstance(shape, type) or typing.get_origin(shape) is not None:
+        return shape
+    raise ConfigError(
+        'expect(): shape must be a string of dimension names ("batch seq d_model") or a jaxtyping annotation '
+        f'(Float[Tensor, "batch seq d_model"]), but got {shape!r}.'
+    )
+
+
+def _expect_in(session: Session, tensor: Any, hint: Any, name: str | None, binding: Any) -> None:
+    """One expectation checked in `session`; `binding`: the enclosing checked call's (contract, bound arguments)."""
+    if binding is not None:
+        contract, bound = binding
+        contract.expecting(session, bound, hint)
     count = getattr(session, "expectations", 0) + 1
     session.expectations = count  # type: ignore[attr-defined]
     label = name or f"expectation {count}"
@@ -512,13 +573,14 @@ class _Replay:
     """A remembered method's call in progress (`_Checked.remembered`): its expectations compared, in order, with
     its checked call's, and checked from the first that differs on, in a session of the call's own."""
 
-    __slots__ = ("args", "contract", "expected", "kwargs", "seen", "session", "signatures", "stack")
+    __slots__ = ("args", "binding", "contract", "expected", "kwargs", "seen", "session", "signatures", "stack")
 
     def __init__(self, contract: _Checked, args: tuple[Any, ...], kwargs: dict[str, Any], expected: Any) -> None:
         self.contract, self.args, self.kwargs, self.expected = contract, args, kwargs, expected
         self.seen: list[tuple[Any, Any, str | None]] = []
         self.signatures: list[tuple[str, Any]] = []
         self.session: Session | None = None
+        self.binding: Any = None  # (contract, bound arguments), once begun
         self.stack: contextlib.ExitStack | None = None  # the session's, once begun
 
     def expect(self, tensor: Any, hint: Any, name: str | None) -> None:
@@ -532,7 +594,7 @@ class _Replay:
                 return
             session = self.begin()
         self.seen.append((tensor, hint, name))
-        _expect_in(session, tensor, hint, name)
+        _expect_in(session, tensor, hint, name, self.binding)
         self.signatures = list(session.signatures)  # type: ignore[attr-defined]
 
     def begin(self) -> Session:
@@ -542,9 +604,9 @@ class _Replay:
         session = stack.enter_context(Session(owner))
         stack.enter_context(session.calling(owner, False))
         self.session = session
-        self.contract.fit_arguments(session, self.args, self.kwargs)
+        self.binding = (self.contract, self.contract.fit_arguments(session, self.args, self.kwargs))
         for tensor, hint, name in self.seen:
-            _expect_in(session, tensor, hint, name)
+            _expect_in(session, tensor, hint, name, self.binding)
         return session
 
     def end(self, failure: BaseException | None) -> None:

@@ -63,6 +63,12 @@ class AttentionWeights:
                     f"AttentionWeights: {name} has dtype {str(tensor.dtype).removeprefix('torch.')}, but weights "
                     f"must be floating point ({name}.float())."
                 )
+        for name in ("w_q", "w_k", "w_v", "w_o"):
+            if getattr(self, name) is None:
+                raise ShapeError(f"AttentionWeights: {name} is None, but each projection needs a weight (d_out, d_in).")
+        for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise ConfigError(f"AttentionWeights: {name} must be a positive int, but got {count!r}.")
         rows = self.w_q.shape[0]
         if num_heads <= 0 or num_kv_heads <= 0 or rows % num_heads or num_heads % num_kv_heads:
             raise ConfigError(

@@ -713,9 +713,10 @@ def _rotates(config: Any, index: int) -> bool:
     return not switches or index >= len(switches) or bool(switches[index])
 
 
-def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool = True) -> Any:
+def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool = True, nope: bool = False) -> Any:
     """Build `cls` (a `MultiHeadAttention`) computing what `attention`, a transformers layer, computes; `config` is
-    its model's, for a layer that keeps none (Bloom's, MPT's)."""
+    its model's, for a layer that keeps none (Bloom's, MPT's). `nope`: without the config's RoPE (a layer seen to
+    rotate nothing, `_ignores_positions`)."""
     config = getattr(attention, "config", None) if config is None else config
     if config is None:
         raise ConfigError(
@@ -755,11 +756,11 @@ def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool 
     _refuse_structure(attention, config, head_dim)
     options = variant_options(attention, config)
     theta, scaling = rope_of(config, _layer_type(attention, config))
-    if not _rotates(config, getattr(attention, "layer_idx", 0) or 0):
+    if nope or not _rotates(config, getattr(attention, "layer_idx", 0) or 0):
         theta, scaling = None, None  # a NoPE layer (SmolLM3, Llama 4): the config's RoPE is its other layers'
     if theta is not None:
         options["rope_dim"], options["rope_interleaved"] = rope_layout_of(attention, config, head_dim)
-    elif hasattr(config, "rotary_dim"):  # GPT-J, CodeGen: RoPE of their own tables, on rotary_dim features
+    elif hasattr(config, "rotary_dim") and not nope:  # GPT-J, CodeGen: RoPE of their own tables, on rotary_dim features
         theta, options["rope_dim"], options["rope_interleaved"] = in_layer_rope(attention, config, head_dim)
     num_heads = config.num_attention_heads
     multi_head = fused is None and blocks is None and chunked is None
@@ -803,8 +804,30 @@ def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool 
                 ours.bias.copy_(theirs.bias)
     module.train(attention.training)
     if verify:
-        verify_against_hf(_OWNER, module, attention, config)
+        try:
+            verify_against_hf(_OWNER, module, attention, config)
+        except ConfigError:
+            if theta is None or not _ignores_positions(attention, config):
+                raise
+            # The layer is seen to rotate nothing (Cohere2's full-attention layers apply no RoPE, whatever the
+            # config's rope_theta): the same layer without RoPE, verified in turn.
+            return from_hf(cls, attention, config=config, verify=True, nope=True)
     return module
+
+
+def _ignores_positions(layer: nn.Module, config: Any) -> bool:
+    """Whether `layer`'s causal forward is the same with every rotary position at 0: it applies no RoPE."""
+    if not probe.probeable(layer):
+        return False
+    try:
+        with probe.probing(layer) as probed:
+            x = probe.probe_tokens(config.hidden_size, probe.device_of(layer), probe.dtype_of(probed))
+            rotated = hf_outputs(probed, x, decode=False, config=config)
+            unrotated = hf_outputs(probed, x, decode=False, unrotated=True, config=config)
+        probe.verify("", rotated, unrotated, source="")
+    except Exception:  # it differs, or cannot be run so: the refusal already made stands
+        return False
+    return True
 
 
 def _modeling(layer: nn.Module) -> Any:
@@ -973,7 +996,7 @@ def verify_against_hf(owner: str, module: nn.Module, layer: nn.Module, config: A
         try:
             probe.verify(owner, ours, theirs, source=source)
         except ConfigError:
-            suspects = _suspects(ours_probed, theirs_probed, x, config)
+            suspects = _suspects(ours_probed, theirs_probed, x, config, ours, theirs)
             probe.verify(owner, ours, theirs, source=source, suspects=suspects)
             raise
 
@@ -994,8 +1017,26 @@ def _plain_cache(module: Any, batch: int) -> Any:
     return KVCache(batch, module.num_kv_heads, capacity, module.d_head, dtype=weight.dtype, device=weight.device)
 
 
-def _suspects(ours: Any, theirs: nn.Module, x: Tensor, config: Any) -> list[str]:
-    """What a difference comes from, where a second probe tells: RoPE, if both agree with nothing rotated."""
+def _suspects(
+    ours: Any, theirs: nn.Module, x: Tensor, config: Any, our_outputs: probe.Outputs, their_outputs: probe.Outputs
+) -> list[str]:
+    """What a difference comes from, where a second probe tells: the decoding step alone, if the causal forward
+    agrees (no evidence about RoPE then: the unrotated probe is a forward); else RoPE, if both agree with nothing
+    rotated."""
+    forward = {what: out for what, out in their_outputs.items() if what.startswith(probe.FORWARD)}
+    try:
+        probe.verify("", our_outputs, forward, source="")
+    except ConfigError:
+        pass
+    else:
+        window = getattr(ours, "window", None)
+        detail = (
+            f": with sliding_window=1, {type(theirs).__name__}'s decoding step attends to more than the query's own "
+            "key, which its forward keeps to"
+            if window == 1
+            else ""
+        )
+        return [f"the decoding step alone (the causal forward agrees){detail}"]
     if getattr(ours, "rotary", None) is None:
         return []
     try:
@@ -1011,6 +1052,11 @@ def _suspects(ours: Any, theirs: nn.Module, x: Tensor, config: Any) -> list[str]
 
 def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
     """The transformers attention layer of `config`'s model type, holding `module`'s weights."""
+    if not isinstance(getattr(config, "model_type", None), str):
+        raise ConfigError(
+            f"MultiHeadAttention.to_hf(): config must be a transformers model config (LlamaConfig(...), "
+            f"AutoConfig.from_pretrained(name)), but got {type(config).__name__}."
+        )
     kind = type(config).__name__.removesuffix("Config")
     try:  # the modeling module beside the config's (Gemma3TextConfig's is gemma3's, with Gemma3Attention)
         modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .._compute.reference import per_head_attention
 from .._compute.rotary import inverse_frequencies, long_frequencies
+from .._compute.stages import positive_count
 from .._core import probe
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
@@ -133,7 +134,14 @@ def from_weights(
     verify: bool,
 ) -> Any:
     """A `cls` (`MultiHeadAttention`) holding copies of `weights`, verified (`MultiHeadAttention.from_weights`)."""
+    if not isinstance(weights, AttentionWeights):
+        raise ConfigError(
+            f"MultiHeadAttention.from_weights(): weights must be an AttentionWeights(w_q, w_k, w_v, w_o, b_q, b_k, "
+            f"b_v, b_o) of tensors in nn.Linear's layout, but got {type(weights).__name__}."
+        )
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        positive_count("MultiHeadAttention.from_weights(): ", name, count)
     d_head = weights.check(num_heads, num_kv_heads)
     biases = {name: getattr(weights, f"b_{name}") for name in "qkvo"}
     module = cls(
@@ -163,6 +171,12 @@ def from_weights(
 
 def from_torch(cls: Any, module: nn.MultiheadAttention) -> Any:
     """A `cls` (`MultiHeadAttention`) computing what a batch-first `module` computes (see its `from_torch`)."""
+    if not isinstance(module, nn.MultiheadAttention):
+        raise ConfigError(
+            f"MultiHeadAttention.from_torch(): module must be a torch.nn.MultiheadAttention, but got "
+            f"{type(module).__name__}; for projections of your own, pass their weights to "
+            "MultiHeadAttention.from_weights(AttentionWeights(w_q, w_k, w_v, w_o, ...), num_heads=...)."
+        )
     if not module.batch_first:
         raise ConfigError(
             "MultiHeadAttention.from_torch(): this nn.MultiheadAttention has batch_first=False, so it takes "

@@ -43,7 +43,7 @@ from .._core.dims import (
     Tokens,
 )
 from .._core.errors import ConfigError
-from .._core.messages import ExplainedError, dtype_name, mismatch
+from .._core.messages import ExplainedError, dtype_name, mismatch, not_dense
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
 from .config import OPTIONS, SIZES, AttentionConfig
@@ -119,6 +119,10 @@ def _module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device] 
 def _precheck_forward(arguments: dict[str, Any]) -> None:
     """Inputs in the module's dtype and on its device; a cache of the right kind."""
     module = arguments["self"]
+    for name in ("query", "key", "value", "attn_mask", "key_padding_mask", "positions"):
+        failure = not_dense(name, arguments[name])
+        if failure is not None:  # first: a nested tensor's sizes are symbolic, a sparse one has no views
+            raise failure
     if arguments["positions"] is not None and module.rotary is None:
         raise ConfigError(
             "positions were given, but this module has no rotary embeddings (rope_theta=None): "
@@ -383,6 +387,11 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         config = AttentionConfig(**{name: value for name, value in locals().items() if name in OPTIONS})
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ConfigError(
+                f"{config.owner}: dtype={dtype!r} is not a floating-point torch.dtype, but the weights are learned and "
+                "softmax needs fractions; pass torch.float32, torch.bfloat16, torch.float16 or torch.float64."
+            )
         self._build(config, {"device": device, "dtype": dtype})
 
     def _build(self, config: AttentionConfig, factory: dict[str, Any]) -> None:

@@ -132,7 +132,8 @@ def _bytes(n: int) -> str:
 
 
 def render(report: "TraceReport", console: "Console", *, plain: bool = False) -> None:
-    """Print a trace as a rich table with totals; `plain`: no box, the layout of the README's excerpt."""
+    """Print a trace as a rich table with totals; `plain`: no box, the layout of the README's excerpt. At any
+    width a cell wraps (a name longer than its column folds), never cut: a named shape is read whole."""
     from rich.table import Table
 
     c = report.config
@@ -140,7 +141,7 @@ def render(report: "TraceReport", console: "Console", *, plain: bool = False) ->
     box: Any = {} if not plain else {"box": None}
     table = Table(title=title, **box)
     for column in ("stage", "named shape", "shape", "strides", "storage", "bytes", "allocated"):
-        table.add_column(column, justify="right" if column in ("bytes", "allocated") else "left")
+        table.add_column(column, justify="right" if column in ("bytes", "allocated") else "left", overflow="fold")
     for s in report.stages:
         table.add_row(
             s.name,
@@ -157,7 +158,7 @@ def render(report: "TraceReport", console: "Console", *, plain: bool = False) ->
         placement = "KV heads replicated" if t["replicated_kv"] else "KV heads sharded"
         ranks = Table(title=f"head-parallel over {t['tp']} ranks ({placement})", **box)
         for column in ("rank", "query heads", "KV heads", "weights", "KV cache"):
-            ranks.add_column(column, justify="right")
+            ranks.add_column(column, justify="right", overflow="fold")
         for r in t["ranks"]:
             ranks.add_row(
                 str(r["rank"]),
@@ -373,6 +374,13 @@ def check(
         fail("check", "pass --impl or --module, not both")
     if impl is None and module is None and (kv_heads is not KVHeads.grouped or atol is not None):
         fail("check", "--kv-heads and --atol apply to your code: pass --impl or --module too")
+    try:  # first: the suite is hypothesis's, an extra that `pip install shapesafe_mha` does not bring
+        from ..testing._suite import PROPERTIES, module_properties, run_suite, user_properties
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "hypothesis":
+            raise
+        needs = 'the property suite needs hypothesis, not installed here: pip install "shapesafe_mha[testing]"'
+        fail("check", needs, 1)
     spec, option = (impl, "--impl") if impl is not None else (module, "--module")
     target = load(spec, option, "check") if spec is not None else None
     _usable(device, "check")
@@ -380,7 +388,6 @@ def check(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    from ..testing._suite import PROPERTIES, module_properties, run_suite, user_properties
     from .report import DTYPES
 
     properties = PROPERTIES
@@ -472,7 +479,10 @@ def prove(
     except ShapesafeError as error:
         fail("prove", str(error))
     console = _console()
-    console.print(proof.table())
+    table = proof.table()
+    if not console.is_terminal:  # a pipe or a file: plain text, as trace's table there
+        table.box = None
+    console.print(table)
     for failure in proof.failures:
         console.print(failure, markup=False, soft_wrap=True)
     raise typer.Exit(0 if proof.ok else 1)

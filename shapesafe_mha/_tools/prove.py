@@ -53,7 +53,7 @@ class ShapeProof:
         legend = ", ".join(f"{name} is torch's {symbol}" for name, symbol in self.symbols.items())
         table = Table(title=f"{'proven' if self.ok else 'NOT proven'} for {ranges}", caption=legend or None)
         for column in ("stage", "named shape", "symbolic shape"):
-            table.add_column(column)
+            table.add_column(column, overflow="fold")  # wrapped at any width, never cut
         for row in self.stages:
             table.add_row(*row)
         return table
@@ -131,9 +131,20 @@ def _explain_export_failure(
         failures.append(
             f"{dim}: the code fixes {size} to {constant} (a view, slice or buffer of that size where {dim} belongs)"
         )
+    # torch's suggested range for a size is where the shapes hold; a guard alone may be one of several it made
+    # there (`(16*seq) != 1024` beside `seq <= 64`), which "only where" would overstate
+    suggested = {dim: (low, high) for dim, low, high in re.findall(_SUGGESTED, text) if low or high}
+    for dim, (low, high) in suggested.items():  # a low end beside a high one: the range's own (as for a guard)
+        size = "(cached + 1)" if dim == "cached" else dim
+        where = f"{size} <= {high}" if high else f"{size} >= {low}"
+        failures.append(f"{dim}: the shapes hold only where {where} (a branch, view or buffer that depends on {dim})")
     for dim, guard in re.findall(_GUARD, text):
+        if dim in suggested:
+            continue
         guard = _readable(re.sub(r"^\d+ <= (\S+) and ", "", guard), names)  # the range's own lower bound
-        failures.append(f"{dim}: the shapes hold only where {guard} (a branch, view or buffer that depends on {dim})")
+        failure = f"{dim}: the shapes hold only where {guard} (a branch, view or buffer that depends on {dim})"
+        if failure not in failures:
+            failures.append(failure)
     if not failures:
         first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
         symbolic = re.search(r"\bs\d+\b", first) is not None
@@ -177,6 +188,7 @@ def _counterexample(condition: Any, ranges: dict[Any, tuple[int, int]]) -> dict[
 
 
 _GUARD = r"Not all values of (\w+) = \S+ in the specified range.*? satisfy the generated guard (.+?)\.?\n"
+_SUGGESTED = r"(?m)^\s*(\w+) = Dim\('\w+'(?:, min=(\d+))?(?:, max=(\d+))?\)$"
 
 
 def _only_guards_true_everywhere(error: Exception, sources: dict[str, tuple[int, int]]) -> bool:

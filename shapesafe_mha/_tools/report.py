@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from .._compute.fastpath import choose_path
+from .._core.errors import ConfigError
 from .._core.trace import Stage, tracing
 from .._modules.multihead import MultiHeadAttention
 from .._modules.parallel import plan_heads, refuse_unsharded_norm
@@ -81,6 +82,13 @@ class TraceReport:
         return f"{rank}{sizes} batch={c['batch']} {when}"
 
 
+def _dtype(owner: str, name: Any) -> torch.dtype:
+    """The torch dtype a config names, or `ConfigError` naming the ones a trace takes."""
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ConfigError(f"{owner}: dtype={name!r} is not one of {', '.join(map(repr, DTYPES))}; pass one of them.")
+    return DTYPES[name]
+
+
 def _cache_bytes(batch: int, positions: int, kv_heads: int, d_head: int, itemsize: int) -> int:
     return 2 * batch * kv_heads * positions * d_head * itemsize
 
@@ -97,7 +105,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     Raises:
         ConfigError: the config is impossible (the module's own checks).
     """
-    dtype = DTYPES[config.dtype]
+    dtype = _dtype("trace_forward()", config.dtype)
     device = torch.device(config.device)
     options: dict[str, Any] = {
         "rope_theta": config.rope_theta,
@@ -164,8 +172,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
         "kv_cache_positions": positions,
         "kv_cache_bytes_mha": per_kind["mha"],
         "kv_cache_bytes_mqa": per_kind["mqa"],
-        "kv_cache_ratio_vs_mha": per_kind["this"] / per_kind["mha"],
-        "kv_cache_ratio_mqa_vs_mha": per_kind["mqa"] / per_kind["mha"],
+        # the ratios of the heads cached: the bytes' where there are any (no division by 0 at seq=0 or batch=0)
+        "kv_cache_ratio_vs_mha": full.num_kv_heads / full.num_heads,
+        "kv_cache_ratio_mqa_vs_mha": 1 / full.num_heads,
     }
     if shards:
         for stage in stages:  # name the per-rank head counts as what they are
@@ -232,7 +241,7 @@ def trace_latent(config: LatentTraceConfig = LatentTraceConfig()) -> TraceReport
     """
     from .._modules.latent import LatentAttention
 
-    dtype = DTYPES[config.dtype]
+    dtype = _dtype("trace_latent()", config.dtype)
     device = torch.device(config.device)
     module = LatentAttention(
         config.d_model,

@@ -19,6 +19,7 @@ from ._strategies import boundary_sizes as boundary_sizes
 from ._strategies import key_padding_masks as key_padding_masks
 from ._strategies import projection_weights as projection_weights
 from ._strategies import sequence_lengths as sequence_lengths
+from ._toolkit import FailedCheckError as FailedCheckError
 from ._toolkit import check_attention as check_attention
 from ._toolkit import check_module as check_module
 from ._toolkit import tolerance as tolerance
@@ -31,6 +32,7 @@ __all__ = [
     "AllocationRecorder",
     "AttentionConfig",
     "AttentionInputs",
+    "FailedCheckError",
     "assert_no_kv_expansion",
     "assert_shares_storage",
     "attention_configs",

@@ -76,8 +76,15 @@ class Scenario:
     qk_norm_bias: tuple[Tensor, Tensor] | None = None
     qk_norm_centred: bool = False
     out_norm: tuple[Tensor, float] | None = None
+    # how the code merged the heads `(batch, seq, num_heads * d_head)` before W_O, where a mistake did it its own way
+    merge: Callable[[Tensor], Tensor] | None = None
 
     def expected(self) -> Tensor:
+        if self.merge is not None:  # the heads merged right (W_O the identity), merged the code's way, then W_O
+            w_o, b_o = self.weights.w_o, self.weights.b_o
+            eye = torch.eye(w_o.shape[1], dtype=w_o.dtype, device=w_o.device)
+            heads = replace(self, merge=None, weights=replace(self.weights, w_o=eye, b_o=None)).expected()
+            return torch.nn.functional.linear(self.merge(heads), w_o, b_o)
         return per_head_attention(
             self.query,
             self.key,
@@ -234,6 +241,21 @@ def variants(s: Scenario) -> list[Variant]:
                 'not i % num_kv_heads; if that is your convention, pass kv_heads="grouped"'
             )
         out.append(("heads", why, lambda t: replace(t, kv_heads=other)))
+    if s.num_heads > 1 and s.query.shape[1] > 1 and s.out_norm is None:
+        heads = s.num_heads
+
+        def unmoved(merged: Tensor) -> Tensor:  # `out.reshape(b, s, -1)` of `out` (b, h, s, d): no transpose
+            b, seq, inner = merged.shape
+            return merged.view(b, seq, heads, inner // heads).transpose(1, 2).reshape(b, seq, inner)
+
+        out.append(
+            (
+                "heads",
+                "heads merged without the transpose: (batch, num_heads, seq, d_head) reshaped to "
+                "(batch, seq, num_heads * d_head), which mixes positions across heads",
+                lambda t: replace(t, merge=unmoved),
+            )
+        )
     if s.num_heads > 1 and s.d_head > 1:
         out.append(
             (

@@ -110,19 +110,32 @@ def _describe(config: AttentionConfig, is_causal: bool, dtype: torch.dtype) -> s
 
 
 class FailedCheckError(AssertionError):
-    """A failed check: its report, and how far the failing example's output was off (None: not a deviation)."""
+    """A failed property check (`check_attention`, `check_module`, `check_hf_attention`): an `AssertionError`.
+
+    Its report starts with the property that failed, the smallest failing config and, where a classic mistake
+    matches the wrong output, the bug class; then where the output is furthest off and which heads are wrong.
+    `deviation`: how far the failing example's output was off (None: no deviation, such as an exception).
+    """
 
     def __init__(self, report: str, deviation: float | None = None) -> None:
         super().__init__(report)
         self.deviation = deviation
 
 
+FailedCheckError.__module__ = "shapesafe_mha.testing"
+
+
 class _ValueMismatchError(FailedCheckError):
     """A wrong value; the bug class and the wrong heads are found once, on the example hypothesis reports."""
 
-    def __init__(self, report: str, deviation: float, diagnose: Callable[[], str]) -> None:
-        super().__init__(report, deviation)
-        self.diagnose = diagnose
+    def __init__(self, report: str, deviation: float, diagnose: Callable[[], tuple[str, str]], worst: str) -> None:
+        super().__init__(report + worst, deviation)
+        self.head, self.worst, self.diagnose = report, worst, diagnose
+
+    def report(self) -> str:
+        """In full: the property, the smallest config, the bug class, where it is furthest off, the wrong heads."""
+        bug, heads = self.diagnose()
+        return self.head + bug + self.worst + heads
 
 
 def _where_worst(excess: Tensor) -> str:
@@ -182,13 +195,12 @@ def judge(
             worst,
         )
 
-    def diagnose() -> str:
-        lines = [describe_matches(matches if matches is not None else name_bug(got, scenario, tol, rows))]
-        if run is not None:
-            lines.append(locate_heads(run, scenario, tol, rows))
-        return "".join(f"\n  {line}" for line in lines if line)
+    def diagnose() -> tuple[str, str]:
+        bug = describe_matches(matches if matches is not None else name_bug(got, scenario, tol, rows))
+        heads = locate_heads(run, scenario, tol, rows) if run is not None else ""
+        return (f"\n  {bug}" if bug else "", f"\n  {heads}" if heads else "")
 
-    raise _ValueMismatchError(f"{report}\n  smallest failing config: {where}{_where_worst(excess)}", worst, diagnose)
+    raise _ValueMismatchError(f"{report}\n  smallest failing config: {where}", worst, diagnose, _where_worst(excess))
 
 
 def _compare(
@@ -275,6 +287,7 @@ def run_property(
     `configs` replaces the default strategy of configs. The AssertionError raised is the report
     alone: no hypothesis notes (drawn tensors, the falsifying call), the cause still chained.
     """
+    __tracebackhide__ = True  # pytest shows the user's call, not our frames
     base = settings() if base is None else base
     if configs is None:
         configs = attention_configs(kinds, cross=cross, thresholds=thresholds)
@@ -300,7 +313,7 @@ def run_property(
     try:
         prop()
     except _ValueMismatchError as mismatch:  # the final, smallest example: now name the bug and the heads
-        raise FailedCheckError(f"{mismatch}{mismatch.diagnose()}", mismatch.deviation) from None
+        raise FailedCheckError(mismatch.report(), mismatch.deviation) from None
     except AssertionError as failure:
         # without hypothesis' notes, which dump tensors
         clean = FailedCheckError(str(failure), failure.deviation if isinstance(failure, FailedCheckError) else None)
@@ -412,12 +425,16 @@ def check_attention(
             where a variant of the reference matches (KV heads tiled, causal mask shifted, ...),
             and which heads are wrong.
     """
-    _check(
-        fn, None, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
-        thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
-        even_d_head=even_d_head, d_model_is_inner=d_model_is_inner, atol=atol, rtol=rtol, kv_heads=kv_heads,
-        masks=masks, cross=cross, rope=rope, rope_style=rope_style, score_mod=score_mod, mask_mod=mask_mod,
-    )  # fmt: skip
+    __tracebackhide__ = True  # a failure shows the user's call and the report, not our frames (pytest)
+    try:
+        _check(
+            fn, None, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
+            thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
+            even_d_head=even_d_head, d_model_is_inner=d_model_is_inner, atol=atol, rtol=rtol, kv_heads=kv_heads,
+            masks=masks, cross=cross, rope=rope, rope_style=rope_style, score_mod=score_mod, mask_mod=mask_mod,
+        )  # fmt: skip
+    except FailedCheckError as failure:  # raised here, without the frames of ours below (the cause kept)
+        raise failure.with_traceback(None) from failure.__cause__
 
 
 def _check(
@@ -447,6 +464,7 @@ def _check(
     mask_mod: Mod | None = None,
 ) -> None:
     """`check_attention`, with `prepare(config, weights)` turning the drawn weights into those the code holds."""
+    __tracebackhide__ = True
     if device is not None and torch.device(device).type == "meta":
         raise ConfigError(
             f"device={str(device)!r}: these checks compare values with the reference, and meta tensors hold none; "
@@ -616,10 +634,14 @@ def check_module(
     """
     if decode_step is not None:
         forward, is_causal = decoding(decode_step), True
+    __tracebackhide__ = True  # a failure shows the user's call and the report, not our frames (pytest)
     fn, prepare = module_adapter(factory, forward, load)
-    _check(
-        fn, prepare, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
-        thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
-        even_d_head=even_d_head, d_model_is_inner=d_model_is_inner, atol=atol, rtol=rtol, kv_heads=kv_heads,
-        score_mod=score_mod, mask_mod=mask_mod,
-    )  # fmt: skip
+    try:
+        _check(
+            fn, prepare, kinds=kinds, is_causal=is_causal, max_examples=max_examples, device=device, dtype=dtype,
+            thresholds=thresholds, settings=settings, configs=configs, bias=bias, max_heads=max_heads,
+            even_d_head=even_d_head, d_model_is_inner=d_model_is_inner, atol=atol, rtol=rtol, kv_heads=kv_heads,
+            score_mod=score_mod, mask_mod=mask_mod,
+        )  # fmt: skip
+    except FailedCheckError as failure:  # raised here, without the frames of ours below (the cause kept)
+        raise failure.with_traceback(None) from failure.__cause__
