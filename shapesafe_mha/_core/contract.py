@@ -554,9 +554,9 @@ def remembered_forward(
     keys = None
     if check and observer is None:
         try:
-            keys = key()
-            known = keys is not None and (
-                keys in verdicts.exact or verdicts.known(keys, lambda: keys.relations(constants))
+            keys = called = key()
+            known = called is not None and (
+                called in verdicts.exact or verdicts.known(called, lambda: called.relations(constants))
             )
         except (AttributeError, TypeError, IndexError):  # not tensors, or a value no key can hold (a list): checked
             keys, known = None, False
