@@ -14,6 +14,7 @@ the weights once each.
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -130,10 +131,11 @@ def verify(
                 f"{owner}: the converted layer returns {tuple(got.shape)} where {source} returns "
                 f"{tuple(expected.shape)} ({what} on a probe); it would compute something else, so it is refused."
             )
+        if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(expected).all())):
+            worst, where, scale = math.inf, f"{what} (NaN or inf on a side)", 1.0  # never equal: fails closed
+            break
         size = max(float(expected.abs().max()), _TINY)  # relative: a model's outputs may be 0.01 wide
         difference = float((got - expected).abs().max())
-        if difference != difference:  # NaN: one side produced it
-            difference = float("inf")
         if difference / size > worst / scale:
             worst, where, scale = difference, what, size
     if worst > tolerance * scale:
