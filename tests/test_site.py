@@ -101,6 +101,17 @@ def test_dimensions_table_lists_every_declared_dimension(site: Path) -> None:
     assert not missing, f"the Dimensions table lacks {missing}: describe them in _dims.py's docstring table"
 
 
+def test_the_dims_page_shows_every_alias_with_its_shape(site: Path) -> None:
+    """Each alias `shapesafe_mha.dims` exports is on the dims page beside the named shape it stands for."""
+    import shapesafe_mha.dims as public
+    from shapesafe_mha._core.messages import arrays_of
+
+    rows = [html.unescape(re.sub(r"<[^>]+>|\s+", " ", row)).split() for row in _page(site, "api-dims").split("<tr>")]
+    for name in (n for n in public.__all__ if n != "DIMS"):
+        row = " ".join(next((r for r in rows if r and r[0] == name), []))
+        assert all(f'"{a.dim_str}"' in row for a in arrays_of(getattr(public, name))), (name, row)
+
+
 def test_sitemap_lists_every_page_under_the_site_url(site: Path) -> None:
     """site_url is set, so sitemap.xml lists the pages (an empty sitemap means it is missing)."""
     sitemap = (site / "sitemap.xml").read_text()

@@ -2,7 +2,9 @@
 
 `<!-- dimensions -->` on a page becomes the notation table of `shapesafe_mha._core.dims`, the one place
 where every dimension name is declared, so the API page lists exactly the names the code knows.
-`<!-- mutmut-scores -->` becomes the table of the last generated mutation run (docs/mutmut-scores.json).
+`<!-- aliases -->` becomes the table of every shape alias `shapesafe_mha.dims` exports, each with its dtype and
+named shape, read from the aliases themselves. `<!-- mutmut-scores -->` becomes the table of the last generated
+mutation run (docs/mutmut-scores.json).
 """
 
 import json
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "<!-- dimensions -->"
+ALIASES = "<!-- aliases -->"
 SCORES = "<!-- mutmut-scores -->"  # the generated mutation run's table, from docs/mutmut-scores.json
 
 
@@ -21,6 +24,24 @@ def dimensions_table() -> str:
     lines = [line for line in (_dims.__doc__ or "").splitlines() if line.startswith("|")]
     if not lines:
         raise ValueError("shapesafe_mha._core.dims's docstring has no notation table")
+    return "\n".join(lines)
+
+
+def aliases_table() -> str:
+    """Every alias of `shapesafe_mha.dims` as a row: its name, then each shape it accepts (a union, such as
+    `AttnMask`, one per alternative) as `dtype[Tensor, "dims"]`, from jaxtyping's public `dtype` and `dim_str`."""
+    import shapesafe_mha.dims as public
+    from shapesafe_mha._core.messages import arrays_of
+
+    lines = ["| alias | annotation |", "|---|---|"]
+    for name in public.__all__:
+        if name == "DIMS":
+            continue
+        arrays = arrays_of(getattr(public, name))
+        if not arrays:
+            raise ValueError(f"shapesafe_mha.dims.{name} is not a jaxtyping array annotation")
+        shapes = " or ".join(f'`{a.__name__.split("[")[0]}[Tensor, "{a.dim_str}"]`' for a in arrays)
+        lines.append(f"| `{name}` | {shapes} |")
     return "\n".join(lines)
 
 
@@ -75,6 +96,8 @@ def scores_table() -> str:
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, dimensions_table())
+    if ALIASES in markdown:
+        markdown = markdown.replace(ALIASES, aliases_table())
     if SCORES in markdown:
         markdown = markdown.replace(SCORES, scores_table())
     return markdown
