@@ -358,3 +358,22 @@ def test_a_cache_of_another_dtype_than_the_module_is_refused_and_left_alone() ->
     with pytest.raises(ssm.ShapeError, match=r"kv_cache holds float64 on cpu, but the module computes float32"):
         module(torch.randn(1, 2, 16), kv_cache=cache)
     assert len(cache) == 0
+
+
+def test_a_remembered_stage_call_does_not_cover_another_flag_value_given_by_keyword() -> None:
+    """A public stage's remembered plan binds its flags: a call with another flag by keyword is another key,
+    computed with its own flag (a plan run for it would return a result, not fail, so no recheck would see it)."""
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8)
+    for first, second in ((False, True), (True, False)):
+        ssm.scaled_dot_product_attention(q, k, k, is_causal=first)
+        got = ssm.scaled_dot_product_attention(q, k, k, is_causal=second)
+        torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=second))
+
+
+def test_a_remembered_stage_call_with_the_int_1_does_not_cover_true() -> None:
+    """`group_queries(q, 1)` remembered, then `group_queries(q, True)`: refused as a fresh call refuses a bool head
+    count (True == 1 and hashes alike, so only the type in the key tells them apart; nothing fails in torch)."""
+    q = torch.randn(1, 4, 5, 8)
+    ssm.group_queries(q, 1)
+    with pytest.raises(ssm.ConfigError, match="num_kv_heads must be a positive int, but got True"):
+        ssm.group_queries(q, True)
