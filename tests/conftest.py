@@ -69,13 +69,13 @@ def _fresh_verdicts() -> None:
 def patch_kernel(monkeypatch: pytest.MonkeyPatch) -> Any:
     """`patch(name, replacement)`: replace `shapesafe_mha._compute.kernels.<name>` where the stages call it and
     where a remembered forward calls it directly (a stage's `raw`, bound when the modules were imported)."""
-    from shapesafe_mha._compute import kernels
+    from shapesafe_mha._compute import kernels, stages
     from shapesafe_mha._modules import latent, multihead
 
     def patch(name: str, replacement: Any) -> None:
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, replacement)
-        for module in (multihead, latent):
+        for module in (multihead, latent, stages):
             for namespace in vars(module).values():
                 if type(namespace).__name__ == "SimpleNamespace":
                     for key, value in vars(namespace).items():

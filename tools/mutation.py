@@ -160,7 +160,7 @@ MUTANTS: list[Mutant] = [
     M("_compute/stages.py", "held != (computed.dtype, computed.device)", "False",
       "a KV cache of another dtype than the module is not refused", PINS, CACHE),
     # --- the module: composition, verdicts, fast paths, conversions ---
-    M("_modules/multihead.py", "dropout_p = self.dropout if self.training else 0.0", "dropout_p = self.dropout",
+    M("_modules/plan.py", "dropout_p = module.dropout if module.training else 0.0", "dropout_p = module.dropout",
       "dropout applied in eval mode too", PINS),
     M("_modules/multihead.py", "        type(is_causal),\n        is_causal,", "        is_causal,",
       "verdict key lets True collide with 1", CONTRACT),

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._core.contract import stage
+from .._core.contract import raw, stage
 from .._core.dims import (
     AlibiSlopes,
     AttnMask,
@@ -53,6 +53,7 @@ from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, sho
 from . import kernels as K
 from .cache import KVCache
 from .fastpath import project as call_projection
+from .scorer import score
 
 # --- what annotations cannot say --------------------------------------------------------------------
 
@@ -380,13 +381,8 @@ def scaled_dot_product_attention(
             return K.sdpa(q, k, v, None, is_causal, scale, dropout_p)
         if K.native_gqa(q, k, dropout_p):
             return K.sdpa_gqa(q, k, v, None, is_causal, scale, dropout_p)
-    native = softcap is None and K.native_gqa(q, k, dropout_p)
-    mask = K.combine_masks(attn_mask, None, is_causal, q, k, softcap is not None, window, gqa=native)
-    may_empty = K.may_empty_rows(attn_mask, None, is_causal, q.shape[2], k.shape[2])
-    if native:  # torch's own kernel copies nothing here: no fold, no mask per folded row
-        causal = mask is None and K.native_causal(is_causal, q, k, gqa=True)
-        return K.attend_native(q, k, v, mask, causal, may_empty, scale, dropout_p)
-    return K.attend(q, k, v, mask, False, may_empty, scale, dropout_p, softcap)
+    out, _, _ = score(_SCORING, q, k, v, attn_mask, None, is_causal, window, scale, dropout_p, softcap)
+    return out  # pyright: ignore[reportReturnType]  (heads: `merge` was not asked for)
 
 
 @stage(precheck=_precheck_attention, validate=_validate_attention, explain=_explain_attention)
@@ -466,6 +462,7 @@ def _linear_fits(name: str, given: str, what: str) -> Callable[[dict[str, Any], 
                 )
 
     return validate
+
 
 # What MultiHeadAttention.forward is made of. Names are the trace's; dimension names are the
 # forward's, so one memo spans them all.
@@ -836,6 +833,14 @@ def native_attention(
 
     return native_kernel(query, in_weight, in_bias, out_weight, out_bias, num_heads)
 
+
+# The scorer's stages, unchecked: what the public scaled_dot_product_attention runs inside its own check.
+_SCORING = raw(
+    combine_masks=combine_masks, attend_heads=attend_heads, attend_native=attend_native, group_queries=group_queries,
+    fold_queries=fold_queries, fold_one_query=fold_one_query, fold_mask=fold_mask, attend_folded=attend_folded,
+    unfold=unfold, alibi_bias=alibi_bias, folded_weights=folded_weights, unfold_weights=unfold_weights,
+    weigh_values=weigh_values, merge_one_query=merge_one_query,
+)  # fmt: skip
 
 # The stages MultiHeadAttention.forward composes, by the names it calls them.
 FORWARD_STAGES: dict[str, Any] = {

@@ -19,8 +19,8 @@ class AttentionConfig:
     """What a `MultiHeadAttention` computes, as one frozen value; `MultiHeadAttention(**fields)` builds it,
     `MultiHeadAttention.from_config(config)` too, and `module.config` describes a built one.
 
-    Each field is the constructor keyword of the same name (see `MultiHeadAttention` for what each means).
-    Validation happens here, on construction (`ConfigError`, never an `assert`): a config that exists can be built.
+    Each field is the `MultiHeadAttention` constructor keyword of the same name. Validation happens here, on
+    construction (`ConfigError`, never an `assert`): a config that exists can be built.
 
     Example:
         >>> import dataclasses, shapesafe_mha as ssm
@@ -28,6 +28,68 @@ class AttentionConfig:
         >>> attn = ssm.MultiHeadAttention.from_config(dataclasses.replace(config, logit_softcap=30.0))
         >>> attn.config.variants()
         {'window': 16, 'logit_softcap': 30.0}
+
+    Arguments:
+        d_model: width of inputs and outputs.
+        num_heads: query heads.
+        num_kv_heads: key/value heads; None means `num_heads` (MHA), 1 is MQA, any divisor of
+            `num_heads` is GQA.
+        d_head: width of each head; default `d_model // num_heads` (which must then divide).
+        bias: biases on all four projections.
+        dropout: dropout on the attention probabilities, in training mode.
+        rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
+        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3", "yarn"; "dynamic" and
+            "longrope", whose frequencies follow each call's length, `max(positions) + 1`: decoding then turns
+            each step by its own, as a transformers model decoding through its cache does), or None.
+        rope_dim: partial rotary: rotate only the first `rope_dim` features of each query and key head
+            (even, at most `d_head`), the rest passed through, with the frequencies spaced over those
+            `rope_dim` (Phi, StableLM, GLM: transformers' `partial_rotary_factor * head_dim`); default
+            `d_head`, every feature.
+        rope_interleaved: RoPE pairs adjacent features `(2i, 2i+1)` instead of the halves `(i, i + rope_dim/2)`
+            of Llama's `rotate_half` (Cohere, GLM, ERNIE).
+        qk_norm: RMS-normalise each head's query and key over `d_head` before RoPE, with learned
+            weights (`q_norm`, `k_norm` submodules), as Qwen3 and Gemma 3 do.
+        qk_norm_over: "head" (default): each head's `d_head` features, weights `(d_head,)`; "all": every
+            head's features together, before the head split (OLMo-2), weights `(num_heads * d_head,)` for
+            the queries and `(num_kv_heads * d_head,)` for the keys; "per_head": each head's `d_head` features
+            with weights of its own, `(num_heads, d_head)` for the queries and `(num_kv_heads, d_head)` for the
+            keys (Cohere's `use_qk_norm`; the norms are then `HeadNorm`s).
+        qk_norm_centred: the QK-norm subtracts each head's mean first, a LayerNorm without bias
+            (`(x - mean) / sqrt(var + eps) * weight`, Cohere), instead of an RMSNorm; per head only.
+        qk_norm_offset: the QK-norm scales by `qk_norm_offset + weight` (Gemma 3, whose checkpoints store
+            the scale's offset from 1: `1.0`; the norms are then `OffsetRMSNorm`s); default 0, `nn.RMSNorm`.
+        qk_norm_after_rope: the per-head QK-norm comes after RoPE instead of before it (HunYuan), so the
+            cached keys are the normalised rotated ones.
+        norm_eps: the epsilon of QK-norm.
+        window: sliding-window attention: a query sees only the `window` most recent keys,
+            itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
+            `is_causal` the window bounds only how far back a query sees.
+        logit_softcap: cap the scores at `±logit_softcap` smoothly, `c * tanh(scores / c)`, before
+            the mask (Gemma 2).
+        query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
+            `d_head ** -0.5` (Gemma 2).
+        output_gate: an output gate (Qwen3-Next, Qwen3.5): `q_proj` gives each head `d_head` query features
+            and then `d_head` gate features, and the merged heads are multiplied by `sigmoid(gate)` before
+            `o_proj`. `q_proj` is then `2 * num_heads * d_head` wide.
+        clip_qkv: clamp the projected queries, keys and values to `[-clip_qkv, clip_qkv]` before the head
+            split (OLMo, OLMoE; after a QK-norm over every head, before a per-head one).
+        attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
+            (zeros at first), takes part in each row's softmax and is dropped after it, so a head may give
+            less than all of its weight to the keys. The scores are then computed here, not by SDPA.
+        temperature_tuning: `(floor_scale, attn_scale)`, Llama 4's temperature tuning of its NoPE layers:
+            the queries at cache index `i` (counted over every call into a `kv_cache`) are multiplied by
+            `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4:
+            `(8192, 0.1)`, on layers without RoPE).
+        chunk_size: Llama 4's chunked attention (`attention_chunk_size`): a query sees only the keys of its own
+            chunk of `chunk_size` positions (with `is_causal`, those up to itself), the chunks counted from
+            each sequence's first real key (after the left padding `key_padding_mask` shows, as transformers
+            counts them). Not with a `window`.
+        alibi: ALiBi position biases (Bloom, MPT) instead of position embeddings: each head `h` adds
+            `alibi_slopes[h] * (kv_pos - q_pos)` to its scores (after the scale and the softcap), the query at
+            its lower-right aligned position, so a key `d` positions back costs `d * slope`. `alibi_slopes` is a
+            buffer (saved in the state dict), Press et al.'s geometric slopes at first (`2 ** (-8 * h / n)`,
+            Bloom's interpolation for a head count not a power of two); overwrite it for others (MPT's). The
+            scores are then computed here, not by SDPA.
 
     Raises:
         ConfigError: a size is not a positive int, `num_kv_heads` does not divide `num_heads`, `d_head` is not

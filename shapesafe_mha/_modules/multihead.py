@@ -11,14 +11,13 @@ from torch import Tensor, nn
 
 from .._compute import kernels as K
 from .._compute.cache import KVCache
-from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state, pack_qkv
+from .._compute.fastpath import FusedQKV, call_restoring, choose_path, module_state, pack_qkv
 from .._compute.norms import HeadNorm, OffsetRMSNorm
 from .._compute.rotary import (
     RotaryEmbedding,
     apply_partial_rotary,
     apply_rotary,
     check_rotary_width,
-    default_positions,
     partial_rotary_tables,
     rotary_tables,
 )
@@ -47,6 +46,7 @@ from .._core.messages import ExplainedError, dtype_name, mismatch, not_dense
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
 from .config import OPTIONS, SIZES, AttentionConfig
+from .plan import plan, run
 
 # The options held as attributes of the module under their own names (`config` reads them back).
 _HELD = tuple(name for name in OPTIONS if name not in ("bias", "rope_scaling", "rope_dim", "attention_sinks", "alibi"))
@@ -67,7 +67,6 @@ _BUILT_FROM = {
     "alibi": "ALiBi slopes",
     "output_gate": "q_proj",
 }
-
 
 
 def _scalar(module: Any, scalar: float | None) -> float | None:
@@ -284,69 +283,12 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: key/value heads; None means `num_heads` (MHA), 1 is MQA, any divisor of
             `num_heads` is GQA.
         d_head: width of each head; default `d_model // num_heads` (which must then divide).
-        bias: biases on all four projections.
-        dropout: dropout on the attention probabilities, in training mode.
-        rope_theta: rotary position embeddings with this base (Llama: 10000 or 500000); None: none.
-        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("llama3", "yarn"; "dynamic" and
-            "longrope", whose frequencies follow each call's length, `max(positions) + 1`: decoding then turns
-            each step by its own, as a transformers model decoding through its cache does), or None.
-        rope_dim: partial rotary: rotate only the first `rope_dim` features of each query and key head
-            (even, at most `d_head`), the rest passed through, with the frequencies spaced over those
-            `rope_dim` (Phi, StableLM, GLM: transformers' `partial_rotary_factor * head_dim`); default
-            `d_head`, every feature.
-        rope_interleaved: RoPE pairs adjacent features `(2i, 2i+1)` instead of the halves `(i, i + rope_dim/2)`
-            of Llama's `rotate_half` (Cohere, GLM, ERNIE).
-        qk_norm: RMS-normalise each head's query and key over `d_head` before RoPE, with learned
-            weights (`q_norm`, `k_norm` submodules), as Qwen3 and Gemma 3 do.
-        qk_norm_over: "head" (default): each head's `d_head` features, weights `(d_head,)`; "all": every
-            head's features together, before the head split (OLMo-2), weights `(num_heads * d_head,)` for
-            the queries and `(num_kv_heads * d_head,)` for the keys; "per_head": each head's `d_head` features
-            with weights of its own, `(num_heads, d_head)` for the queries and `(num_kv_heads, d_head)` for the
-            keys (Cohere's `use_qk_norm`; the norms are then `HeadNorm`s).
-        qk_norm_centred: the QK-norm subtracts each head's mean first, a LayerNorm without bias
-            (`(x - mean) / sqrt(var + eps) * weight`, Cohere), instead of an RMSNorm; per head only.
-        qk_norm_offset: the QK-norm scales by `qk_norm_offset + weight` (Gemma 3, whose checkpoints store
-            the scale's offset from 1: `1.0`; the norms are then `OffsetRMSNorm`s); default 0, `nn.RMSNorm`.
-        qk_norm_after_rope: the per-head QK-norm comes after RoPE instead of before it (HunYuan), so the
-            cached keys are the normalised rotated ones.
-        norm_eps: the epsilon of QK-norm.
-        window: sliding-window attention: a query sees only the `window` most recent keys,
-            itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
-            `is_causal` the window bounds only how far back a query sees.
-        logit_softcap: cap the scores at `±logit_softcap` smoothly, `c * tanh(scores / c)`, before
-            the mask (Gemma 2).
-        query_pre_attn_scalar: scale the scores by `query_pre_attn_scalar ** -0.5` instead of
-            `d_head ** -0.5` (Gemma 2).
-        output_gate: an output gate (Qwen3-Next, Qwen3.5): `q_proj` gives each head `d_head` query features
-            and then `d_head` gate features, and the merged heads are multiplied by `sigmoid(gate)` before
-            `o_proj`. `q_proj` is then `2 * num_heads * d_head` wide.
-        clip_qkv: clamp the projected queries, keys and values to `[-clip_qkv, clip_qkv]` before the head
-            split (OLMo, OLMoE; after a QK-norm over every head, before a per-head one).
-        attention_sinks: attention sinks (gpt-oss): a learned logit per query head, the `sinks` parameter
-            (zeros at first), takes part in each row's softmax and is dropped after it, so a head may give
-            less than all of its weight to the keys. The scores are then computed here, not by SDPA.
-        temperature_tuning: `(floor_scale, attn_scale)`, Llama 4's temperature tuning of its NoPE layers:
-            the queries at cache index `i` (counted over every call into a `kv_cache`) are multiplied by
-            `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4:
-            `(8192, 0.1)`, on layers without RoPE).
-        chunk_size: Llama 4's chunked attention (`attention_chunk_size`): a query sees only the keys of its own
-            chunk of `chunk_size` positions (with `is_causal`, those up to itself), the chunks counted from
-            each sequence's first real key (after the left padding `key_padding_mask` shows, as transformers
-            counts them). Not with a `window`.
-        alibi: ALiBi position biases (Bloom, MPT) instead of position embeddings: each head `h` adds
-            `alibi_slopes[h] * (kv_pos - q_pos)` to its scores (after the scale and the softcap), the query at
-            its lower-right aligned position, so a key `d` positions back costs `d * slope`. `alibi_slopes` is a
-            buffer (saved in the state dict), Press et al.'s geometric slopes at first (`2 ** (-8 * h / n)`,
-            Bloom's interpolation for a head count not a power of two); overwrite it for others (MPT's). The
-            scores are then computed here, not by SDPA.
+        **options: the variants, each the `AttentionConfig` field of the same name, described there (RoPE,
+            QK-norm, windows, softcapping, sinks, ALiBi, output gate, ...).
         device, dtype: of the parameters.
 
     Raises:
-        ConfigError: the sizes are not positive ints, `num_kv_heads` does not divide `num_heads`,
-            `d_head` is not given and `num_heads` does not divide `d_model`, `dropout` is not a
-            number in [0, 1), `window` is not a positive int, `logit_softcap` /
-            `query_pre_attn_scalar` not a positive number, or `rope_dim` / `rope_interleaved` are given
-            without `rope_theta` or `rope_dim` is not an even int in `[2, d_head]`.
+        ConfigError: a size or an option out of its range, or contradicting another (see `AttentionConfig`).
     """
 
     alibi_slopes: Tensor | None  # ALiBi's slopes, one per query head (a buffer; None without ALiBi)
@@ -488,24 +430,18 @@ class MultiHeadAttention(nn.Module):
         """What the sizes and options fix, derived from them (again, when one is set after construction: a
         verdict or fused weight remembered under the old ones is forgotten)."""
         d_model, num_heads, num_kv_heads, d_head = self.d_model, self.num_heads, self.num_kv_heads, self.d_head
-        variant = (
-            self.qk_norm
-            or self.window is not None
-            or self.logit_softcap is not None
-            or self.query_pre_attn_scalar is not None
-            or self._parameters.get("sinks") is not None
-            or self.clip_qkv is not None
-            or self.output_gate
-            or self.temperature_tuning is not None
-            or self.chunk_size is not None
-            or self._buffers.get("alibi_slopes") is not None
-        )
         derived = self.__dict__  # not __setattr__: these are what it derives
-        if num_kv_heads and num_heads % num_kv_heads == 0:  # (sizes set one by one: the call checks them)
+        try:
+            config = self._described()
+        except ConfigError:  # sizes set one by one (head pruning) that do not fit yet: the call checks them
+            config = None
+        if config is not None:
             derived["group"] = num_heads // num_kv_heads
+            derived["_plan"] = plan(config)
         # Torch's fused MHA kernel needs plain MHA with heads that tile d_model (see fastpath.native_fits).
+        variants = () if config is None else config.variants().keys() - {"dropout", "bias"}
         derived["native_shape"] = (
-            num_kv_heads == num_heads and num_heads * d_head == d_model and self.rope_theta is None and not variant
+            config is not None and num_kv_heads == num_heads and num_heads * d_head == d_model and not variants
         )
         # the rows of q_proj, k_proj and v_proj this module's sizes fix: the only ones fused (fastpath.fused_qkv)
         derived["_qkv_rows"] = (num_heads * d_head, num_kv_heads * d_head, num_kv_heads * d_head)
@@ -796,125 +732,9 @@ class MultiHeadAttention(nn.Module):
             session.report(_FORWARD, result)
         return result
 
-    def _run(
-        self,
-        s: Any,
-        path: str,
-        fused: FusedQKV | None,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attn_mask: Tensor | None,
-        key_padding_mask: Tensor | None,
-        is_causal: bool,
-        need_weights: bool,
-        kv_cache: KVCache | None,
-        positions: Tensor | None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """The forward, stage by stage: `s` holds the stages, checked (a session's) or plain."""
-        num_heads, num_kv_heads, d_head = self.num_heads, self.num_kv_heads, self.d_head
-        modules = self._modules  # plain dict lookups: nn.Module.__getattr__ costs a microsecond each
-        q_proj, k_proj, v_proj, o_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["o_proj"]
-        if path is NATIVE and fused is not None:
-            out = o_proj._parameters  # pyright: ignore[reportOptionalMemberAccess]  (built in __init__)
-            out_weight, out_bias = out["weight"], out["bias"]
-            return s.native_attention(query, fused.weight, fused.bias, out_weight, out_bias, num_heads)
-        gate = None
-        every = self.qk_norm and self.qk_norm_over == "all"
-        before_split = every or self.clip_qkv is not None  # these see the projections before the head split
-        split = False  # whether q, k and v are heads already
-        if self.output_gate:  # Qwen3-Next: each head's queries and its gate from one projection
-            q, gate = s.split_gated_query(s.project_gated_query(q_proj, query), num_heads)
-            k = s.project_key(k_proj, key)
-            v = s.project_value(v_proj, value)
-        elif path is FUSED and fused is not None:
-            qkv = s.project_qkv(query, fused.weight, fused.bias)
-            if before_split:
-                q, k, v = s.unfuse(qkv, num_heads * d_head, num_kv_heads * d_head)
-            else:  # three views, the same as unfusing and then splitting each (four fewer calls)
-                q, k, v = s.split_fused(qkv, num_heads, num_kv_heads)
-                split = True
-        else:
-            q = s.project_query(q_proj, query)
-            k = s.project_key(k_proj, key)
-            v = s.project_value(v_proj, value)
-        if every:  # the statistic of every head's features together, before they are split
-            q, k = s.normalize_qk_inner(modules["q_norm"], modules["k_norm"], q, k)
-        if self.clip_qkv is not None:
-            q, k, v = s.clip_projections(q, k, v, self.clip_qkv)
-        if not split:
-            if gate is None:
-                q = s.split_query(q, num_heads)
-            k = s.split_key(k, num_kv_heads)
-            v = s.split_value(v, num_kv_heads)
-        if self.qk_norm and not every and not self.qk_norm_after_rope:
-            q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
-        rotary = modules.get("rotary")
-        if rotary is not None:
-            if positions is None:
-                positions = default_positions(query, 0 if kv_cache is None else kv_cache.seen)
-            if self.rope_dim == d_head:
-                cos, sin = s.rotary_tables(rotary, positions, q)
-                q, k = s.apply_rotary(q, k, cos, sin, self.rope_interleaved)
-            else:  # partial rotary: the tables and the rotation of the first rope_dim features only
-                cos, sin = s.partial_rotary_tables(rotary, positions, q)
-                q, k = s.apply_partial_rotary(q, k, cos, sin, self.rope_interleaved)
-        if self.qk_norm_after_rope:  # HunYuan: the rotated queries and keys normalised, and so cached
-            q, k = s.normalize_qk(modules["q_norm"], modules["k_norm"], q, k)
-        tuning = self.temperature_tuning
-        if tuning is not None:  # Llama 4's NoPE layers: each query scaled by its cache index
-            q = s.tune_query_temperature(q, 0 if kv_cache is None else kv_cache.seen, *tuning)
-        if kv_cache is None:
-            k, v = s.attend_to_new(k, v)
-        else:
-            k, v = s.append_to_cache(kv_cache, kv_cache.keys_buffer, k, v)
-            masked = attn_mask is not None or key_padding_mask is not None
-            if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
-                attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
-        if self.chunk_size is not None:  # Llama 4: a query sees only the keys of its own chunk
-            attn_mask = s.chunk_masks(q, k, attn_mask, key_padding_mask, self.chunk_size)
-        scale, softcap, sinks = self.scale, self.logit_softcap, self._parameters.get("sinks")
-        slopes = self._buffers.get("alibi_slopes")
-        # the scores computed here, not by SDPA
-        explicit = need_weights or softcap is not None or sinks is not None or slopes is not None
-        dropout_p = self.dropout if self.training else 0.0
-        native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
-        mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, self.window, native)
-        weights = merged = None
-        if mask is None and num_heads == num_kv_heads and not explicit:
-            out = s.attend_heads(q, k, v, K.native_causal(is_causal, q, k), dropout_p, scale)
-        elif native:
-            causal = mask is None and K.native_causal(is_causal, q, k, gqa=True)
-            may_empty = mask is not None and K.may_empty_rows(
-                attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2]
-            )
-            out = s.attend_native(q, k, v, mask, causal, may_empty, dropout_p, scale)
-        else:
-            single = q.shape[2] == 1  # decoding: the fold and the merge are one view or reshape each
-            folded = s.fold_one_query(q, num_kv_heads) if single else s.fold_queries(s.group_queries(q, num_kv_heads))
-            folded_mask, rows = None, None
-            if mask is not None:
-                may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
-                may_empty = may_empty and (explicit or not K.zeroes_empty_rows(q, dropout_p))  # SDPA's own zeros
-                folded_mask, rows = s.fold_mask(mask, may_empty, num_heads, num_kv_heads)
-            if explicit:
-                bias = None if slopes is None else s.alibi_bias(slopes, q, k)
-                folded_weights = s.folded_weights(folded, k, folded_mask, scale, softcap, sinks, bias)
-                if need_weights:
-                    weights = s.unfold_weights(folded_weights, num_heads, rows)
-                out = s.unfold(s.weigh_values(folded_weights, v, dropout_p), num_heads, rows)
-            else:
-                out = s.attend_folded(folded, k, v, folded_mask, dropout_p, scale)
-                if single and rows is None:
-                    merged = s.merge_one_query(out)
-                else:
-                    out = s.unfold(out, num_heads, rows)
-        if merged is None:  # one query a head (decoding): the heads merge by one reshape, no transpose
-            merged = s.merge_one_query_heads(out) if q.shape[2] == 1 else s.merge(out)
-        if gate is not None:
-            merged = s.gate_output(merged, gate)
-        out = s.project_output(o_proj, merged)
-        return out if weights is None else (out, weights)
+    def _run(self, s: Any, path: str, fused: FusedQKV | None, *call: Any) -> Tensor | tuple[Tensor, Tensor]:
+        """The forward by this module's plan (`plan.run`): `s` holds the stages, checked (a session's) or plain."""
+        return run(self, self.__dict__["_plan"], s, path, fused, *call)
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> "MultiHeadAttention":
