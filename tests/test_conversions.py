@@ -60,10 +60,7 @@ REFUSED = {
         r"q_layernorm='LayerNorm': the layer holds a submodule with parameters \(LayerNorm\) that",
     ),
     "gptj rotary_dim wider than a head": (
-        "gptj",
-        {},
-        r"rotary_dim=64: the rotated part must be an even number of features in \[2, head_dim=8\]",
-    ),
+        "gptj", {}, r"rotary_dim=64: the rotated part must be an even number of features in \[2, head_dim=8\]"),
     "olmo clip_qkv of 0": ("olmo", {"clip_qkv": 0.0}, r"config.clip_qkv=0.0: a clip bound must be a positive number"),
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, r"q_layernorm='StableLmLayerNormPerHead'"),
     "bitnet attn_sub_norm": ("bitnet", {}, r"attn_sub_norm='BitNetRMSNorm': the layer holds a submodule"),

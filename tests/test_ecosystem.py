@@ -106,7 +106,6 @@ def test_every_kind_of_hook_on_the_attention_module_itself_runs_as_nn_module_run
     module(x.requires_grad_()).sum().backward()
     assert len(grads) == 1 and torch.equal(grads[0], torch.ones_like(plain))
 
-
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_an_accelerate_hook_on_a_projection_runs_on_every_path(grad: bool) -> None:
     """accelerate's hooks replace a module's `forward` on the instance (no torch hook to see): the projection

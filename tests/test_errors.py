@@ -60,6 +60,7 @@ def test_detail_lines_give_named_shapes_and_bound_dimensions() -> None:
     assert any(line.startswith("Bound so far:") and "d_head=64 (q)" in line for line in lines)
 
 
+
 def test_a_modules_detail_lines_show_every_tensor_it_was_called_with_masks_included() -> None:
     """A module call's mistake lists each tensor argument it was given (the mask at fault among them), as given."""
     module = ssm.MultiHeadAttention(16, 4, 2)
@@ -76,7 +77,6 @@ def test_a_modules_detail_lines_show_every_tensor_it_was_called_with_masks_inclu
         "  attn_mask: bool[3, 5]",
     ]
     assert lines[6].startswith("  key_padding_mask: bool[")
-
 
 @pytest.mark.parametrize("mask", ["key_padding_mask", "attn_mask"])
 def test_a_cached_call_names_the_cache_plus_key_as_what_set_kv_seq(mask: str) -> None:

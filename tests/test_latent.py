@@ -867,3 +867,4 @@ def test_from_hf_verify_false_skips_the_probe() -> None:
         ssm.LatentAttention.from_hf(layer)
     ours = ssm.LatentAttention.from_hf(layer, verify=False)
     torch.testing.assert_close(ours.kv_b_proj.weight, layer.kv_b_proj.weight)
+

@@ -18,8 +18,8 @@ SURFACE = len(FLOORS)  # the thin public modules at the top: shapesafe_mha, .dim
 
 # The only imports that run up a floor, each deferred (inside the function that needs it) and why.
 UPWARD = {
-    ("_modules.multihead", "_interop.hf"): "MultiHeadAttention.from_hf/to_hf are public classmethods, done by interop",
-    ("_modules.multihead", "_interop.torch_nn"): "MultiHeadAttention.from_torch/to_torch/from_weights, the same",
+    ("_modules.conversions", "_interop.hf"): "MultiHeadAttention.from_hf/to_hf: public classmethods, done by interop",
+    ("_modules.conversions", "_interop.torch_nn"): "MultiHeadAttention.from_torch/to_torch/from_weights, the same",
     ("_modules.latent", "_interop.hf"): "LatentAttention.from_hf, the same",
 }
 

@@ -262,6 +262,7 @@ def test_partial_rotary_errors_name_the_table_and_d_rope() -> None:
         ssm.apply_partial_rotary(q, k, cos.float(), sin.float()[..., :2])
 
 
+
 @pytest.mark.parametrize(("rope_dim", "first", "bound"), [
     (4, "the result has d_rope=2 (axis 2), but the module set d_rope=4.", "(the module), d_rope=4 (the module),"),
     (None, "the result has d_head=4 (axis 2), but the module set d_head=8.", "(the module), batch=1 (query),"),
@@ -293,7 +294,6 @@ def test_an_odd_head_width_is_refused_by_the_module_for_full_rotary_and_taken_fo
     assert str(caught.value) == message
     partial = ssm.MultiHeadAttention(36, 4, 2, d_head=9, rope_theta=1e4, rope_dim=4)
     assert partial(torch.randn(1, 3, 36)).shape == (1, 3, 36)
-
 
 def test_partial_rotary_module_reports_its_options() -> None:
     module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=4, rope_interleaved=True)

@@ -75,9 +75,9 @@ def pooled(x: Tokens) -> Float[Tensor, "batch d_model"]:
 
 
 @ssm.shapecheck
-def cross_attend(
-    text: Float[Tensor, "batch text d_model"], patches: Float[Tensor, "batch patches d_model"]
-) -> Float[Tensor, "batch text d_model"]:
+def cross_attend(text: Float[Tensor, "batch text d_model"], patches: Float[Tensor, "batch patches d_model"]) -> Float[
+    Tensor, "batch text d_model"
+]:
     weights = (patches @ text.mT).softmax(-1)  # the bug: patches attend to text, not text to patches
     return weights @ text
 
@@ -201,6 +201,7 @@ def test_a_remembered_verdict_still_rejects_a_new_wrong_call() -> None:
     assert "log_temp has num_heads=3" in first_line(lambda: apply_temperature(q, torch.randn(3)))
 
 
+
 @pytest.mark.parametrize(
     "wrong",
     [
@@ -265,7 +266,6 @@ def test_a_remembered_verdict_for_a_parameter_admits_no_plain_tensor() -> None:
         double_parameter(nn.Parameter(torch.ones(3, 4)))
     assert "weight does not satisfy" in first_line(lambda: double_parameter(torch.ones(3, 4)))
 
-
 # --- sizes bound before any tensor -----------------------------------------------------------------------
 
 
@@ -314,9 +314,9 @@ def inner(x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_m
 
 
 @ssm.shapecheck
-def outer(
-    x: Float[Tensor, "batch seq d_model"], memory: Float[Tensor, "batch kv_seq d_model"]
-) -> Float[Tensor, "batch seq d_model"]:
+def outer(x: Float[Tensor, "batch seq d_model"], memory: Float[Tensor, "batch kv_seq d_model"]) -> Float[
+    Tensor, "batch seq d_model"
+]:
     inner(memory)  # its own seq is the caller's kv_seq: fine outside a scope
     return inner(x)
 
@@ -431,7 +431,10 @@ def test_the_switch_turns_the_checks_off() -> None:
         with pytest.raises(RuntimeError):  # torch's own broadcasting error: no check ran
             apply_temperature(*wrong)
         ssm.expect(torch.zeros(2, 3), "batch batch")
-    code = "import torch, shapesafe_mha as ssm\nprint(ssm.expect(torch.zeros(2, 3), 'batch batch').shape)\n"
+    code = (
+        "import torch, shapesafe_mha as ssm\n"
+        "print(ssm.expect(torch.zeros(2, 3), 'batch batch').shape)\n"
+    )
     env = {"SHAPESAFE_MHA_UNCHECKED": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
     assert "torch.Size([2, 3])" in out.stdout
@@ -532,7 +535,7 @@ def test_prove_names_the_users_function_and_dimension_of_a_size_specific_bug(bug
     assert any(re.match(message, failure) for failure in proof.failures), proof.failures
 
 
-USER_MODULE_WITH_FUTURE_ANNOTATIONS = """
+USER_MODULE_WITH_FUTURE_ANNOTATIONS = '''
 from __future__ import annotations
 
 from jaxtyping import Float
@@ -554,7 +557,7 @@ def make_local() -> type:
             return self
 
     return Local
-"""
+'''
 
 
 def test_string_annotations_are_read_from_the_module_and_a_local_name_is_a_config_error(

@@ -482,12 +482,8 @@ def test_codegen_qkv_proj_is_loaded_in_the_layers_own_blocks_and_another_split_i
 @pytest.mark.parametrize(
     ("model_type", "kwargs", "match"),
     [
-        (
-            "gptj",
-            {"rotary_dim": 3},
-            r"rotary_dim=3: the rotated part must be an even number of features in "
-            r"\[2, head_dim=8\]",
-        ),
+        ("gptj", {"rotary_dim": 3}, r"rotary_dim=3: the rotated part must be an even number of features in "
+                                    r"\[2, head_dim=8\]"),
         ("gptj", {"rotary_dim": 16}, r"rotary_dim=16: the rotated part must be"),
         ("codegen", {"rotary_dim": 5}, r"rotary_dim=5: the rotated part must be"),
         ("gptj", {"rotary_dim": 4, "resid_pdrop": 0.1}, r"resid_pdrop=0.1: a dropout of the layer's output"),

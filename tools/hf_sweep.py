@@ -166,10 +166,10 @@ def render(rows: list[Row]) -> str:
 
     counts = {v: sum(r.verdict == v for r in rows) for v in dict.fromkeys(r.verdict for r in rows)}
     lines = [
-        '# Hugging Face architectures under `attn_implementation="shapesafe"`',
+        "# Hugging Face architectures under `attn_implementation=\"shapesafe\"`",
         "",
         f"Every causal LM architecture of transformers {transformers.__version__}, built tiny from its config",
-        '(random weights), its logits under `"shapesafe"` compared with the reference implementation\'s, by',
+        "(random weights), its logits under `\"shapesafe\"` compared with the reference implementation's, by",
         "`python -m tools.hf_sweep --write` (tests/test_hf_models.py fails if this page is stale or any row",
         "differs or fails). " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",
         "",

@@ -254,7 +254,7 @@ _ABBREVIATIONS = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat1
 
 
 def _layout(value: torch.Tensor) -> str | None:
-    """ "nested" or "sparse (torch.sparse_coo)" for a tensor that is not dense, else None."""
+    """"nested" or "sparse (torch.sparse_coo)" for a tensor that is not dense, else None."""
     if value.is_nested:
         return "nested"
     return None if value.layout is torch.strided else f"sparse ({value.layout})"

@@ -246,9 +246,8 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
     norms = [getattr(attention, norm, None) for norm in names]
     shared = getattr(attention, SHARED_QK_NORM, None)
     if isinstance(shared, nn.Module):  # Llama 4: one norm without weight after RoPE, ours of weight 1
-        options.update(
-            qk_norm=True, norm_eps=_norm_eps(shared), qk_norm_over="head", qk_norm_offset=0.0, qk_norm_after_rope=True
-        )
+        options.update(qk_norm=True, norm_eps=_norm_eps(shared), qk_norm_over="head", qk_norm_offset=0.0,
+                       qk_norm_after_rope=True)
     elif any(norm is not None for norm in norms):
         options["qk_norm"] = True
         options["norm_eps"] = _norm_eps(norms[0])
@@ -362,7 +361,7 @@ def qk_norm_names(layer: nn.Module) -> tuple[tuple[str, str], bool]:
 
 
 def _norm_over(norm: Any, config: Any) -> str:
-    """ "head" for a QK-norm of each head's d_head features, "all" for one of every head's together (OLMo-2),
+    """"head" for a QK-norm of each head's d_head features, "all" for one of every head's together (OLMo-2),
     "per_head" for one of each head's features with weights of its own, `(heads, head_dim)` (Cohere)."""
     weight = getattr(norm, "weight", None)
     head_dim = _head_dim(config)
@@ -672,7 +671,9 @@ def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     if variant is not None:
         raise _refuse("parameters", own, f"the layer computes {variant}, which MultiHeadAttention does not")
     if own:
-        raise _refuse("parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded")
+        raise _refuse(
+            "parameters", own, "the layer holds parameters of its own (attention sinks?) that are not loaded"
+        )
     for name, child in attention.named_children():
         if name not in _LOADED and any(True for _ in child.parameters()):
             why = f"the layer holds a submodule with parameters ({type(child).__name__}) that is not loaded"
@@ -925,14 +926,8 @@ def _hf_outputs(
     def call(chunk: Tensor, start: int, cache: Any) -> Tensor:
         positions = torch.arange(start, start + chunk.shape[1], device=x.device)[None]
         index = {"layer_idx": layer_idx} if "layer_idx" in mask_parameters and layer_idx is not None else {}
-        mask = make_mask(
-            config=config,
-            inputs_embeds=chunk,
-            attention_mask=None,
-            position_ids=positions,
-            **{cache_word: cache},
-            **index,
-        )  # fmt: skip  (the cache layer this one writes)
+        mask = make_mask(config=config, inputs_embeds=chunk, attention_mask=None, position_ids=positions,
+                         **{cache_word: cache}, **index)  # fmt: skip  (the cache layer this one writes)
         kwargs: dict[str, Any] = {"attention_mask": mask, layer_cache_word: cache}
         if rotary is not None:
             takes_type = "layer_type" in inspect.signature(rotary.forward).parameters

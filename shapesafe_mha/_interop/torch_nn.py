@@ -66,7 +66,6 @@ def to_torch(module: Any, *, verify: bool = True) -> nn.MultiheadAttention:
 
 def _torch_outputs(theirs: nn.MultiheadAttention, x: Tensor) -> probe.Outputs:
     """The probe through `nn.MultiheadAttention`: causal by its mask (True = forbidden); decoding is the last row."""
-
     def causal(x: Tensor) -> Tensor:
         seq = x.shape[1]
         return torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
@@ -185,7 +184,9 @@ def from_torch(cls: Any, module: nn.MultiheadAttention) -> Any:
             "(the weights are the same) and pass x.transpose(0, 1) where you passed x."
         )
     if not module._qkv_same_embed_dim:
-        raise ConfigError("MultiHeadAttention.from_torch(): modules with kdim or vdim != embed_dim are not supported.")
+        raise ConfigError(
+            "MultiHeadAttention.from_torch(): modules with kdim or vdim != embed_dim are not supported."
+        )
     if module.bias_k is not None or module.add_zero_attn:
         raise ConfigError("MultiHeadAttention.from_torch(): add_bias_kv and add_zero_attn are not supported.")
     weight = module.in_proj_weight

@@ -565,8 +565,7 @@ class LatentAttention(nn.Module):
         return (
             f"d_model={self.d_model}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
             f"kv_lora_rank={self.kv_lora_rank}, d_nope={self.d_nope}, d_rope={self.d_rope}, d_value={self.d_value}, "
-            f"rope_theta={self.rope_theta}"
-            + (", interleaved=True" if self.interleaved else "")
+            f"rope_theta={self.rope_theta}" + (", interleaved=True" if self.interleaved else "")
             + ("" if self.rotary.scaling is None else f", rope_scaling={self.rotary.scaling}")
             + ("" if self.scale == (self.d_nope + self.d_rope) ** -0.5 else f", scale={self.scale:g}")
         )

@@ -2,8 +2,7 @@
 
 import contextlib
 import dataclasses
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -11,42 +10,31 @@ from torch import Tensor, nn
 
 from .._compute import kernels as K
 from .._compute.cache import KVCache
-from .._compute.fastpath import FusedQKV, call_restoring, choose_path, module_state, pack_qkv
-from .._compute.norms import HeadNorm, OffsetRMSNorm
+from .._compute.fastpath import FusedQKV, call_restoring, choose_path, pack_qkv
+from .._compute.norms import qk_norms
 from .._compute.rotary import (
     RotaryEmbedding,
-    apply_partial_rotary,
-    apply_rotary,
     check_rotary_width,
-    partial_rotary_tables,
-    rotary_tables,
 )
 from .._compute.stages import (
-    FORWARD_STAGES,
-    autocast_dtype,
-    autocast_on,
-    check_cache,
     check_temperature_tuning,
-    explain_mask,
 )
-from .._core.contract import CallKey, Session, Stage, Verdicts, raw, remembered_forward, witness
+from .._core.contract import Verdicts, remembered_forward
 from .._core.dims import (
     AttnMask,
-    KVTokens,
     Memory,
-    ModuleSizes,
     PaddingMask,
     Positions,
     Probabilities,
-    RotarySizes,
     Tokens,
 )
 from .._core.errors import ConfigError
-from .._core.messages import ExplainedError, dtype_name, mismatch, not_dense
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
 from .config import OPTIONS, SIZES, AttentionConfig
-from .plan import plan, run
+from .contract import checked_forward, forward_key, forward_stage, quiet_jit_tracer
+from .conversions import Conversions
+from .plan import RAW, plan, run
 
 # The options held as attributes of the module under their own names (`config` reads them back).
 _HELD = tuple(name for name in OPTIONS if name not in ("bias", "rope_scaling", "rope_dim", "attention_sinks", "alibi"))
@@ -83,184 +71,19 @@ def _same(module: Any, value: Any) -> Any:
 
 
 # An option set on a built module, validated, as it is held (and what it fixes besides, re-derived).
-_DERIVED = {"query_pre_attn_scalar": _scalar, "clip_qkv": _bound, "temperature_tuning": lambda m, t: _tuning(t)}
+_DERIVED = {
+    "query_pre_attn_scalar": _scalar,
+    "clip_qkv": _bound,
+    "temperature_tuning": lambda m, t: _tuning(t),
+    "qk_norm_offset": lambda m, offset: float(offset),
+}
 
 
 def _tuning(tuning: Any) -> tuple[int, float] | None:
     return check_temperature_tuning("", tuning)
 
 
-_STAGES = FORWARD_STAGES | {
-    "rotary_tables": rotary_tables,
-    "apply_rotary": apply_rotary,
-    "partial_rotary_tables": partial_rotary_tables,
-    "apply_partial_rotary": apply_partial_rotary,
-}
-_RAW = raw(**_STAGES)
-
-
-@contextlib.contextmanager
-def _quiet_jit_tracer() -> Iterator[None]:
-    """Checks read sizes in Python; under `torch.jit.trace` that is not part of the graph, so say nothing."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # pyright: ignore[reportPrivateImportUsage]
-        yield
-
-
-def _module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device] | None:
-    """The dtype and device of the module's first floating-point parameter (None if it has none)."""
-    for param in module.parameters():
-        if param.is_floating_point():
-            return param.dtype, param.device
-    return None
-
-
-def _precheck_forward(arguments: dict[str, Any]) -> None:
-    """Inputs in the module's dtype and on its device; a cache of the right kind."""
-    module = arguments["self"]
-    for name in ("query", "key", "value", "attn_mask", "key_padding_mask", "positions"):
-        failure = not_dense(name, arguments[name])
-        if failure is not None:  # first: a nested tensor's sizes are symbolic, a sparse one has no views
-            raise failure
-    if arguments["positions"] is not None and module.rotary is None:
-        raise ConfigError(
-            "positions were given, but this module has no rotary embeddings (rope_theta=None): "
-            "nothing would use them. Build it with rope_theta=..., or drop positions."
-        )
-    key, query = arguments["key"], arguments["query"]
-    if module.rotary is not None and isinstance(key, Tensor) and isinstance(query, Tensor) and key is not query:
-        if key.dim() == query.dim() == 3 and key.shape[1] != query.shape[1]:
-            raise mismatch(
-                f"key has kv_seq={key.shape[1]} positions for the query's seq={query.shape[1]}, but this module "
-                f"rotates queries and keys by the same positions (rope_theta={module.rotary.theta}): cross-attention "
-                "with rotary embeddings is not supported. Build the module with rope_theta=None for cross-attention.",
-                arg="key",
-                dim="kv_seq",
-            )
-    found = _module_dtype_device(module)
-    cache = arguments["kv_cache"]
-    check_cache(cache, KVCache)
-    if cache is not None and not _window_fits(cache.window, module.window):
-        raise mismatch(
-            f"kv_cache keeps a window of {cache.window} positions, but the module attends over "
-            + ("every position" if module.window is None else f"a window of {module.window}")
-            + "; it would have dropped keys the module needs. Make it with module.new_cache(batch, capacity).",
-            arg="kv_cache",
-            dim="window",
-        )
-    if found is None:
-        return
-    dtype, device = found
-    for name in ("query", "key", "value"):
-        tensor = arguments[name]
-        if not isinstance(tensor, Tensor):
-            continue
-        if tensor.dtype != dtype:
-            raise mismatch(
-                f"{name} has dtype {dtype_name(tensor.dtype)}, but the module's parameters are {dtype_name(dtype)}; "
-                + (
-                    f"cast the input ({name}.to({dtype})) or the module (module.to({tensor.dtype}))."
-                    if tensor.is_floating_point()
-                    else f"inputs must be floating point: {name}.to({dtype})."
-                ),
-                arg=name,
-            )
-        if tensor.device != device:
-            raise mismatch(
-                f"{name} is on {tensor.device}, but the module's parameters are on {device}; "
-                f"move one of them ({name}.to('{device}') or module.to('{tensor.device}')).",
-                arg=name,
-            )
-
-
-def _kind(tensor: Tensor) -> tuple[Any, ...]:
-    return type(tensor), tensor.dtype, tensor.device
-
-
-def _window_fits(kept: int | None, needed: int | None) -> bool:
-    """Whether a cache keeping a window of `kept` positions (None: all) holds every key a window of `needed` sees."""
-    return kept is None or (needed is not None and kept >= needed)
-
-
-def _explain_forward(arguments: dict[str, Any], failure: ExplainedError) -> str | None:
-    if failure.arg == "value" and failure.dim in ("kv_seq", "new"):
-        return "key and value must cover the same positions."
-    if failure.arg in ("key", "value") and failure.dim == "batch":
-        return f"{failure.arg} needs one sequence per query sequence."
-    return explain_mask(arguments, failure)
-
-
-def forward_key(
-    module: Any,
-    path: str,
-    fused: FusedQKV | None,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
-    key_padding_mask: Tensor | None,
-    is_causal: Any,
-    need_weights: Any,
-    kv_cache: KVCache | None,
-    positions: Tensor | None,
-) -> CallKey:
-    """What the verdict of a `MultiHeadAttention` call depends on: its structure (kinds, ranks, dtypes, devices,
-    flags, path, submodules) and its sizes; these exactly, for a lookup that costs one hash. `fused`: the fused
-    projection this call runs, current (its projections are then read from it, see `module_state`)."""
-    shape = query.shape
-    key_shape = shape if key is query else key.shape
-    kv_len = key_shape[1]
-    cache_kind = buffer_shape = kept = None
-    if kv_cache is not None:
-        kv_len += kv_cache._start + kv_cache._length  # len(kv_cache), without a Python call of __len__
-        buffer = kv_cache.keys_buffer
-        cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache.window), buffer.shape
-        if kv_cache.window is not None:
-            kept = (kv_cache.kept, kv_cache.kept + key_shape[1])
-    masked = attn_mask is not None or key_padding_mask is not None
-    device = query.device
-    modules = module._modules.values()
-    own = module.__dict__  # its own tensors, read each call (`.data` swapped, a tensor keeps its identity)
-    sinks, slopes = own["_parameters"].get("sinks"), own["_buffers"].get("alibi_slopes")
-    structure = (
-        path,
-        type(query),
-        query.dtype,
-        device,
-        None if key is query else (type(key), key.dtype, key.device),
-        None if value is key else (type(value), value.dtype, value.device),
-        None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device),
-        None if key_padding_mask is None else _kind(key_padding_mask),
-        None if positions is None else (type(positions), positions.dtype, positions.device),
-        cache_kind,
-        type(is_causal),
-        is_causal,
-        type(need_weights),
-        need_weights,
-        shape[1] > kv_len,  # some rows have nothing to attend to
-        shape[1] == 1 and K.native_decodes(shape[0], module.num_heads, kv_len, module.d_head),
-        module.training,
-        autocast_on() and autocast_dtype(device),
-        *modules,  # a projection replaced is another module (compared by identity)
-        module_state(modules, fused),  # hooks added, parameters replaced or re-typed
-        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
-        None if slopes is None else (slopes.shape, slopes.dtype, slopes.device),
-    )
-    shapes = (
-        shape,
-        None if key is query else key_shape,
-        None if value is key else value.shape,
-        None if attn_mask is None else attn_mask.shape,
-        None if key_padding_mask is None else key_padding_mask.shape,
-        buffer_shape,
-        kept,
-        None if positions is None else positions.shape,
-    )
-    # kv_seq counts the cached positions too; it is checked only against masks.
-    return tuple.__new__(CallKey, (structure, shapes, kv_len if masked else None))  # without NamedTuple's frame
-
-
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(Conversions, nn.Module):
     """Multi-head attention with MHA, GQA and MQA by configuration, batch-first, checked.
 
     `o_proj(merge_heads(attention(split_heads(q_proj(x)), split_heads(k_proj(x)), split_heads(v_proj(x)))))`.
@@ -292,6 +115,7 @@ class MultiHeadAttention(nn.Module):
     """
 
     alibi_slopes: Tensor | None  # ALiBi's slopes, one per query head (a buffer; None without ALiBi)
+    window: int | None  # an option, held under its name (as each of `AttentionConfig`'s)
     native_shape: bool  # derived (`_derive`): torch's fused MHA kernel fits these sizes and options
     _qkv_rows: tuple[int, int, int]
     _constants: frozenset[int]
@@ -338,47 +162,26 @@ class MultiHeadAttention(nn.Module):
 
     def _build(self, config: AttentionConfig, factory: dict[str, Any]) -> None:
         """The submodules, parameters and attributes `config` describes (validated when it was made)."""
-        d_model, num_heads, num_kv_heads, d_head = config.d_model, config.num_heads, config.kv_heads, config.head_width
         c, device, dtype = config, factory["device"], factory["dtype"]
+        d_model, num_heads, num_kv_heads, d_head = c.d_model, c.num_heads, c.kv_heads, c.head_width
         self.d_model, self.num_heads, self.num_kv_heads, self.d_head = d_model, num_heads, num_kv_heads, d_head
         self.group = num_heads // num_kv_heads
-        self.dropout = c.dropout
-        self.output_gate = c.output_gate
-        bias = c.bias
-        self.q_proj = nn.Linear(d_model, num_heads * d_head * (2 if c.output_gate else 1), bias=bias, **factory)
-        self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
-        self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=bias, **factory)
-        self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=bias, **factory)
-        pack_qkv(self.q_proj, self.k_proj, self.v_proj)  # one storage, viewed whole by the fused path
-        self.rope_theta = c.rope_theta
+        for name in (n for n in _HELD if n not in SIZES):  # each option held under its own name, as it is held
+            setattr(self, name, _DERIVED.get(name, _same)(self, getattr(c, name)))
         self.rope_dim = c.rotated_width
-        self.rope_interleaved = c.rope_interleaved
+        self.q_proj = nn.Linear(d_model, num_heads * d_head * (2 if c.output_gate else 1), bias=c.bias, **factory)
+        self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=c.bias, **factory)
+        self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=c.bias, **factory)
+        self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=c.bias, **factory)
+        pack_qkv(self.q_proj, self.k_proj, self.v_proj)  # one storage, viewed whole by the fused path
         self.rotary: RotaryEmbedding | None = None
         if c.rope_theta is not None:
             if self.rope_dim == d_head:
                 check_rotary_width(d_head, c.owner)
             self.rotary = RotaryEmbedding(self.rope_dim or d_head, c.rope_theta, c.rope_scaling, c.rope_interleaved)
             self.rotary.to(device=device)
-        self.qk_norm, self.qk_norm_over, self.qk_norm_centred = c.qk_norm, c.qk_norm_over, c.qk_norm_centred
-        self.qk_norm_offset, self.qk_norm_after_rope = float(c.qk_norm_offset), c.qk_norm_after_rope
-        self.norm_eps = c.norm_eps
         if c.qk_norm:
-            norm_eps, offset = c.norm_eps, c.qk_norm_offset
-            every = c.qk_norm_over == "all"
-            widths = (num_heads * d_head, num_kv_heads * d_head) if every else (d_head, d_head)
-            if c.qk_norm_over == "per_head" or c.qk_norm_centred:  # Cohere: a norm of each head, its own weights
-                heads = (num_heads, num_kv_heads) if c.qk_norm_over == "per_head" else (None, None)
-                self.q_norm = HeadNorm(heads[0], d_head, norm_eps, c.qk_norm_centred, **factory)
-                self.k_norm = HeadNorm(heads[1], d_head, norm_eps, c.qk_norm_centred, **factory)
-            elif offset:
-                self.q_norm = OffsetRMSNorm(widths[0], norm_eps, float(offset), **factory)
-                self.k_norm = OffsetRMSNorm(widths[1], norm_eps, float(offset), **factory)
-            else:
-                self.q_norm = nn.RMSNorm(widths[0], eps=norm_eps, **factory)
-                self.k_norm = nn.RMSNorm(widths[1], eps=norm_eps, **factory)
-        self.window = c.window
-        self.logit_softcap = c.logit_softcap
-        self.query_pre_attn_scalar = _scalar(self, c.query_pre_attn_scalar)
+            self.q_norm, self.k_norm = qk_norms(c, factory)
         self.sinks: nn.Parameter | None = None
         if c.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
@@ -386,9 +189,6 @@ class MultiHeadAttention(nn.Module):
         if c.alibi:  # not learned: a buffer, kept in the state dict so that loaded slopes (MPT's) stay
             slopes = K.alibi_slopes(num_heads).to(device=device, dtype=dtype or torch.get_default_dtype())
         self.register_buffer("alibi_slopes", slopes)
-        self.clip_qkv = _bound(self, c.clip_qkv)
-        self.temperature_tuning = _tuning(c.temperature_tuning)
-        self.chunk_size = c.chunk_size
         self._derive()
 
     @classmethod
@@ -558,47 +358,6 @@ class MultiHeadAttention(nn.Module):
         rows = weight.unflatten(0, (self.num_heads, 2, self.d_head))[:, part].flatten(0, 1)
         return rows, None if bias is None else bias.unflatten(0, (self.num_heads, 2, self.d_head))[:, part].flatten()
 
-    @classmethod
-    def from_weights(
-        cls,
-        weights: AttentionWeights,
-        *,
-        num_heads: int,
-        num_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        rope_theta: float | None = None,
-        rope_scaling: Mapping[str, Any] | None = None,
-        verify: bool = True,
-    ) -> "MultiHeadAttention":
-        """A module holding copies of `weights` (on their device, in their dtype), each bias as given.
-
-        Verified on a float64 probe against `reference.per_head_attention` with the same weights
-        (`verify=False` skips it; `meta` weights are not probed).
-
-        Example:
-            >>> import torch, shapesafe_mha as ssm
-            >>> a = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2)
-            >>> b = ssm.MultiHeadAttention.from_weights(a.weights(), num_heads=4, num_kv_heads=2)
-            >>> x = torch.randn(1, 3, 16)
-            >>> torch.equal(a(x), b(x))
-            True
-
-        Raises:
-            ConfigError, ShapeError: the weights do not fit the head counts, or are not floating point.
-        """
-        from .._interop.torch_nn import from_weights
-
-        return from_weights(
-            cls,
-            weights,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            dropout=dropout,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            verify=verify,
-        )
-
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """A `KVCache` that fits this module: its KV heads, `d_head`, dtype, device and sliding window.
 
@@ -676,7 +435,7 @@ class MultiHeadAttention(nn.Module):
         path, fused = choose_path(self, *call, jit_tracing=jit_tracing)
 
         def checked(check: bool, observer: Any) -> Any:
-            with _quiet_jit_tracer() if jit_tracing else contextlib.nullcontext():
+            with quiet_jit_tracer() if jit_tracing else contextlib.nullcontext():
                 return self._checked(check, observer, path, fused, *call)
 
         return remembered_forward(
@@ -684,167 +443,18 @@ class MultiHeadAttention(nn.Module):
             self._constants,
             lambda: None if jit_tracing else forward_key(self, path, fused, *call),
             kv_cache if isinstance(kv_cache, KVCache) else None,
-            lambda: self._run(_RAW, path, fused, *call),
+            lambda: self._run(RAW, path, fused, *call),
             checked,
             current_observer(),
         )
 
-    def _checked(
-        self,
-        check: bool,
-        observer: Any,
-        path: str,
-        fused: FusedQKV | None,
-        query: Any,
-        key: Any,
-        value: Any,
-        attn_mask: Any,
-        key_padding_mask: Any,
-        is_causal: Any,
-        need_weights: Any,
-        kv_cache: Any,
-        positions: Any,
-    ) -> Any:
-        """The forward with every stage checked against one memo, and reported to the trace."""
-        with Session("MultiHeadAttention.forward()", check=check, observer=observer) as session:
-            sizes = (self.d_model, self.num_heads, self.num_kv_heads, self.d_head, self.group)
-            session.seed(ModuleSizes, witness(sizes), "the module")
-            if self.rope_dim is not None and self.rope_dim != self.d_head:
-                session.seed(RotarySizes, witness((self.rope_dim,)), "the module")
-            session.check_arguments(
-                _FORWARD,
-                (self, query, key, value),
-                dict(
-                    attn_mask=attn_mask,
-                    key_padding_mask=key_padding_mask,
-                    is_causal=is_causal,
-                    need_weights=need_weights,
-                    kv_cache=kv_cache,
-                    positions=positions,
-                ),
-                hints=_FORWARD_HINTS if kv_cache is None else _CACHED_FORWARD_HINTS,
-            )
-            if observer is not None:
-                observer("query", "batch seq d_model", query)
-            stages = session.stages(**_STAGES)
-            call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
-            result = self._run(stages, path, fused, *call)
-            session.report(_FORWARD, result)
-        return result
+    def _checked(self, check: bool, observer: Any, *call: Any) -> Any:
+        """The forward with every stage checked against one memo, and reported to the trace (`checked_forward`)."""
+        return checked_forward(self, *_FORWARD, check, observer, *call)
 
     def _run(self, s: Any, path: str, fused: FusedQKV | None, *call: Any) -> Tensor | tuple[Tensor, Tensor]:
         """The forward by this module's plan (`plan.run`): `s` holds the stages, checked (a session's) or plain."""
         return run(self, self.__dict__["_plan"], s, path, fused, *call)
 
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> "MultiHeadAttention":
-        """A `MultiHeadAttention` computing what a batch-first `module` computes.
 
-        Masks translate as: our bool `attn_mask` is True where attending is allowed, torch's
-        module's is True where it is *forbidden*, so pass `~their_mask`; `key_padding_mask` means
-        the same in both (True = padding).
-
-        Example:
-            >>> import torch, shapesafe_mha as ssm
-            >>> theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True)
-            >>> ours = ssm.MultiHeadAttention.from_torch(theirs)
-            >>> x = torch.randn(2, 5, 32)
-            >>> bool(torch.allclose(ours(x), theirs(x, x, x, need_weights=False)[0], atol=1e-6))
-            True
-
-        Raises:
-            ConfigError: `module` is not batch-first (the message says how to convert), or uses
-                features without an equivalent here (`kdim`/`vdim`, `add_bias_kv`, `add_zero_attn`).
-        """
-        from .._interop.torch_nn import from_torch
-
-        return from_torch(cls, module)
-
-    @classmethod
-    def from_hf(cls, attention: nn.Module, *, config: Any = None, verify: bool = True) -> "MultiHeadAttention":
-        """A `MultiHeadAttention` computing what a transformers attention layer computes (causal, with RoPE).
-
-        For layers in the q/k/v/o_proj layout (Llama, Mistral, Qwen2/3, Gemma 2 and alike; Phi's `dense` as
-        o_proj; GPT-NeoX's per-head fused `query_key_value` and Phi-3's stacked `qkv_proj` as q/k/v_proj),
-        configured by `attention.config`: sizes, GQA, biases per projection, dropout, RoPE (default, llama3, YaRN,
-        dynamic or LongRoPE scaling; tables computed as
-        transformers computes them; partial rotary from `partial_rotary_factor`, interleaved pairs read
-        from the model's own rotary parts), and the variants: sliding window, QK-norm, logit softcapping,
-        `query_pre_attn_scalar` (QK-norm: per head, over every head, `1 + weight`, Cohere's LayerNorm of each
-        head); ALiBi (Bloom's per-head fused `query_key_value`, MPT's `Wqkv`), with the slopes
-        their model passes them, read from transformers' own `build_alibi_tensor` / `build_mpt_alibi_tensor`.
-        Bloom's and MPT's layers keep no config: pass their model's, `from_hf(layer, config=model.config)`.
-        Call it `is_causal=True`; positions
-        default to `len(kv_cache) + arange(seq)`, and decoding uses our `KVCache` (windowed where
-        the layer is). Multi-head latent attention (DeepSeek) loads with `LatentAttention.from_hf`.
-
-        The result is verified, not trusted: both layers run a causal forward and a decoding step on
-        a small float64 probe (the layer as its model calls it: its rotary class, its mask function, a
-        `DynamicCache`), and a layer that computes something else is refused, naming the difference.
-        `verify=False` skips the probe (layers on `meta`, which hold no values, are not probed).
-
-        Example:
-            >>> import torch, shapesafe_mha as ssm
-            >>> from transformers import LlamaConfig
-            >>> from transformers.models.llama.modeling_llama import LlamaAttention
-            >>> config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
-            >>> ours = ssm.MultiHeadAttention.from_hf(LlamaAttention(config, layer_idx=0))
-            >>> ours
-            MultiHeadAttention(
-              d_model=64, num_heads=8, num_kv_heads=2, d_head=8, dropout=0.0, rope_theta=10000.0
-              ...
-
-        Raises:
-            ConfigError: a variant computed differently here (another RoPE scaling, a QK-norm other
-                than those above, latent attention), named by its config field or the submodule; or the
-                converted layer differs from `attention` on the probe.
-        """
-        from .._interop.hf import from_hf
-
-        return from_hf(cls, attention, config=config, verify=verify)
-
-    def to_hf(self, config: Any, *, verify: bool = True) -> nn.Module:
-        """The transformers attention layer for `config` (a LlamaConfig, Qwen2Config, ...), with these weights.
-
-        Verified as `from_hf` is: the layer, called as its model calls it, against this module on a
-        float64 probe (`verify=False` skips it).
-
-        Raises:
-            ConfigError: `config` describes other sizes, biases, RoPE (theta or scaling), dropout or
-                variants than this module, or its model type has no such attention class, or the
-                layer differs from this module on the probe.
-        """
-        from .._interop.hf import to_hf
-
-        return to_hf(self, config, verify=verify)
-
-    def to_torch(self, *, verify: bool = True) -> nn.MultiheadAttention:
-        """An equivalent `nn.MultiheadAttention(batch_first=True)`; MHA with `num_heads*d_head == d_model` only.
-
-        Biases on some projections only become zero biases there (it has all or none). Verified on a
-        float64 probe (`verify=False` skips it).
-
-        Raises:
-            ConfigError: the configuration has no `nn.MultiheadAttention` equivalent (GQA/MQA,
-                `num_heads * d_head != d_model`, or a variant: RoPE, QK-norm, a window, softcapping,
-                `query_pre_attn_scalar`, sinks, ALiBi), named.
-        """
-        from .._interop.torch_nn import to_torch
-
-        return to_torch(self, verify=verify)
-
-
-_FORWARD = Stage(
-    MultiHeadAttention.forward,
-    name="MultiHeadAttention.forward",
-    public=("query", "key", "value", "attn_mask", "key_padding_mask", "kv_cache"),
-    trace=("",),
-    sources={},
-    precheck=_precheck_forward,
-    validate=None,
-    explain=_explain_forward,
-)
-# Masks are checked where kv_seq is known (the mask stage, after the cache); with a cache, key and
-# value hold the new positions only.
-_FORWARD_HINTS = {k: v for k, v in _FORWARD.hints.items() if k not in ("attn_mask", "key_padding_mask")}
-_CACHED_FORWARD_HINTS = _FORWARD_HINTS | {"key": KVTokens, "value": KVTokens}
+_FORWARD = forward_stage(MultiHeadAttention.forward)  # the stage, its hints without a cache and with one

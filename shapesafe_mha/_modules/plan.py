@@ -13,8 +13,25 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 from .._compute.fastpath import FUSED, NATIVE, FusedQKV
-from .._compute.rotary import default_positions
+from .._compute.rotary import (
+    apply_partial_rotary,
+    apply_rotary,
+    default_positions,
+    partial_rotary_tables,
+    rotary_tables,
+)
 from .._compute.scorer import score
+from .._compute.stages import FORWARD_STAGES
+from .._core.contract import raw
+
+# The stages a plan runs, by the names it calls them; RAW: their functions, what a remembered forward runs.
+STAGES = FORWARD_STAGES | {
+    "rotary_tables": rotary_tables,
+    "apply_rotary": apply_rotary,
+    "partial_rotary_tables": partial_rotary_tables,
+    "apply_partial_rotary": apply_partial_rotary,
+}
+RAW = raw(**STAGES)
 
 # (stages, submodules, q, k, v) -> (q, k, v): on the projections, every head's features together
 BeforeSplit = Callable[[Any, dict[str, Any], Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]

@@ -166,8 +166,7 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     totals: dict[str, Any] = {
         "allocated_bytes": sum(s.allocated_bytes for s in tracer.stages),
         # a view of the projections' own storage (fastpath.pack_qkv): no bytes of its own
-        "fused_qkv_weight_bytes": 0
-        if fused is None or fused.weight.device.type == "meta" or _views(fused, module)
+        "fused_qkv_weight_bytes": 0 if fused is None or fused.weight.device.type == "meta" or _views(fused, module)
         else fused.weight.numel() * itemsize,
         "kv_cache_bytes": per_kind["this"],
         "kv_cache_positions": positions,

@@ -210,23 +210,8 @@ class _Target:
             theta = None  # a NoPE layer: the tables are passed, and ignored
         window = window if sliding else None
         return _Layer(
-            config,
-            module,
-            held,
-            rotary,
-            theta,
-            layer_type,
-            window,
-            qk_norm,
-            scale,
-            softcap,
-            sinks,
-            out_norm,
-            qk_norm_bias,
-            None if rotary_dim == c.d_head else rotary_dim,
-            temperature,
-            chunk,
-            gate,
+            config, module, held, rotary, theta, layer_type, window, qk_norm, scale, softcap, sinks, out_norm,
+            qk_norm_bias, None if rotary_dim == c.d_head else rotary_dim, temperature, chunk, gate,
         )
 
     def call(
@@ -285,9 +270,8 @@ class _Target:
 def _norm_weights(width: int | tuple[int, ...], dtype: torch.dtype, device: Any) -> st.SearchStrategy[Tensor]:
     """QK-norm weights around 1 (the scale a trained norm keeps), drawn from a seed."""
     return st.integers(0, 2**31 - 1).map(
-        lambda seed: (torch.rand(width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5).to(
-            dtype=dtype, device=device
-        )
+        lambda seed: (torch.rand(width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5)
+        .to(dtype=dtype, device=device)
     )
 
 
