@@ -260,24 +260,17 @@ class MultiHeadAttention(Conversions, nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> "MultiHeadAttention":
         # .to(), .half(), .cuda(): the parameters change dtype or device; what was remembered may not hold.
         # The projections' tensors it made anew are packed again (`pack_qkv`); one it left as it was stays.
-        before = {id(t): t.data_ptr() for t in self._qkv_tensors()}
+        projections = [self._modules.get(name) for name in ("q_proj", "k_proj", "v_proj")]
+        before = {id(t): t.data_ptr() for m in projections if isinstance(m, nn.Module) for t in m.parameters()}
         super()._apply(fn, recurse)
         self._forget()
-        pack_qkv(*self._qkv_modules(), fresh=lambda t: before.get(id(t)) != t.data_ptr())
+        pack_qkv(*projections, fresh=lambda t: before.get(id(t)) != t.data_ptr())
         return self
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.deepcopy and pickle: tensors of its own, packed again where each is its storage whole
         super().__setstate__(state)
-        pack_qkv(*self._qkv_modules())
-
-    def _qkv_modules(self) -> tuple[Any, Any, Any]:
-        modules = self._modules
-        return modules.get("q_proj"), modules.get("k_proj"), modules.get("v_proj")
-
-    def _qkv_tensors(self) -> list[Tensor]:
-        modules = [m for m in self._qkv_modules() if isinstance(m, nn.Module)]
-        return [t for m in modules for t in m._parameters.values() if t is not None]
+        pack_qkv(*(self._modules.get(name) for name in ("q_proj", "k_proj", "v_proj")))
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A projection replaced (PEFT wraps and later unwraps them): forget the fused view of the old ones. A size,
@@ -326,20 +319,9 @@ class MultiHeadAttention(Conversions, nn.Module):
     def weights(self) -> AttentionWeights:
         """The parameters as an `AttentionWeights` (the parameters themselves, not copies; with an output gate,
         the query rows of `q_proj`, views of it, and `gate_weights()` the gate's)."""
-        if self.output_gate:
-            q_weight, q_bias = self._query_rows(0)
-            return AttentionWeights(q_weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight, q_bias,
-                                    self.k_proj.bias, self.v_proj.bias, self.o_proj.bias)  # fmt: skip
-        return AttentionWeights(
-            self.q_proj.weight,
-            self.k_proj.weight,
-            self.v_proj.weight,
-            self.o_proj.weight,
-            self.q_proj.bias,
-            self.k_proj.bias,
-            self.v_proj.bias,
-            self.o_proj.bias,
-        )
+        q_weight, q_bias = self._query_rows(0) if self.output_gate else (self.q_proj.weight, self.q_proj.bias)
+        k, v, o = self.k_proj, self.v_proj, self.o_proj
+        return AttentionWeights(q_weight, k.weight, v.weight, o.weight, q_bias, k.bias, v.bias, o.bias)
 
     def gate_weights(self) -> tuple[Tensor, Tensor | None]:
         """The output gate's rows of `q_proj`, `(num_heads * d_head, d_model)` and the bias's (views of them), as the
@@ -363,16 +345,8 @@ class MultiHeadAttention(Conversions, nn.Module):
 
         With a `window`, `capacity >= window` serves a generation of any length (see `KVCache`).
         """
-        weight = self.k_proj.weight
-        return KVCache(
-            batch,
-            self.num_kv_heads,
-            capacity,
-            self.d_head,
-            dtype=weight.dtype,
-            device=weight.device,
-            window=self.window,
-        )
+        weight, heads, d_head = self.k_proj.weight, self.num_kv_heads, self.d_head
+        return KVCache(batch, heads, capacity, d_head, dtype=weight.dtype, device=weight.device, window=self.window)
 
     def forward(
         self,

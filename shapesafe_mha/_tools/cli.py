@@ -5,6 +5,7 @@ Nothing here imports torch at module level: `--help` and a bad value answer befo
 appears (`--d-model`, `--module`, `--decode`, ...), and its help is written once, below.
 """
 
+import dataclasses
 import json
 import re
 import sys
@@ -291,6 +292,7 @@ def trace(
     ] = None,
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
+    options = locals()  # each option is TraceConfig's field of the same name
     from .._core.errors import ShapesafeError
     from .report import LatentTraceConfig, TraceConfig, trace_forward, trace_latent
 
@@ -303,12 +305,10 @@ def trace(
             )  # fmt: skip
             report = trace_latent(latent)
         else:
-            config = TraceConfig(
-                d_model, num_heads, num_kv_heads, d_head, batch, seq, device, dtype.value, decode, tp, rope_theta,
-                qk_norm, window, logit_softcap, rope_dim, rope_interleaved, qk_norm_over.value,
-                qk_norm_offset, attention_sinks, clip_qkv, qk_norm_after_rope, output_gate, temperature_tuning,
-                chunk_size, alibi, None, qk_norm_centred,
-            )  # fmt: skip
+            fields = {f.name for f in dataclasses.fields(TraceConfig)}
+            given: dict[str, Any] = {name: value for name, value in options.items() if name in fields}
+            given |= {"dtype": dtype.value, "qk_norm_over": qk_norm_over.value}
+            config = TraceConfig(**given)
             report = trace_forward(config)
     except ShapesafeError as error:
         fail("trace", str(error))

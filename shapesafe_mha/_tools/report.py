@@ -8,6 +8,7 @@ import torch
 from .._compute.fastpath import choose_path
 from .._core.errors import ConfigError
 from .._core.trace import Stage, tracing
+from .._modules.config import OPTIONS, SIZES, AttentionConfig
 from .._modules.multihead import MultiHeadAttention
 from .._modules.parallel import plan_heads, refuse_unsharded_norm
 
@@ -20,37 +21,19 @@ DTYPES = {
 
 
 @dataclass(frozen=True)
-class TraceConfig:
-    """What to trace. The default is a Llama-style GQA layer on `meta` (no memory is used)."""
+class TraceConfig(AttentionConfig):
+    """What to trace: a layer, every `AttentionConfig` field (by default a Llama-style GQA layer, 4096 wide, 32 query
+    heads, 8 KV heads), and the call: its batch and positions, on `meta` by default (no memory is used)."""
 
     d_model: int = 4096
     num_heads: int = 32
-    num_kv_heads: int = 8
-    d_head: int | None = None
+    num_kv_heads: int | None = 8
     batch: int = 1
     seq: int = 128
     device: str = "meta"
     dtype: str = "bfloat16"
     decode: int | None = None  # one step against a cache already holding this many positions
     tp: int = 1  # head-parallel ranks: trace one rank's share (every rank's shapes are the same)
-    rope_theta: float | None = None  # rotary position embeddings with this base
-    qk_norm: bool = False  # RMS-normalise each head's query and key (Qwen3)
-    window: int | None = None  # sliding-window attention (Mistral)
-    logit_softcap: float | None = None  # softcapped scores (Gemma 2)
-    rope_dim: int | None = None  # partial rotary: the rotated features of each head (Phi, GLM)
-    rope_interleaved: bool = False  # RoPE on adjacent pairs (Cohere, GLM)
-    qk_norm_over: str = "head"  # "all": QK-norm over every head's features before the split (OLMo-2); "per_head":
-    # each head's own weights (Cohere)
-    qk_norm_offset: float = 0.0  # 1.0: the QK-norm scales by 1 + weight (Gemma 3)
-    attention_sinks: bool = False  # a learned logit per head in each softmax, dropped after it (gpt-oss)
-    clip_qkv: float | None = None  # the projections clamped to [-clip_qkv, clip_qkv] (OLMo)
-    qk_norm_after_rope: bool = False  # the per-head QK-norm after RoPE (HunYuan)
-    output_gate: bool = False  # the merged heads times sigmoid(gate), the gate from q_proj (Qwen3-Next)
-    temperature_tuning: tuple[int, float] | None = None  # queries scaled by position (Llama 4's NoPE layers)
-    chunk_size: int | None = None  # each query sees the keys of its own chunk only (Llama 4's chunked layers)
-    alibi: bool = False  # ALiBi: each head's scores biased by slope * (kv_pos - q_pos) (Bloom, MPT)
-    rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters: llama3, yarn, dynamic, longrope
-    qk_norm_centred: bool = False  # the QK-norm a LayerNorm without bias (Cohere)
 
 
 @dataclass
@@ -107,27 +90,8 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     """
     dtype = _dtype("trace_forward()", config.dtype)
     device = torch.device(config.device)
-    options: dict[str, Any] = {
-        "rope_theta": config.rope_theta,
-        "rope_dim": config.rope_dim,
-        "rope_interleaved": config.rope_interleaved,
-        "qk_norm": config.qk_norm,
-        "qk_norm_over": config.qk_norm_over,
-        "qk_norm_centred": config.qk_norm_centred,
-        "qk_norm_offset": config.qk_norm_offset,
-        "rope_scaling": config.rope_scaling,
-        "window": config.window,
-        "logit_softcap": config.logit_softcap,
-        "attention_sinks": config.attention_sinks,
-        "clip_qkv": config.clip_qkv,
-        "qk_norm_after_rope": config.qk_norm_after_rope,
-        "output_gate": config.output_gate,
-        "temperature_tuning": config.temperature_tuning,
-        "chunk_size": config.chunk_size,
-        "alibi": config.alibi,
-        "device": device,
-        "dtype": dtype,
-    }
+    options: dict[str, Any] = {name: getattr(config, name) for name in OPTIONS if name not in SIZES}
+    options |= {"device": device, "dtype": dtype}
     full = MultiHeadAttention(config.d_model, config.num_heads, config.num_kv_heads, d_head=config.d_head, **options)
     module, shards = full.eval(), []
     if config.tp != 1:
@@ -166,7 +130,8 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
     totals: dict[str, Any] = {
         "allocated_bytes": sum(s.allocated_bytes for s in tracer.stages),
         # a view of the projections' own storage (fastpath.pack_qkv): no bytes of its own
-        "fused_qkv_weight_bytes": 0 if fused is None or fused.weight.device.type == "meta" or _views(fused, module)
+        "fused_qkv_weight_bytes": 0
+        if fused is None or fused.weight.device.type == "meta" or _views(fused, module)
         else fused.weight.numel() * itemsize,
         "kv_cache_bytes": per_kind["this"],
         "kv_cache_positions": positions,
