@@ -13,6 +13,8 @@ from .._compute import kernels as K
 from .._compute.cache import KVCache
 from .._compute.fastpath import FUSED, NATIVE, FusedQKV, call_restoring, choose_path, module_state, pack_qkv
 from .._compute.norms import HeadNorm, OffsetRMSNorm
+from .._compute.packed import serving_forward
+from .._compute.paged import PagedKVCache
 from .._compute.rotary import (
     RotaryEmbedding,
     apply_partial_rotary,
@@ -33,6 +35,7 @@ from .._compute.stages import (
 from .._core.contract import CallKey, Session, Stage, Verdicts, raw, remembered_forward, witness
 from .._core.dims import (
     AttnMask,
+    CuSeqlens,
     KVTokens,
     Memory,
     ModuleSizes,
@@ -689,8 +692,9 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: PaddingMask | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PagedKVCache | None = None,
         positions: Positions | None = None,
+        cu_seqlens: CuSeqlens | None = None,
     ) -> Tokens | tuple[Tokens, Probabilities]:
         """Attend from `query` to `key`/`value` (default: `query`, self-attention).
 
@@ -720,10 +724,15 @@ class MultiHeadAttention(nn.Module):
             is_causal: mask future positions, lower-right aligned (query `i` is position
                 `kv_seq - seq + i`), so prefill and decoding with a cache agree.
             need_weights: also return the per-head probabilities `(batch, num_heads, seq, kv_seq)`.
-            kv_cache: append this call's keys and values to it and attend over all it holds.
+            kv_cache: append this call's keys and values to it and attend over all it holds. A `PagedKVCache`
+                serves all its live sequences at once: a packed batch with `cu_seqlens`, or `(num_seqs, 1,
+                d_model)`, one new token each (see docs/serving.md).
             positions: `(batch, seq)` integer positions of the queries, for rotary embeddings
                 (default: `len(kv_cache) + arange(seq)` for every sequence, so prefill and
-                decoding agree; a left-padded batch passes its own).
+                decoding agree; a left-padded batch passes its own). Packed: `(1, total)`.
+            cu_seqlens: a packed batch: `query` is `(1, total, d_model)`, the sequences end to end, and
+                `cu_seqlens` `(num_seqs + 1,)` int32 their offsets, from 0 to `total`. Each sequence attends only
+                to itself (its own positions from 0, causal mask, window), as if it were called alone.
 
         Returns:
             `(batch, seq, d_model)`, or `(output, weights)` with `need_weights=True`. A query
@@ -733,6 +742,10 @@ class MultiHeadAttention(nn.Module):
             ShapeError: any input does not fit the module, the others or the cache; nothing
                 (parameters, cache) is changed by a failed call.
         """
+        if cu_seqlens is not None or isinstance(kv_cache, PagedKVCache):  # serving: packed batches, paged caches
+            return serving_forward(self, query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                   is_causal=is_causal, need_weights=need_weights, kv_cache=kv_cache,
+                                   positions=positions, cu_seqlens=cu_seqlens)  # fmt: skip
         key = query if key is None else key
         value = key if value is None else value
         call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
