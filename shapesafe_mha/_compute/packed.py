@@ -191,6 +191,7 @@ def _paged(
                 positions=where,
             )
             return out[:, 0][None]
+        paged.reserve(dict(zip(seqs, sizes, strict=True)), OWNER)  # every block the call needs, or none, first
         pieces = []
         for seq, a, b in zip(seqs, offsets, offsets[1:], strict=False):
             if b == a:

@@ -23,7 +23,7 @@ from .._core.dims import BlockTable, PagePool
 from .._core.errors import ConfigError, ShapeError
 from .cache import KVCache
 
-PagedState = tuple[dict[int, list[int]], dict[int, int], dict[int, int], list[int], list[int], int]
+PagedState = tuple[dict[int, list[int]], dict[int, int], dict[int, int], list[int], int]
 
 
 class PagedKVCache:
@@ -91,7 +91,7 @@ class PagedKVCache:
         self._tables: dict[int, list[int]] = {}  # each sequence's blocks, in position order (-1: freed by its window)
         self._lengths: dict[int, int] = {}  # positions each sequence has seen
         self._owner_of: dict[int, int] = {}  # block -> the sequence holding it
-        self._owners = [-1] * num_blocks  # the same, as a list the checks turn into a tensor
+        self._owners = torch.full((num_blocks,), -1, dtype=torch.int64)  # the same, as the checks read it
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out the lowest first
         self._next = 0
         self._verdicts = Verdicts()
@@ -213,16 +213,18 @@ class PagedKVCache:
             {s: list(t) for s, t in self._tables.items()},
             dict(self._lengths),
             dict(self._owner_of),
-            list(self._owners),
             list(self._free),
             self._next,
         )
 
     def restore(self, state: PagedState) -> None:
         """Undo the calls since `state()`."""
-        tables, lengths, owner_of, owners, free, self._next = state
+        tables, lengths, owner_of, free, self._next = state
         self._tables, self._lengths = {s: list(t) for s, t in tables.items()}, dict(lengths)
-        self._owner_of, self._owners, self._free = dict(owner_of), list(owners), list(free)
+        self._owner_of, self._free = dict(owner_of), list(free)
+        self._owners.fill_(-1)
+        for block, seq in owner_of.items():
+            self._owners[block] = seq
 
     # --- reading and writing ------------------------------------------------------------------------
 
@@ -276,7 +278,7 @@ class PagedKVCache:
                 f"{int(blocks.flatten()[i])}, outside the pool of num_blocks={self.num_blocks}; a block table must "
                 "hold blocks the PagedKVCache gave the sequence (reserve/add), never computed ones."
             )
-        owners = torch.tensor(self._owners, dtype=torch.int64)[blocks]
+        owners = self._owners[blocks]
         stolen = owners != seqs
         if bool(stolen.any()):
             i = int(stolen.flatten().nonzero()[0])
