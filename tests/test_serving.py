@@ -207,19 +207,23 @@ def test_a_full_pool_is_a_shape_error_and_changes_nothing() -> None:
     assert _snapshot(cache) == before
 
 
-def test_a_planted_off_by_one_block_is_caught_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("form", ["decoding", "chunks"])
+def test_a_planted_off_by_one_block_is_caught_and_named(monkeypatch: pytest.MonkeyPatch, form: str) -> None:
     """A paged layer that reads the block after the right one (the bug a block table off by one makes) is a
     ShapeError naming the sequence and the block, not another sequence's keys silently attended."""
     module, cache, a, _ = _two_sequences()
-    right = ssm.PagedKVCache.slots
+    right = ssm.PagedKVCache.locate
 
-    def off_by_one(self: ssm.PagedKVCache, seq: int, start: int, end: int) -> torch.Tensor:
-        return right(self, seq, start, end) + self.block_size
+    def off_by_one(self: ssm.PagedKVCache, tables: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        return right(self, tables, where) + self.block_size  # the next block of the pool
 
-    monkeypatch.setattr(ssm.PagedKVCache, "slots", off_by_one)
+    monkeypatch.setattr(ssm.PagedKVCache, "locate", off_by_one)
     before = _snapshot(cache)
     with pytest.raises(ssm.ShapeError, match=f"block table of sequence {a} points at block [0-9]+, which belongs to"):
-        module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
+        if form == "decoding":
+            module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
+        else:
+            module(torch.randn(1, 4, 8, dtype=torch.float64), cu_seqlens=torch.tensor([0, 2, 4]), kv_cache=cache)
     assert _snapshot(cache) == before
 
 
