@@ -137,6 +137,5 @@ AbsorbedOut = Float[Tensor, "batch num_heads seq kv_lora_rank"]
 # pool, a block table per sequence).
 PackedTokens = Float[Tensor, "1 total d_model"]
 CuSeqlens = Int[Tensor, " bounds"]
-PackedPositions = Int[Tensor, "1 total"]
 PagePool = Float[Tensor, "num_blocks block_size num_kv_heads d_head"]
 BlockTable = Int[Tensor, "batch max_blocks"]
