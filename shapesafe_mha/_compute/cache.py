@@ -227,10 +227,8 @@ class KVCache:
             self._check_room(new, owner)
         # out of place also without grad while a buffer is in a graph: an earlier step's backward reads it
         keys, values = self.keys_buffer, self.values_buffer
-        tracked = (
-            keys.requires_grad
-            or values.requires_grad
-            or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+        tracked = keys.requires_grad or values.requires_grad or (
+            torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
         )
         inference = not torch.compiler.is_compiling() and self.keys_buffer.is_inference()  # (dynamo warns on it)
         if inference and not torch.is_inference_mode_enabled():

@@ -467,7 +467,6 @@ def _linear_fits(name: str, given: str, what: str) -> Callable[[dict[str, Any], 
 
     return validate
 
-
 # What MultiHeadAttention.forward is made of. Names are the trace's; dimension names are the
 # forward's, so one memo spans them all.
 

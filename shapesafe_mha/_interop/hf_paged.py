@@ -75,7 +75,7 @@ def paged_forward(
     if positions is not None and positions.dim() == 1:
         positions = positions[None]
     try:
-        return MultiHeadAttention.forward(
+        return MultiHeadAttention.forward(  # pyright: ignore[reportReturnType]  (need_weights is never asked: one tensor)
             _windowless(layer),
             hidden_states,
             attn_mask=attention_mask,
