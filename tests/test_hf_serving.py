@@ -23,8 +23,11 @@ def _model(kind: str) -> torch.nn.Module:
         "llama": lambda: transformers.LlamaConfig(**SIZES),
         "qwen2": lambda: transformers.Qwen2Config(**SIZES),
         "mistral": lambda: transformers.MistralConfig(**SIZES, sliding_window=4),  # prompts longer than the window
+        # eager: continuous batching runs it as "paged|eager"; softcapping, alternating sliding layers
+        "gemma2": lambda: transformers.Gemma2Config(**SIZES, head_dim=16, sliding_window=4),
     }[kind]()
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    implementation = "eager" if kind == "gemma2" else "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
 
 
 def _tokens(model: torch.nn.Module, new: int = 6) -> dict[str, list[int]]:
@@ -36,7 +39,7 @@ def _tokens(model: torch.nn.Module, new: int = 6) -> dict[str, list[int]]:
     return {request: output.generated_tokens for request, output in outputs.items()}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma2"])
 def test_generate_batch_on_replaced_layers_gives_sdpas_tokens(kind: str) -> None:
     """Every request gets tokens, and the tokens sdpa's own layers give (a sliding window model included)."""
     model = _model(kind)
