@@ -149,8 +149,9 @@ def _two_sequences(
     module = ssm.MultiHeadAttention(8, 2, 1, rope_theta=10000.0, dtype=torch.float64)
     cache = ssm.PagedKVCache.for_module(module, num_blocks=num_blocks, block_size=block_size)
     a, b = cache.add(), cache.add()
-    for _ in range(3):  # interleaved: each sequence's next block is the other's
-        module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
+    with torch.no_grad():  # (serving: the pools are written in place)
+        for _ in range(3):  # interleaved: each sequence's next block is the other's
+            module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
     return module, cache, a, b
 
 
@@ -260,3 +261,34 @@ def test_sequences_join_and_leave() -> None:
         cache.remove(a)
     with pytest.raises(ssm.ShapeError, match=r"decodes one new token of each of its 1 live sequences"):
         module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
+
+
+def test_gradients_through_paged_steps_equal_a_kv_caches() -> None:
+    """Under autograd the pools are written out of place (as KVCache's buffers are): a prefill and two decoding
+    steps backpropagate, and the gradients are the contiguous cache's."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(8, 4, 2, rope_theta=10000.0, window=3, dtype=torch.float64)
+    x = torch.randn(1, 7, 8, dtype=torch.float64)
+    paged = ssm.PagedKVCache.for_module(module, num_blocks=16, block_size=2)
+    paged.add(), paged.add()
+    caches = [module.new_cache(1, 16), module.new_cache(1, 16)]
+    steps = [torch.randn(2, 1, 8, dtype=torch.float64) for _ in range(2)]
+
+    def run(route: str) -> list[torch.Tensor]:
+        module.zero_grad()
+        if route == "paged":
+            outs = [module(x, cu_seqlens=torch.tensor([0, 4, 7]), is_causal=True, kv_cache=paged)]
+            outs += [module(step, is_causal=True, kv_cache=paged) for step in steps]
+        else:
+            outs = [
+                module(x[:, a:b], is_causal=True, kv_cache=c)
+                for (a, b), c in zip([(0, 4), (4, 7)], caches, strict=True)
+            ]
+            outs += [
+                module(step[i : i + 1], is_causal=True, kv_cache=c) for step in steps for i, c in enumerate(caches)
+            ]
+        sum(out.square().sum() for out in outs).backward()  # pyright: ignore[reportAttributeAccessIssue]
+        return [p.grad.clone() for p in module.parameters()]  # pyright: ignore[reportOptionalMemberAccess]
+
+    for ours, theirs in zip(run("paged"), run("contiguous"), strict=True):
+        torch.testing.assert_close(ours, theirs, **F64)

@@ -23,7 +23,7 @@ from .._core.dims import BlockTable, PagePool
 from .._core.errors import ConfigError, ShapeError
 from .cache import KVCache
 
-PagedState = tuple[dict[int, list[int]], dict[int, int], dict[int, int], list[int], int]
+PagedState = tuple[Tensor, Tensor, dict[int, list[int]], dict[int, int], dict[int, int], list[int], int]
 
 
 class PagedKVCache:
@@ -210,6 +210,8 @@ class PagedKVCache:
         """What `restore` needs to undo later calls (the tables and the free list; the pools are not copied:
         a failed call only writes slots that no sequence holds once it is undone)."""
         return (
+            self.keys_pool,
+            self.values_pool,
             {s: list(t) for s, t in self._tables.items()},
             dict(self._lengths),
             dict(self._owner_of),
@@ -219,7 +221,7 @@ class PagedKVCache:
 
     def restore(self, state: PagedState) -> None:
         """Undo the calls since `state()`."""
-        tables, lengths, owner_of, free, self._next = state
+        self.keys_pool, self.values_pool, tables, lengths, owner_of, free, self._next = state
         self._tables, self._lengths = {s: list(t) for s, t in tables.items()}, dict(lengths)
         self._owner_of, self._free = dict(owner_of), list(free)
         self._owners.fill_(-1)
@@ -343,8 +345,18 @@ class PagedKVCache:
     def _scatter(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write `k, v` `(num_kv_heads, n, d_head)` into `slots` `(n,)` of the pools, in place."""
         flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.d_head)
-        self.keys_pool.view(flat).index_copy_(0, slots, k.transpose(0, 1).to(self.dtype))
-        self.values_pool.view(flat).index_copy_(0, slots, v.transpose(0, 1).to(self.dtype))
+        k, v = k.transpose(0, 1).to(self.dtype), v.transpose(0, 1).to(self.dtype)
+        tracked = (
+            self.keys_pool.requires_grad
+            or self.values_pool.requires_grad
+            or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+        )
+        if tracked:  # out of place, as KVCache does: earlier steps' graphs keep the pools they read
+            self.keys_pool = self.keys_pool.view(flat).index_copy(0, slots, k).view(self.keys_pool.shape)
+            self.values_pool = self.values_pool.view(flat).index_copy(0, slots, v).view(self.values_pool.shape)
+            return
+        self.keys_pool.view(flat).index_copy_(0, slots, k)
+        self.values_pool.view(flat).index_copy_(0, slots, v)
 
     def _gather(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values at `slots` `(n,)`, as `(num_kv_heads, n, d_head)` views of one gather each."""
