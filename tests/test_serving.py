@@ -292,3 +292,43 @@ def test_gradients_through_paged_steps_equal_a_kv_caches() -> None:
 
     for ours, theirs in zip(run("paged"), run("contiguous"), strict=True):
         torch.testing.assert_close(ours, theirs, **F64)
+
+
+@given(
+    lengths=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    block_size=st.integers(1, 16),
+    schedule=schedules(),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_latent_attention_packed_and_paged(
+    lengths: list[int], block_size: int, schedule: list, seed: int, data: st.DataObject
+) -> None:
+    """LatentAttention: packed == each sequence alone, and paged (one shared pool of latent entries) == a
+    LatentCache per sequence, decoding by absorption included (no_grad), sequences joining and leaving."""
+    torch.manual_seed(seed)
+    mla = ssm.LatentAttention(16, 2, kv_lora_rank=4, d_nope=2, d_rope=2, d_value=3, dtype=torch.float64)
+    x, cu = _packed(lengths, 16)
+    bounds = cu.tolist()
+    alone = [mla(x[:, a:b], is_causal=True) for a, b in itertools.pairwise(bounds) if b > a]
+    if alone:
+        torch.testing.assert_close(mla(x, cu_seqlens=cu, is_causal=True), torch.cat(alone, dim=1), **F64)
+    cache = ssm.PagedKVCache.for_module(mla, num_blocks=64, block_size=block_size)
+    assert cache.values_pool is cache.keys_pool and cache.nbytes == cache.keys_pool.numel() * 8
+    cache._free = data.draw(st.permutations(range(64)), label="free list")
+    live: list[tuple[int, object]] = []
+    with torch.no_grad():
+        for joining, leaving, sizes in schedule:
+            for index in reversed(leaving):
+                cache.remove(live.pop(index)[0])
+            old = len(live)
+            live += [(cache.add(), mla.new_cache(1, 64)) for _ in joining]
+            news = [sizes.get(i, 0) for i in range(old)] + joining
+            x, cu = _packed(news, 16)
+            out = mla(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
+            bounds = cu.tolist()
+            for (seq, contiguous), a, b in zip(live, bounds[:-1], bounds[1:], strict=True):
+                if b > a:
+                    expected = mla(x[:, a:b], is_causal=True, kv_cache=contiguous)  # pyright: ignore[reportArgumentType]
+                    torch.testing.assert_close(out[:, a:b], expected, **F64)
+                assert cache.length(seq) == len(contiguous)  # pyright: ignore[reportArgumentType]

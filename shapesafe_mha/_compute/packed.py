@@ -11,6 +11,7 @@ shorter ones padded on the left and masked (`DecodeView`).
 """
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,33 +84,38 @@ def serving_forward(
     kv_cache: Any,
     positions: Any,
     cu_seqlens: Any,
+    view: Callable[[PagedKVCache, int, str], Any] = SequenceView,
 ) -> Tensor:
     """`MultiHeadAttention.forward` for a packed batch (`cu_seqlens`) and/or a `PagedKVCache` (see the module's
-    `forward`); a failed call leaves the paged cache as it was."""
+    `forward`); a failed call leaves the paged cache as it was. `view(paged, seq, owner)` is one sequence of the
+    paged cache as the module's cache stage reads it (`LatentAttention` passes its own); a module with a view of
+    its own decodes sequence by sequence."""
+    owner = f"{'LatentAttention' if hasattr(module, 'kv_lora_rank') else 'MultiHeadAttention'}.forward()"
     paged = kv_cache if isinstance(kv_cache, PagedKVCache) else None
-    _refuse(module, query, key, value, attn_mask, key_padding_mask, need_weights, kv_cache, paged)
+    _refuse(module, query, key, value, attn_mask, key_padding_mask, need_weights, kv_cache, paged, owner)
     if cu_seqlens is None:  # a paged cache without offsets: one new token of each live sequence, (num_seqs, 1, d_model)
         if paged is None:
-            raise ConfigError(f"{OWNER}: a packed or paged call needs cu_seqlens or a PagedKVCache.")
+            raise ConfigError(f"{owner}: a packed or paged call needs cu_seqlens or a PagedKVCache.")
         if query.shape[1] != 1 or query.shape[0] != len(paged.sequences):
             raise ShapeError(
-                f"{OWNER}: query is {tuple(query.shape)}, but a PagedKVCache call without cu_seqlens decodes one new "
+                f"{owner}: query is {tuple(query.shape)}, but a PagedKVCache call without cu_seqlens decodes one new "
                 f"token of each of its {len(paged.sequences)} live sequences, (num_seqs, 1, d_model); for prompts "
                 "or chunks pack them, (1, total, d_model), and pass cu_seqlens."
             )
-        _check_positions(positions, (query.shape[0], 1), "one token of each sequence has")
+        _check_positions(positions, (query.shape[0], 1), "one token of each sequence has", owner)
         where = None if positions is None else positions.reshape(1, -1)
         steps = list(range(query.shape[0] + 1))
-        return _paged(module, query.reshape(1, -1, query.shape[2]), steps, paged, is_causal, where)[0][:, None]
+        packed = query.reshape(1, -1, query.shape[2])
+        return _paged(module, packed, steps, paged, is_causal, where, view, owner)[0][:, None]
     if query.shape[0] != 1:
         raise ShapeError(
-            f"{OWNER}: query has batch={query.shape[0]}, but with cu_seqlens it is a packed batch (1, total, "
+            f"{owner}: query has batch={query.shape[0]}, but with cu_seqlens it is a packed batch (1, total, "
             "d_model): the sequences end to end in dimension 1; pack them (torch.cat(..., dim=1))."
         )
-    offsets = check_cu_seqlens(cu_seqlens, query.shape[1], None if paged is None else len(paged.sequences))
-    _check_positions(positions, (1, query.shape[1]), "a packed batch's positions are (1, total):")
+    offsets = check_cu_seqlens(cu_seqlens, query.shape[1], None if paged is None else len(paged.sequences), owner)
+    _check_positions(positions, (1, query.shape[1]), "a packed batch's positions are (1, total):", owner)
     if paged is not None:
-        return _paged(module, query, offsets, paged, is_causal, positions)
+        return _paged(module, query, offsets, paged, is_causal, positions, view, owner)
     pieces = [
         module.forward(query[:, a:b], is_causal=is_causal, positions=None if positions is None else positions[:, a:b])
         for a, b in itertools.pairwise(offsets)
@@ -118,10 +124,10 @@ def serving_forward(
     return _joined(module, query, pieces)
 
 
-def _check_positions(positions: Any, shape: tuple[int, int], what: str) -> None:
+def _check_positions(positions: Any, shape: tuple[int, int], what: str, owner: str) -> None:
     if positions is not None and (not isinstance(positions, Tensor) or tuple(positions.shape) != shape):
         shown = tuple(positions.shape) if isinstance(positions, Tensor) else type(positions).__name__
-        raise ShapeError(f"{OWNER}: positions is {shown}, but {what} {shape}.")
+        raise ShapeError(f"{owner}: positions is {shown}, but {what} {shape}.")
 
 
 def _refuse(
@@ -134,49 +140,58 @@ def _refuse(
     need_weights: bool,
     kv_cache: Any,
     paged: PagedKVCache | None,
+    owner: str,
 ) -> None:
     """What a packed or paged call does not take, refused by name."""
     if not isinstance(query, Tensor) or query.dim() != 3:
         shown = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
-        raise ShapeError(f"{OWNER}: query must be a tensor (1, total, d_model) with cu_seqlens, but got {shown}.")
+        raise ShapeError(f"{owner}: query must be a tensor (1, total, d_model) with cu_seqlens, but got {shown}.")
     if (key is not None and key is not query) or (value is not None and value is not key):
         raise ConfigError(
-            f"{OWNER}: cu_seqlens and a PagedKVCache serve self-attention; key and value must be the query (None)."
+            f"{owner}: cu_seqlens and a PagedKVCache serve self-attention; key and value must be the query (None)."
         )
     if attn_mask is not None or key_padding_mask is not None:
         raise ConfigError(
-            f"{OWNER}: a packed or paged call takes no attn_mask or key_padding_mask: the sequences' boundaries "
+            f"{owner}: a packed or paged call takes no attn_mask or key_padding_mask: the sequences' boundaries "
             "(cu_seqlens) are its mask, and nothing is padded."
         )
     if need_weights:
-        raise ConfigError(f"{OWNER}: need_weights is not served for packed or paged calls; call each sequence alone.")
+        raise ConfigError(f"{owner}: need_weights is not served for packed or paged calls; call each sequence alone.")
     if kv_cache is not None and paged is None:
         raise ConfigError(
-            f"{OWNER}: a packed batch (cu_seqlens) caches into a PagedKVCache (one block table per sequence), not a "
+            f"{owner}: a packed batch (cu_seqlens) caches into a PagedKVCache (one block table per sequence), not a "
             f"{type(kv_cache).__name__}; make one with ssm.PagedKVCache.for_module(module, num_blocks, block_size)."
         )
     if paged is not None:
-        needed, kept = module.window, paged.window
+        needed, kept = getattr(module, "window", None), paged.window
         if kept is not None and (needed is None or kept < needed):
             raise ShapeError(
-                f"{OWNER}: kv_cache keeps a window of {kept} positions, but the module attends over "
+                f"{owner}: kv_cache keeps a window of {kept} positions, but the module attends over "
                 + ("every position" if needed is None else f"a window of {needed}")
                 + "; make it with PagedKVCache.for_module(module, ...)."
             )
         if not paged.sequences:
-            raise ConfigError(f"{OWNER}: the PagedKVCache has no live sequence; add() one first.")
+            raise ConfigError(f"{owner}: the PagedKVCache has no live sequence; add() one first.")
 
 
 def _paged(
-    module: Any, query: Tensor, offsets: list[int], paged: PagedKVCache, is_causal: bool, positions: Tensor | None
+    module: Any,
+    query: Tensor,
+    offsets: list[int],
+    paged: PagedKVCache,
+    is_causal: bool,
+    positions: Tensor | None,
+    view: Callable[[PagedKVCache, int, str], Any],
+    owner: str,
 ) -> Tensor:
     """Each live sequence's segment of `query` through the module, appending to its blocks; all or nothing."""
     seqs = paged.sequences
     state = paged.state()
     try:
         sizes = [b - a for a, b in itertools.pairwise(offsets)]
-        if all(size == 1 for size in sizes) and module.temperature_tuning is None:  # decoding: one batch
-            view = DecodeView(paged, OWNER)
+        batched = view is SequenceView and module.temperature_tuning is None  # (its own view: one by one)
+        if batched and all(size == 1 for size in sizes):  # decoding: one batch
+            decode = DecodeView(paged, owner)
             if module.rotary is None:
                 where = None
             elif positions is not None:
@@ -186,19 +201,19 @@ def _paged(
             out = module.forward(
                 query[0][:, None],
                 is_causal=is_causal,
-                kv_cache=view,
-                key_padding_mask=view.padding,
+                kv_cache=decode,
+                key_padding_mask=decode.padding,
                 positions=where,
             )
             return out[:, 0][None]
-        paged.reserve(dict(zip(seqs, sizes, strict=True)), OWNER)  # every block the call needs, or none, first
+        paged.reserve(dict(zip(seqs, sizes, strict=True)), owner)  # every block the call needs, or none, first
         pieces = []
         for seq, a, b in zip(seqs, offsets, offsets[1:], strict=False):
             if b == a:
                 continue
             where = None if positions is None else positions[:, a:b]
-            view = SequenceView(paged, seq, OWNER)
-            pieces.append(module.forward(query[:, a:b], is_causal=is_causal, kv_cache=view, positions=where))
+            cache = view(paged, seq, owner)
+            pieces.append(module.forward(query[:, a:b], is_causal=is_causal, kv_cache=cache, positions=where))
     except BaseException:
         paged.restore(state)
         raise

@@ -55,6 +55,8 @@ class PagedKVCache:
         dtype, device: the pool's.
         window: keep only the positions a sliding window of this many keys can still see (free the blocks
             before them); None keeps every position.
+        shared: one pool for keys and values (`values_pool is keys_pool`): a `LatentAttention`'s cache, one entry
+            (latent and rotary key, `d_head = kv_lora_rank + d_rope`, `num_kv_heads = 1`) a position.
 
     Raises:
         ConfigError: a size that is not a positive int, or a window that is not.
@@ -73,6 +75,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str | None = None,
         window: int | None = None,
+        shared: bool = False,
     ) -> None:
         for name, size in (
             ("num_blocks", num_blocks),
@@ -86,7 +89,8 @@ class PagedKVCache:
             raise ConfigError(f"PagedKVCache(): window must be a positive int or None, but got {window!r}.")
         shape = (num_blocks, block_size, num_kv_heads, d_head)
         self.keys_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.values_pool = torch.zeros(shape, dtype=dtype, device=device)
+        # latent attention caches one entry a position (its latent and rotary key): keys and values are one pool
+        self.values_pool = self.keys_pool if shared else torch.zeros(shape, dtype=dtype, device=device)
         self.window = window
         self._tables: dict[int, list[int]] = {}  # each sequence's blocks, in position order (-1: freed by its window)
         self._lengths: dict[int, int] = {}  # positions each sequence has seen
@@ -98,7 +102,12 @@ class PagedKVCache:
 
     @classmethod
     def for_module(cls, module: Any, num_blocks: int, block_size: int) -> "PagedKVCache":
-        """A paged cache that fits `module` (a `MultiHeadAttention`): its KV heads, `d_head`, dtype, device, window."""
+        """A paged cache that fits `module`: a `MultiHeadAttention`'s KV heads, `d_head`, dtype, device and window,
+        or a `LatentAttention`'s entries (`shared`: its latent and rotary key, one pool)."""
+        if hasattr(module, "kv_lora_rank"):
+            weight = module.kv_a_proj_with_mqa.weight
+            width = module.kv_lora_rank + module.d_rope
+            return cls(num_blocks, block_size, 1, width, dtype=weight.dtype, device=weight.device, shared=True)
         weight = module.k_proj.weight
         return cls(
             num_blocks,
@@ -138,8 +147,9 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of both pools (what the cache holds, used or free)."""
-        return 2 * self.keys_pool.numel() * self.keys_pool.element_size()
+        """Bytes of both pools (what the cache holds, used or free; one pool when `shared`)."""
+        pools = 1 if self.values_pool is self.keys_pool else 2
+        return pools * self.keys_pool.numel() * self.keys_pool.element_size()
 
     @property
     def free_blocks(self) -> int:
@@ -352,8 +362,12 @@ class PagedKVCache:
             or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
         )
         if tracked:  # out of place, as KVCache does: earlier steps' graphs keep the pools they read
+            shared = self.values_pool is self.keys_pool
             self.keys_pool = self.keys_pool.view(flat).index_copy(0, slots, k).view(self.keys_pool.shape)
-            self.values_pool = self.values_pool.view(flat).index_copy(0, slots, v).view(self.values_pool.shape)
+            if shared:
+                self.values_pool = self.keys_pool
+            else:
+                self.values_pool = self.values_pool.view(flat).index_copy(0, slots, v).view(self.values_pool.shape)
             return
         self.keys_pool.view(flat).index_copy_(0, slots, k)
         self.values_pool.view(flat).index_copy_(0, slots, v)
