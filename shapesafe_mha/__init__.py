@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name loads on first use
     from ._compute.cache import KVCache as KVCache
     from ._compute.flex import flex_attention as flex_attention
+    from ._compute.packed import check_cu_seqlens as check_cu_seqlens
+    from ._compute.paged import PagedKVCache as PagedKVCache
     from ._compute.rotary import RotaryEmbedding as RotaryEmbedding
     from ._compute.rotary import apply_partial_rotary as apply_partial_rotary
     from ._compute.rotary import apply_rotary as apply_rotary
@@ -42,6 +44,8 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
 # `shapesafe-mha --help` lives in this package and must answer before torch is imported (a second).
 _WHERE = {
     "KVCache": "_compute.cache",
+    "PagedKVCache": "_compute.paged",
+    "check_cu_seqlens": "_compute.packed",
     "checks_enabled": "_core.contract",
     "unchecked": "_core.contract",
     "ConfigError": "_core.errors",
@@ -105,6 +109,7 @@ __all__ = [
     "LatentCache",
     "LatentTraceConfig",
     "MultiHeadAttention",
+    "PagedKVCache",
     "RotaryEmbedding",
     "ShapeError",
     "ShapeProof",
@@ -114,6 +119,7 @@ __all__ = [
     "apply_partial_rotary",
     "apply_rotary",
     "attention_weights",
+    "check_cu_seqlens",
     "checks_enabled",
     "expect",
     "flex_attention",

@@ -15,7 +15,9 @@ Example:
 from ._core.dims import DIMS as DIMS
 from ._core.dims import AttnMask as AttnMask
 from ._core.dims import Bias as Bias
+from ._core.dims import BlockTable as BlockTable
 from ._core.dims import CacheBuffer as CacheBuffer
+from ._core.dims import CuSeqlens as CuSeqlens
 from ._core.dims import GroupedQueries as GroupedQueries
 from ._core.dims import Heads as Heads
 from ._core.dims import Inner as Inner
@@ -26,7 +28,9 @@ from ._core.dims import LinearOut as LinearOut
 from ._core.dims import Memory as Memory
 from ._core.dims import NewKVHeads as NewKVHeads
 from ._core.dims import NewKVInner as NewKVInner
+from ._core.dims import PackedTokens as PackedTokens
 from ._core.dims import PaddingMask as PaddingMask
+from ._core.dims import PagePool as PagePool
 from ._core.dims import PartialRotaryTable as PartialRotaryTable
 from ._core.dims import Positions as Positions
 from ._core.dims import Probabilities as Probabilities
@@ -40,7 +44,9 @@ __all__ = [
     "DIMS",
     "AttnMask",
     "Bias",
+    "BlockTable",
     "CacheBuffer",
+    "CuSeqlens",
     "GroupedQueries",
     "Heads",
     "Inner",
@@ -51,7 +57,9 @@ __all__ = [
     "Memory",
     "NewKVHeads",
     "NewKVInner",
+    "PackedTokens",
     "PaddingMask",
+    "PagePool",
     "PartialRotaryTable",
     "Positions",
     "Probabilities",

@@ -19,6 +19,22 @@ def test_memory_benchmark_prints_ratios_and_repeat_kv_allocates_more() -> None:
     assert repeat_vs_ours > 1.0
 
 
+def test_serving_benchmark_prints_every_row_and_a_paged_step_never_copies_its_pool() -> None:
+    """`python -m benchmarks.serving` (2 rounds, small counts: the output is tested, not the figures) prints the
+    packed/padded and paged/contiguous rows, and each decoding step allocates less than its pool holds."""
+    command = [sys.executable, "-m", "benchmarks.serving", "--rounds", "2", "--counts", "1", "3", "--markdown"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = ("packed prefill / padded (ours)", "packed prefill / padded (torch)", "paged decode / contiguous decode")
+    for name in rows:
+        assert sum(f"| {name} |" in line for line in out.splitlines()) == 2, name
+    steps = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "seqs," in line]
+    memory = [row for row in steps if len(row) == 6 and row[1].strip().replace(",", "").isdigit()]
+    assert len(memory) == 2
+    for row in memory:
+        largest, pool = int(row[2].replace(",", "")), int(row[5].replace(",", ""))
+        assert largest < pool  # the gathered keys, never the pool
+
+
 def test_performance_benchmark_prints_every_comparison() -> None:
     """`python -m benchmarks --quick` (4 rounds: what is tested is the output, not the figures) prints each
     comparison with its ratio and goal (no timing asserted)."""

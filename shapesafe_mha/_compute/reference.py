@@ -4,6 +4,7 @@ No fused projection, no reshapes, no folding: for each head, slice that head's r
 weights, project, score, mask, softmax, weight the values; then concatenate and project out.
 """
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from typing import Literal
@@ -448,3 +449,36 @@ def per_head_latent_attention(
         scores = (q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)) / math.sqrt(d_nope + d_rope)
         heads.append(_softmax_or_zeros(scores + mask) @ v)
     return _linear(torch.cat(heads, dim=-1), p["o_proj.weight"], p.get("o_proj.bias"))
+
+
+def packed_per_head_attention(
+    query: Tensor, cu_seqlens: Tensor, weights: AttentionWeights, **options: object
+) -> Tensor:
+    """`per_head_attention` of a packed batch: each sequence of `query` `(1, total, d_model)`, between the offsets
+    `cu_seqlens` `(num_seqs + 1,)`, computed alone (its positions from 0), the outputs end to end.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> from shapesafe_mha.reference import packed_per_head_attention
+        >>> m = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2)
+        >>> x, cu = torch.randn(1, 5, 16), torch.tensor([0, 2, 5], dtype=torch.int32)
+        >>> ref = packed_per_head_attention(x, cu, m.weights(), num_heads=4, num_kv_heads=2, is_causal=True)
+        >>> bool(torch.allclose(ref, m(x, cu_seqlens=cu, is_causal=True), atol=1e-5))
+        True
+
+    Arguments:
+        query: `(1, total, d_model)`, the sequences end to end.
+        cu_seqlens: `(num_seqs + 1,)` offsets from 0 to `total`.
+        weights, options: as `per_head_attention` takes them (`num_heads`, `num_kv_heads`, `is_causal`, `window`,
+            `rope_theta`, ...), applied to each sequence.
+
+    Returns:
+        `(1, total, d_model)`.
+    """
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    pieces = [
+        per_head_attention(query[:, a:b], query[:, a:b], query[:, a:b], weights, **options)  # pyright: ignore[reportArgumentType]
+        for a, b in itertools.pairwise(bounds)
+        if b > a  # an empty sequence computes nothing
+    ]
+    return torch.cat(pieces, dim=1) if pieces else query.new_zeros(1, 0, weights.w_o.shape[0])

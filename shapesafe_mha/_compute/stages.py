@@ -64,6 +64,15 @@ def positive_count(owner: str, name: str, value: Any) -> None:
         raise ConfigError(f"{owner}{name} must be a positive int, but got {value!r}.")
 
 
+def check_float_dtype(owner: str, dtype: Any) -> None:
+    """A module's `dtype=`: None or a floating-point torch.dtype."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ConfigError(
+            f"{owner}: dtype={dtype!r} is not a floating-point torch.dtype, but the weights are learned and "
+            "softmax needs fractions; pass torch.float32, torch.bfloat16, torch.float16 or torch.float64."
+        )
+
+
 def check_groups(num_heads: int, num_kv_heads: int, owner: str) -> None:
     """Raise `ConfigError` unless `num_kv_heads` divides `num_heads`."""
     if num_heads % num_kv_heads == 0:

@@ -31,6 +31,11 @@ DIMS: dict[str, str] = {
     "d_rope": "the rotary part of a query/key head (partial rotary: the first `d_rope` of `d_head`; latent "
     "attention: one rotary key shared by all heads)",
     "d_value": "latent attention: width of a value head (may differ from `d_nope + d_rope`)",
+    "total": "a packed batch: the tokens of every sequence, end to end (`cu_seqlens[-1]`)",
+    "bounds": "a packed batch: where each sequence starts, and the end, `num_seqs + 1` offsets (`cu_seqlens`)",
+    "num_blocks": "a paged cache: blocks in its pool, shared by every sequence",
+    "block_size": "a paged cache: positions one block holds",
+    "max_blocks": "a paged cache: the longest block table (blocks of the sequence holding most)",
 }
 __doc__ = (__doc__ or "") + "\n| name | meaning |\n|---|---|\n" + "\n".join(f"| `{n}` | {m} |" for n, m in DIMS.items())
 
@@ -127,3 +132,10 @@ AbsorbedQueries = Float[Tensor, "batch num_heads seq kv_lora_rank+d_rope"]
 CacheEntries = Float[Tensor, "batch 1 kv_seq kv_lora_rank+d_rope"]  # latent and rotary key: the keys, one head
 LatentValues = Float[Tensor, "batch 1 kv_seq kv_lora_rank"]
 AbsorbedOut = Float[Tensor, "batch num_heads seq kv_lora_rank"]
+
+# Serving: a packed batch (sequences end to end, no padding) and a paged cache (blocks of positions in one
+# pool, a block table per sequence).
+PackedTokens = Float[Tensor, "1 total d_model"]
+CuSeqlens = Int[Tensor, " bounds"]
+PagePool = Float[Tensor, "num_blocks block_size num_kv_heads d_head"]
+BlockTable = Int[Tensor, "batch max_blocks"]

@@ -35,6 +35,7 @@ from .hf import (
     stacked_fused,
 )
 from .hf_backend import layer_name, refuse_unknown
+from .hf_paged import is_paged, loud_generate_batch, paged_forward
 
 # What a decoder layer passes its attention module, which the replacement takes (besides `**kwargs`,
 # checked by `refuse_unknown` as transformers' attention functions are).
@@ -76,6 +77,10 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
     model's), where its forward takes an argument the replacement would not pass on, or where the model's
     `DynamicCache` keeps it as a kind of layer the replacement does not read (linear attention).
 
+    Continuous batching (`model.generate_batch`, transformers' paged cache, `attn_implementation="sdpa"`) is
+    served through the same stages (see `shapesafe_mha._interop.hf_paged`); a check that fails there raises from
+    `generate_batch` itself instead of leaving the requests failed and empty.
+
     Example:
         >>> import torch, shapesafe_mha.hf
         >>> from transformers import AutoModelForCausalLM, LlamaConfig
@@ -115,6 +120,8 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
                 replaced[path] = type(module).__name__
                 continue
         left[path] = why
+    if replaced:
+        loud_generate_batch(model)
     return Replacements(replaced, left)
 
 
@@ -274,7 +281,9 @@ class HFAttention(MultiHeadAttention):
 
         `position_embeddings` (the model's cos/sin) are not read: our stages compute RoPE from the positions.
         """
-        if kwargs:
+        cache = past_key_values if cache is None else cache
+        serving = cache is not None and is_paged(cache)  # continuous batching (generate_batch): hf_paged
+        if kwargs and not serving:
             refuse_unknown(self, kwargs)
         if self.window_from_config:
             window = getattr(self.config, "sliding_window", None)
@@ -283,7 +292,8 @@ class HFAttention(MultiHeadAttention):
                     self.window = window
                 except ConfigError as error:
                     raise ConfigError(f"{layer_name(self)}: config.sliding_window={window!r}: {error}") from None
-        cache = past_key_values if cache is None else cache
+        if serving:
+            return paged_forward(self, hidden_states, attention_mask, cache, position_ids, kwargs), None
         if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4):
             kind = type(attention_mask).__name__ if not isinstance(attention_mask, Tensor) else "a 2-D padding mask"
             raise ConfigError(

@@ -20,6 +20,8 @@ from torch import Tensor, nn
 
 from .._compute import kernels as K
 from .._compute.fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
+from .._compute.packed import serving_forward
+from .._compute.paged import PagedKVCache
 from .._compute.rotary import RotaryEmbedding, check_rotary_width, default_positions
 from .._compute.stages import (
     autocast_dtype,
@@ -37,6 +39,7 @@ from .._core.dims import (
     AttnMask,
     CacheEntries,
     CompressedKV,
+    CuSeqlens,
     ExpandedKV,
     Latent,
     LatentBuffer,
@@ -601,8 +604,9 @@ class LatentAttention(nn.Module):
         attn_mask: AttnMask | None = None,
         key_padding_mask: PaddingMask | None = None,
         is_causal: bool = False,
-        kv_cache: LatentCache | None = None,
+        kv_cache: LatentCache | PagedKVCache | None = None,
         positions: Positions | None = None,
+        cu_seqlens: CuSeqlens | None = None,
     ) -> Tokens:
         """Self-attention of `query` `(batch, seq, d_model)`; with `kv_cache`, over everything it holds too.
 
@@ -622,6 +626,8 @@ class LatentAttention(nn.Module):
                 counts the cached positions and the new ones).
             kv_cache: a `LatentCache`: this call's latent is appended, and attention covers all of it.
             positions: `(batch, seq)` rotary positions; default `len(kv_cache) + arange(seq)`.
+            cu_seqlens: a packed batch `(1, total, d_model)` of sequences end to end, and a `PagedKVCache`
+                (`PagedKVCache.for_module(self, ...)`), as in `MultiHeadAttention.forward` (each sequence in turn).
 
         Returns:
             `(batch, seq, d_model)`.
@@ -629,6 +635,12 @@ class LatentAttention(nn.Module):
         Raises:
             ShapeError: an input does not fit the module, the others or the cache; a failed call changes nothing.
         """
+        if cu_seqlens is not None or isinstance(kv_cache, PagedKVCache):  # serving: packed batches, paged caches
+            from .paged_latent import latent_view
+
+            return serving_forward(self, query, None, None, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                   is_causal=is_causal, need_weights=False, kv_cache=kv_cache, positions=positions,
+                                   cu_seqlens=cu_seqlens, view=latent_view(self))  # fmt: skip
         call = (query, attn_mask, key_padding_mask, is_causal, kv_cache, positions)
         absorb = isinstance(query, Tensor) and isinstance(kv_cache, LatentCache) and self._absorbs(query)
         keyed = isinstance(query, Tensor) and isinstance(kv_cache, LatentCache | None)

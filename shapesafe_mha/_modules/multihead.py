@@ -12,16 +12,17 @@ from .._compute import kernels as K
 from .._compute.cache import KVCache
 from .._compute.fastpath import FusedQKV, call_restoring, choose_path, pack_qkv
 from .._compute.norms import qk_norms
+from .._compute.packed import serving_forward
+from .._compute.paged import PagedKVCache
 from .._compute.rotary import (
     RotaryEmbedding,
     check_rotary_width,
 )
-from .._compute.stages import (
-    check_temperature_tuning,
-)
+from .._compute.stages import check_float_dtype, check_temperature_tuning
 from .._core.contract import Verdicts, remembered_forward
 from .._core.dims import (
     AttnMask,
+    CuSeqlens,
     Memory,
     PaddingMask,
     Positions,
@@ -87,12 +88,10 @@ class MultiHeadAttention(Conversions, nn.Module):
     """Multi-head attention with MHA, GQA and MQA by configuration, batch-first, checked.
 
     `o_proj(merge_heads(attention(split_heads(q_proj(x)), split_heads(k_proj(x)), split_heads(v_proj(x)))))`.
-    The four projections are `nn.Linear` submodules named `q_proj, k_proj, v_proj, o_proj`, so
-    checkpoints in that common layout load directly, and they are called as submodules: LoRA
-    adapters, hooks (torch's or accelerate's), quantized or parametrized layers in those slots work
-    (a plain `nn.Linear` with none is computed as its forward would, without nn.Module's call). The first call of each
-    kind runs every stage checked against one set of named dimensions (see `forward`); the verdict
-    is remembered for calls whose sizes relate the same way, which then run the stages unchecked.
+    The four projections are `nn.Linear` submodules named `q_proj, k_proj, v_proj, o_proj`, so checkpoints in
+    that common layout load directly, and they are called as submodules: LoRA adapters, hooks (torch's or
+    accelerate's), quantized or parametrized layers in those slots work (a plain `nn.Linear` with none is computed
+    as its forward would, without nn.Module's call). Checked once per kind of call (see `forward`).
 
     Example:
         >>> import torch, shapesafe_mha as ssm
@@ -153,11 +152,7 @@ class MultiHeadAttention(Conversions, nn.Module):
     ) -> None:
         super().__init__()
         config = AttentionConfig(**{name: value for name, value in locals().items() if name in OPTIONS})
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise ConfigError(
-                f"{config.owner}: dtype={dtype!r} is not a floating-point torch.dtype, but the weights are learned and "
-                "softmax needs fractions; pass torch.float32, torch.bfloat16, torch.float16 or torch.float64."
-            )
+        check_float_dtype(config.owner, dtype)
         self._build(config, {"device": device, "dtype": dtype})
 
     def _build(self, config: AttentionConfig, factory: dict[str, Any]) -> None:
@@ -296,9 +291,7 @@ class MultiHeadAttention(Conversions, nn.Module):
             self._derive()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_verdicts=Verdicts(), _fused=None)
-        return state
+        return self.__dict__ | {"_verdicts": Verdicts(), "_fused": None}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call_restoring(self, args, kwargs, KVCache)  # a hook that raises after forward changes nothing
@@ -358,18 +351,17 @@ class MultiHeadAttention(Conversions, nn.Module):
         key_padding_mask: PaddingMask | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PagedKVCache | None = None,
         positions: Positions | None = None,
+        cu_seqlens: CuSeqlens | None = None,
     ) -> Tokens | tuple[Tokens, Probabilities]:
         """Attend from `query` to `key`/`value` (default: `query`, self-attention).
 
         `o_proj(merge(attention(split(q_proj(query)), split(k_proj(key)), split(v_proj(value)))))`.
 
-        Checking: on the first call of a kind, every stage runs checked, arguments and result,
-        against one set of named dimensions (`batch`, `seq`, `kv_seq`, `num_heads`, ... bound by the
-        module's sizes and by the first tensor that shows each one); then the verdict is remembered
-        for every call whose sizes relate the same way (equal where these were equal, 1 where these
-        were 1), on the same execution path, so decoding step after step is checked once.
+        Checked once per kind of call: every stage against one set of named dimensions, bound by the module's
+        sizes and the first tensor that shows each; the verdict then covers calls whose sizes relate the same
+        way (equal where these were equal, 1 where these were 1), so decoding step after step is checked once.
 
         Example:
             >>> import torch, shapesafe_mha as ssm
@@ -389,10 +381,15 @@ class MultiHeadAttention(Conversions, nn.Module):
             is_causal: mask future positions, lower-right aligned (query `i` is position
                 `kv_seq - seq + i`), so prefill and decoding with a cache agree.
             need_weights: also return the per-head probabilities `(batch, num_heads, seq, kv_seq)`.
-            kv_cache: append this call's keys and values to it and attend over all it holds.
+            kv_cache: append this call's keys and values to it and attend over all it holds. A `PagedKVCache`
+                serves all its live sequences at once: a packed batch with `cu_seqlens`, or `(num_seqs, 1,
+                d_model)`, one new token each (see docs/serving.md).
             positions: `(batch, seq)` integer positions of the queries, for rotary embeddings
                 (default: `len(kv_cache) + arange(seq)` for every sequence, so prefill and
-                decoding agree; a left-padded batch passes its own).
+                decoding agree; a left-padded batch passes its own). Packed: `(1, total)`.
+            cu_seqlens: a packed batch: `query` is `(1, total, d_model)`, the sequences end to end, and
+                `cu_seqlens` `(num_seqs + 1,)` int32 their offsets, from 0 to `total`. Each sequence attends only
+                to itself (its own positions from 0, causal mask, window), as if it were called alone.
 
         Returns:
             `(batch, seq, d_model)`, or `(output, weights)` with `need_weights=True`. A query
@@ -402,6 +399,10 @@ class MultiHeadAttention(Conversions, nn.Module):
             ShapeError: any input does not fit the module, the others or the cache; nothing
                 (parameters, cache) is changed by a failed call.
         """
+        if cu_seqlens is not None or isinstance(kv_cache, PagedKVCache):  # serving: packed batches, paged caches
+            return serving_forward(self, query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                   is_causal=is_causal, need_weights=need_weights, kv_cache=kv_cache,
+                                   positions=positions, cu_seqlens=cu_seqlens)  # fmt: skip
         key = query if key is None else key
         value = key if value is None else value
         call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)

@@ -1,0 +1,443 @@
+"""`PagedKVCache`: keys and values of many sequences in one pool of fixed-size blocks, a block table each.
+
+Continuous batching serves sequences of different lengths that join and leave between steps. A contiguous
+`KVCache` of `(batch, ..., capacity, ...)` reserves `capacity` positions for every sequence; a paged cache
+reserves blocks of `block_size` positions as a sequence grows (a free list hands them out, a sequence that
+leaves or whose window has passed them gives them back), so memory follows the positions actually held.
+
+The module reads it through two views that are `KVCache`s to its cache stage (`SequenceView` for one
+sequence's prefill or chunk, `DecodeView` for one new token of every sequence at once): the module's own
+stages, checks and failure handling run unchanged, and every slot read or written is checked to belong to
+the sequence it is read for (a block table pointing outside the pool, or at another sequence's block, is a
+`ShapeError`, never a silent gather of someone else's keys).
+"""
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._core.contract import Verdicts
+from .._core.dims import BlockTable, PagePool
+from .._core.errors import ConfigError, ShapeError
+from .cache import KVCache
+
+PagedState = tuple[Tensor, Tensor, dict[int, list[int]], dict[int, int], dict[int, int], list[int], int]
+
+
+class PagedKVCache:
+    """Keys and values of many sequences, in blocks of `block_size` positions taken from one shared pool.
+
+    Each sequence holds a block table (its blocks in position order) and a length; `add()` starts a sequence
+    and returns its id, `remove(seq)` ends it and frees its blocks. A `MultiHeadAttention` called with
+    `kv_cache=paged` serves every live sequence in one call (`paged.sequences`, in the order they were added):
+    a packed batch `(1, total, d_model)` with `cu_seqlens` (each sequence's new tokens, a prefill or a chunk or
+    one token), or `(num_seqs, 1, d_model)`, one new token each (decoding). With a `window`, blocks whose
+    positions no query can see any more go back to the free list.
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> attn = ssm.MultiHeadAttention(32, num_heads=4, num_kv_heads=2, rope_theta=10000.0)
+        >>> cache = ssm.PagedKVCache.for_module(attn, num_blocks=8, block_size=4)
+        >>> a, b = cache.add(), cache.add()
+        >>> cu = torch.tensor([0, 5, 7], dtype=torch.int32)  # a prompt of 5 tokens, one of 2
+        >>> attn(torch.randn(1, 7, 32), cu_seqlens=cu, is_causal=True, kv_cache=cache).shape
+        torch.Size([1, 7, 32])
+        >>> attn(torch.randn(2, 1, 32), is_causal=True, kv_cache=cache).shape  # one token each
+        torch.Size([2, 1, 32])
+        >>> cache.length(a), cache.length(b), cache.block_table().shape
+        (6, 3, torch.Size([2, 2]))
+
+    Arguments:
+        num_blocks, block_size, num_kv_heads, d_head: the pool's shape `(num_blocks, block_size, num_kv_heads,
+            d_head)`, for keys and for values.
+        dtype, device: the pool's.
+        window: keep only the positions a sliding window of this many keys can still see (free the blocks
+            before them); None keeps every position.
+        shared: one pool for keys and values (`values_pool is keys_pool`): a `LatentAttention`'s cache, one entry
+            (latent and rotary key, `d_head = kv_lora_rank + d_rope`, `num_kv_heads = 1`) a position.
+
+    Raises:
+        ConfigError: a size that is not a positive int, or a window that is not.
+    """
+
+    keys_pool: PagePool
+    values_pool: PagePool
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        d_head: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        window: int | None = None,
+        shared: bool = False,
+    ) -> None:
+        for name, size in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("d_head", d_head),
+        ):
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise ConfigError(f"PagedKVCache(): {name} must be a positive int, but got {size!r}.")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ConfigError(f"PagedKVCache(): window must be a positive int or None, but got {window!r}.")
+        shape = (num_blocks, block_size, num_kv_heads, d_head)
+        self.keys_pool = torch.zeros(shape, dtype=dtype, device=device)
+        # latent attention caches one entry a position (its latent and rotary key): keys and values are one pool
+        self.values_pool = self.keys_pool if shared else torch.zeros(shape, dtype=dtype, device=device)
+        self.window = window
+        self._tables: dict[int, list[int]] = {}  # each sequence's blocks, in position order (-1: freed by its window)
+        self._lengths: dict[int, int] = {}  # positions each sequence has seen
+        self._owner_of: dict[int, int] = {}  # block -> the sequence holding it
+        self._owners = torch.full((num_blocks,), -1, dtype=torch.int64)  # the same, as the checks read it
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out the lowest first
+        self._next = 0
+        self._verdicts = Verdicts()
+
+    @classmethod
+    def for_module(cls, module: Any, num_blocks: int, block_size: int) -> "PagedKVCache":
+        """A paged cache that fits `module`: a `MultiHeadAttention`'s KV heads, `d_head`, dtype, device and window,
+        or a `LatentAttention`'s entries (`shared`: its latent and rotary key, one pool)."""
+        if hasattr(module, "kv_lora_rank"):
+            weight = module.kv_a_proj_with_mqa.weight
+            width = module.kv_lora_rank + module.d_rope
+            return cls(num_blocks, block_size, 1, width, dtype=weight.dtype, device=weight.device, shared=True)
+        weight = module.k_proj.weight
+        return cls(
+            num_blocks,
+            block_size,
+            module.num_kv_heads,
+            module.d_head,
+            dtype=weight.dtype,
+            device=weight.device,
+            window=module.window,
+        )
+
+    # --- the pool's sizes ---------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys_pool.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.keys_pool.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys_pool.shape[2]
+
+    @property
+    def d_head(self) -> int:
+        return self.keys_pool.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys_pool.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys_pool.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both pools (what the cache holds, used or free; one pool when `shared`)."""
+        pools = 1 if self.values_pool is self.keys_pool else 2
+        return pools * self.keys_pool.numel() * self.keys_pool.element_size()
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    # --- sequences ----------------------------------------------------------------------------------
+
+    @property
+    def sequences(self) -> tuple[int, ...]:
+        """The live sequences' ids, in the order they were added: the order a call's sequences come in."""
+        return tuple(self._tables)
+
+    def add(self) -> int:
+        """Start an empty sequence (it joins the next call); return its id."""
+        seq = self._next
+        self._next += 1
+        self._tables[seq], self._lengths[seq] = [], 0
+        return seq
+
+    def remove(self, seq: int) -> None:
+        """End sequence `seq`: its blocks go back to the free list (it leaves the next call).
+
+        Raises:
+            ConfigError: `seq` is not a live sequence.
+        """
+        self._live(seq, "remove")
+        for block in self._tables.pop(seq):
+            if block >= 0:
+                self._release(block)
+        del self._lengths[seq]
+
+    def length(self, seq: int) -> int:
+        """Positions sequence `seq` has seen (with a window, also those whose blocks were freed)."""
+        self._live(seq, "length")
+        return self._lengths[seq]
+
+    def block_table(self) -> BlockTable:
+        """The live sequences' block tables, `(num_seqs, max_blocks)` int32, -1 past a table's end and where a
+        window freed a block (a copy: editing it changes nothing)."""
+        tables = list(self._tables.values())
+        width = max((len(t) for t in tables), default=0)
+        rows = [t + [-1] * (width - len(t)) for t in tables]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, num_kv_heads="
+            f"{self.num_kv_heads}, d_head={self.d_head}, dtype={self.dtype}, device={self.device}, "
+            f"sequences={len(self._tables)}, free_blocks={self.free_blocks}"
+            + (f", window={self.window})" if self.window is not None else ")")
+        )
+
+    def _live(self, seq: Any, what: str) -> None:
+        if seq not in self._tables:
+            raise ConfigError(
+                f"PagedKVCache.{what}(): {seq!r} is not a live sequence; the live ones are {list(self._tables)}."
+            )
+
+    def _release(self, block: int) -> None:
+        self._owner_of.pop(block, None)
+        self._owners[block] = -1
+        self._free.append(block)
+
+    # --- what a failed call undoes ------------------------------------------------------------------
+
+    def state(self) -> PagedState:
+        """What `restore` needs to undo later calls (the tables and the free list; the pools are not copied:
+        a failed call only writes slots that no sequence holds once it is undone)."""
+        return (
+            self.keys_pool,
+            self.values_pool,
+            {s: list(t) for s, t in self._tables.items()},
+            dict(self._lengths),
+            dict(self._owner_of),
+            list(self._free),
+            self._next,
+        )
+
+    def restore(self, state: PagedState) -> None:
+        """Undo the calls since `state()`."""
+        self.keys_pool, self.values_pool, tables, lengths, owner_of, free, self._next = state
+        self._tables, self._lengths = {s: list(t) for s, t in tables.items()}, dict(lengths)
+        self._owner_of, self._free = dict(owner_of), list(free)
+        self._owners.fill_(-1)
+        if owner_of:
+            self._owners[torch.tensor(list(owner_of))] = torch.tensor(list(owner_of.values()))
+
+    # --- reading and writing ------------------------------------------------------------------------
+
+    def first_kept(self, seq: int) -> int:
+        """The first position of `seq` still held (0 without a window)."""
+        table = self._tables[seq]
+        dropped = next((i for i, block in enumerate(table) if block >= 0), len(table))
+        return min(dropped * self.block_size, self._lengths[seq])
+
+    def reserve(self, news: dict[int, int], owner: str) -> None:
+        """Give each sequence the blocks its `news[seq]` new positions need, from the free list; all or none.
+
+        Raises:
+            ShapeError: the pool has fewer free blocks than the call needs (nothing is taken).
+        """
+        wanted = {
+            seq: math.ceil((self._lengths[seq] + new) / self.block_size) - len(self._tables[seq])
+            for seq, new in news.items()
+        }
+        needed = sum(max(0, n) for n in wanted.values())
+        if needed > len(self._free):
+            raise ShapeError(
+                f"{owner}: the call's new positions need {needed} more blocks of block_size={self.block_size}, but "
+                f"the PagedKVCache has {len(self._free)} free of num_blocks={self.num_blocks}; remove() finished "
+                "sequences or make a larger cache."
+            )
+        for seq, n in wanted.items():
+            for _ in range(n):
+                block = self._free.pop()
+                self._owner_of[block], self._owners[block] = seq, seq
+                self._tables[seq].append(block)
+
+    def slots(self, seq: int, start: int, end: int) -> Tensor:
+        """The pool slots (`block * block_size + offset`) of positions `start..end-1` of `seq`, int64."""
+        table = torch.tensor(self._tables[seq], dtype=torch.int64)
+        return self.locate(table[None], torch.arange(start, end)[None])[0]
+
+    def locate(self, tables: Tensor, where: Tensor) -> Tensor:
+        """The pool slots of positions `where` `(rows, n)` through block tables `tables` `(rows, width)`: position `p`
+        is offset `p % block_size` of the table's block `p // block_size` (the one mapping every read and write)."""
+        blocks = tables.gather(1, torch.div(where, self.block_size, rounding_mode="floor"))
+        return blocks * self.block_size + where % self.block_size
+
+    def check_slots(self, slots: Tensor, seqs: Tensor, owner: str) -> None:
+        """`ShapeError` unless every slot is in the pool and in a block of the sequence it is read or written for.
+
+        Arguments:
+            slots: pool slots, int64, any shape. seqs: the sequence each is for, the same shape.
+        """
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        outside = (blocks < 0) | (blocks >= self.num_blocks)
+        owners = self._owners[blocks.clamp(0, self.num_blocks - 1)]
+        if not bool((outside | (owners != seqs)).any()):  # (one test, one sync: this runs on every call)
+            return
+        if bool(outside.any()):
+            i = int(outside.flatten().nonzero()[0])
+            raise ShapeError(
+                f"{owner}: the block table of sequence {int(seqs.flatten()[i])} points at block "
+                f"{int(blocks.flatten()[i])}, outside the pool of num_blocks={self.num_blocks}; a block table must "
+                "hold blocks the PagedKVCache gave the sequence (reserve/add), never computed ones."
+            )
+        i = int((owners != seqs).flatten().nonzero()[0])
+        block, seq, holder = int(blocks.flatten()[i]), int(seqs.flatten()[i]), int(owners.flatten()[i])
+        held = "is free" if holder < 0 else f"belongs to sequence {holder}"
+        raise ShapeError(
+            f"{owner}: the block table of sequence {seq} points at block {block}, which {held}; reading it would "
+            f"gather another sequence's keys (block_size={self.block_size}, slot {int(slots.flatten()[i])})."
+        )
+
+    def write(self, seq: int, k: Tensor, v: Tensor, owner: str) -> tuple[Tensor, Tensor]:
+        """Write `k, v` `(1, num_kv_heads, new, d_head)` after `seq`'s positions; return its held keys and values,
+        `(1, num_kv_heads, held, d_head)` (gathered from its blocks: a copy of the keys attended, not of the pool)."""
+        new = k.shape[2]
+        self.reserve({seq: new}, owner)
+        length = self._lengths[seq]
+        written = self.slots(seq, length, length + new)
+        read = self.slots(seq, self.first_kept(seq), length + new)
+        self.check_slots(torch.cat((written, read)), torch.full((new + read.numel(),), seq), owner)
+        written, read = written.to(self.device), read.to(self.device)
+        self._scatter(written, k[0], v[0])
+        self._lengths[seq] = length + new
+        keys, values = self._gather(read)
+        self._slide(seq)
+        return keys[None], values[None]
+
+    def write_tokens(self, seqs: tuple[int, ...], k: Tensor, v: Tensor, owner: str) -> tuple[Tensor, Tensor, Tensor]:
+        """One new position of each of `seqs`, `k, v` `(num_seqs, num_kv_heads, 1, d_head)`: write them; return
+        every sequence's held keys and values right-aligned in `(num_seqs, num_kv_heads, longest, d_head)` and the
+        padding on their left, `(num_seqs, longest)` bool (True = padding)."""
+        self.reserve(dict.fromkeys(seqs, 1), owner)
+        tables = [self._tables[seq] for seq in seqs]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        firsts = torch.tensor([self.first_kept(seq) for seq in seqs])
+        ends = torch.tensor([self._lengths[seq] + 1 for seq in seqs])
+        longest = int((ends - firsts).max())
+        where = torch.arange(longest)[None, :] + (ends - longest)[:, None]  # right-aligned: each one's last is its new
+        padding = where < firsts[:, None]
+        where = torch.where(padding, firsts[:, None], where)  # padding reads the sequence's own first held slot
+        read = self.locate(table, where)
+        self.check_slots(read, torch.tensor(seqs, dtype=torch.int64)[:, None].expand_as(read), owner)
+        read = read.to(self.device)
+        self._scatter(read[:, -1], k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
+        for seq, end in zip(seqs, ends.tolist(), strict=True):
+            self._lengths[seq] = end
+        keys, values = self._gather(read.flatten())
+        shape = (len(seqs), longest, self.num_kv_heads, self.d_head)
+        for seq in seqs:
+            self._slide(seq)
+        return (
+            keys.transpose(0, 1).reshape(shape).transpose(1, 2),
+            values.transpose(0, 1).reshape(shape).transpose(1, 2),
+            padding.to(self.device),
+        )
+
+    def _scatter(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write `k, v` `(num_kv_heads, n, d_head)` into `slots` `(n,)` of the pools, in place."""
+        flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.d_head)
+        k, v = k.transpose(0, 1).to(self.dtype), v.transpose(0, 1).to(self.dtype)
+        tracked = (
+            self.keys_pool.requires_grad
+            or self.values_pool.requires_grad
+            or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+        )
+        if tracked:  # out of place, as KVCache does: earlier steps' graphs keep the pools they read
+            shared = self.values_pool is self.keys_pool
+            self.keys_pool = self.keys_pool.view(flat).index_copy(0, slots, k).view(self.keys_pool.shape)
+            if shared:
+                self.values_pool = self.keys_pool
+            else:
+                self.values_pool = self.values_pool.view(flat).index_copy(0, slots, v).view(self.values_pool.shape)
+            return
+        self.keys_pool.view(flat).index_copy_(0, slots, k)
+        self.values_pool.view(flat).index_copy_(0, slots, v)
+
+    def _gather(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values at `slots` `(n,)`, as `(num_kv_heads, n, d_head)` views of one gather each."""
+        flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.d_head)
+        keys = self.keys_pool.view(flat).index_select(0, slots)
+        values = self.values_pool.view(flat).index_select(0, slots)
+        return keys.transpose(0, 1), values.transpose(0, 1)
+
+    def _slide(self, seq: int) -> None:
+        """With a window: free `seq`'s blocks that no later query can see (all before `length - window + 1`)."""
+        if self.window is None:
+            return
+        visible = self._lengths[seq] - self.window + 1  # the first position the next query can see
+        table = self._tables[seq]
+        for i in range(max(0, visible) // self.block_size):
+            if table[i] >= 0:
+                self._release(table[i])
+                table[i] = -1
+
+
+def _witness(cache: PagedKVCache, batch: int, held: int) -> Tensor:
+    """A `(batch, num_kv_heads, held, d_head)` tensor of the pool's dtype and device that holds no memory: what the
+    module's cache stage checks, the sizes of the keys a view holds (read only when the call writes)."""
+    return cache.keys_pool.new_zeros(()).expand(batch, cache.num_kv_heads, held, cache.d_head)
+
+
+class SequenceView(KVCache):
+    """One sequence of a `PagedKVCache`, as the module's cache stage reads and writes a `KVCache`."""
+
+    def __init__(self, cache: PagedKVCache, seq: int, owner: str) -> None:
+        self.paged, self.seq, self.owner = cache, seq, owner
+        first = cache.first_kept(seq)
+        self.window = None  # the paged cache keeps its window; the keys it returns are right-aligned, the module's
+        self._start, self._length = first, cache._lengths[seq] - first  # window mask applies as with a KVCache
+        self.keys_buffer = self.values_buffer = _witness(cache, 1, self._length)
+        self._verdicts = Verdicts()
+
+    def write(self, k: Tensor, v: Tensor, owner: str | None = None) -> tuple[Tensor, Tensor]:
+        return self.paged.write(self.seq, k, v, self.owner)
+
+    def state(self) -> Any:
+        return self.paged.state()
+
+    def restore(self, state: Any) -> None:
+        self.paged.restore(state)
+
+
+class DecodeView(KVCache):
+    """One new position of every live sequence of a `PagedKVCache`, as one batch: held keys right-aligned, the
+    shorter sequences padded on the left (`padding`, which the call passes as its `key_padding_mask`)."""
+
+    def __init__(self, cache: PagedKVCache, owner: str) -> None:
+        self.paged, self.owner, self.seqs = cache, owner, cache.sequences
+        held = [cache._lengths[s] - cache.first_kept(s) for s in self.seqs]
+        self.window = None
+        self._start, self._length = 0, max(held)
+        self.keys_buffer = self.values_buffer = _witness(cache, len(self.seqs), self._length)
+        pads = torch.tensor([self._length - h for h in held])
+        self.padding = (torch.arange(self._length + 1)[None, :] < pads[:, None]).to(cache.device)
+        self._verdicts = Verdicts()
+
+    def write(self, k: Tensor, v: Tensor, owner: str | None = None) -> tuple[Tensor, Tensor]:
+        keys, values, _ = self.paged.write_tokens(self.seqs, k, v, self.owner)
+        return keys, values
+
+    def state(self) -> Any:
+        return self.paged.state()
+
+    def restore(self, state: Any) -> None:
+        self.paged.restore(state)
