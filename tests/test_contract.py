@@ -630,17 +630,18 @@ def test_the_forwards_call_every_stage_with_a_raw_positionally() -> None:
     import ast
     import inspect
 
-    from shapesafe_mha._modules import latent, multihead
+    from shapesafe_mha._compute import scorer
+    from shapesafe_mha._modules import latent, plan
 
     stages_by_key = {
         key: stage_
-        for module in (multihead, latent)
-        for key, stage_ in module._STAGES.items()  # what the module's raw namespace is made of
+        for stages in (plan.STAGES, latent._STAGES)  # what the modules' raw namespaces are made of
+        for key, stage_ in stages.items()
         if stage_.raw is not stage_.fn
     }
     assert stages_by_key
     calls = 0
-    for module in (multihead, latent):
+    for module in (plan, scorer, latent):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in stages_by_key:
                 if isinstance(node.func.value, ast.Name) and node.func.value.id == "s":
