@@ -72,7 +72,8 @@ def replace_attention(model: nn.Module, *, verify: bool = True) -> Replacements:
     projection modules it held, its QK-norm weights), so an optimizer built before still holds them.
 
     A module is left as it was, and named with why, where `from_hf` refuses it (a variant it does not
-    compute: the `ConfigError`'s message), where it has hooks (which a replacement would not run), where its
+    compute: the `ConfigError`'s message), where it or a submodule it does not hand on as it is (a QK-norm:
+    the replacement computes it) has hooks (which a replacement would not run), where its
     projections are fused per head or in blocks (GPT-NeoX, CodeGen: the replacement would hold copies, not the
     model's), where its forward takes an argument the replacement would not pass on, or where the model's
     `DynamicCache` keeps it as a kind of layer the replacement does not read (linear attention).
@@ -137,17 +138,35 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _why_left(module: nn.Module) -> str | None:
-    """Why `module` cannot be replaced as it is, or None."""
-    hooks = {
+def _hooks(module: nn.Module) -> str:
+    """The hooks a call of `module` runs, by kind and count (`2 forward hooks, 1 forward pre hook`); "" if none."""
+    counts = {
         kind: len(getattr(module, f"_{kind}"))
         for kind in ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
         if getattr(module, f"_{kind}")
     }
-    if hooks or hasattr(module, "_hf_hook"):  # accelerate's device hooks replace forward instead
-        named = [f"{n} {kind.replace('_', ' ')[:-1]}" + ("s" if n > 1 else "") for kind, n in hooks.items()]
-        listed = ", ".join(named) or "an accelerate hook"
-        return f"it has hooks ({listed}), which the replacement would not run; remove them first, or keep the layer"
+    named = [f"{n} {kind.replace('_', ' ')[:-1]}" + ("s" if n > 1 else "") for kind, n in counts.items()]
+    if hasattr(module, "_hf_hook"):  # accelerate's device hooks replace forward instead
+        named.append("an accelerate hook")
+    return ", ".join(named)
+
+
+def _why_left(module: nn.Module) -> str | None:
+    """Why `module` cannot be replaced as it is, or None."""
+    hooks = _hooks(module)
+    if hooks:
+        return f"it has hooks ({hooks}), which the replacement would not run; remove them first, or keep the layer"
+    # The replacement calls the projections it adopts (their hooks run) and computes the rest itself: a hook on
+    # another submodule (a QK-norm, a rotary embedding) would silently stop running.
+    adopted = set(projection_names(module).values())
+    for name, child in module.named_modules():
+        if name and name.split(".")[0] not in adopted:
+            hooks = _hooks(child)
+            if hooks:
+                return (
+                    f"its submodule {name} has hooks ({hooks}), which the replacement would not run (it computes "
+                    f"{name} itself); remove them first, or keep the layer"
+                )
     if per_head_fused(module) is not None:
         return (
             "its query_key_value fuses each head's query, key and value rows, which from_hf loads as copies: the "
@@ -364,18 +383,20 @@ class LayerCache(KVCache):
         return self.cache.update(k, v, self.layer_idx)
 
     def state(self) -> Any:
+        """The layer's every attribute (a dynamic layer's `update` rebinds its tensors, never writes into them; its
+        first one adds some: `device`), or how many layers the cache had where the call would make this one."""
         layer = self.layer
         if layer is None:
             return len(self.cache.layers)
-        return layer, layer.keys, layer.values, layer.is_initialized, getattr(layer, "cumulative_length", None)
+        return layer, dict(vars(layer))
 
     def restore(self, state: Any) -> None:
         if isinstance(state, int):  # the layer was made by the failed call: drop it
             del self.cache.layers[state:]
             return
-        layer, layer.keys, layer.values, layer.is_initialized, cumulative = state
-        if cumulative is not None:
-            layer.cumulative_length = cumulative
+        layer, attributes = state
+        vars(layer).clear()  # (an attribute the failed call added goes too)
+        vars(layer).update(attributes)
 
 
 class SharedRotary(RotaryEmbedding):

@@ -9,9 +9,95 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .._compute.stages import check_groups, check_temperature_tuning, check_variants, positive_count
+from .._compute.stages import check_groups, check_temperature_tuning
 from .._core.errors import ConfigError
 from .._core.messages import divisors, shown
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values an option takes: a `kind` (`int`: an int; `float`: any int or float; a bool is neither) from
+    `low` to `high`, each bound inclusive unless `low_open`/`high_open` (None: no bound; a string: the config's
+    resolved size of that name, such as "d_head"). `optional`: None is accepted too (the option off).
+    `plain`: the range says all there is, so `AttentionConfig.__post_init__` checks it from here; otherwise a
+    rule of the option's own (an even width, a message that names the fix) checks it and the table only
+    declares it (for tests and readers). `says`: the range in a message's words; `label`: how the message
+    names the option, where that differs from its name; `step`: an int's values lie that far apart from `low`
+    (2: the even widths)."""
+
+    kind: type
+    low: float | str | None
+    high: float | str | None
+    says: str
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+    plain: bool = True
+    label: str | None = None
+    step: int = 1
+
+    def bound(self, bound: float | str | None, config: "AttentionConfig") -> float | None:
+        """A bound as a number: a named size resolved against `config`."""
+        if isinstance(bound, str):
+            return float(getattr(config, _RESOLVED.get(bound, bound)))
+        return bound
+
+    def holds(self, value: Any, config: "AttentionConfig", upper: bool = True) -> bool:
+        """Whether `value` is of this kind and within both bounds (NaN is within none; `upper=False`: above the
+        lower one)."""
+        if value is None:
+            return self.optional
+        if isinstance(value, bool) or not isinstance(value, int if self.kind is int else int | float):
+            return False
+        low, high = self.bound(self.low, config), self.bound(self.high, config) if upper else None
+        if self.kind is int and low is not None and (value - low) % self.step:
+            return False
+        above = low is None or (value > low if self.low_open else value >= low)
+        below = high is None or (value < high if self.high_open else value <= high)
+        return bool(above and below)
+
+
+INF = math.inf
+_POSITIVE_INT = "a positive int"
+_FINITE_POSITIVE = "a finite positive number"
+
+# Every numeric option's range, once: `__post_init__` checks the plain ones from here, tests try each bound and
+# one value past it on either side (tests/test_option_edges.py). An option that is no number is in NON_NUMERIC.
+RANGES: dict[str, Range] = {
+    "d_model": Range(int, 1, None, _POSITIVE_INT),
+    "num_heads": Range(int, 1, None, _POSITIVE_INT),
+    # each KV head serves a group of query heads: at most num_heads of them (and a divisor: `check_groups`)
+    "num_kv_heads": Range(int, 1, "num_heads", _POSITIVE_INT, optional=True, plain=False),
+    "d_head": Range(int, 1, None, _POSITIVE_INT, optional=True),
+    "dropout": Range(float, 0.0, 1.0, "a number in [0, 1)", high_open=True),
+    "rope_theta": Range(float, 0.0, INF, "a positive finite number (Llama: 10000.0)", True, True, optional=True),
+    # the rotated pairs of a head's features: an even width up to d_head (`rotated_width` checks it)
+    "rope_dim": Range(int, 2, "d_head", "an even int in [2, d_head]", optional=True, plain=False, step=2),
+    "qk_norm_offset": Range(float, -INF, INF, "a finite number (Gemma 3: 1.0)", True, True),
+    "norm_eps": Range(float, 0.0, INF, "a finite number >= 0", high_open=True),
+    "window": Range(int, 1, None, "a positive int (the keys a query sees, itself included)", optional=True),
+    "logit_softcap": Range(float, 0.0, INF, _FINITE_POSITIVE, True, True, optional=True, label="logit softcap"),
+    "query_pre_attn_scalar": Range(float, 0.0, INF, _FINITE_POSITIVE, True, True, optional=True),
+    "clip_qkv": Range(float, 0.0, INF, _FINITE_POSITIVE, True, True, optional=True),
+    "chunk_size": Range(int, 1, None, "a positive int (Llama 4: 8192)", optional=True),
+}
+
+# The options that are no number on a line, and what they are instead (each checked by a rule of its own).
+NON_NUMERIC: dict[str, str] = {
+    "bias": "True or False",
+    "rope_scaling": "a rope_scaling mapping, as transformers' rope_parameters (checked by RotaryEmbedding)",
+    "rope_interleaved": "True or False",
+    "qk_norm": "True or False",
+    "qk_norm_over": "'head', 'all' or 'per_head'",
+    "qk_norm_centred": "True or False",
+    "qk_norm_after_rope": "True or False",
+    "temperature_tuning": "None or a pair (floor_scale: a positive int, attn_scale: a finite number)",
+    "attention_sinks": "True or False",
+    "alibi": "True or False",
+    "output_gate": "True or False",
+}
+
+_RESOLVED = {"num_heads": "num_heads", "d_head": "head_width"}  # a bound's name -> the config's resolved value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +211,10 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         num_heads, d_model = self.num_heads, self.d_model
-        num_kv_heads = num_heads if self.num_kv_heads is None else self.num_kv_heads
         owner = self.owner
-        for name, size in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            positive_count(f"{owner}: ", name, size)
+        for name in SIZES[:3]:  # the sizes first: every other check reads them (more KV heads than query
+            self._check_range(owner, name, upper=name != "num_kv_heads")  # heads: the message below says why)
+        num_kv_heads = self.kv_heads
         if num_kv_heads > num_heads:
             raise ConfigError(
                 f"{owner}: num_kv_heads={num_kv_heads} is more than num_heads={num_heads}; each KV head serves "
@@ -140,13 +226,9 @@ class AttentionConfig:
                 f"{owner}: d_model must be num_heads * d_head, and {d_model} is not divisible by {num_heads}; "
                 f"pass d_head explicitly or use num_heads in {shown(divisors(d_model), limit=5)}."
             )
-        positive_count(f"{owner}: ", "d_head", self.head_width)
-        dropout = self.dropout
-        if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"{owner}: dropout must be a number in [0, 1), but got {dropout!r}.")
-        check_variants(
-            f"{owner}: ", self.window, self.logit_softcap, self.query_pre_attn_scalar, self.norm_eps, self.clip_qkv
-        )
+        for name, edges in RANGES.items():
+            if edges.plain and name not in SIZES[:3]:
+                self._check_range(owner, name)
         for name in ("output_gate", "attention_sinks", "alibi"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{owner}: {name} must be True or False, but got {getattr(self, name)!r}.")
@@ -158,15 +240,18 @@ class AttentionConfig:
         self.rotated_width  # noqa: B018  (validates the RoPE options)
         self._check_qk_norm(owner)
         check_temperature_tuning(f"{owner}: ", self.temperature_tuning)
-        chunk_size = self.chunk_size
-        chunked = chunk_size is not None
-        if chunked and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-            raise ConfigError(f"{owner}: chunk_size must be a positive int (Llama 4: 8192), but got {chunk_size!r}.")
-        if chunk_size is not None and self.window is not None:
+        if self.chunk_size is not None and self.window is not None:
             raise ConfigError(
-                f"{owner}: chunk_size={chunk_size} with window={self.window}: no model computes both, and a window "
-                "cache would drop keys a chunk still sees; pass one of them."
+                f"{owner}: chunk_size={self.chunk_size} with window={self.window}: no model computes both, and a "
+                "window cache would drop keys a chunk still sees; pass one of them."
             )
+
+    def _check_range(self, owner: str, name: str, upper: bool = True) -> None:
+        """`ConfigError` naming the option and its range (`RANGES`) unless its value is within it (`upper`:
+        its upper bound too)."""
+        edges, value = RANGES[name], getattr(self, name)
+        if not edges.holds(value, self, upper):
+            raise ConfigError(f"{owner}: {edges.label or name} must be {edges.says}, but got {value!r}.")
 
     def _check_qk_norm(self, owner: str) -> None:
         qk_norm, over, centred, offset, after = (
@@ -182,8 +267,6 @@ class AttentionConfig:
                 f"{owner}: qk_norm_centred=True needs qk_norm=True over each head (qk_norm_over='head' or "
                 f"'per_head'), but got qk_norm_centred={centred!r}, qk_norm={qk_norm!r}, qk_norm_over={over!r}."
             )
-        if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
-            raise ConfigError(f"{owner}: qk_norm_offset must be a finite number (Gemma 3: 1.0), but got {offset!r}.")
         if offset and (centred or over == "per_head"):
             raise ConfigError(
                 f"{owner}: qk_norm_offset={offset!r} with qk_norm_centred={centred!r}, qk_norm_over={over!r}: the "
