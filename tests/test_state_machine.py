@@ -27,8 +27,20 @@ TOLERANCE = {"atol": 1e-10, "rtol": 1e-8}
 def _outcome(run: Any) -> tuple[str, Any]:
     try:
         return "ok", run()
-    except (ssm.ShapeError, ssm.ConfigError) as error:
+    except (ssm.ShapeError, ssm.ConfigError, RuntimeError) as error:  # (RuntimeError: raised in a user's wrapper)
         return type(error).__name__, str(error).splitlines()[0]
+
+
+class Scaled(nn.Module):
+    """A projection wrapped with a buffer of its own (a quantized layer's scale, an adapter's): `linear(x) * scale`."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("scale", torch.ones(linear.weight.shape[0], dtype=linear.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
 
 
 def _fresh(module: ssm.MultiHeadAttention) -> ssm.MultiHeadAttention:
@@ -46,6 +58,8 @@ class WarmEqualsFresh(RuleBasedStateMachine):
                 "window": st.integers(1, 6),
                 "logit_softcap": st.sampled_from([2.0, 30.0]),
                 "query_pre_attn_scalar": st.sampled_from([2.0, 8.0]),
+                "attention_sinks": st.just(True),
+                "alibi": st.just(True),
             },
         )
     )
@@ -56,6 +70,11 @@ class WarmEqualsFresh(RuleBasedStateMachine):
         self.hooks: list[Any] = []
         self.generator = torch.Generator().manual_seed(1)
 
+    def _linear(self, proj: str) -> nn.Linear:
+        """The projection's own `nn.Linear` (inside its wrapper, where one was put around it)."""
+        module = getattr(self.module, proj)
+        return module.linear if isinstance(module, Scaled) else module
+
     def _x(self, seq: int, width: int = D_MODEL) -> torch.Tensor:
         return torch.randn(2, seq, width, dtype=torch.float64, generator=self.generator)
 
@@ -64,7 +83,7 @@ class WarmEqualsFresh(RuleBasedStateMachine):
     @rule(proj=st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj"]), route=st.sampled_from(
         ["in place", "through .data", "through .detach()", "a new Parameter", ".data = another tensor"]))  # fmt: skip
     def write_weight(self, proj: str, route: str) -> None:
-        weight = getattr(self.module, proj).weight
+        weight = self._linear(proj).weight
         with torch.no_grad():
             if route == "in place":
                 weight.mul_(1.5)
@@ -73,12 +92,14 @@ class WarmEqualsFresh(RuleBasedStateMachine):
             elif route == "through .detach()":
                 weight.detach().mul_(-1.0)
             elif route == "a new Parameter":
-                getattr(self.module, proj).weight = nn.Parameter(torch.randn_like(weight))
+                self._linear(proj).weight = nn.Parameter(torch.randn_like(weight))
             else:
                 weight.data = torch.randn_like(weight)
 
     @rule()
     def vector_to_parameters_then_written(self) -> None:
+        if not all(p.is_contiguous() for p in self.module.parameters()):
+            return  # (torch's parameters_to_vector views each parameter flat: contiguous ones only)
         vector = nn.utils.parameters_to_vector(self.module.parameters())
         nn.utils.vector_to_parameters(vector, self.module.parameters())
         self.check_warm_equals_fresh()
@@ -91,9 +112,49 @@ class WarmEqualsFresh(RuleBasedStateMachine):
         self.module.load_state_dict(state)
 
     @rule()
+    def load_state_dict_assigned(self) -> None:
+        """`assign=True`: the module's parameters become the given tensors (new objects, new storage)."""
+        state = {k: (v * 0.5).clone() for k, v in self.module.state_dict().items()}
+        self.module.load_state_dict(state, assign=True)
+
+    @rule(proj=st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj"]), same_address=st.booleans())
+    def restrided_through_data(self, proj: str, same_address: bool) -> None:
+        """`.data =` another layout: a transpose of a square weight at the same address (the same pointer, shape
+        and storage: only the strides differ), or the same values column-major; then a row written in place."""
+        weight = self._linear(proj).weight
+        if same_address and weight.shape[0] == weight.shape[1]:
+            weight.data = weight.data.t()
+        else:
+            weight.data = weight.data.t().contiguous().t()
+        with torch.no_grad():
+            weight[0].add_(1.0)
+
+    @rule()
+    def own_tensors_written(self) -> None:
+        """The module's own tensors (sinks, a parameter; ALiBi's slopes, a buffer), written in place."""
+        with torch.no_grad():
+            if self.module.sinks is not None:
+                self.module.sinks.data.add_(0.5)
+            if self.module.alibi_slopes is not None:
+                self.module.alibi_slopes.mul_(0.5)
+
+    @rule(proj=st.sampled_from(["q_proj", "v_proj", "o_proj"]))
+    def wrapped(self, proj: str) -> None:
+        linear = getattr(self.module, proj)
+        if isinstance(linear, nn.Linear):
+            setattr(self.module, proj, Scaled(linear))
+
+    @rule()
+    def wrapped_buffers_written(self) -> None:
+        """A wrapped projection's buffer (not a parameter) written in place: what it computes changes."""
+        for module in self.module.modules():
+            if isinstance(module, Scaled):
+                module.scale.mul_(1.5)
+
+    @rule()
     def narrowed_through_data(self) -> None:
         """A weight re-pointed at its first rows: a fresh module refuses the next call; so must the warm one."""
-        weight = self.module.v_proj.weight
+        weight = self._linear("v_proj").weight
         weight.data = weight.data[: weight.shape[0] // 2]
 
     # --- options, hooks, modes, moves ---------------------------------------------------------------------------
@@ -168,8 +229,10 @@ class WarmEqualsFresh(RuleBasedStateMachine):
                 expected = _outcome(lambda f=fresh: f(x, is_causal=True))
                 got = _outcome(lambda: self.module(x, is_causal=True))
             _same(got, expected)
-        if got[0] == "ok" and not self.hooks and not self.module.training:
-            m = self.module
+        m = self.module
+        plain = all(isinstance(getattr(m, p), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        own = m.sinks is None and m.alibi_slopes is None
+        if got[0] == "ok" and not self.hooks and not m.training and plain and own:
             reference = per_head_attention(
                 x, x, x, m.weights(), num_heads=HEADS, num_kv_heads=KV_HEADS, is_causal=True, rope_theta=m.rope_theta,
                 window=m.window, logit_softcap=m.logit_softcap, scale=m.scale, clip_qkv=m.clip_qkv,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shapesafe_mha import LatentTraceConfig, TraceConfig, trace_forward, trace_latent
-from shapesafe_mha._tools.svg import INK, LINE, MUTED, Canvas, gqa_groups, head_split, pipeline
+from shapesafe_mha._tools.svg import INK, LINE, MUTED, Canvas, gqa_groups, head_split, pipeline, serving_layout
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 # The README's example layer: small enough to read, GQA so that K and V are visibly smaller.
@@ -69,6 +69,7 @@ PICTURES: dict[str, Callable[[], str]] = {
     "stages-narrow.svg": lambda: pipeline(trace_forward(STAGES), narrow=True),
     "head-split.svg": head_split,
     "gqa.svg": gqa_groups,
+    "serving.svg": serving_layout,
     # DeepSeek-V3's latent attention decoding one token: the cache attended as it is.
     "latent-decode.svg": lambda: pipeline(trace_latent(LatentTraceConfig(decode=4095))),
     "overhead.svg": lambda: overhead_chart(json.loads((DOCS / "overhead.json").read_text())),

@@ -6,6 +6,7 @@ current by drawing them again). `shapesafe-mha trace --format svg` draws `pipeli
 `tools/pictures.py` draws the others.
 """
 
+import itertools
 import re
 import textwrap
 from collections.abc import Callable, Sequence
@@ -348,3 +349,67 @@ def gqa_groups(num_heads: int = 8, num_kv_heads: int = 2) -> str:
         12,
     )
     return c.svg(f"GQA: {num_heads} query heads grouped onto {num_kv_heads} K/V heads")
+
+
+def serving_layout(lengths: Sequence[int] = (6, 9, 3), block_size: int = 4, num_blocks: int = 10) -> str:
+    """A packed batch and the paged cache it is written into, read from a real `PagedKVCache`'s block tables.
+
+    The sequences of `lengths` are packed end to end (`cu_seqlens` their offsets) and run through a small module
+    into the cache; then the first one leaves and a fourth joins, so the free list hands it blocks out of order.
+
+    Example:
+        >>> "cu_seqlens = [0, 6, 15, 18]" in serving_layout((6, 9, 3))
+        True
+    """
+    from .._compute.paged import PagedKVCache
+    from .._modules.multihead import MultiHeadAttention
+
+    torch.manual_seed(0)
+    module = MultiHeadAttention(8, 2, 1).eval()
+    cache = PagedKVCache.for_module(module, num_blocks=num_blocks, block_size=block_size)
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    with torch.no_grad():
+        for _ in lengths:
+            cache.add()
+        module(torch.randn(1, offsets[-1], 8), cu_seqlens=cu, is_causal=True, kv_cache=cache)
+        cache.remove(cache.sequences[0])
+        joined = cache.add()
+        news = [1] * (len(lengths) - 1) + [5]
+        step = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32)
+        module(torch.randn(1, sum(news), 8), cu_seqlens=step, is_causal=True, kv_cache=cache)
+    rows = zip(cache.sequences, cache.block_table().tolist(), strict=True)
+    tables = {seq: [b for b in row if b >= 0] for seq, row in rows}
+    owner = {block: seq for seq, blocks in tables.items() for block in blocks}
+    colour = {seq: HEADS[seq % len(HEADS)] for seq in range(joined + 1)}
+    pad, cell = 16.0, 22.0
+    c = Canvas(pad)
+    c.text(pad, 28, "Serving: a packed batch, and the paged cache it is written into", size=16, bold=True)
+    c.text(pad, 50, f"cu_seqlens = {offsets}: each sequence attends to itself only, its positions from 0", MUTED)
+    top = 78.0
+    c.text(pad, top, f"query: (1, total={offsets[-1]}, d_model), the sequences end to end (no padding)", bold=True)
+    for seq, (a, b) in enumerate(itertools.pairwise(offsets)):
+        for t in range(a, b):
+            c.rect(pad + t * cell, top + 12, cell - 3, cell - 3, "#ffffff", stroke=colour[seq], rx=3)
+            c.text(pad + t * cell + (cell - 3) / 2, top + 12 + cell / 2 + 2, str(t - a), colour[seq], 11, "middle")
+        c.text(pad + a * cell, top + 12 + cell + 14, f"sequence {seq}", colour[seq], 12)
+    pool_y = top + 2 * cell + 56
+    shape = tuple(cache.keys_pool.shape)
+    c.text(pad, pool_y, f"keys_pool: (num_blocks={shape[0]}, block_size={shape[1]}, num_kv_heads, d_head)", bold=True)
+    c.text(pad, pool_y + 18, f"after sequence 0 left and sequence {joined} joined; grey: free", MUTED, 12)
+    for block in range(num_blocks):
+        x, y = pad + block * (block_size * cell + 10), pool_y + 30
+        seq = owner.get(block)
+        held = 0 if seq is None else min(block_size, cache.length(seq) - tables[seq].index(block) * block_size)
+        for slot in range(block_size):
+            stroke = LINE if seq is None or slot >= held else colour[seq]
+            c.rect(x + slot * cell, y, cell - 3, cell - 3, "#ffffff" if slot >= held else "#f6f8fa", stroke=stroke)
+        c.text(x, y + cell + 14, f"block {block}", MUTED if seq is None else colour[seq], 11)
+    table_y = pool_y + 30 + cell + 48
+    c.text(pad, table_y, "block_table(): each sequence's blocks in position order", bold=True)
+    for row, (seq, blocks) in enumerate(tables.items()):
+        line = f"sequence {seq}: length {cache.length(seq)}, blocks {blocks}"
+        c.text(pad, table_y + 22 + row * 20, line, colour[seq], 12)
+    return c.svg("A packed batch and its paged KV cache")
