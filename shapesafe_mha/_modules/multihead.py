@@ -105,9 +105,10 @@ class MultiHeadAttention(Conversions, nn.Module):
         num_kv_heads: key/value heads; None means `num_heads` (MHA), 1 is MQA, any divisor of
             `num_heads` is GQA.
         d_head: width of each head; default `d_model // num_heads` (which must then divide).
-        **options: the variants, each the `AttentionConfig` field of the same name, described there (RoPE,
-            QK-norm, windows, softcapping, sinks, ALiBi, output gate, ...).
         device, dtype: of the parameters.
+
+    Every other keyword is a variant (RoPE, QK-norm, windows, softcapping, sinks, ALiBi, an output gate, ...):
+    the `AttentionConfig` field of the same name, described there.
 
     Raises:
         ConfigError: a size or an option out of its range, or contradicting another (see `AttentionConfig`).
