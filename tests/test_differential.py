@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
@@ -57,25 +57,41 @@ def _reference(module: ssm.MultiHeadAttention, x: torch.Tensor, **kwargs: Any) -
     )  # fmt: skip
 
 
+def _fed(module: ssm.MultiHeadAttention, x: torch.Tensor, ends: list[int], **kwargs: Any) -> torch.Tensor:
+    """`x` fed through a cache (as small as the window allows) in causal calls ending at `ends`."""
+    cache = module.new_cache(x.shape[0], module.window or x.shape[1])
+    starts = [0, *ends[:-1]]
+    calls = zip(starts, ends, strict=True)
+    return torch.cat([module(x[:, a:b], is_causal=True, kv_cache=cache, **kwargs) for a, b in calls], dim=1)
+
+
+@settings(max_examples=max(5, settings().max_examples // 2))  # (each example checks five kinds of call anew)
 @given(module=differential_modules(), data=st.data())
-def test_differential_attention_equals_the_per_head_reference_and_decodes_as_it_forwards(
+def test_differential_attention_equals_the_per_head_reference_on_every_route_and_step_kind(
     module: ssm.MultiHeadAttention, data: st.DataObject
 ) -> None:
-    """With and without grad (every path), causal or not, padded or not; then a prefill and single-token steps
-    through the module's cache (as small as its window allows) equal one causal forward."""
-    batch, seq = data.draw(st.integers(1, 3), label="batch"), data.draw(st.integers(1, 10), label="seq")
+    """With or without autograd (separate or fused projections), GQA on torch's kernel or folded: one call (causal
+    or not, padded or not) equals the reference; fed a token at a time or in chunks through the module's cache, the
+    sequence gives its one causal call; a left-padded batch with its own positions equals the reference."""
+    batch, seq = data.draw(st.integers(1, 3), label="batch"), data.draw(st.integers(1, 9), label="seq")
     x = torch.randn(batch, seq, 16, dtype=torch.float64)
     is_causal = data.draw(st.booleans(), label="is_causal")
     padding = torch.rand(batch, seq) < 0.3 if data.draw(st.booleans(), label="padded") else None
-    expected = _reference(module, x, is_causal=is_causal, key_padding_mask=padding)
-    torch.testing.assert_close(module(x, is_causal=is_causal, key_padding_mask=padding), expected, **F64)
-    with torch.no_grad():
+    step = data.draw(st.integers(1, 4), label="chunk")
+    lengths = torch.tensor(data.draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch), label="lengths"))
+    left = torch.arange(seq)[None, :] < (seq - lengths)[:, None]
+    positions = (~left).long().cumsum(1).sub(1).clamp(min=0) if module.rope_theta is not None else None
+    folded = data.draw(st.booleans(), label="GQA folded")
+    with pytest.MonkeyPatch.context() as patch, torch.set_grad_enabled(data.draw(st.booleans(), label="grad")):
+        if folded:
+            patch.setattr(K, "native_gqa", lambda *args: False)
+        expected = _reference(module, x, is_causal=is_causal, key_padding_mask=padding)
         torch.testing.assert_close(module(x, is_causal=is_causal, key_padding_mask=padding), expected, **F64)
-        cache = module.new_cache(batch, module.window or seq)
-        prefill = data.draw(st.integers(0, seq), label="prefill")
-        steps = [module(x[:, :prefill], is_causal=True, kv_cache=cache)]
-        steps += [module(x[:, i : i + 1], is_causal=True, kv_cache=cache) for i in range(prefill, seq)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), module(x, is_causal=True), **F64)
+        causal = module(x, is_causal=True)
+        torch.testing.assert_close(_fed(module, x, sorted({*range(step, seq, step), seq})), causal, **F64)
+        padded = module(x, is_causal=True, key_padding_mask=left, positions=positions)
+        expected = _reference(module, x, is_causal=True, key_padding_mask=left, positions=positions)
+        torch.testing.assert_close(padded, expected, **F64)
 
 
 def _diffllama(layer_idx: int, num_kv_heads: int, implementation: str = "sdpa") -> tuple[Any, Any, Any]:
@@ -193,3 +209,14 @@ def test_what_differential_attention_does_not_take_is_refused_by_name(options: d
     sizes = {"d_model": 24, "num_heads": 4, "num_kv_heads": 2}
     with pytest.raises(ssm.ConfigError, match=message):
         ssm.MultiHeadAttention(**(sizes | options), differential_lambda_init=0.2)
+
+
+def test_a_lambda_written_through_data_after_a_verdict_is_checked_again() -> None:
+    """A lambda of another width written through `.data` (no attribute set, so nothing re-derived) is in the verdict's
+    key: the next call is checked and names it, where broadcasting a (1,) lambda would compute silently."""
+    module = ssm.MultiHeadAttention(16, 4, 2, differential_lambda_init=0.2)
+    x = torch.randn(1, 3, 16)
+    module(x, is_causal=True)
+    module.lambda_k2.data = torch.zeros(1)
+    with pytest.raises(ssm.ShapeError, match=r"lambda_k2"):
+        module(x, is_causal=True)
