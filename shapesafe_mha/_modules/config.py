@@ -180,15 +180,14 @@ class AttentionConfig:
             Bloom's interpolation for a head count not a power of two); overwrite it for others (MPT's). The
             scores are then computed here, not by SDPA.
         differential_lambda_init: differential attention (Ye et al. 2024, DiffLlama) with this `lambda_init`
-            (DiffLlama: `0.8 - 0.6 * exp(-0.3 * layer_idx)`); None: none. Query head `p` and head
-            `p + num_heads/2` make a pair, reading KV heads `j` and `j'`, whose values are those of KV heads `j`
-            and `j'` side by side (`2 * d_head` wide); the pair's output is
-            `(1 - lambda_init) * rms_norm((A_p - lambda * A_{p + num_heads/2}) [v_j; v_j'])` over its `2 * d_head`
-            features (`norm_eps`, no weight), each `A` one head's attention probabilities, and
-            `lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init` from four learned
-            `(d_head,)` parameters of those names (normal(0, 0.1) at first; the dot products summed in float32 at
-            least, as DiffLlama sums them). Needs an even `num_kv_heads` and no dropout (DiffLlama's); with
-            `need_weights` the probabilities returned are each head's `A`.
+            (DiffLlama: `0.8 - 0.6 * exp(-0.3 * layer_idx)`); None: none. Query heads `p` and `p + num_heads/2` make a
+            pair; they read KV heads `j` and `j + num_kv_heads/2`, whose values side by side (`2 * d_head` wide) are
+            the pair's; its output is `(1 - lambda_init) * rms_norm((A_p - lambda * A_{p + num_heads/2}) [v_j;
+            v_{j + num_kv_heads/2}])` over those `2 * d_head` features (`norm_eps`, no weight), each `A` one head's
+            attention probabilities, and `lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) +
+            lambda_init` from four learned `(d_head,)` parameters of those names (normal(0, 0.1) at first; each
+            exponential computed in float32, as DiffLlama computes it). Needs an even `num_kv_heads` and no dropout
+            (DiffLlama's); with `need_weights` the probabilities returned are each head's `A`.
 
     Raises:
         ConfigError: a size is not a positive int, `num_kv_heads` does not divide `num_heads`, `d_head` is not
