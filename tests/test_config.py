@@ -42,6 +42,7 @@ CHANGED: dict[str, Any] = {
     "attention_sinks": True,
     "alibi": True,
     "output_gate": True,
+    "differential_lambda_init": 0.2,  # DiffLlama's layer 0
 }  # fmt: skip
 
 

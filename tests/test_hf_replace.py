@@ -66,6 +66,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str, torch.dtype, float]] = 
         "GptOssConfig", {"sliding_window": 3, "num_local_experts": 4, "num_experts_per_tok": 2}, "eager",
         torch.float32, 1e-5,
     ),
+    # differential attention (DiffLlama): two maps of each head pair subtracted, its lambdas adopted
+    "diffllama (differential attention)": ("DiffLlamaConfig", {}, "sdpa", torch.float64, 1e-10),
 }  # fmt: skip
 
 
@@ -105,10 +107,12 @@ def test_replaced_layers_generate_the_models_own_tokens_greedy_and_beam(architec
             assert torch.equal(got, expected), options
 
 
-@pytest.mark.parametrize("architecture", ["llama", "gpt_oss (eager: sinks, window 3)"])
+@pytest.mark.parametrize(
+    "architecture", ["llama", "gpt_oss (eager: sinks, window 3)", "diffllama (differential attention)"]
+)
 def test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients(architecture: str) -> None:
-    """The replaced model holds the model's own parameters (gpt-oss's sinks too) and trains them to the
-    gradients the model gives them."""
+    """The replaced model holds the model's own parameters (gpt-oss's sinks, DiffLlama's lambdas too) and trains
+    them to the gradients the model gives them."""
     theirs, ours = _built(architecture)
     before = {name: p for name, p in ours.named_parameters()}
     assert shapesafe_mha.hf.replace_attention(ours).replaced

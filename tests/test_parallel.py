@@ -217,7 +217,8 @@ def test_from_module_keeps_the_shards_on_the_modules_device(tmp_path) -> None:  
 
 
 def test_a_qk_norm_over_every_head_is_refused_by_from_module(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """qk_norm_over='all' (OLMo-2) cannot be split by heads: from_module refuses it, naming itself."""
+    """qk_norm_over='all' (OLMo-2) and differential attention's head pairs (DiffLlama) cannot be split by heads:
+    from_module refuses each, naming it."""
     import torch.distributed as dist
 
     from shapesafe_mha.parallel import HeadParallelAttention
@@ -226,6 +227,8 @@ def test_a_qk_norm_over_every_head_is_refused_by_from_module(tmp_path) -> None: 
     try:
         with pytest.raises(ssm.ConfigError, match=r"^HeadParallelAttention\.from_module\(\): qk_norm_over='all' "):
             HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, qk_norm=True, qk_norm_over="all"))
+        with pytest.raises(ssm.ConfigError, match=r"^HeadParallelAttention\.from_module\(\): differential attention"):
+            HeadParallelAttention.from_module(ssm.MultiHeadAttention(16, 4, 2, differential_lambda_init=0.2))
     finally:
         dist.destroy_process_group()
 

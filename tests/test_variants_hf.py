@@ -8,6 +8,7 @@ them, full forward and decoding."""
 import contextlib
 import importlib
 import inspect
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -120,6 +121,12 @@ CASES = {
     "olmo3-qk-norm-all-sliding": (
         "olmo3", 0, {"num_key_value_heads": 2, "sliding_window": 4}, {"qk_norm_over": "all", "window": 4},
     ),
+    # differential attention (DiffLlama's lambdas loaded, its lambda_init that of its layer), GQA and MHA
+    "diffllama-differential-gqa": ("diffllama", 1, {"num_key_value_heads": 2},
+                                   {"differential_lambda_init": 0.8 - 0.6 * math.exp(-0.3), "lambda_q1": "loaded",
+                                    "lambda_k2": "loaded", "norm_eps": 1e-5}),
+    "diffllama-differential-mha": ("diffllama", 0, {"num_key_value_heads": 4, "rms_norm_eps": 1e-3},
+                                   {"differential_lambda_init": 0.8 - 0.6, "norm_eps": 1e-3}),
 }  # fmt: skip
 EAGER_ONLY = ("gemma2", "gpt_oss")
 # transformers' Cohere and ERNIE 4.5 rotate in float32 inside apply_rotary_pos_emb, whatever the dtype
@@ -134,7 +141,7 @@ def _classes(model_type: str) -> tuple[Any, Any, Any]:
               "persimmon": "Persimmon", "olmo2": "Olmo2", "olmoe": "Olmoe", "olmo3": "Olmo3",
               "gpt_oss": "GptOss", "olmo": "Olmo", "hunyuan_v1_dense": "HunYuanDenseV1", "gptj": "GPTJ",
               "codegen": "CodeGen", "qwen3_next": "Qwen3Next", "gpt_bigcode": "GPTBigCode",
-              "falcon": "Falcon", "qwen3_moe": "Qwen3Moe"}[model_type]  # fmt: skip
+              "falcon": "Falcon", "qwen3_moe": "Qwen3Moe", "diffllama": "DiffLlama"}[model_type]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")
     return config, getattr(module, f"{prefix}Attention"), getattr(module, f"{prefix}RotaryEmbedding", None)
 
@@ -894,10 +901,11 @@ def test_a_bug_planted_in_cohere_qk_norm_is_refused_by_from_hf(monkeypatch: pyte
         hf.verify_against_hf("MultiHeadAttention.from_hf()", ours, layer)
 
 
-def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_by_from_hf() -> None:
-    """DiffLlama computes two softmax maps per head and subtracts them, weighted by a learned lambda: neither the
-    per-head reference nor MultiHeadAttention computes that, so both refuse it naming the variant (not a build
-    failure: the tiny layer takes no single KV head, so the check builds it with as many as it has heads)."""
+def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_loaded_by_from_hf() -> None:
+    """DiffLlama computes two softmax maps per head pair and subtracts them, weighted by a learned lambda:
+    MultiHeadAttention computes it (from_hf loads and verifies it, CASES above), but the check's recipe draws no
+    lambdas, so check_hf_attention still refuses it naming the variant (not a build failure: the tiny layer takes no
+    single KV head, so the check builds it with as many as it has heads)."""
     from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention
 
     from shapesafe_mha.testing.hf import check_hf_attention
@@ -906,9 +914,8 @@ def test_diffllama_s_differential_attention_is_refused_by_name_by_the_check_and_
     with pytest.raises(ssm.ConfigError, match=named):
         check_hf_attention(DiffLlamaAttention, transformers.DiffLlamaConfig)
     config = transformers.DiffLlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2)
-    named = r"^MultiHeadAttention\.from_hf\(\): parameters=\['lambda_q1', .*: the layer computes differential attention"
-    with pytest.raises(ssm.ConfigError, match=named):
-        ssm.MultiHeadAttention.from_hf(DiffLlamaAttention(config, layer_idx=0))
+    ours = ssm.MultiHeadAttention.from_hf(DiffLlamaAttention(config, layer_idx=0))
+    assert ours.differential_lambda_init == 0.8 - 0.6
 
 
 def test_to_hf_round_trips_llama4_s_temperature_tuning_and_refuses_a_module_without_it() -> None:

@@ -57,6 +57,7 @@ PATHS = "tests/test_paths.py"
 VARIANTS = "tests/test_variants.py"
 VARIANTS_HF = "tests/test_variants_hf.py"
 SINKS_HF = "tests/test_variants_hf.py::test_from_hf_variant_equals_the_hugging_face_layer_full_and_decoding[gpt_oss-sinks-full-eager]"
+DIFF_HF = "tests/test_differential.py::test_from_hf_of_diffllama_equals_it_and_the_reference_forward_and_decoding[3-2-sdpa]"
 SINKS_ADOPTED = "tests/test_hf_replace.py::test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients[gpt_oss (eager: sinks, window 3)]"
 LATENT = "tests/test_latent.py"
 VERDICTS = "tests/test_verdicts.py"
@@ -404,6 +405,19 @@ MUTANTS: list[Mutant] = [
       "    distance = (queries[:, None] - keys).to(slopes.dtype)", "ALiBi's distance the wrong way (far keys favoured)",
       "tests/test_variants.py::test_alibi_weights_a_key_d_positions_back_by_minus_d_times_its_heads_slope",
       "tests/test_variants_hf.py::test_bloom_and_mpt_alibi_from_hf_equal_the_layer_full_and_decoding"),
+    # --- differential attention (DiffLlama) ---
+    M("_compute/kernels.py", "    return first.repeat(1, 2, 1, 1), second.repeat(1, 2, 1, 1)",
+      "    return second.repeat(1, 2, 1, 1), first.repeat(1, 2, 1, 1)", "the halves of the values swapped", DIFF_HF),
+    M("_compute/kernels.py", "F.rms_norm(mine - lam * paired,", "F.rms_norm(mine + lam * paired,",
+      "the pair's second map added instead of subtracted", DIFF_HF),
+    M("_interop/hf_replace.py", "        setattr(ours, name, getattr(theirs, name))", "        pass",
+      "replace_attention trains lambdas of its own, not the model's",
+      "tests/test_hf_replace.py::test_the_model_keeps_its_parameters_and_trains_to_the_same_gradients"
+      "[diffllama (differential attention)]"),
+    M("_modules/contract.py",
+      '        *((t.shape, t.dtype, t.device) for n in K.LAMBDAS if (t := own["_parameters"].get(n)) is not None),\n',
+      "", "lambdas written through .data after a verdict: in no key",
+      "tests/test_differential.py::test_a_lambda_written_through_data_after_a_verdict_is_checked_again"),
     # --- attention sinks (gpt-oss) ---
     M("_compute/kernels.py", "        return torch.softmax(with_sinks, dim=-1)[..., :-1]", "        return torch.softmax(with_sinks, dim=-1)[..., 1:]",
       "the first key's weight dropped after the softmax instead of the sink's", SINKS_HF),

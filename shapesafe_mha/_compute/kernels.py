@@ -377,6 +377,41 @@ def alibi_bias(slopes: Tensor, num_kv_heads: int, seq: int, kv_seq: int) -> Tens
     return per_row[..., None] * distance
 
 
+# Differential attention's four learned vectors, under DiffLlama's names: lambda = exp(q1 . k1) - exp(q2 . k2) + init.
+LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+LAMBDA_STD = 0.1  # their initialisation's spread (the paper's, DiffLlama's lambda_std_dev)
+
+
+def differential_values(v: Tensor) -> tuple[Tensor, Tensor]:
+    """Differential attention's values, each `(batch, num_kv_heads, kv_seq, d_head)`: those of the first half of
+    the KV heads and those of the second, each repeated to fill every KV head (`j` and `j + num_kv_heads/2` read
+    the same), so that every query head attends to both halves, `[v_j; v_{j + num_kv_heads/2}]` side by side."""
+    first, second = v.chunk(2, dim=1)
+    return first.repeat(1, 2, 1, 1), second.repeat(1, 2, 1, 1)
+
+
+def differential_lambda(
+    q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, lambda_init: float, dtype: torch.dtype
+) -> Tensor:
+    """`exp(q1 . k1) - exp(q2 . k2) + lambda_init` in `dtype`, each exponential of a dot product computed in float32
+    as DiffLlama computes it (the same number in every dtype: bfloat16 weights do not round lambda further)."""
+    first = torch.exp(torch.sum(q1 * k1, dim=-1, dtype=torch.float32)).to(dtype)
+    second = torch.exp(torch.sum(q2 * k2, dim=-1, dtype=torch.float32)).to(dtype)
+    return first - second + lambda_init
+
+
+def differential_heads(first: Tensor, second: Tensor, lam: Tensor, lambda_init: float, eps: float) -> Tensor:
+    """Differential attention's heads from each head's output over the first half of the values (`first`) and over
+    the second (`second`): head `p`'s and head `p + num_heads/2`'s, `2 * d_head` wide each, subtracted
+    (`p`'s minus `lam` times the other's), RMS-normalised over those features and scaled by `1 - lambda_init`; the
+    pair's `2 * d_head` features laid out as heads `2p` and `2p + 1`, so that merging the heads puts them side by
+    side, pair after pair."""
+    both = torch.cat((first, second), dim=-1)
+    mine, paired = both.chunk(2, dim=1)
+    out = F.rms_norm(mine - lam * paired, (both.shape[-1],), eps=eps) * (1 - lambda_init)
+    return out.unflatten(-1, (2, -1)).transpose(2, 3).flatten(1, 2)
+
+
 def zero_rows(x: Tensor, rows: Tensor | None) -> Tensor:
     return x if rows is None else x.masked_fill(~rows, 0.0)
 

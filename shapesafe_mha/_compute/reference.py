@@ -185,6 +185,23 @@ def _head_mask(
     return additive.masked_fill(blocked, -math.inf)
 
 
+def _differential_pairs(
+    maps: list[Tensor], values: list[Tensor], differential: tuple[Tensor, Tensor, Tensor, Tensor, float], eps: float
+) -> list[Tensor]:
+    """Differential attention's outputs, one per pair of heads `p` and `p + num_heads/2`, each `2 * d_head` wide."""
+    q1, k1, q2, k2, lambda_init = differential
+    # each exponential in float32, as DiffLlama computes it (the float64 comparison needs the same rounding)
+    first, second = torch.exp((q1 * k1).sum(dtype=torch.float32)), torch.exp((q2 * k2).sum(dtype=torch.float32))
+    lam = first.to(maps[0].dtype) - second.to(maps[0].dtype) + lambda_init
+    half = len(maps) // 2
+    pairs = []
+    for p in range(half):
+        both = torch.cat((values[p], values[p + half]), dim=-1)  # the values the pair's two heads read
+        out = (maps[p] - lam * maps[p + half]) @ both
+        pairs.append((1 - lambda_init) * _rms_norm(out, torch.ones_like(out[0, 0]), eps))
+    return pairs
+
+
 def per_head_attention(
     query: Tensor,
     key: Tensor,
@@ -216,6 +233,7 @@ def per_head_attention(
     temperature_tuning: tuple[int, float] | None = None,
     chunk_size: int | None = None,
     output_gate: tuple[Tensor, Tensor | None] | None = None,
+    differential: tuple[Tensor, Tensor, Tensor, Tensor, float] | None = None,
     out_norm: tuple[Tensor, float] | None = None,
     window: int | None = None,
     logit_softcap: float | None = None,
@@ -289,6 +307,11 @@ def per_head_attention(
         logit_softcap: scores become `c * tanh(scores / c)` before the mask.
         output_gate: `(w_gate (num_heads * d_head, d_model), b_gate or None)`: each head's output times
             `sigmoid(x W_gate[h] + b_gate[h])` before the output projection (Qwen3-Next).
+        differential: `(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init)`, differential attention
+            (DiffLlama): head `p` and head `p + num_heads/2` make a pair, whose values are the two heads' values side
+            by side; its output is `(1 - lambda_init) * rms_norm((A_p - lambda * A_{p + num_heads/2}) [v_p; v_p'])`
+            (`norm_eps`, no weight), `2 * d_head` wide, each `A` a head's probabilities, and
+            `lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init`.
         chunk_size: a query sees only the keys of its own chunk of `chunk_size` positions (Llama 4), counted
             from each sequence's first key that `key_padding_mask` does not hide.
         temperature_tuning: `(floor_scale, attn_scale)`: the query at index `i` times
@@ -314,7 +337,7 @@ def per_head_attention(
     where = torch.arange(seq).expand(batch, seq) if positions is None else positions
     if key_positions is None:
         key_positions = where if kv_seq == seq else torch.arange(kv_seq).expand(batch, kv_seq)
-    heads = []
+    heads, maps, values = [], [], []
     for head in range(num_heads):
         kv_head = head % num_kv_heads if kv_heads == "interleaved" else head // group
         q = _linear(query, *_rows(weights.w_q, weights.b_q, head, d_head))
@@ -362,12 +385,17 @@ def per_head_attention(
         )
         if sinks is not None:  # one more logit per head, in the softmax's sum and dropped after it
             sink = sinks[head].to(scores.dtype).expand(*scores.shape[:-1], 1)
-            out = _softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1] @ v
+            probabilities = _softmax_or_zeros(torch.cat((scores, sink), dim=-1))[..., :-1]
         else:
-            out = _softmax_or_zeros(scores) @ v
+            probabilities = _softmax_or_zeros(scores)
+        out = probabilities @ v
         if output_gate is not None:  # Qwen3-Next: the head's output gated by its own projection of the query
             out = out * torch.sigmoid(_linear(query, *_rows(output_gate[0], output_gate[1], head, d_head)))
         heads.append(out)
+        maps.append(probabilities)
+        values.append(v)
+    if differential is not None:
+        heads = _differential_pairs(maps, values, differential, norm_eps)
     merged = torch.cat(heads, dim=-1)
     if out_norm is not None:  # BitNet: the merged heads RMS-normalised before the output projection
         merged = _rms_norm(merged, *out_norm)

@@ -33,6 +33,7 @@ from .._core.dims import (
     Inner,
     KVHeads,
     KVTokens,
+    Lambda,
     LinearIn,
     LinearOut,
     NewKVHeads,
@@ -811,6 +812,32 @@ def weigh_values(weights: FoldedProbabilities, v: KVHeads, dropout_p: float) -> 
     return K.weighted_values(weights, v, dropout_p)
 
 
+@stage(name="differential_values", trace=("v_first", "v_second"), raw=K.differential_values)
+def differential_values(v: KVHeads) -> tuple[KVHeads, KVHeads]:
+    """Differential attention (DiffLlama): the values of the first half of the KV heads and of the second, each
+    repeated over every KV head, so that each query head's map attends to both."""
+    return K.differential_values(v)
+
+
+@stage(name="differential")
+def differential_heads(
+    first: Heads,
+    second: Heads,
+    lambda_q1: Lambda,
+    lambda_k1: Lambda,
+    lambda_q2: Lambda,
+    lambda_k2: Lambda,
+    lambda_init: float,
+    eps: float,
+) -> Heads:
+    """Differential attention (DiffLlama): heads `p` and `p + num_heads/2` subtracted,
+    `(1 - lambda_init) * rms_norm(out_p - lambda * out_{p + num_heads/2})` over both halves of the values,
+    `lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init`; each pair's `2 * d_head`
+    features laid out as two heads, side by side once merged."""
+    lam = K.differential_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init, first.dtype)
+    return K.differential_heads(first, second, lam, lambda_init, eps)
+
+
 @stage(name="merge", raw=K.merge_heads)
 def merge(x: Heads) -> QueryInner:
     return K.merge_heads(x)
@@ -886,6 +913,8 @@ FORWARD_STAGES: dict[str, Any] = {
     "folded_weights": folded_weights,
     "unfold_weights": unfold_weights,
     "weigh_values": weigh_values,
+    "differential_values": differential_values,
+    "differential_heads": differential_heads,
     "merge": merge,
     "merge_one_query": merge_one_query,
     "merge_one_query_heads": merge_one_query_heads,

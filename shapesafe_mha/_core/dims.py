@@ -71,6 +71,7 @@ Probabilities = Float[Tensor, "batch num_heads seq kv_seq"]
 FoldedProbabilities = Float[Tensor, "batch num_kv_heads group*seq kv_seq"]
 Sinks = Float[Tensor, " num_heads"]  # attention sinks (gpt-oss): one logit per query head
 AlibiSlopes = Float[Tensor, " num_heads"]  # ALiBi (Bloom, MPT): one slope per query head
+Lambda = Float[Tensor, " d_head"]  # differential attention (DiffLlama): one of the vectors its lambda is made of
 FoldedBias = Float[Tensor, "num_kv_heads group*seq kv_seq"]  # a score bias per folded query row and key (ALiBi)
 
 # Rotary position embeddings: integer positions of the queries, and their cos/sin tables.

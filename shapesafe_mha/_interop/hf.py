@@ -312,7 +312,25 @@ def variant_options(attention: nn.Module, config: Any) -> dict[str, Any]:
         options["temperature_tuning"] = (floor_scale, float(attn_scale))
     if alibi_slopes_of(attention, config) is not None:  # Bloom, MPT: biases its model passes in
         options["alibi"] = True
+    if isinstance(getattr(attention, K.LAMBDAS[0], None), nn.Parameter):  # DiffLlama: differential attention
+        options.update(_differential_options(attention, options.get("norm_eps")))
     return options
+
+
+def _differential_options(attention: nn.Module, norm_eps: float | None) -> dict[str, Any]:
+    """DiffLlama's `lambda_init` (the layer's own, computed from its index) and its `groupnorm`'s epsilon, refused
+    by name where the norm is not an RMSNorm without weight whose epsilon we can hold."""
+    lambda_init = getattr(attention, "lambda_init", None)
+    if isinstance(lambda_init, bool) or not isinstance(lambda_init, int | float) or not math.isfinite(lambda_init):
+        raise _refuse("lambda_init", lambda_init, "differential attention needs a finite lambda_init")
+    norm = getattr(attention, "groupnorm", None)
+    eps = getattr(norm, "eps", None)
+    if not isinstance(norm, nn.RMSNorm) or norm.elementwise_affine or not isinstance(eps, float):
+        why = "differential attention's norm of each head pair is an nn.RMSNorm without weight, of a given eps, here"
+        raise _refuse("groupnorm", type(norm).__name__ if norm is not None else None, why)
+    if norm_eps is not None and norm_eps != eps:
+        raise _refuse("groupnorm.eps", eps, f"the QK-norm's eps is {norm_eps}, and one norm_eps serves both")
+    return {"differential_lambda_init": float(lambda_init), "norm_eps": eps}
 
 
 def alibi_slopes_of(layer: nn.Module, config: Any) -> Tensor | None:
@@ -491,7 +509,8 @@ _UNSUPPORTED_FIELDS = {
     # layer and in the mask its model builds) but once under sdpa; Bloom's and MPT's load (alibi_slopes_of)
     "alibi": "Falcon's ALiBi position biases (computed differently by its eager and sdpa paths)",
 }
-# Parameters of a layer's own that name the variant it computes, where we compute none of it.
+# Parameters of a layer's own that name the variant it computes, where the check's reference computes none of it
+# (MultiHeadAttention computes DiffLlama's: from_hf loads them).
 OWN_PARAMETER_VARIANTS = {
     "lambda_q1": "differential attention (DiffLlama: two softmax maps of each head's halves subtracted, weighted by "
     "a lambda learned from lambda_q1, lambda_k1, lambda_q2, lambda_k2, then a norm)",
@@ -662,7 +681,12 @@ def projection_names(layer: nn.Module) -> dict[str, str]:
 
 def _refuse_structure(attention: nn.Module, config: Any, d_head: int) -> None:
     """Refuse, by name, what the layer holds that a `MultiHeadAttention` would not load or compute."""
-    own = [name for name, _ in attention.named_parameters(recurse=False) if name != "sinks"]
+    own = [name for name, _ in attention.named_parameters(recurse=False) if name not in ("sinks", *K.LAMBDAS)]
+    lambdas = [getattr(attention, name, None) for name in K.LAMBDAS]
+    if any(isinstance(held, nn.Parameter) for held in lambdas):  # DiffLlama's: four vectors of a head's width
+        shapes = [tuple(held.shape) if isinstance(held, Tensor) else None for held in lambdas]
+        if any(shape != (d_head,) for shape in shapes):
+            raise _refuse("lambdas", shapes, f"differential attention's lambdas are four vectors of ({d_head},)")
     sinks = getattr(attention, "sinks", None)
     if isinstance(sinks, nn.Parameter) and tuple(sinks.shape) != (config.num_attention_heads,):
         why = f"attention sinks are one logit per query head ({config.num_attention_heads},)"
@@ -793,6 +817,8 @@ def from_hf(cls: Any, attention: nn.Module, *, config: Any = None, verify: bool 
     with torch.no_grad():
         if module.sinks is not None:
             module.sinks.copy_(attention.sinks)
+        for name in K.LAMBDAS if module.differential_lambda_init is not None else ():
+            module._parameters[name].copy_(getattr(attention, name))
         if module.alibi_slopes is not None:  # the slopes its model passes (Bloom's, MPT's), not ours
             module.alibi_slopes.copy_(alibi_slopes_of(attention, config))  # pyright: ignore[reportArgumentType]
         for name, theirs in projections.items():
@@ -1123,7 +1149,10 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
         "output_gate": module.output_gate or None,
         "temperature_tuning": module.temperature_tuning,
         "chunk_size": module.chunk_size,
+        "differential_lambda_init": module.differential_lambda_init,
     }
+    if module.differential_lambda_init is not None and not module.qk_norm:  # norm_eps is its norm's
+        ours["norm_eps"] = module.norm_eps
     different = {k: (options.get(k), v) for k, v in ours.items() if options.get(k) != v}
     if different:
         listed = ", ".join(f"{k}={theirs_!r} (module: {mine!r})" for k, (theirs_, mine) in different.items())
@@ -1141,6 +1170,8 @@ def to_hf(module: Any, config: Any, *, verify: bool = True) -> nn.Module:
                 getattr(theirs, their_name).weight.copy_(module._modules[name].weight)
         if module.sinks is not None:
             theirs.sinks.copy_(module.sinks)
+        for name in K.LAMBDAS if module.differential_lambda_init is not None else ():
+            getattr(theirs, name).copy_(module._parameters[name])
         if module.alibi_slopes is not None:  # the layer holds none: its model passes them, and they must be ours
             given = alibi_slopes_of(theirs, config)
             if given is None or not torch.allclose(given.to(module.alibi_slopes), module.alibi_slopes):

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .._compute.cache import KVCache
 from .._compute.fastpath import refuse_under_vmap
+from .._compute.kernels import LAMBDAS
 from .._compute.rotary import RotaryEmbedding
 from .._core.contract import Verdicts
 from .._core.dims import Tokens
@@ -244,6 +245,8 @@ def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[
             ours._modules[name].weight = getattr(theirs, their_name).weight  # pyright: ignore[reportOptionalMemberAccess]
     if ours.sinks is not None:  # gpt-oss's attention sinks: the model's own parameter, trained in its place
         ours.sinks = theirs.sinks  # pyright: ignore[reportAttributeAccessIssue]  (a Parameter, as declared)
+    for name in LAMBDAS if ours.differential_lambda_init is not None else ():  # DiffLlama's, trained in place
+        setattr(ours, name, getattr(theirs, name))
     rotary = ours.rotary
     if rotary is not None:
         inv_freq: Any = rotary.inv_freq

@@ -80,6 +80,9 @@ RANGES: dict[str, Range] = {
     "query_pre_attn_scalar": Range(float, 0.0, INF, _FINITE_POSITIVE, True, True, optional=True),
     "clip_qkv": Range(float, 0.0, INF, _FINITE_POSITIVE, True, True, optional=True),
     "chunk_size": Range(int, 1, None, "a positive int (Llama 4: 8192)", optional=True),
+    "differential_lambda_init": Range(
+        float, -INF, INF, "a finite number (DiffLlama: 0.8 - 0.6 * exp(-0.3 * layer_idx))", True, True, optional=True
+    ),
 }
 
 # The options that are no number on a line, and what they are instead (each checked by a rule of its own).
@@ -146,7 +149,7 @@ class AttentionConfig:
             the scale's offset from 1: `1.0`; the norms are then `OffsetRMSNorm`s); default 0, `nn.RMSNorm`.
         qk_norm_after_rope: the per-head QK-norm comes after RoPE instead of before it (HunYuan), so the
             cached keys are the normalised rotated ones.
-        norm_eps: the epsilon of QK-norm.
+        norm_eps: the epsilon of QK-norm, and of differential attention's norm of each head pair.
         window: sliding-window attention: a query sees only the `window` most recent keys,
             itself included (Mistral, Gemma); `new_cache` then keeps only those. Without
             `is_causal` the window bounds only how far back a query sees.
@@ -176,6 +179,15 @@ class AttentionConfig:
             buffer (saved in the state dict), Press et al.'s geometric slopes at first (`2 ** (-8 * h / n)`,
             Bloom's interpolation for a head count not a power of two); overwrite it for others (MPT's). The
             scores are then computed here, not by SDPA.
+        differential_lambda_init: differential attention (Ye et al. 2024, DiffLlama) with this `lambda_init`
+            (DiffLlama: `0.8 - 0.6 * exp(-0.3 * layer_idx)`); None: none. Query heads `p` and `p + num_heads/2` make a
+            pair; they read KV heads `j` and `j + num_kv_heads/2`, whose values side by side (`2 * d_head` wide) are
+            the pair's; its output is `(1 - lambda_init) * rms_norm((A_p - lambda * A_{p + num_heads/2}) [v_j;
+            v_{j + num_kv_heads/2}])` over those `2 * d_head` features (`norm_eps`, no weight), each `A` one head's
+            attention probabilities, and `lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) +
+            lambda_init` from four learned `(d_head,)` parameters of those names (normal(0, 0.1) at first; each
+            exponential computed in float32, as DiffLlama computes it). Needs an even `num_kv_heads` and no dropout
+            (DiffLlama's); with `need_weights` the probabilities returned are each head's `A`.
 
     Raises:
         ConfigError: a size is not a positive int, `num_kv_heads` does not divide `num_heads`, `d_head` is not
@@ -208,6 +220,7 @@ class AttentionConfig:
     attention_sinks: bool = False
     alibi: bool = False
     output_gate: bool = False
+    differential_lambda_init: float | None = None
 
     def __post_init__(self) -> None:
         num_heads, d_model = self.num_heads, self.d_model
@@ -240,6 +253,7 @@ class AttentionConfig:
         self.rotated_width  # noqa: B018  (validates the RoPE options)
         self._check_qk_norm(owner)
         check_temperature_tuning(f"{owner}: ", self.temperature_tuning)
+        self._check_differential(owner)
         if self.chunk_size is not None and self.window is not None:
             raise ConfigError(
                 f"{owner}: chunk_size={self.chunk_size} with window={self.window}: no model computes both, and a "
@@ -252,6 +266,22 @@ class AttentionConfig:
         edges, value = RANGES[name], getattr(self, name)
         if not edges.holds(value, self, upper):
             raise ConfigError(f"{owner}: {edges.label or name} must be {edges.says}, but got {value!r}.")
+
+    def _check_differential(self, owner: str) -> None:
+        if self.differential_lambda_init is None:
+            return
+        lambda_init = self.differential_lambda_init
+        if self.kv_heads % 2:
+            raise ConfigError(
+                f"{owner}: differential_lambda_init={lambda_init!r} needs an even num_kv_heads: differential attention "
+                f"pairs KV head j with j + num_kv_heads/2 (DiffLlama's values split in two), but got {self.kv_heads}."
+            )
+        if self.dropout or self.output_gate:
+            given = f"dropout={self.dropout!r}" if self.dropout else "output_gate=True"
+            raise ConfigError(
+                f"{owner}: differential_lambda_init={lambda_init!r} with {given}: no model computes them together "
+                "(DiffLlama refuses dropout, whose place between its two maps is not defined); drop one of them."
+            )
 
     def _check_qk_norm(self, owner: str) -> None:
         qk_norm, over, centred, offset, after = (
@@ -328,6 +358,8 @@ class AttentionConfig:
         """The options (not the sizes) that differ from their defaults and change what is computed, in field
         order (a QK-norm's options without a QK-norm change nothing)."""
         idle = () if self.qk_norm else _QK_NORM_OPTIONS
+        if self.differential_lambda_init is not None:  # its norm's epsilon is norm_eps
+            idle = tuple(name for name in idle if name != "norm_eps")
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)

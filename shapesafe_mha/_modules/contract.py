@@ -166,6 +166,7 @@ def forward_key(
         module_state(modules, fused),  # hooks added, parameters replaced or re-typed
         None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
         None if slopes is None else (slopes.shape, slopes.dtype, slopes.device),
+        *((t.shape, t.dtype, t.device) for n in K.LAMBDAS if (t := own["_parameters"].get(n)) is not None),
     )
     shapes = (
         shape,

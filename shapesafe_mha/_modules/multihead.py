@@ -55,6 +55,7 @@ _BUILT_FROM = {
     "attention_sinks": "sinks parameter",
     "alibi": "ALiBi slopes",
     "output_gate": "q_proj",
+    "differential_lambda_init": "lambda parameters",
 }
 
 
@@ -148,6 +149,7 @@ class MultiHeadAttention(Conversions, nn.Module):
         output_gate: bool = False,
         temperature_tuning: tuple[int, float] | None = None,
         chunk_size: int | None = None,
+        differential_lambda_init: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -178,9 +180,9 @@ class MultiHeadAttention(Conversions, nn.Module):
             self.rotary.to(device=device)
         if c.qk_norm:
             self.q_norm, self.k_norm = qk_norms(c, factory)
-        self.sinks: nn.Parameter | None = None
-        if c.attention_sinks:
-            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
+        self.sinks: nn.Parameter | None = nn.Parameter(torch.zeros(num_heads, **factory)) if c.attention_sinks else None
+        for name in K.LAMBDAS if c.differential_lambda_init is not None else ():  # DiffLlama's, named as its are
+            self.register_parameter(name, nn.Parameter(torch.empty(d_head, **factory).normal_(0, K.LAMBDA_STD)))
         slopes = None
         if c.alibi:  # not learned: a buffer, kept in the state dict so that loaded slopes (MPT's) stay
             slopes = K.alibi_slopes(num_heads).to(device=device, dtype=dtype or torch.get_default_dtype())

@@ -94,7 +94,13 @@ def plan_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) ->
 
 
 def refuse_unsharded_norm(module: MultiHeadAttention, owner: str) -> None:
-    """Raise `ConfigError` for a QK-norm over every head at once: a rank holding some heads cannot compute it."""
+    """Raise `ConfigError` for a QK-norm over every head at once, or differential attention's pairs of heads half the
+    heads apart: a rank holding some heads cannot compute them."""
+    if module.differential_lambda_init is not None:
+        raise ConfigError(
+            f"{owner}: differential attention (DiffLlama) pairs query head p with p + num_heads/2 and KV head j with "
+            "j + num_kv_heads/2, so a rank holding a contiguous share of the heads cannot compute it; run it unsplit."
+        )
     if module.qk_norm and module.qk_norm_over == "all":
         raise ConfigError(
             f"{owner}: qk_norm_over='all' normalises every head's features together (OLMo-2), so a rank holding "

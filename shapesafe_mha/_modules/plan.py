@@ -4,7 +4,9 @@
 merge -> gate -> o_proj. The head transforms (equinox's `process_heads`, as a tuple) are built by `plan` from the
 options: before the split those that see every head's features together (a QK-norm over all heads, OLMo-2;
 `clip_qkv`), after it each head's (QK-norm, RoPE or partial RoPE, a QK-norm after RoPE, Llama 4's temperature
-tuning). A variant is one field of the config, its transform or scorer option here, its reader, the reference.
+tuning). Differential attention (DiffLlama) scores twice, once for each half of the values, and subtracts the
+maps' outputs in head pairs (`_differential`). A variant is one field of the config, its transform or scorer option
+here, its reader, the reference.
 """
 
 from collections.abc import Callable
@@ -12,6 +14,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
+from .._compute import kernels as K
 from .._compute.fastpath import FUSED, NATIVE, FusedQKV
 from .._compute.rotary import (
     apply_partial_rotary,
@@ -49,6 +52,7 @@ class Plan(NamedTuple):
     chunk_size: int | None
     window: int | None
     softcap: float | None
+    differential: tuple[float, float] | None  # DiffLlama's (lambda_init, the norm's eps)
 
 
 def plan(config: Any) -> Plan:
@@ -77,6 +81,7 @@ def plan(config: Any) -> Plan:
         config.chunk_size,
         config.window,
         config.logit_softcap,
+        None if config.differential_lambda_init is None else (config.differential_lambda_init, config.norm_eps),
     )
 
 
@@ -117,6 +122,26 @@ def _tuner(floor_scale: int, attn_scale: float) -> AfterSplit:
         return s.tune_query_temperature(q, start, floor_scale, attn_scale), k
 
     return tune
+
+
+def _differential(
+    s: Any,
+    parameters: dict[str, Any],
+    lambda_init_eps: tuple[float, float],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scoring: tuple[Any, ...],
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None, None]:
+    """Differential attention (DiffLlama): the scorer run on each half of the values (each head's probabilities
+    the same twice; the first run's are the weights asked for), the outputs of heads `p` and `p + num_heads/2`
+    subtracted and normalised."""
+    first_v, second_v = s.differential_values(v)
+    first, weights, _ = score(s, q, k, first_v, *scoring, need_weights=need_weights)
+    second, _, _ = score(s, q, k, second_v, *scoring)
+    lambdas = [parameters[name] for name in K.LAMBDAS]
+    return s.differential_heads(first, second, *lambdas, *lambda_init_eps), weights, None
 
 
 def run(
@@ -181,10 +206,11 @@ def run(
     dropout_p = module.dropout if module.training else 0.0
     own = module.__dict__
     sinks, slopes = own["_parameters"].get("sinks"), own["_buffers"].get("alibi_slopes")
-    out, weights, merged = score(
-        s, q, k, v, attn_mask, key_padding_mask, is_causal, p.window, own["scale"], dropout_p,
-        p.softcap, sinks, slopes, need_weights, merge=True,
-    )  # fmt: skip
+    scoring = (attn_mask, key_padding_mask, is_causal, p.window, own["scale"], dropout_p, p.softcap, sinks, slopes)
+    if p.differential is None:
+        out, weights, merged = score(s, q, k, v, *scoring, need_weights=need_weights, merge=True)
+    else:
+        out, weights, merged = _differential(s, own["_parameters"], p.differential, q, k, v, scoring, need_weights)
     if merged is None:  # one query a head (decoding): the heads merge by one reshape, no transpose
         merged = s.merge_one_query_heads(out) if q.shape[2] == 1 else s.merge(out)
     if gate is not None:
