@@ -166,7 +166,7 @@ def forward_key(
         module_state(modules, fused),  # hooks added, parameters replaced or re-typed
         None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
         None if slopes is None else (slopes.shape, slopes.dtype, slopes.device),
-        *((t.shape, t.dtype, t.device) for n in K.LAMBDAS if (t := own["_parameters"].get(n)) is not None),
+        None if K.LAMBDAS[0] not in own["_parameters"] else _lambdas(own["_parameters"]),  # (one lookup, usually)
     )
     shapes = (
         shape,
@@ -180,6 +180,12 @@ def forward_key(
     )
     # kv_seq counts the cached positions too; it is checked only against masks.
     return tuple.__new__(CallKey, (structure, shapes, kv_len if masked else None))  # without NamedTuple's frame
+
+
+def _lambdas(parameters: dict[str, Any]) -> tuple[Any, ...]:
+    """Differential attention's lambdas, as a verdict reads them (written through `.data`, a tensor keeps its
+    identity)."""
+    return tuple((t.shape, t.dtype, t.device) for n in K.LAMBDAS if (t := parameters.get(n)) is not None)
 
 
 def checked_forward(

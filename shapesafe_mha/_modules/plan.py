@@ -206,10 +206,14 @@ def run(
     dropout_p = module.dropout if module.training else 0.0
     own = module.__dict__
     sinks, slopes = own["_parameters"].get("sinks"), own["_buffers"].get("alibi_slopes")
-    scoring = (attn_mask, key_padding_mask, is_causal, p.window, own["scale"], dropout_p, p.softcap, sinks, slopes)
-    if p.differential is None:
-        out, weights, merged = score(s, q, k, v, *scoring, need_weights=need_weights, merge=True)
+    scale, window, softcap = own["scale"], p.window, p.softcap
+    if p.differential is None:  # (positional arguments: this runs on every call)
+        out, weights, merged = score(
+            s, q, k, v, attn_mask, key_padding_mask, is_causal, window, scale, dropout_p, softcap, sinks, slopes,
+            need_weights, True,
+        )  # fmt: skip
     else:
+        scoring = (attn_mask, key_padding_mask, is_causal, window, scale, dropout_p, softcap, sinks, slopes)
         out, weights, merged = _differential(s, own["_parameters"], p.differential, q, k, v, scoring, need_weights)
     if merged is None:  # one query a head (decoding): the heads merge by one reshape, no transpose
         merged = s.merge_one_query_heads(out) if q.shape[2] == 1 else s.merge(out)
