@@ -430,9 +430,7 @@ class MultiHeadAttention(Conversions, nn.Module):
         """The forward with every stage checked against one memo, and reported to the trace (`checked_forward`)."""
         return checked_forward(self, *_FORWARD, check, observer, *call)
 
-    def _run(self, s: Any, path: str, fused: FusedQKV | None, *call: Any) -> Tensor | tuple[Tensor, Tensor]:
-        """The forward by this module's plan (`plan.run`): `s` holds the stages, checked (a session's) or plain."""
-        return run(self, self.__dict__["_plan"], s, path, fused, *call)
+    _run = run  # the forward by this module's plan (`plan.run`), with `s` its stages, checked or plain
 
 
 _FORWARD = forward_stage(MultiHeadAttention.forward)  # the stage, its hints without a cache and with one

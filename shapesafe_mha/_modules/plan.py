@@ -146,7 +146,6 @@ def _differential(
 
 def run(
     module: Any,
-    p: Plan,
     s: Any,
     path: str,
     fused: FusedQKV | None,
@@ -160,7 +159,9 @@ def run(
     kv_cache: Any,
     positions: Tensor | None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The forward of `module` by plan `p`, stage by stage: `s` holds the stages, checked (a session's) or plain."""
+    """The forward of `module` by its plan, stage by stage: `s` holds the stages, checked (a session's) or plain.
+    (`MultiHeadAttention._run` is this function itself: one call fewer on every call.)"""
+    p: Plan = module.__dict__["_plan"]
     num_heads, num_kv_heads = module.num_heads, module.num_kv_heads
     m = module._modules  # plain dict lookups: nn.Module.__getattr__ costs a microsecond each
     if path is NATIVE and fused is not None:
