@@ -760,3 +760,101 @@ def test_expect_binds_int_arguments_and_self_sizes_as_an_annotation_would_warm_o
         assert _verdict(modules[heads]) == expected[heads], heads  # warm: after whatever came before
         contract.verdicts.forget()
         assert _verdict(modules[heads]) == expected[heads], heads  # fresh
+
+
+# --- a remembered call covers what it checked inside --------------------------------------------------------
+
+
+def _gqa_layer(heads: dict[str, int]) -> Callable[..., Tensor]:
+    """A user's layer composed of our public stages; `heads` is read at each call (state its key does not hold)."""
+
+    @ssm.shapecheck
+    def layer(x: Tokens, w_q: Float[Tensor, "d_q d_model"], w_kv: Float[Tensor, "d_kv d_model"]) -> Tokens:
+        q = ssm.split_heads(ssm.project(x, w_q), heads["q"])
+        k = ssm.split_heads(ssm.project(x, w_kv), heads["kv"])
+        return ssm.merge_heads(ssm.scaled_dot_product_attention(q, k, k, is_causal=True))
+
+    return layer
+
+
+def test_a_remembered_call_covers_the_public_stages_it_calls() -> None:
+    """Once a decorated function's call is checked, a call with arguments of the same shapes computes no stage's key
+    (one key, not one per stage) and equals the same composition undecorated; outside it, each stage keys itself."""
+    import shapesafe_mha._core.contract as contract
+
+    heads = {"q": 8, "kv": 2}
+    layer = _gqa_layer(heads)
+    x, w_q, w_kv = torch.randn(2, 5, 64), torch.randn(64, 64), torch.randn(16, 64)
+    first = layer(x, w_q, w_kv)
+    keys: list[int] = []
+    real = contract.signature_key
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(contract, "signature_key", lambda *a: keys.append(1) or real(*a))
+        again = layer(x, w_q, w_kv)
+        assert keys == []
+        plain = layer.__wrapped__(x, w_q, w_kv)  # type: ignore[attr-defined]
+        assert len(keys) == 6  # the same stages, bare: each its own key
+    torch.testing.assert_close(again, first)
+    torch.testing.assert_close(plain, first)
+
+
+def _split_by(heads: dict[str, int]) -> Callable[[Tensor], Tensor]:
+    @ssm.shapecheck
+    def split(x: Tokens) -> Float[Tensor, "batch 8 seq d_head"]:
+        return ssm.split_heads(x, heads["q"])
+
+    return split
+
+
+@pytest.mark.parametrize(
+    ("make", "wrong", "starts"),
+    [
+        (_gqa_layer, {"q": 8, "kv": 3}, "split_heads(): x has width 16"),  # torch fails: checked again, explained
+        # no failure, another result: checked in full from then on
+        (_split_by, {"q": 4}, "_split_by.<locals>.split(): the result has 8=4"),
+    ],
+)
+def test_a_covered_call_that_goes_wrong_is_refused_as_a_fresh_call_would_be(
+    make: Callable[[dict[str, int]], Callable[..., Tensor]], wrong: dict[str, int], starts: str
+) -> None:
+    """What the key does not hold (here a global the body reads) can change a covered call. Either torch fails, and
+    the call is checked again to explain it, or the result's shape changes, and the function is checked in full
+    from then on: the message is a fresh function's either way, never a raw torch error or a wrong result."""
+    x, w_q, w_kv = torch.randn(2, 5, 64), torch.randn(64, 64), torch.randn(16, 64)
+    args = (x, w_q, w_kv) if make is _gqa_layer else (x,)
+    heads = {"q": 8, "kv": 2}
+    warm = make(heads)
+    warm(*args)
+    warm(*args)
+    heads.update(wrong)
+    warm_line = first_line(lambda: warm(*args))
+    assert warm_line == first_line(lambda: make(dict(heads))(*args))
+    assert warm_line.startswith(starts), warm_line
+    assert first_line(lambda: warm(*args)) == warm_line  # and again
+
+
+def test_a_decorated_method_inside_a_covered_call_keeps_its_own_verdict() -> None:
+    """A method's body reads `self`, which its caller's key does not hold: called inside a covered call it is
+    checked as it would be alone (its result compared with its checked call's)."""
+
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8))
+
+        @ssm.shapecheck
+        def forward(self, x: Float[Tensor, "batch d"]) -> Float[Tensor, "batch d"]:
+            return x @ self.weight
+
+    mix = Mix()
+
+    @ssm.shapecheck
+    def total(x: Float[Tensor, "batch d"]) -> Float[Tensor, " batch"]:
+        return mix(x).sum(-1)  # its result's shape is the same whatever the method returns
+
+    x = torch.randn(3, 8)
+    total(x)
+    total(x)
+    mix.weight = nn.Parameter(torch.randn(8, 5))
+    line = first_line(lambda: total(x))
+    assert line.endswith("Mix.forward(): the result has d=5 (axis 1), but x set d=8."), line

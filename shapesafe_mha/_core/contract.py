@@ -61,9 +61,32 @@ class _Off:
 
 
 OFF = _Off()
+
+
+class _Covered:
+    def __repr__(self) -> str:
+        return "COVERED"
+
+
+COVERED = _Covered()
+
+
+class Covering:
+    """The mode while a decorated function's call is checked for the first time: the public stages and decorated
+    functions called inside it check themselves, as anywhere, and mark `used`, so the call's verdict, once
+    remembered, says that it covers them (`COVERED`)."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used = False
+
+
 # What the checks do now, in one context variable (a remembered call reads one): None, the usual; OFF inside
-# `unchecked()` (or everywhere, under SHAPESAFE_MHA_UNCHECKED); or the session of an open `shape_scope`, which
-# our public stages and users' decorated calls inside it share.
+# `unchecked()` (or everywhere, under SHAPESAFE_MHA_UNCHECKED); the session of an open `shape_scope`, which our
+# public stages and users' decorated calls inside it share; a `Covering` while a decorated function's call is
+# checked; or COVERED inside a decorated function's call whose verdict is remembered: the stages, decorated
+# functions and expectations inside it held for these arguments' shapes, and run unchecked (one key, not nine).
 mode: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_mode", default=OFF if OFF_BY_ENV else None)
 
 MAX_VERDICTS = 4096
@@ -191,10 +214,13 @@ class Stage(Generic[P, R]):
             return self.fn(*args, **kwargs)
         shared = mode.get()
         if shared is not None:
-            if shared is OFF:
+            if shared is OFF or shared is COVERED:  # off, or covered by the remembered call it is made in
                 return self.fn(*args, **kwargs) if kwargs else self.raw(*args)
-            with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
-                return shared.call(self, *args, **kwargs)
+            if type(shared) is Covering:  # in a decorated call checked for the first time: checked on its own
+                shared.used = True
+            else:
+                with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
+                    return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
         run = self.exact.get(key)  # Verdicts.known, inlined: a stage has no relations key
         if run is not None:

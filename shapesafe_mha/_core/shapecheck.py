@@ -23,14 +23,18 @@ from torch import nn
 
 from . import trace as _trace
 from .contract import (
+    COVERED,
     KEYWORDS,
     OFF,
+    SHAPE_FAILURES,
     UNCACHEABLE,
+    Covering,
     Session,
     Verdicts,
     checks_enabled,
     compiling,
     mode,
+    recheck,
     signature_of,
     witness,
 )
@@ -40,9 +44,8 @@ from .messages import ExplainedError, arrays_of, axes
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# The session of the innermost checked call (where `expect` binds), `_KNOWN` inside a function's call whose
-# verdict is remembered (its expectations held for these shapes), a `_Replay` inside a method's, or None.
-_KNOWN = object()
+# The session of the innermost checked call (where `expect` binds), a `_Replay` inside a method's call whose verdict
+# is remembered, or None. (Inside a function's, `mode` is COVERED: its expectations held for these shapes.)
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_current", default=None)
 # The innermost checked call's contract and bound arguments, while its body runs: what `expect` binds its names from.
 _binding: contextvars.ContextVar[Any] = contextvars.ContextVar("shapesafe_mha_binding", default=None)
@@ -224,7 +227,8 @@ class _Checked:
         self.arity = len(plain) if arrays_only and not self.method and len(plain) in _ARRAYS_KEY else -1
         self.verdicts = Verdicts()
         # a value validator (beartype's `Annotated[..., Is[...]]`) decides by values no key holds: never remembered
-        self.reads_values = any(_reads_values(h) for h in [*hints.values(), self.returns])
+        # (nor a function whose result's signature differed between two calls of one key, see `shapecheck`)
+        self.remembers = not any(_reads_values(h) for h in [*hints.values(), self.returns])
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """What the check reads, exactly: the arguments' signatures, and a method's sizes on `self`."""
@@ -438,7 +442,7 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
         return type(fn)(shapecheck(fn.__func__))  # type: ignore[return-value]
     contract = _Checked(fn)
     verdicts, run, owner = contract.verdicts, contract.run, contract.owner
-    method, reads_values = contract.method, contract.reads_values
+    method = contract.method
     key_of = contract.key if method else annotation_key  # a method's key holds its sizes on self
     arity, arrays_key, exact = contract.arity, _ARRAYS_KEY.get(contract.arity), verdicts.exact
 
@@ -454,7 +458,19 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
             return unchecked_call(args, kwargs)
         shared = mode.get()
         if shared is not None:
-            return unchecked_call(args, kwargs) if shared is OFF else run(shared, args, kwargs, True)
+            if shared is OFF:
+                return unchecked_call(args, kwargs)
+            if shared is COVERED:  # in a remembered call that checked this one when it was checked itself
+                if not method:
+                    return fn(*args, **kwargs)
+                token = mode.set(None)  # a method's body reads `self`, which no caller's key holds: its own verdict
+                try:
+                    return checked(*args, **kwargs)
+                finally:
+                    mode.reset(token)
+            if type(shared) is not Covering:
+                return run(shared, args, kwargs, True)  # in a shape_scope: checked in its dimensions, every time
+            shared.used = True  # in a decorated call checked for the first time: on its own, as anywhere
         if arrays_key is not None and len(args) == arity:  # all arrays by their annotations
             try:
                 key = arrays_key(args)
@@ -467,25 +483,51 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
             expects = exact.get(key)  # remembered: whether the checked call made expectations
         if expects is False:
             return fn(*args, **kwargs)
-        if expects is True:  # they held for these shapes too: `expect` inside skips its check
-            token = _current.set(_KNOWN)
+        if type(expects) is _Covers:  # what it checked inside held for these shapes too: covered, unchecked
+            token = mode.set(COVERED)
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+            except SHAPE_FAILURES as failure:  # explained as a fresh call would (the body runs again, checked)
+                if isinstance(failure, torch.OutOfMemoryError):
+                    raise
+                mode.reset(token)
+                token = None
+                recheck(lambda: fresh(args, kwargs), failure)
+                raise  # (recheck raises)
             finally:
-                _current.reset(token)
+                if token is not None:
+                    mode.reset(token)
+            returned = expects.result  # (a result no signature holds, a list: as the verdict found it, unseen)
+            if returned is UNCACHEABLE or signature_of(result) == returned:
+                return result
+            # Another result for the same arguments' shapes: the body reads more than them (a value, a global's
+            # shape), so no verdict of this function covers anything: each call is checked in full from now on.
+            contract.remembers = False
+            verdicts.forget()
+            return fresh(args, kwargs)[1]
         if expects is not None:  # a method's: its expectations and result are compared
             return contract.remembered(expects, key, args, kwargs)
         widened = contract.widened
-        with Session(owner) as session:
-            result = run(session, args, kwargs)
-        if reads_values:
+        covering = Covering()
+        token = mode.set(covering)
+        try:
+            session, result = fresh(args, kwargs)
+        finally:
+            mode.reset(token)
+        if not contract.remembers:
             return result
         if method:
             if widened == contract.widened:  # else `key` lacks a size on self that an expectation bound
                 verdicts.remember(key, note=(signature_of(result), tuple(getattr(session, "signatures", ()))))
+        elif covering.used or getattr(session, "expectations", 0) > 0:  # it covers what it checked inside
+            verdicts.remember(key, note=_Covers(signature_of(result)))
         else:
-            verdicts.remember(key, note=getattr(session, "expectations", 0) > 0)
+            verdicts.remember(key, note=False)
         return result
+
+    def fresh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Session, Any]:
+        with Session(owner) as session:
+            return session, run(session, args, kwargs)
 
     checked.__shapecheck__ = contract  # type: ignore[attr-defined]
     return checked
@@ -514,9 +556,9 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
             hint = _hint_of(shape)
             reporting.add(name or f"expectation {reporting.expectations}", tensor, hint)
         return tensor
-    session = _current.get()
-    if session is _KNOWN:
+    if mode.get() is COVERED:  # in a remembered call: it held for these shapes
         return tensor
+    session = _current.get()
     hint = _hint_of(shape)
     if type(session) is _Replay:
         session.expect(tensor, hint, name)
@@ -567,6 +609,17 @@ def _expect_in(session: Session, tensor: Any, hint: Any, name: str | None, bindi
     if count == 1:
         session.signatures = []  # type: ignore[attr-defined]
     session.signatures.append((label, signature_of(tensor)))  # type: ignore[attr-defined]  (for `_Replay`)
+
+
+class _Covers:
+    """A function's remembered verdict that covers what its checked call checked inside (expectations, our public
+    stages, decorated functions): those run unchecked (`COVERED`) and the result's signature is compared with
+    the checked call's."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
 
 
 class _Replay:

@@ -142,7 +142,8 @@ def forward_key(
     device = query.device
     modules = module._modules.values()
     own = module.__dict__  # its own tensors, read each call (`.data` swapped, a tensor keeps its identity)
-    sinks, slopes = own["_parameters"].get("sinks"), own["_buffers"].get("alibi_slopes")
+    parameters = own["_parameters"]
+    sinks, slopes = parameters.get("sinks"), own["_buffers"].get("alibi_slopes")
     structure = (
         path,
         type(query),
@@ -166,7 +167,7 @@ def forward_key(
         module_state(modules, fused),  # hooks added, parameters replaced or re-typed
         None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
         None if slopes is None else (slopes.shape, slopes.dtype, slopes.device),
-        None if K.LAMBDAS[0] not in own["_parameters"] else _lambdas(own["_parameters"]),  # (one lookup, usually)
+        None if _FIRST_LAMBDA not in parameters else _lambdas(parameters),  # (one lookup, usually)
     )
     shapes = (
         shape,
@@ -180,6 +181,9 @@ def forward_key(
     )
     # kv_seq counts the cached positions too; it is checked only against masks.
     return tuple.__new__(CallKey, (structure, shapes, kv_len if masked else None))  # without NamedTuple's frame
+
+
+_FIRST_LAMBDA = K.LAMBDAS[0]
 
 
 def _lambdas(parameters: dict[str, Any]) -> tuple[Any, ...]:

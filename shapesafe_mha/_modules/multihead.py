@@ -402,7 +402,7 @@ class MultiHeadAttention(Conversions, nn.Module):
             ShapeError: any input does not fit the module, the others or the cache; nothing
                 (parameters, cache) is changed by a failed call.
         """
-        if cu_seqlens is not None or isinstance(kv_cache, PagedKVCache):  # serving: packed batches, paged caches
+        if cu_seqlens is not None or (kv_cache is not None and isinstance(kv_cache, PagedKVCache)):  # serving
             return serving_forward(self, query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                                    is_causal=is_causal, need_weights=need_weights, kv_cache=kv_cache,
                                    positions=positions, cu_seqlens=cu_seqlens)  # fmt: skip
