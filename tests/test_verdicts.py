@@ -887,16 +887,30 @@ def test_a_stage_call_is_keyed_as_its_definition_says_on_every_fast_path(second:
     assert signature_key((first,), {"flag": second}) != signature_key((first,), {"flag": other})
 
 
+_TENSORS = st.sampled_from([
+    torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3, 2), torch.zeros(2, 3, device="meta"),
+    torch.nn.Parameter(torch.zeros(2, 3)), torch.zeros(()),
+])  # fmt: skip
+
+
+@given(st.lists(_TENSORS, min_size=1, max_size=4))
+def test_the_unrolled_key_of_a_call_of_tensors_is_its_signature_key(tensors: list[torch.Tensor]) -> None:
+    """A decorated function of tensors only is keyed by `UNROLLED[n]`, unrolled for speed: the same key as our
+    stages' (`signature_key` and its definition), so one key means one thing everywhere."""
+    from shapesafe_mha._core.contract import UNROLLED, signature_key
+
+    args = tuple(tensors)
+    assert UNROLLED[len(args)](args) == signature_key(args, {}) == _key_by_definition(args, {})
+
+
 def test_a_keyword_call_remembered_does_not_cover_a_text_argument_in_its_place() -> None:
     """`project(x, weight=w)` and `project(x, "weight", w)` are two keys (the keywords follow a marker), so the
     second, refused by a fresh process, is refused after the first too, with our message, not torch's TypeError;
     the same for the keys of users' decorated functions."""
     from shapesafe_mha._core.contract import signature_key
-    from shapesafe_mha._core.shapecheck import annotation_key
 
     x, w = torch.randn(2, 5, 8), torch.randn(6, 8)
     assert signature_key((x,), {"weight": w}) != signature_key((x, "weight", w), {})
-    assert annotation_key((x,), {"weight": w}) != annotation_key((x, "weight", w), {})
     assert ssm.project(x, weight=w).shape == (2, 5, 6)
     with pytest.raises(ssm.ShapeError, match=r"^project\(\): weight must be a torch.Tensor, but got str"):
         ssm.project(x, "weight", w)  # pyright: ignore[reportArgumentType]
@@ -957,9 +971,9 @@ def _four(a: _Head, b: _Head, c: _Head, d: _Head) -> _Head:
 
 @pytest.mark.parametrize("fn", [_one, _two, _three, _four], ids=lambda fn: fn.__name__)
 def test_a_decorated_function_s_verdict_for_plain_tensors_does_not_cover_a_subclass_of_them(fn: Any) -> None:
-    """Users' decorated functions of one to four tensors are keyed unrolled (`_ARRAYS_KEY`); the type is in that
-    key as in the general one: a subclass whose SDPA returns int64, refused by a fresh call's result check, is
-    refused after a call with plain tensors of the same shapes too, in every position."""
+    """Users' decorated functions of one to four tensors are keyed as our stages' calls, unrolled (`UNROLLED`); the
+    type is in that key: a subclass whose SDPA returns int64, refused by a fresh call's result check, is refused
+    after a call with plain tensors of the same shapes too, in every position."""
     q = torch.randn(2, 4, 5, 8)
     arguments = len(inspect.signature(fn).parameters)
     for position in range(arguments):

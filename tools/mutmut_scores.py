@@ -76,7 +76,7 @@ _MEMBERSHIP_NOTE = (
 )
 _TUPLE_KEYS = (
     "changes only the branch for an exact key that is not a tuple: every caller's key is one (signature_key, "
-    "annotation_key, a method's key, a cache's, hf's call key, CallKey)"
+    "UNROLLED, a method's key, a cache's, hf's call key, CallKey)"
 )
 _BOOL_NEVER_REFUSED = (
     "a bool mask's dtype no longer skipped: the checks after it refuse only floating tensors, so a bool one passes "

@@ -485,10 +485,14 @@ def signature_of(value: Any) -> Any:
 
 def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """The exact signature of a call, keyword names included: `signature_of` each value, a tensor's four
-    parts inlined into one flat tuple (this runs on every remembered call of a stage). Flat is unambiguous:
+    parts inlined into one flat tuple. The one key of our stages' calls and of users' decorated functions and
+    methods (a method's with its sizes on `self` before it): what their checks read (an annotation reads a
+    tensor's type, shape and dtype; a stage's precheck its device too) and no more. Flat is unambiguous:
     only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable);
-    the keywords follow `KEYWORDS`, so a keyword's name is never a text argument in its place."""
-    if not kwargs:  # the usual stage calls, (tensor, tensor), (tensor, head count) and (tensor,), in one tuple
+    the keywords follow `KEYWORDS`, so a keyword's name is never a text argument in its place. (This runs on
+    every remembered call: the usual stage calls, of one or two tensors or a tensor and a head count, are unrolled;
+    `UNROLLED` holds it for one to four tensors, for callers that know the count before the call.)"""
+    if not kwargs:
         count = len(args)
         if count == 2:
             first, second = args
@@ -524,6 +528,36 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
                 key.append(signature_of(value))
     return tuple(key)
 
+
+def _key1(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    (a,) = args
+    return (type(a), a.shape, a.dtype, a.device)
+
+
+def _key2(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    a, b = args
+    return (type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device)
+
+
+def _key3(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    a, b, c = args
+    return (
+        type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, type(c), c.shape, c.dtype, c.device,
+    )  # fmt: skip
+
+
+def _key4(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    a, b, c, d = args
+    return (
+        type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device,
+        type(c), c.shape, c.dtype, c.device, type(d), d.shape, d.dtype, d.device,
+    )  # fmt: skip
+
+
+# `signature_key(args, {})` of 1-4 tensors, unrolled: the same tuple (tests/test_verdicts.py draws calls and
+# compares), for a caller that knows every argument is a tensor (a decorated function whose every parameter is
+# annotated `X[Tensor, ...]`); a call of anything else raises AttributeError or ValueError, and is keyed in full.
+UNROLLED = {1: _key1, 2: _key2, 3: _key3, 4: _key4}
 
 _Tensor = torch.Tensor
 compiling = torch.compiler.is_compiling  # dynamo folds it to a constant, by identity

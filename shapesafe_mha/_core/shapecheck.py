@@ -24,10 +24,10 @@ from torch import nn
 from . import trace as _trace
 from .contract import (
     COVERED,
-    KEYWORDS,
     OFF,
     SHAPE_FAILURES,
     UNCACHEABLE,
+    UNROLLED,
     Covering,
     Session,
     Verdicts,
@@ -35,6 +35,7 @@ from .contract import (
     compiling,
     mode,
     recheck,
+    signature_key,
     signature_of,
     witness,
 )
@@ -99,57 +100,6 @@ def _seed(session: Session, sizes: dict[str, tuple[int, str]], owner: str) -> No
             fresh.setdefault(source, []).append(name)
     for source, names in fresh.items():
         session.seed(_sizes_hint(tuple(names)), witness(tuple(sizes[n][0] for n in names)), source)
-
-
-_Tensor = torch.Tensor
-
-
-def annotation_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What an annotation reads of a call's values, exactly: a tensor's type, shape and dtype (no jaxtyping
-    annotation reads a device), a plain value's `signature_of`; keyword names included. Flat, and built
-    inline: this runs on every remembered call of a decorated function."""
-    key: list[Any] = []
-    for value in args:
-        if isinstance(value, _Tensor):
-            key += (type(value), value.shape, value.dtype)
-        else:
-            key.append(signature_of(value))
-    if kwargs:
-        key.append(KEYWORDS)  # a keyword's name is never a text argument in its place
-        for name, value in kwargs.items():
-            key.append(name)
-            if isinstance(value, _Tensor):
-                key += (type(value), value.shape, value.dtype)
-            else:
-                key.append(signature_of(value))
-    return tuple(key)
-
-
-def _arrays1(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    (a,) = args
-    return (type(a), a.shape, a.dtype)
-
-
-def _arrays2(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    a, b = args
-    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype)
-
-
-def _arrays3(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    a, b, c = args
-    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype, type(c), c.shape, c.dtype)
-
-
-def _arrays4(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    a, b, c, d = args
-    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype, type(c), c.shape, c.dtype, type(d), d.shape, d.dtype)
-
-
-# The key of a call of 1-4 tensors to a function whose every parameter is annotated `X[Tensor, ...]`,
-# unrolled: what those annotations read is each value's shape and dtype, and `isinstance(value, Tensor)`;
-# and its type, as `annotation_key` (the same key): a subclass can change what torch returns (a result in
-# another dtype), which a fresh call's result check refuses. Anything else falls to `annotation_key`.
-_ARRAYS_KEY = {1: _arrays1, 2: _arrays2, 3: _arrays3, 4: _arrays4}
 
 
 def _is_size(value: Any) -> typing.TypeGuard[int]:
@@ -218,13 +168,14 @@ class _Checked:
         self.key_dims = self.self_dims
         self.widened = 0  # how often `key_dims` grew (a call in flight then keeps no verdict)
         self.variadic = {p.name: p.kind for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-        # every parameter a torch array (a jaxtyping class over Tensor, not a union), passed positionally
+        # every parameter a torch array (a jaxtyping class over Tensor, not a union), passed positionally: keyed
+        # unrolled (`UNROLLED`, the same key)
         plain = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         arrays_only = len(plain) == len(parameters) and all(
             isinstance(hints.get(p.name), type) and [a.array_type for a in arrays_of(hints[p.name])] == [torch.Tensor]
             for p in plain
         )
-        self.arity = len(plain) if arrays_only and not self.method and len(plain) in _ARRAYS_KEY else -1
+        self.arity = len(plain) if arrays_only and not self.method and len(plain) in UNROLLED else -1
         self.verdicts = Verdicts()
         # a value validator (beartype's `Annotated[..., Is[...]]`) decides by values no key holds: never remembered
         # (nor a function whose result's signature differed between two calls of one key, see `shapecheck`)
@@ -233,10 +184,10 @@ class _Checked:
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """What the check reads, exactly: the arguments' signatures, and a method's sizes on `self`."""
         if not self.method or not args:
-            return annotation_key(args, kwargs)
+            return signature_key(args, kwargs)
         owner = args[0]
         held = tuple(_attribute(owner, name) for name in self.key_dims)
-        return (type(owner), *(h if type(h) is int else None for h in held), *annotation_key(args[1:], kwargs))
+        return (type(owner), *(h if type(h) is int else None for h in held), *signature_key(args[1:], kwargs))
 
     def sizes(self, bound: inspect.BoundArguments, names: frozenset[str] | None = None) -> dict[str, tuple[int, str]]:
         """Sizes known before any tensor: int arguments named like a dimension, then int attributes of `self`; of
@@ -443,8 +394,8 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
     contract = _Checked(fn)
     verdicts, run, owner = contract.verdicts, contract.run, contract.owner
     method = contract.method
-    key_of = contract.key if method else annotation_key  # a method's key holds its sizes on self
-    arity, arrays_key, exact = contract.arity, _ARRAYS_KEY.get(contract.arity), verdicts.exact
+    key_of = contract.key if method else signature_key  # a method's key holds its sizes on self
+    arity, unrolled, exact = contract.arity, UNROLLED.get(contract.arity), verdicts.exact
 
     def unchecked_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _trace._active:  # prove() or a trace: the call reports its annotated values instead
@@ -471,16 +422,15 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
             if type(shared) is not Covering:
                 return run(shared, args, kwargs, True)  # in a shape_scope: checked in its dimensions, every time
             shared.used = True  # in a decorated call checked for the first time: on its own, as anywhere
-        if arrays_key is not None and len(args) == arity:  # all arrays by their annotations
+        # our stages' key (`signature_key`, unrolled where every argument is a tensor): what the checks read
+        if unrolled is not None and len(args) == arity:
             try:
-                key = arrays_key(args)
-                expects = exact.get(key)
-            except (AttributeError, TypeError):  # not arrays after all: the general key says why
+                key = unrolled(args)
+            except (AttributeError, TypeError):  # not tensors after all: the general key says why
                 key = key_of(args, kwargs)
-                expects = exact.get(key)
         else:
             key = key_of(args, kwargs)
-            expects = exact.get(key)  # remembered: whether the checked call made expectations
+        expects = exact.get(key)  # remembered: what the checked call checked inside, and returned
         if expects is False:
             return fn(*args, **kwargs)
         if type(expects) is _Covers:  # what it checked inside held for these shapes too: covered, unchecked
@@ -564,7 +514,7 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
         session.expect(tensor, hint, name)
         return tensor
     if session is None:
-        key = (id(hint), *annotation_key((tensor,), {}))
+        key = (id(hint), *signature_key((tensor,), {}))
         if hint in _alone and key in _alone[hint]:
             return tensor
         with Session("expect()") as alone:
