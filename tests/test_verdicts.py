@@ -893,7 +893,7 @@ _TENSORS = st.sampled_from([
 ])  # fmt: skip
 
 
-@given(st.lists(_TENSORS, min_size=1, max_size=4))
+@given(st.lists(_TENSORS, min_size=1, max_size=6))
 def test_the_unrolled_key_of_a_call_of_tensors_is_its_signature_key(tensors: list[torch.Tensor]) -> None:
     """A decorated function of tensors only is keyed by `UNROLLED[n]`, unrolled for speed: the same key as our
     stages' (`signature_key` and its definition), so one key means one thing everywhere."""
@@ -971,7 +971,7 @@ def _four(a: _Head, b: _Head, c: _Head, d: _Head) -> _Head:
 
 @pytest.mark.parametrize("fn", [_one, _two, _three, _four], ids=lambda fn: fn.__name__)
 def test_a_decorated_function_s_verdict_for_plain_tensors_does_not_cover_a_subclass_of_them(fn: Any) -> None:
-    """Users' decorated functions of one to four tensors are keyed as our stages' calls, unrolled (`UNROLLED`); the
+    """Users' decorated functions of one to six tensors are keyed as our stages' calls, unrolled (`UNROLLED`); the
     type is in that key: a subclass whose SDPA returns int64, refused by a fresh call's result check, is refused
     after a call with plain tensors of the same shapes too, in every position."""
     q = torch.randn(2, 4, 5, 8)

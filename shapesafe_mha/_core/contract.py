@@ -491,7 +491,7 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
     only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable);
     the keywords follow `KEYWORDS`, so a keyword's name is never a text argument in its place. (This runs on
     every remembered call: the usual stage calls, of one or two tensors or a tensor and a head count, are unrolled;
-    `UNROLLED` holds it for one to four tensors, for callers that know the count before the call.)"""
+    `UNROLLED` holds it for one to six tensors, for callers that know the count before the call.)"""
     if not kwargs:
         count = len(args)
         if count == 2:
@@ -554,10 +554,26 @@ def _key4(args: tuple[Any, ...]) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-# `signature_key(args, {})` of 1-4 tensors, unrolled: the same tuple (tests/test_verdicts.py draws calls and
+def _key5(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    a, b, c, d, e = args
+    return (
+        type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, type(c), c.shape, c.dtype, c.device,
+        type(d), d.shape, d.dtype, d.device, type(e), e.shape, e.dtype, e.device,
+    )  # fmt: skip
+
+
+def _key6(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    a, b, c, d, e, f = args
+    return (
+        type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, type(c), c.shape, c.dtype, c.device,
+        type(d), d.shape, d.dtype, d.device, type(e), e.shape, e.dtype, e.device, type(f), f.shape, f.dtype, f.device,
+    )  # fmt: skip
+
+
+# `signature_key(args, {})` of 1-6 tensors, unrolled: the same tuple (tests/test_verdicts.py draws calls and
 # compares), for a caller that knows every argument is a tensor (a decorated function whose every parameter is
 # annotated `X[Tensor, ...]`); a call of anything else raises AttributeError or ValueError, and is keyed in full.
-UNROLLED = {1: _key1, 2: _key2, 3: _key3, 4: _key4}
+UNROLLED = {1: _key1, 2: _key2, 3: _key3, 4: _key4, 5: _key5, 6: _key6}  # (a layer's x and its weights)
 
 _Tensor = torch.Tensor
 compiling = torch.compiler.is_compiling  # dynamo folds it to a constant, by identity
