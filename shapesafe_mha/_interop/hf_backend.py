@@ -20,7 +20,7 @@ from jaxtyping import Shaped
 from torch import Tensor, nn
 
 from .._compute.stages import scaled_dot_product_attention as _sdpa
-from .._core.contract import Session, Verdicts, checks_enabled, relational, signature_key, witness
+from .._core.contract import CallKey, Session, Verdicts, checks_enabled, signature_key, witness
 from .._core.errors import ConfigError, ShapesafeError
 
 NAME = "shapesafe"
@@ -156,34 +156,36 @@ def _config_sizes(module: nn.Module) -> Sizes:
 
 
 def _call_key(module: nn.Module, sizes: Sizes, query: Tensor, key: Tensor, value: Tensor, options: Any) -> Any:
-    """What a verdict on this call depends on, exactly (a tuple built by hand: this runs on every call)."""
+    """What a verdict on this call depends on (a `CallKey`, as the modules'): its structure (the layer's class and
+    config sizes, dtypes, devices, flags, the tensors' types) and its shapes. Built by hand: this runs on every call.
+    Not tensors: keyed as any call is (`signature_key`), or not at all, and checked in full."""
     mask, scale, softcap = options["attn_mask"], options["scale"], options["softcap"]
     try:
-        return (
-            type(module), sizes, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
-            query.device, key.device, value.device, None if mask is None else (mask.shape, mask.dtype, mask.device),
-            options["is_causal"], options["dropout_p"], type(scale), scale, type(softcap), softcap,
+        q, k = query.shape, key.shape
+        structure = (
+            type(module), sizes, query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
+            None if mask is None else (mask.dtype, mask.device), options["is_causal"], options["dropout_p"],
+            type(scale), scale, type(softcap), softcap,
             (type(query), type(key), type(value), type(mask)),  # a subclass can change what torch returns
+            len(q) == len(k) == 4 and q[2] > k[2],  # some rows have nothing to attend to
         )  # fmt: skip
-    except AttributeError:  # not tensors: keyed as any call is (or not at all), checked in full
+        shapes = (q, k, value.shape, None if mask is None else mask.shape)
+    except AttributeError:
         return (type(module), sizes, *signature_key((query, key, value), options))
+    return tuple.__new__(CallKey, (structure, shapes, None))
 
 
 def _relations(exact: Any) -> Any:
-    """The same key with batch and sequence sizes replaced by how they relate (`relational`), so decoding step
-    after step is one verdict. Heads and `d_head` stay exact: the stage also checks that KV heads divide
-    the query heads, which no equality shows. None where the call is not 4-D tensors."""
-    if len(exact) != 19 or not isinstance(exact[2], torch.Size):  # the fallback key: exact only
+    """The key with batch and sequence sizes replaced by how they relate (`CallKey.relations`), so decoding step
+    after step is one verdict. Heads and `d_head` stay exact, as the config's sizes: the stage also checks that KV
+    heads divide the query heads, which no equality shows. None where the call is not of 4-D tensors."""
+    if type(exact) is not CallKey:  # the fallback key: exact only
         return None
-    q, k, v, mask = exact[2], exact[3], exact[4], exact[11]
-    shapes = (q, k, v) if mask is None else (q, k, v, mask[0])
-    if any(len(shape) != 4 for shape in (q, k, v)):
+    q, k, v, _ = exact.shapes
+    if len(q) != 4 or len(k) != 4 or len(v) != 4:
         return None
-    kept = (q[1], q[3], k[1], k[3], v[1], v[3])
-    constants = frozenset(kept) | {size for _, size, _ in exact[1]}
-    sizes = relational(tuple(size for shape in shapes for size in shape), constants)
-    ranks = tuple(len(shape) for shape in shapes)
-    return (*exact[:2], kept, ranks, sizes, q[2] > k[2], *exact[5:11], None if mask is None else mask[1:], *exact[12:])
+    constants = frozenset((q[1], q[3], k[1], k[3], v[1], v[3])) | {size for _, size, _ in exact.structure[1]}
+    return exact.relations(constants)
 
 
 def attention(
