@@ -96,6 +96,8 @@ class PagedKVCache:
         self._lengths: dict[int, int] = {}  # positions each sequence has seen
         self._owner_of: dict[int, int] = {}  # block -> the sequence holding it
         self._owners = torch.full((num_blocks,), -1, dtype=torch.int64)  # the same, as the checks read it
+        self._owners_stale = False  # (rebuilt from _owner_of when a check next reads it: no tensor write per block)
+        self._decoding: _Decoding | None = None  # the decoding steps' tensors, kept between steps (see `decode_slots`)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out the lowest first
         self._next = 0
         self._verdicts = Verdicts()
@@ -211,7 +213,7 @@ class PagedKVCache:
 
     def _release(self, block: int) -> None:
         self._owner_of.pop(block, None)
-        self._owners[block] = -1
+        self._owners_stale = True
         self._free.append(block)
 
     # --- what a failed call undoes ------------------------------------------------------------------
@@ -234,14 +236,14 @@ class PagedKVCache:
         self.keys_pool, self.values_pool, tables, lengths, owner_of, free, self._next = state
         self._tables, self._lengths = {s: list(t) for s, t in tables.items()}, dict(lengths)
         self._owner_of, self._free = dict(owner_of), list(free)
-        self._owners.fill_(-1)
-        if owner_of:
-            self._owners[torch.tensor(list(owner_of))] = torch.tensor(list(owner_of.values()))
+        self._owners_stale = True
 
     # --- reading and writing ------------------------------------------------------------------------
 
     def first_kept(self, seq: int) -> int:
         """The first position of `seq` still held (0 without a window)."""
+        if self.window is None:
+            return 0
         table = self._tables[seq]
         dropped = next((i for i, block in enumerate(table) if block >= 0), len(table))
         return min(dropped * self.block_size, self._lengths[seq])
@@ -266,8 +268,9 @@ class PagedKVCache:
         for seq, n in wanted.items():
             for _ in range(n):
                 block = self._free.pop()
-                self._owner_of[block], self._owners[block] = seq, seq
+                self._owner_of[block] = seq
                 self._tables[seq].append(block)
+                self._owners_stale = True
 
     def slots(self, seq: int, start: int, end: int) -> Tensor:
         """The pool slots (`block * block_size + offset`) of positions `start..end-1` of `seq`, int64."""
@@ -288,6 +291,11 @@ class PagedKVCache:
         """
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         outside = (blocks < 0) | (blocks >= self.num_blocks)
+        if self._owners_stale:
+            self._owners.fill_(-1)
+            if self._owner_of:
+                self._owners[torch.tensor(list(self._owner_of))] = torch.tensor(list(self._owner_of.values()))
+            self._owners_stale = False
         owners = self._owners[blocks.clamp(0, self.num_blocks - 1)]
         if not bool((outside | (owners != seqs)).any()):  # (one test, one sync: this runs on every call)
             return
@@ -322,35 +330,103 @@ class PagedKVCache:
         self._slide(seq)
         return keys[None], values[None]
 
-    def write_tokens(self, seqs: tuple[int, ...], k: Tensor, v: Tensor, owner: str) -> tuple[Tensor, Tensor, Tensor]:
-        """One new position of each of `seqs`, `k, v` `(num_seqs, num_kv_heads, 1, d_head)`: write them; return
-        every sequence's held keys and values right-aligned in `(num_seqs, num_kv_heads, longest, d_head)` and the
-        padding on their left, `(num_seqs, longest)` bool (True = padding)."""
-        self.reserve(dict.fromkeys(seqs, 1), owner)
-        tables = [self._tables[seq] for seq in seqs]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        firsts = torch.tensor([self.first_kept(seq) for seq in seqs])
-        ends = torch.tensor([self._lengths[seq] + 1 for seq in seqs])
-        longest = int((ends - firsts).max())
-        where = torch.arange(longest)[None, :] + (ends - longest)[:, None]  # right-aligned: each one's last is its new
-        padding = where < firsts[:, None]
-        where = torch.where(padding, firsts[:, None], where)  # padding reads the sequence's own first held slot
-        read = self.locate(table, where)
-        self.check_slots(read, torch.tensor(seqs, dtype=torch.int64)[:, None].expand_as(read), owner)
-        read = read.to(self.device)
-        self._scatter(read[:, -1], k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
-        for seq, end in zip(seqs, ends.tolist(), strict=True):
-            self._lengths[seq] = end
-        keys, values = self._gather(read.flatten())
-        shape = (len(seqs), longest, self.num_kv_heads, self.d_head)
+    def decode_slots(self, owner: str) -> tuple[Tensor, Tensor, Tensor]:
+        """Prepare one new position of every live sequence (a decoding step): reserve the blocks it needs; return the
+        positions the new tokens take `(num_seqs, 1)`, the pool slots each sequence attends to, right-aligned, its
+        new one last, `(num_seqs, held)` int64 (a shorter sequence's padding reads its own first held slot), and the
+        padding on their left `(num_seqs, held)` bool (True = padding).
+
+        The slots are read from each sequence's slot map (`_Decoding`), kept between steps and checked where a block
+        table changes (a block appended is checked to be in the pool and the sequence's; any other change, a join or
+        a leave rebuilds the map through `locate` and checks every slot with `check_slots`), so a step makes no
+        tensor from Python lists, checks nothing on the device and waits for no value from it.
+
+        Raises:
+            ShapeError: the pool has too few free blocks, or a block table points outside the pool or at a block
+                the sequence does not hold.
+        """
+        seqs, lengths, tables, size = self.sequences, self._lengths, self._tables, self.block_size
+        needs = {seq: 1 for seq in seqs if lengths[seq] == len(tables[seq]) * size}
+        if needs:  # (a new block every block_size steps of a sequence)
+            self.reserve(needs, owner)
+        state = self._synced(seqs, owner)
+        now = [lengths[seq] for seq in seqs]
+        if now != state.lengths:  # a restore or a prefill since the last step: the lengths again, as a tensor
+            state.lengths, state.column = now, torch.tensor(now, device=self.device)[:, None]
+        if self.window is None:
+            held = max(now) + 1
+            where = state.positions(held) + (state.column + (1 - held))  # right-aligned: each one's last is its new
+            padding = where < 0
+            where = where.clamp(min=0)  # padding reads the sequence's own first slot
+        else:
+            firsts = [self.first_kept(seq) for seq in seqs]
+            held = max(n + 1 - f for n, f in zip(now, firsts, strict=True))
+            where = state.positions(held) + (state.column + (1 - held))
+            first = torch.tensor(firsts, device=self.device)[:, None]
+            padding = where < first
+            where = torch.maximum(where, first)
+        return state.column, state.slots.gather(1, where), padding
+
+    def write_decoded(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write one new position of each live sequence, `k, v` `(num_seqs, num_kv_heads, 1, d_head)`, at the last of
+        its `slots` (from `decode_slots`); return the keys and values at `slots`, `(num_seqs, num_kv_heads, held,
+        d_head)` (one gather each: the keys attended, not the pool)."""
+        seqs, lengths = self.sequences, self._lengths
+        self._scatter(slots[:, -1], k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
         for seq in seqs:
-            self._slide(seq)
+            lengths[seq] += 1
+        state = self._decoding
+        if state is not None and state.lengths is not None:  # the next step's lengths, without a tensor from a list
+            state.lengths, state.column = [n + 1 for n in state.lengths], state.column + 1
+        keys, values = self._gather(slots.flatten())
+        if self.window is not None:
+            for seq in seqs:
+                self._slide(seq)
+        shape = (len(seqs), slots.shape[1], self.num_kv_heads, self.d_head)
         return (
             keys.transpose(0, 1).reshape(shape).transpose(1, 2),
             values.transpose(0, 1).reshape(shape).transpose(1, 2),
-            padding.to(self.device),
         )
+
+    def _synced(self, seqs: tuple[int, ...], owner: str) -> "_Decoding":
+        """The decoding slot maps of `seqs`, brought up to date with their block tables (see `decode_slots`)."""
+        state = self._decoding
+        if state is None or state.seqs != seqs or state.locate is not type(self).locate:
+            return self._rebuilt(seqs, owner)
+        size, width = self.block_size, state.slots.shape[1] // self.block_size
+        for i, seq in enumerate(seqs):
+            table, seen = self._tables[seq], state.rows[i]
+            if table == seen:
+                continue
+            dropped = next((j for j, block in enumerate(table) if block >= 0), len(table)) if self.window else 0
+            common = min(len(table), len(seen))
+            if len(table) > width or table[dropped:common] != seen[dropped:common]:
+                return self._rebuilt(seqs, owner)  # not a block appended or freed by the window: every slot again
+            for j in range(common, len(table)):  # appended blocks (reserve's): each checked, its slots written
+                block = table[j]
+                if not 0 <= block < self.num_blocks or self._owner_of.get(block) != seq:
+                    return self._rebuilt(seqs, owner)  # (which raises, naming the block)
+                state.slots[i, j * size : (j + 1) * size] = state.offsets + block * size
+            state.rows[i] = list(table)
+        return state
+
+    def _rebuilt(self, seqs: tuple[int, ...], owner: str) -> "_Decoding":
+        """The slot maps of `seqs` made again through `locate`, every slot a step can read checked."""
+        self._decoding = None
+        size = self.block_size
+        rows = [list(self._tables[seq]) for seq in seqs]
+        width = max(len(row) for row in rows) + 4  # room to grow: a block appended needs no new map
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64).reshape(-1, width)
+        where = torch.arange(width * size)[None].expand(len(rows), -1)
+        slots = self.locate(tables, where)
+        firsts = torch.tensor([self.first_kept(seq) if self.window else 0 for seq in seqs])
+        ends = torch.tensor([len(row) * size for row in rows])
+        read = (where >= firsts[:, None]) & (where < ends[:, None])
+        ids = torch.tensor(seqs, dtype=torch.int64)[:, None].expand_as(slots)
+        self.check_slots(slots[read], ids[read], owner)
+        slots = torch.where(read, slots, 0).to(self.device)  # (slots before a row's first or past its end: never read)
+        self._decoding = _Decoding(seqs, type(self).locate, rows, slots, torch.arange(size, device=self.device))
+        return self._decoding
 
     def _scatter(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write `k, v` `(num_kv_heads, n, d_head)` into `slots` `(n,)` of the pools, in place."""
@@ -418,23 +494,42 @@ class SequenceView(KVCache):
         self.paged.restore(state)
 
 
+class _Decoding:
+    """What the decoding steps of one set of sequences reuse: each one's pool slot by position `(num_seqs, width *
+    block_size)` (checked: see `PagedKVCache.decode_slots`), the block tables it was made from, and the lengths as
+    a column `(num_seqs, 1)` (the positions of the step's new tokens) with the list it was made from."""
+
+    def __init__(
+        self, seqs: tuple[int, ...], locate: Any, rows: list[list[int]], slots: Tensor, offsets: Tensor
+    ) -> None:
+        self.seqs, self.locate, self.rows, self.slots, self.offsets = seqs, locate, rows, slots, offsets
+        self.lengths: list[int] | None = None
+        self.column = offsets[:0, None]
+        self._aranges: dict[int, Tensor] = {}
+
+    def positions(self, held: int) -> Tensor:
+        """`arange(held)`, made once a size (a step's index arithmetic, without a new tensor for it)."""
+        found = self._aranges.get(held)
+        if found is None:
+            found = self._aranges[held] = torch.arange(held, device=self.offsets.device)[None]
+        return found
+
+
 class DecodeView(KVCache):
     """One new position of every live sequence of a `PagedKVCache`, as one batch: held keys right-aligned, the
-    shorter sequences padded on the left (`padding`, which the call passes as its `key_padding_mask`)."""
+    shorter sequences padded on the left (`padding`, which the call passes as its `key_padding_mask`, and
+    `positions`, the new tokens' positions)."""
 
     def __init__(self, cache: PagedKVCache, owner: str) -> None:
         self.paged, self.owner, self.seqs = cache, owner, cache.sequences
-        held = [cache._lengths[s] - cache.first_kept(s) for s in self.seqs]
+        self.positions, self.slots, self.padding = cache.decode_slots(owner)
         self.window = None
-        self._start, self._length = 0, max(held)
+        self._start, self._length = 0, self.slots.shape[1] - 1
         self.keys_buffer = self.values_buffer = _witness(cache, len(self.seqs), self._length)
-        pads = torch.tensor([self._length - h for h in held])
-        self.padding = (torch.arange(self._length + 1)[None, :] < pads[:, None]).to(cache.device)
         self._verdicts = Verdicts()
 
     def write(self, k: Tensor, v: Tensor, owner: str | None = None) -> tuple[Tensor, Tensor]:
-        keys, values, _ = self.paged.write_tokens(self.seqs, k, v, self.owner)
-        return keys, values
+        return self.paged.write_decoded(self.slots, k, v)
 
     def state(self) -> Any:
         return self.paged.state()
