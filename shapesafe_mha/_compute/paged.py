@@ -98,6 +98,8 @@ class PagedKVCache:
         self._owners = torch.full((num_blocks,), -1, dtype=torch.int64)  # the same, as the checks read it
         self._owners_stale = False  # (rebuilt from _owner_of when a check next reads it: no tensor write per block)
         self._decoding: _Decoding | None = None  # the decoding steps' tensors, kept between steps (see `decode_slots`)
+        flat = (num_blocks * block_size, num_kv_heads, d_head)  # the pools as rows of slots (`_flat`)
+        self._flats = (self.keys_pool, self.values_pool, self.keys_pool.view(flat), self.values_pool.view(flat))
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out the lowest first
         self._next = 0
         self._verdicts = Verdicts()
@@ -333,13 +335,15 @@ class PagedKVCache:
     def decode_slots(self, owner: str) -> tuple[Tensor, Tensor, Tensor]:
         """Prepare one new position of every live sequence (a decoding step): reserve the blocks it needs; return the
         positions the new tokens take `(num_seqs, 1)`, the pool slots each sequence attends to, right-aligned, its
-        new one last, `(num_seqs, held)` int64 (a shorter sequence's padding reads its own first held slot), and the
+        new one last, `(held, num_seqs)` int64 (a shorter sequence's padding reads its own first held slot), and the
         padding on their left `(num_seqs, held)` bool (True = padding).
 
         The slots are read from each sequence's slot map (`_Decoding`), kept between steps and checked where a block
         table changes (a block appended is checked to be in the pool and the sequence's; any other change, a join or
         a leave rebuilds the map through `locate` and checks every slot with `check_slots`), so a step makes no
-        tensor from Python lists, checks nothing on the device and waits for no value from it.
+        tensor from Python lists, checks nothing on the device and waits for no value from it. Without a window,
+        the right-aligned slots, the padding and the positions are columns of buffers made when the lengths are not
+        the last step's plus one (a join, a leave, a prefill, a restore): a step writes its new column only.
 
         Raises:
             ShapeError: the pool has too few free blocks, or a block table points outside the pool or at a block
@@ -351,42 +355,57 @@ class PagedKVCache:
             self.reserve(needs, owner)
         state = self._synced(seqs, owner)
         now = [lengths[seq] for seq in seqs]
-        if now != state.lengths:  # a restore or a prefill since the last step: the lengths again, as a tensor
-            state.lengths, state.column = now, torch.tensor(now, device=self.device)[:, None]
-        if self.window is None:
-            held = max(now) + 1
-            where = state.positions(held) + (state.column + (1 - held))  # right-aligned: each one's last is its new
-            padding = where < 0
-            where = where.clamp(min=0)  # padding reads the sequence's own first slot
-        else:
+        if self.window is not None:
             firsts = [self.first_kept(seq) for seq in seqs]
             held = max(n + 1 - f for n, f in zip(now, firsts, strict=True))
-            where = state.positions(held) + (state.column + (1 - held))
+            column = torch.tensor(now, device=self.device)[:, None]
+            where = torch.arange(held, device=self.device)[None] + (column + (1 - held))
             first = torch.tensor(firsts, device=self.device)[:, None]
             padding = where < first
-            where = torch.maximum(where, first)
-        return state.column, state.slots.gather(1, where), padding
+            return column, state.slots.gather(1, torch.maximum(where, first)).t().contiguous(), padding
+        step = now[0] - state.base[0] if state.base else -1
+        if step < 0 or step > state.filled + 1 or step >= state.room or now != [n + step for n in state.base]:
+            state.aligned(now)  # (the lengths are not the buffers' plus a step: made again)
+            step = 0
+        held = state.held + step
+        # the new column: each sequence's slot of its new position (the other columns are the earlier steps')
+        state.read[held - 1 : held] = state.slots_t.gather(0, state.positions_t[step : step + 1])
+        state.filled = step  # (columns past it may be another call's: a later step may not skip to them)
+        return state.positions[:, step : step + 1], state.read[:held], state.padding[:, :held]
 
     def write_decoded(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write one new position of each live sequence, `k, v` `(num_seqs, num_kv_heads, 1, d_head)`, at the last of
-        its `slots` (from `decode_slots`); return the keys and values at `slots`, `(num_seqs, num_kv_heads, held,
-        d_head)` (one gather each: the keys attended, not the pool)."""
+        its `slots` `(held, num_seqs)` (from `decode_slots`); return the keys and values at `slots`, `(num_seqs,
+        num_kv_heads, held, d_head)` (one gather each: the keys attended, not the pool)."""
         seqs, lengths = self.sequences, self._lengths
-        self._scatter(slots[:, -1], k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
+        keys_flat, values_flat = self._flat()
+        new = slots[-1]
+        if k.dtype != self.dtype or self.keys_pool.requires_grad or self.values_pool.requires_grad or (
+            torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        ):
+            self._scatter(new, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
+            keys_flat, values_flat = self._flat()
+        else:  # in place, one row a sequence
+            keys_flat.index_copy_(0, new, k[:, :, 0])
+            values_flat.index_copy_(0, new, v[:, :, 0])
         for seq in seqs:
             lengths[seq] += 1
-        state = self._decoding
-        if state is not None and state.lengths is not None:  # the next step's lengths, without a tensor from a list
-            state.lengths, state.column = [n + 1 for n in state.lengths], state.column + 1
-        keys, values = self._gather(slots.flatten())
+        where, shape = slots.view(-1), (slots.shape[0], len(seqs), self.num_kv_heads, self.d_head)
+        keys = keys_flat.index_select(0, where).view(shape).permute(1, 2, 0, 3)
+        values = values_flat.index_select(0, where).view(shape).permute(1, 2, 0, 3)
         if self.window is not None:
             for seq in seqs:
                 self._slide(seq)
-        shape = (len(seqs), slots.shape[1], self.num_kv_heads, self.d_head)
-        return (
-            keys.transpose(0, 1).reshape(shape).transpose(1, 2),
-            values.transpose(0, 1).reshape(shape).transpose(1, 2),
-        )
+        return keys, values
+
+    def _flat(self) -> tuple[Tensor, Tensor]:
+        """The pools as `(num_blocks * block_size, num_kv_heads, d_head)` views (made once per pool)."""
+        kept = self._flats
+        if kept[0] is not self.keys_pool or kept[1] is not self.values_pool:
+            flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.d_head)
+            keys, values = self.keys_pool, self.values_pool
+            kept = self._flats = (keys, values, keys.view(flat), values.view(flat))
+        return kept[2], kept[3]
 
     def _synced(self, seqs: tuple[int, ...], owner: str) -> "_Decoding":
         """The decoding slot maps of `seqs`, brought up to date with their block tables (see `decode_slots`)."""
@@ -402,11 +421,14 @@ class PagedKVCache:
             common = min(len(table), len(seen))
             if len(table) > width or table[dropped:common] != seen[dropped:common]:
                 return self._rebuilt(seqs, owner)  # not a block appended or freed by the window: every slot again
+            if len(table) < len(seen):  # blocks given back (a restore): the right-aligned columns made again
+                state.base = []
             for j in range(common, len(table)):  # appended blocks (reserve's): each checked, its slots written
                 block = table[j]
                 if not 0 <= block < self.num_blocks or self._owner_of.get(block) != seq:
                     return self._rebuilt(seqs, owner)  # (which raises, naming the block)
                 state.slots[i, j * size : (j + 1) * size] = state.offsets + block * size
+                state.slots_t[j * size : (j + 1) * size, i] = state.offsets + block * size
             state.rows[i] = list(table)
         return state
 
@@ -496,23 +518,31 @@ class SequenceView(KVCache):
 
 class _Decoding:
     """What the decoding steps of one set of sequences reuse: each one's pool slot by position `(num_seqs, width *
-    block_size)` (checked: see `PagedKVCache.decode_slots`), the block tables it was made from, and the lengths as
-    a column `(num_seqs, 1)` (the positions of the step's new tokens) with the list it was made from."""
+    block_size)` (checked: see `PagedKVCache.decode_slots`) and the block tables it was made from; without a window,
+    the right-aligned read slots `(room + held, num_seqs)`, padding `(num_seqs, room + held)` and positions
+    `(num_seqs, room)` of the next `room` steps from the lengths `base` (their columns filled step by step)."""
 
     def __init__(
         self, seqs: tuple[int, ...], locate: Any, rows: list[list[int]], slots: Tensor, offsets: Tensor
     ) -> None:
         self.seqs, self.locate, self.rows, self.slots, self.offsets = seqs, locate, rows, slots, offsets
-        self.lengths: list[int] | None = None
-        self.column = offsets[:0, None]
-        self._aranges: dict[int, Tensor] = {}
+        self.slots_t = slots.t().contiguous()
+        self.base: list[int] = []
+        self.room = self.held = self.filled = 0
+        self.read = self.padding = self.positions = self.positions_t = slots[:0]
 
-    def positions(self, held: int) -> Tensor:
-        """`arange(held)`, made once a size (a step's index arithmetic, without a new tensor for it)."""
-        found = self._aranges.get(held)
-        if found is None:
-            found = self._aranges[held] = torch.arange(held, device=self.offsets.device)[None]
-        return found
+    def aligned(self, lengths: list[int], room: int = 64) -> None:
+        """The buffers for the steps from `lengths` on (see the class)."""
+        device = self.slots.device
+        held = max(lengths) + 1
+        column = torch.tensor(lengths, device=device)[:, None]
+        where = torch.arange(held + room, device=device)[None] + (column + (1 - held))
+        self.padding = where < 0
+        self.read = self.slots.gather(1, where[:, :held].clamp(min=0)).t().contiguous()
+        self.read = torch.cat((self.read, self.read.new_zeros(room, len(lengths))))
+        self.positions = column + torch.arange(room, device=device)[None]
+        self.positions_t = self.positions.t().contiguous()
+        self.base, self.room, self.held, self.filled = lengths, room, held, 0
 
 
 class DecodeView(KVCache):
@@ -524,7 +554,7 @@ class DecodeView(KVCache):
         self.paged, self.owner, self.seqs = cache, owner, cache.sequences
         self.positions, self.slots, self.padding = cache.decode_slots(owner)
         self.window = None
-        self._start, self._length = 0, self.slots.shape[1] - 1
+        self._start, self._length = 0, self.slots.shape[0] - 1
         self.keys_buffer = self.values_buffer = _witness(cache, len(self.seqs), self._length)
         self._verdicts = Verdicts()
 
