@@ -332,3 +332,54 @@ def test_latent_attention_packed_and_paged(
                     expected = mla(x[:, a:b], is_causal=True, kv_cache=contiguous)  # pyright: ignore[reportArgumentType]
                     torch.testing.assert_close(out[:, a:b], expected, **F64)
                 assert cache.length(seq) == len(contiguous)  # pyright: ignore[reportArgumentType]
+
+
+def _visible(cache: ssm.PagedKVCache) -> tuple:
+    """What a paged cache holds as its sequences see it: tables, lengths, free blocks and each held position's key
+    and value (slots past a sequence's length are nobody's)."""
+    keys, values = [], []
+    for seq in cache.sequences:
+        slots = cache.slots(seq, cache.first_kept(seq), cache.length(seq))
+        keys.append(cache.keys_pool.flatten(0, 1)[slots].clone())
+        values.append(cache.values_pool.flatten(0, 1)[slots].clone())
+    return _snapshot(cache), keys, values
+
+
+@pytest.mark.parametrize("form", ["decoding", "packed"])
+@pytest.mark.parametrize("kind", ["multihead", "latent"])
+def test_a_forward_hook_that_raises_leaves_a_paged_cache_as_it_was(form: str, kind: str) -> None:
+    """A failed call changes nothing, also when a forward hook raises after the paged cache was written: the
+    tables, lengths, free list and every held key are as before, and the next call computes what it would have."""
+    torch.manual_seed(0)
+    if kind == "multihead":
+        module: torch.nn.Module = ssm.MultiHeadAttention(8, 2, 1, rope_theta=10000.0, dtype=torch.float64)
+    else:
+        module = ssm.LatentAttention(8, 2, kv_lora_rank=4, d_nope=2, d_rope=2, d_value=2, dtype=torch.float64)
+    cache = ssm.PagedKVCache.for_module(module, num_blocks=8, block_size=2)
+    twin = ssm.PagedKVCache.for_module(module, num_blocks=8, block_size=2)
+    for paged in (cache, twin):
+        paged.add(), paged.add()
+    prompt, cu = _packed([3, 2], 8)
+    new = torch.randn(2, 1, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for paged in (cache, twin):
+            module(prompt, cu_seqlens=cu, is_causal=True, kv_cache=paged)
+        before = _visible(cache)
+
+        def fail(*_: object) -> None:
+            raise RuntimeError("a hook failed")
+
+        handle = module.register_forward_hook(fail)
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            if form == "decoding":
+                module(new, is_causal=True, kv_cache=cache)
+            else:
+                module(new.transpose(0, 1), cu_seqlens=torch.tensor([0, 1, 2]), is_causal=True, kv_cache=cache)
+        handle.remove()
+        after = _visible(cache)
+        assert after[0] == before[0]
+        for held, kept in zip(after[1] + after[2], before[1] + before[2], strict=True):
+            assert torch.equal(held, kept)
+        torch.testing.assert_close(
+            module(new, is_causal=True, kv_cache=cache), module(new, is_causal=True, kv_cache=twin), rtol=0, atol=0
+        )
