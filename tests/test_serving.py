@@ -383,3 +383,47 @@ def test_a_forward_hook_that_raises_leaves_a_paged_cache_as_it_was(form: str, ki
         torch.testing.assert_close(
             module(new, is_causal=True, kv_cache=cache), module(new, is_causal=True, kv_cache=twin), rtol=0, atol=0
         )
+
+
+@given(
+    module=serving_modules(variants=False),
+    block_size=st.integers(1, 8),
+    count=st.integers(1, 3),
+    operations=st.lists(st.sampled_from(["decode", "decode", "chunk", "undo"]), min_size=1, max_size=10),
+    data=st.data(),
+)
+def test_decoding_after_undone_steps_and_chunks_equals_a_kv_cache_per_sequence(
+    module: ssm.MultiHeadAttention, block_size: int, count: int, operations: list[str], data: st.DataObject
+) -> None:
+    """What decoding keeps between steps (slot maps, right-aligned slots, positions) follows the cache through
+    steps undone by `restore` (the blocks they took given back) and packed chunks between steps (every sequence
+    the same number of new tokens): each step computes what a contiguous KVCache per sequence computes."""
+    cache = ssm.PagedKVCache.for_module(module, num_blocks=96, block_size=block_size)
+    cache._free = data.draw(st.permutations(range(96)), label="free list")
+    seqs = [(cache.add(), module.new_cache(1, 64)) for _ in range(count)]
+    x, cu = _packed([2] * count, module.d_model)
+    module(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
+    for i, (_, contiguous) in enumerate(seqs):
+        module(x[:, 2 * i : 2 * i + 2], is_causal=True, kv_cache=contiguous)
+    saved: list[tuple] = []
+    with torch.no_grad():
+        for operation in operations:
+            if operation == "undo":
+                if saved:
+                    state, states = saved.pop()
+                    cache.restore(state)
+                    for (_, contiguous), kept in zip(seqs, states, strict=True):
+                        contiguous.restore(kept)
+                continue
+            saved.append((cache.state(), [contiguous.state() for _, contiguous in seqs]))
+            size = 1 if operation == "decode" else data.draw(st.integers(1, 3), label="chunk")
+            x, cu = _packed([size] * count, module.d_model)
+            if operation == "decode":
+                out = module(x.view(count, 1, -1), is_causal=True, kv_cache=cache).view(1, count, -1)
+            else:
+                out = module(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
+            for i, (seq, contiguous) in enumerate(seqs):
+                part = slice(size * i, size * (i + 1))
+                expected = module(x[:, part], is_causal=True, kv_cache=contiguous)
+                torch.testing.assert_close(out[:, part], expected, **F64)
+                assert cache.length(seq) == len(contiguous)
