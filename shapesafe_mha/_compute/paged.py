@@ -562,7 +562,17 @@ class DecodeView(KVCache):
         return self.paged.write_decoded(self.slots, k, v)
 
     def state(self) -> Any:
-        return self.paged.state()
+        # what the write changes (the blocks were reserved before the module's forward): the lengths and, under
+        # autograd, the pools' tensors; with a window, also the tables (blocks it frees)
+        paged = self.paged
+        if paged.window is not None:
+            return paged.state()
+        return paged.keys_pool, paged.values_pool, dict(paged._lengths)
 
     def restore(self, state: Any) -> None:
-        self.paged.restore(state)
+        paged = self.paged
+        if paged.window is not None:
+            paged.restore(state)
+        else:
+            paged.keys_pool, paged.values_pool, lengths = state
+            paged._lengths = dict(lengths)
