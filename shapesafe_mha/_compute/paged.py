@@ -390,9 +390,10 @@ class PagedKVCache:
             values_flat.index_copy_(0, new, v[:, :, 0])
         for seq in seqs:
             lengths[seq] += 1
-        where, shape = slots.view(-1), (slots.shape[0], len(seqs), self.num_kv_heads, self.d_head)
-        keys = keys_flat.index_select(0, where).view(shape).permute(1, 2, 0, 3)
-        values = values_flat.index_select(0, where).view(shape).permute(1, 2, 0, 3)
+        # read sequence by sequence (the slots are step by step): each one's keys a run of rows, as SDPA reads them
+        where, shape = slots.t().reshape(-1), (len(seqs), slots.shape[0], self.num_kv_heads, self.d_head)
+        keys = keys_flat.index_select(0, where).view(shape).transpose(1, 2)
+        values = values_flat.index_select(0, where).view(shape).transpose(1, 2)
         if self.window is not None:
             for seq in seqs:
                 self._slide(seq)
