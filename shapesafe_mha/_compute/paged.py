@@ -9,7 +9,8 @@ The module reads it through two views that are `KVCache`s to its cache stage (`S
 sequence's prefill or chunk, `DecodeView` for one new token of every sequence at once): the module's own
 stages, checks and failure handling run unchanged, and every slot read or written is checked to belong to
 the sequence it is read for (a block table pointing outside the pool, or at another sequence's block, is a
-`ShapeError`, never a silent gather of someone else's keys).
+`ShapeError`, never a silent gather of someone else's keys): on each call for a prefill or a chunk, and where a
+block table changes for decoding, whose steps read slot maps kept between them (`PagedKVCache.decode_slots`).
 """
 
 import math
