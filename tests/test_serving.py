@@ -332,3 +332,108 @@ def test_latent_attention_packed_and_paged(
                     expected = mla(x[:, a:b], is_causal=True, kv_cache=contiguous)  # pyright: ignore[reportArgumentType]
                     torch.testing.assert_close(out[:, a:b], expected, **F64)
                 assert cache.length(seq) == len(contiguous)  # pyright: ignore[reportArgumentType]
+
+
+def _visible(cache: ssm.PagedKVCache) -> tuple:
+    """What a paged cache holds as its sequences see it: tables, lengths, free blocks and each held position's key
+    and value (slots past a sequence's length are nobody's)."""
+    keys, values = [], []
+    for seq in cache.sequences:
+        slots = cache.slots(seq, cache.first_kept(seq), cache.length(seq))
+        keys.append(cache.keys_pool.flatten(0, 1)[slots].clone())
+        values.append(cache.values_pool.flatten(0, 1)[slots].clone())
+    return _snapshot(cache), keys, values
+
+
+@pytest.mark.parametrize("form", ["decoding", "packed"])
+@pytest.mark.parametrize("kind", ["multihead", "latent"])
+def test_a_forward_hook_that_raises_leaves_a_paged_cache_as_it_was(form: str, kind: str) -> None:
+    """A failed call changes nothing, also when a forward hook raises after the paged cache was written: the
+    tables, lengths, free list and every held key are as before, and the next call computes what it would have."""
+    torch.manual_seed(0)
+    if kind == "multihead":
+        module: torch.nn.Module = ssm.MultiHeadAttention(8, 2, 1, rope_theta=10000.0, dtype=torch.float64)
+    else:
+        module = ssm.LatentAttention(8, 2, kv_lora_rank=4, d_nope=2, d_rope=2, d_value=2, dtype=torch.float64)
+    cache = ssm.PagedKVCache.for_module(module, num_blocks=8, block_size=2)
+    twin = ssm.PagedKVCache.for_module(module, num_blocks=8, block_size=2)
+    for paged in (cache, twin):
+        paged.add(), paged.add()
+    prompt, cu = _packed([3, 2], 8)
+    new = torch.randn(2, 1, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for paged in (cache, twin):
+            module(prompt, cu_seqlens=cu, is_causal=True, kv_cache=paged)
+        before = _visible(cache)
+
+        def fail(*_: object) -> None:
+            raise RuntimeError("a hook failed")
+
+        handle = module.register_forward_hook(fail)
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            if form == "decoding":
+                module(new, is_causal=True, kv_cache=cache)
+            else:
+                module(new.transpose(0, 1), cu_seqlens=torch.tensor([0, 1, 2]), is_causal=True, kv_cache=cache)
+        handle.remove()
+        after = _visible(cache)
+        assert after[0] == before[0]
+        for held, kept in zip(after[1] + after[2], before[1] + before[2], strict=True):
+            assert torch.equal(held, kept)
+        torch.testing.assert_close(
+            module(new, is_causal=True, kv_cache=cache), module(new, is_causal=True, kv_cache=twin), rtol=0, atol=0
+        )
+
+
+@given(
+    module=serving_modules(variants=False),
+    block_size=st.integers(1, 8),
+    count=st.integers(1, 3),
+    operations=st.lists(st.sampled_from(["decode", "decode", "chunk", "undo"]), min_size=1, max_size=10),
+    data=st.data(),
+)
+def test_decoding_after_undone_steps_and_chunks_equals_a_kv_cache_per_sequence(
+    module: ssm.MultiHeadAttention, block_size: int, count: int, operations: list[str], data: st.DataObject
+) -> None:
+    """What decoding keeps between steps (slot maps, right-aligned slots, positions) follows the cache through
+    steps undone by `restore` (the blocks they took given back) and packed chunks between steps (every sequence
+    the same number of new tokens): each step computes what a contiguous KVCache per sequence computes."""
+    cache = ssm.PagedKVCache.for_module(module, num_blocks=96, block_size=block_size)
+    cache._free = data.draw(st.permutations(range(96)), label="free list")
+    seqs = [(cache.add(), module.new_cache(1, 64)) for _ in range(count)]
+    x, cu = _packed([2] * count, module.d_model)
+    module(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
+    for i, (_, contiguous) in enumerate(seqs):
+        module(x[:, 2 * i : 2 * i + 2], is_causal=True, kv_cache=contiguous)
+    saved: list[tuple] = []
+    with torch.no_grad():
+        for operation in operations:
+            if operation == "undo":
+                if saved:
+                    state, states = saved.pop()
+                    cache.restore(state)
+                    for (_, contiguous), kept in zip(seqs, states, strict=True):
+                        contiguous.restore(kept)
+                continue
+            saved.append((cache.state(), [contiguous.state() for _, contiguous in seqs]))
+            size = 1 if operation == "decode" else data.draw(st.integers(1, 3), label="chunk")
+            x, cu = _packed([size] * count, module.d_model)
+            if operation == "decode":
+                out = module(x.view(count, 1, -1), is_causal=True, kv_cache=cache).view(1, count, -1)
+            else:
+                out = module(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
+            for i, (seq, contiguous) in enumerate(seqs):
+                part = slice(size * i, size * (i + 1))
+                expected = module(x[:, part], is_causal=True, kv_cache=contiguous)
+                torch.testing.assert_close(out[:, part], expected, **F64)
+                assert cache.length(seq) == len(contiguous)
+
+
+def test_torch_refuses_causal_jagged_attention_on_cpu_so_packed_prefill_loops() -> None:
+    """Packed prefill runs sequence by sequence because torch's nested jagged tensors have no causal SDPA on CPU
+    (docs/serving.md): when a torch release computes it, this fails, and the route should be measured again."""
+    offsets = torch.tensor([0, 5, 8])
+    q = torch.nested.nested_tensor_from_jagged(torch.randn(8, 2, 4), offsets).transpose(1, 2)
+    k = torch.nested.nested_tensor_from_jagged(torch.randn(8, 2, 4), offsets).transpose(1, 2)
+    with pytest.raises(RuntimeError, match="No viable backend for scaled_dot_product_attention"):
+        torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)

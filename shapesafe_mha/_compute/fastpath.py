@@ -137,9 +137,12 @@ def forward_hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or hooks.get("_global_forward_hooks"))
 
 
-def call_restoring(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cache_kind: type) -> Any:
+def call_restoring(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cache_kind: type | tuple[type, ...]
+) -> Any:
     """`module(*args, **kwargs)`, its `kv_cache` restored if a forward hook raises after `forward` returned
-    (a failed call changes nothing); without such a hook, the plain call.
+    (a failed call changes nothing); without such a hook, the plain call. `cache_kind`: the caches the module
+    writes (a `KVCache` or `LatentCache`, and a `PagedKVCache`), as `isinstance` takes them.
 
     With no hook of any kind (the module's own or module-wide), not compiled by `module.compile()` and not
     under `torch.jit.trace`, `nn.Module.__call__` calls `module.forward(*args, **kwargs)` and nothing else

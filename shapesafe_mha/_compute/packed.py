@@ -103,6 +103,8 @@ def serving_forward(
                 "or chunks pack them, (1, total, d_model), and pass cu_seqlens."
             )
         _check_positions(positions, (query.shape[0], 1), "one token of each sequence has", owner)
+        if view is SequenceView and module.temperature_tuning is None:  # (a view of its own: one by one)
+            return _decoded(module, query, paged, is_causal, positions, owner)
         where = None if positions is None else positions.reshape(1, -1)
         steps = list(range(query.shape[0] + 1))
         packed = query.reshape(1, -1, query.shape[2])
@@ -186,26 +188,13 @@ def _paged(
 ) -> Tensor:
     """Each live sequence's segment of `query` through the module, appending to its blocks; all or nothing."""
     seqs = paged.sequences
+    sizes = [b - a for a, b in itertools.pairwise(offsets)]
+    batched = view is SequenceView and module.temperature_tuning is None  # (its own view: one by one)
+    if batched and all(size == 1 for size in sizes):  # decoding, packed: one batch
+        where = None if positions is None else positions[0][:, None]
+        return _decoded(module, query[0][:, None], paged, is_causal, where, owner)[:, 0][None]
     state = paged.state()
     try:
-        sizes = [b - a for a, b in itertools.pairwise(offsets)]
-        batched = view is SequenceView and module.temperature_tuning is None  # (its own view: one by one)
-        if batched and all(size == 1 for size in sizes):  # decoding: one batch
-            decode = DecodeView(paged, owner)
-            if module.rotary is None:
-                where = None
-            elif positions is not None:
-                where = positions[0][:, None]
-            else:
-                where = torch.tensor([[paged._lengths[s]] for s in seqs], device=query.device)
-            out = module.forward(
-                query[0][:, None],
-                is_causal=is_causal,
-                kv_cache=decode,
-                key_padding_mask=decode.padding,
-                positions=where,
-            )
-            return out[:, 0][None]
         paged.reserve(dict(zip(seqs, sizes, strict=True)), owner)  # every block the call needs, or none, first
         pieces = []
         for seq, a, b in zip(seqs, offsets, offsets[1:], strict=False):
@@ -218,6 +207,28 @@ def _paged(
         paged.restore(state)
         raise
     return _joined(module, query, pieces)
+
+
+def _decoded(
+    module: Any, query: Tensor, paged: PagedKVCache, is_causal: bool, positions: Tensor | None, owner: str
+) -> Tensor:
+    """One new token of every live sequence, `query` `(num_seqs, 1, d_model)`, as one batch (`DecodeView`); all or
+    nothing."""
+    state = paged.state()
+    try:
+        decode = DecodeView(paged, owner)
+        if module.rotary is None:
+            where = None
+        elif positions is not None:
+            where = positions
+        else:
+            where = decode.positions.to(query.device)
+        return module.forward(
+            query, is_causal=is_causal, kv_cache=decode, key_padding_mask=decode.padding, positions=where
+        )
+    except BaseException:
+        paged.restore(state)
+        raise
 
 
 def _joined(module: Any, query: Tensor, pieces: list[Tensor]) -> Tensor:

@@ -9,7 +9,8 @@ The module reads it through two views that are `KVCache`s to its cache stage (`S
 sequence's prefill or chunk, `DecodeView` for one new token of every sequence at once): the module's own
 stages, checks and failure handling run unchanged, and every slot read or written is checked to belong to
 the sequence it is read for (a block table pointing outside the pool, or at another sequence's block, is a
-`ShapeError`, never a silent gather of someone else's keys).
+`ShapeError`, never a silent gather of someone else's keys): on each call for a prefill or a chunk, and where a
+block table changes for decoding, whose steps read slot maps kept between them (`PagedKVCache.decode_slots`).
 """
 
 import math
@@ -96,6 +97,10 @@ class PagedKVCache:
         self._lengths: dict[int, int] = {}  # positions each sequence has seen
         self._owner_of: dict[int, int] = {}  # block -> the sequence holding it
         self._owners = torch.full((num_blocks,), -1, dtype=torch.int64)  # the same, as the checks read it
+        self._owners_stale = False  # (rebuilt from _owner_of when a check next reads it: no tensor write per block)
+        self._decoding: _Decoding | None = None  # the decoding steps' tensors, kept between steps (see `decode_slots`)
+        flat = (num_blocks * block_size, num_kv_heads, d_head)  # the pools as rows of slots (`_flat`)
+        self._flats = (self.keys_pool, self.values_pool, self.keys_pool.view(flat), self.values_pool.view(flat))
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out the lowest first
         self._next = 0
         self._verdicts = Verdicts()
@@ -211,7 +216,7 @@ class PagedKVCache:
 
     def _release(self, block: int) -> None:
         self._owner_of.pop(block, None)
-        self._owners[block] = -1
+        self._owners_stale = True
         self._free.append(block)
 
     # --- what a failed call undoes ------------------------------------------------------------------
@@ -234,14 +239,14 @@ class PagedKVCache:
         self.keys_pool, self.values_pool, tables, lengths, owner_of, free, self._next = state
         self._tables, self._lengths = {s: list(t) for s, t in tables.items()}, dict(lengths)
         self._owner_of, self._free = dict(owner_of), list(free)
-        self._owners.fill_(-1)
-        if owner_of:
-            self._owners[torch.tensor(list(owner_of))] = torch.tensor(list(owner_of.values()))
+        self._owners_stale = True
 
     # --- reading and writing ------------------------------------------------------------------------
 
     def first_kept(self, seq: int) -> int:
         """The first position of `seq` still held (0 without a window)."""
+        if self.window is None:
+            return 0
         table = self._tables[seq]
         dropped = next((i for i, block in enumerate(table) if block >= 0), len(table))
         return min(dropped * self.block_size, self._lengths[seq])
@@ -266,8 +271,9 @@ class PagedKVCache:
         for seq, n in wanted.items():
             for _ in range(n):
                 block = self._free.pop()
-                self._owner_of[block], self._owners[block] = seq, seq
+                self._owner_of[block] = seq
                 self._tables[seq].append(block)
+                self._owners_stale = True
 
     def slots(self, seq: int, start: int, end: int) -> Tensor:
         """The pool slots (`block * block_size + offset`) of positions `start..end-1` of `seq`, int64."""
@@ -288,6 +294,11 @@ class PagedKVCache:
         """
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         outside = (blocks < 0) | (blocks >= self.num_blocks)
+        if self._owners_stale:
+            self._owners.fill_(-1)
+            if self._owner_of:
+                self._owners[torch.tensor(list(self._owner_of))] = torch.tensor(list(self._owner_of.values()))
+            self._owners_stale = False
         owners = self._owners[blocks.clamp(0, self.num_blocks - 1)]
         if not bool((outside | (owners != seqs)).any()):  # (one test, one sync: this runs on every call)
             return
@@ -322,35 +333,124 @@ class PagedKVCache:
         self._slide(seq)
         return keys[None], values[None]
 
-    def write_tokens(self, seqs: tuple[int, ...], k: Tensor, v: Tensor, owner: str) -> tuple[Tensor, Tensor, Tensor]:
-        """One new position of each of `seqs`, `k, v` `(num_seqs, num_kv_heads, 1, d_head)`: write them; return
-        every sequence's held keys and values right-aligned in `(num_seqs, num_kv_heads, longest, d_head)` and the
-        padding on their left, `(num_seqs, longest)` bool (True = padding)."""
-        self.reserve(dict.fromkeys(seqs, 1), owner)
-        tables = [self._tables[seq] for seq in seqs]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        firsts = torch.tensor([self.first_kept(seq) for seq in seqs])
-        ends = torch.tensor([self._lengths[seq] + 1 for seq in seqs])
-        longest = int((ends - firsts).max())
-        where = torch.arange(longest)[None, :] + (ends - longest)[:, None]  # right-aligned: each one's last is its new
-        padding = where < firsts[:, None]
-        where = torch.where(padding, firsts[:, None], where)  # padding reads the sequence's own first held slot
-        read = self.locate(table, where)
-        self.check_slots(read, torch.tensor(seqs, dtype=torch.int64)[:, None].expand_as(read), owner)
-        read = read.to(self.device)
-        self._scatter(read[:, -1], k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
-        for seq, end in zip(seqs, ends.tolist(), strict=True):
-            self._lengths[seq] = end
-        keys, values = self._gather(read.flatten())
-        shape = (len(seqs), longest, self.num_kv_heads, self.d_head)
+    def decode_slots(self, owner: str) -> tuple[Tensor, Tensor, Tensor]:
+        """Prepare one new position of every live sequence (a decoding step): reserve the blocks it needs; return the
+        positions the new tokens take `(num_seqs, 1)`, the pool slots each sequence attends to, right-aligned, its
+        new one last, `(held, num_seqs)` int64 (a shorter sequence's padding reads its own first held slot), and the
+        padding on their left `(num_seqs, held)` bool (True = padding).
+
+        The slots are read from each sequence's slot map (`_Decoding`), kept between steps and checked where a block
+        table changes (a block appended is checked to be in the pool and the sequence's; any other change, a join or
+        a leave rebuilds the map through `locate` and checks every slot with `check_slots`), so a step makes no
+        tensor from Python lists, checks nothing on the device and waits for no value from it. Without a window,
+        the right-aligned slots, the padding and the positions are columns of buffers made when the lengths are not
+        the last step's plus one (a join, a leave, a prefill, a restore): a step writes its new column only.
+
+        Raises:
+            ShapeError: the pool has too few free blocks, or a block table points outside the pool or at a block
+                the sequence does not hold.
+        """
+        seqs, lengths, tables, size = self.sequences, self._lengths, self._tables, self.block_size
+        needs = {seq: 1 for seq in seqs if lengths[seq] == len(tables[seq]) * size}
+        if needs:  # (a new block every block_size steps of a sequence)
+            self.reserve(needs, owner)
+        state = self._synced(seqs, owner)
+        now = [lengths[seq] for seq in seqs]
+        if self.window is not None:
+            firsts = [self.first_kept(seq) for seq in seqs]
+            held = max(n + 1 - f for n, f in zip(now, firsts, strict=True))
+            column = torch.tensor(now, device=self.device)[:, None]
+            where = torch.arange(held, device=self.device)[None] + (column + (1 - held))
+            first = torch.tensor(firsts, device=self.device)[:, None]
+            padding = where < first
+            return column, state.slots.gather(1, torch.maximum(where, first)).t().contiguous(), padding
+        step = now[0] - state.base[0] if state.base else -1
+        if step < 0 or step > state.filled + 1 or step >= state.room or now != [n + step for n in state.base]:
+            state.aligned(now)  # (the lengths are not the buffers' plus a step: made again)
+            step = 0
+        held = state.held + step
+        # the new column: each sequence's slot of its new position (the other columns are the earlier steps')
+        state.read[held - 1 : held] = state.slots_t.gather(0, state.positions_t[step : step + 1])
+        state.filled = step  # (columns past it may be another call's: a later step may not skip to them)
+        return state.positions[:, step : step + 1], state.read[:held], state.padding[:, :held]
+
+    def write_decoded(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write one new position of each live sequence, `k, v` `(num_seqs, num_kv_heads, 1, d_head)`, at the last of
+        its `slots` `(held, num_seqs)` (from `decode_slots`); return the keys and values at `slots`, `(num_seqs,
+        num_kv_heads, held, d_head)` (one gather each: the keys attended, not the pool)."""
+        seqs, lengths = self.sequences, self._lengths
+        keys_flat, values_flat = self._flat()
+        new = slots[-1]
+        if k.dtype != self.dtype or self.keys_pool.requires_grad or self.values_pool.requires_grad or (
+            torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        ):
+            self._scatter(new, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
+            keys_flat, values_flat = self._flat()
+        else:  # in place, one row a sequence
+            keys_flat.index_copy_(0, new, k[:, :, 0])
+            values_flat.index_copy_(0, new, v[:, :, 0])
         for seq in seqs:
-            self._slide(seq)
-        return (
-            keys.transpose(0, 1).reshape(shape).transpose(1, 2),
-            values.transpose(0, 1).reshape(shape).transpose(1, 2),
-            padding.to(self.device),
-        )
+            lengths[seq] += 1
+        # read sequence by sequence (the slots are step by step): each one's keys a run of rows, as SDPA reads them
+        where, shape = slots.t().reshape(-1), (len(seqs), slots.shape[0], self.num_kv_heads, self.d_head)
+        keys = keys_flat.index_select(0, where).view(shape).transpose(1, 2)
+        values = values_flat.index_select(0, where).view(shape).transpose(1, 2)
+        if self.window is not None:
+            for seq in seqs:
+                self._slide(seq)
+        return keys, values
+
+    def _flat(self) -> tuple[Tensor, Tensor]:
+        """The pools as `(num_blocks * block_size, num_kv_heads, d_head)` views (made once per pool)."""
+        kept = self._flats
+        if kept[0] is not self.keys_pool or kept[1] is not self.values_pool:
+            flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.d_head)
+            keys, values = self.keys_pool, self.values_pool
+            kept = self._flats = (keys, values, keys.view(flat), values.view(flat))
+        return kept[2], kept[3]
+
+    def _synced(self, seqs: tuple[int, ...], owner: str) -> "_Decoding":
+        """The decoding slot maps of `seqs`, brought up to date with their block tables (see `decode_slots`)."""
+        state = self._decoding
+        if state is None or state.seqs != seqs or state.locate is not type(self).locate:
+            return self._rebuilt(seqs, owner)
+        size, width = self.block_size, state.slots.shape[1] // self.block_size
+        for i, seq in enumerate(seqs):
+            table, seen = self._tables[seq], state.rows[i]
+            if table == seen:
+                continue
+            dropped = next((j for j, block in enumerate(table) if block >= 0), len(table)) if self.window else 0
+            common = min(len(table), len(seen))
+            if len(table) > width or table[dropped:common] != seen[dropped:common]:
+                return self._rebuilt(seqs, owner)  # not a block appended or freed by the window: every slot again
+            if len(table) < len(seen):  # blocks given back (a restore): the right-aligned columns made again
+                state.base = []
+            for j in range(common, len(table)):  # appended blocks (reserve's): each checked, its slots written
+                block = table[j]
+                if not 0 <= block < self.num_blocks or self._owner_of.get(block) != seq:
+                    return self._rebuilt(seqs, owner)  # (which raises, naming the block)
+                state.slots[i, j * size : (j + 1) * size] = state.offsets + block * size
+                state.slots_t[j * size : (j + 1) * size, i] = state.offsets + block * size
+            state.rows[i] = list(table)
+        return state
+
+    def _rebuilt(self, seqs: tuple[int, ...], owner: str) -> "_Decoding":
+        """The slot maps of `seqs` made again through `locate`, every slot a step can read checked."""
+        self._decoding = None
+        size = self.block_size
+        rows = [list(self._tables[seq]) for seq in seqs]
+        width = max(len(row) for row in rows) + 4  # room to grow: a block appended needs no new map
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64).reshape(-1, width)
+        where = torch.arange(width * size)[None].expand(len(rows), -1)
+        slots = self.locate(tables, where)
+        firsts = torch.tensor([self.first_kept(seq) if self.window else 0 for seq in seqs])
+        ends = torch.tensor([len(row) * size for row in rows])
+        read = (where >= firsts[:, None]) & (where < ends[:, None])
+        ids = torch.tensor(seqs, dtype=torch.int64)[:, None].expand_as(slots)
+        self.check_slots(slots[read], ids[read], owner)
+        slots = torch.where(read, slots, 0).to(self.device)  # (slots before a row's first or past its end: never read)
+        self._decoding = _Decoding(seqs, type(self).locate, rows, slots, torch.arange(size, device=self.device))
+        return self._decoding
 
     def _scatter(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write `k, v` `(num_kv_heads, n, d_head)` into `slots` `(n,)` of the pools, in place."""
@@ -418,26 +518,63 @@ class SequenceView(KVCache):
         self.paged.restore(state)
 
 
+class _Decoding:
+    """What the decoding steps of one set of sequences reuse: each one's pool slot by position `(num_seqs, width *
+    block_size)` (checked: see `PagedKVCache.decode_slots`) and the block tables it was made from; without a window,
+    the right-aligned read slots `(room + held, num_seqs)`, padding `(num_seqs, room + held)` and positions
+    `(num_seqs, room)` of the next `room` steps from the lengths `base` (their columns filled step by step)."""
+
+    def __init__(
+        self, seqs: tuple[int, ...], locate: Any, rows: list[list[int]], slots: Tensor, offsets: Tensor
+    ) -> None:
+        self.seqs, self.locate, self.rows, self.slots, self.offsets = seqs, locate, rows, slots, offsets
+        self.slots_t = slots.t().contiguous()
+        self.base: list[int] = []
+        self.room = self.held = self.filled = 0
+        self.read = self.padding = self.positions = self.positions_t = slots[:0]
+
+    def aligned(self, lengths: list[int], room: int = 64) -> None:
+        """The buffers for the steps from `lengths` on (see the class)."""
+        device = self.slots.device
+        held = max(lengths) + 1
+        column = torch.tensor(lengths, device=device)[:, None]
+        where = torch.arange(held + room, device=device)[None] + (column + (1 - held))
+        self.padding = where < 0
+        self.read = self.slots.gather(1, where[:, :held].clamp(min=0)).t().contiguous()
+        self.read = torch.cat((self.read, self.read.new_zeros(room, len(lengths))))
+        self.positions = column + torch.arange(room, device=device)[None]
+        self.positions_t = self.positions.t().contiguous()
+        self.base, self.room, self.held, self.filled = lengths, room, held, 0
+
+
 class DecodeView(KVCache):
     """One new position of every live sequence of a `PagedKVCache`, as one batch: held keys right-aligned, the
-    shorter sequences padded on the left (`padding`, which the call passes as its `key_padding_mask`)."""
+    shorter sequences padded on the left (`padding`, which the call passes as its `key_padding_mask`, and
+    `positions`, the new tokens' positions)."""
 
     def __init__(self, cache: PagedKVCache, owner: str) -> None:
         self.paged, self.owner, self.seqs = cache, owner, cache.sequences
-        held = [cache._lengths[s] - cache.first_kept(s) for s in self.seqs]
+        self.positions, self.slots, self.padding = cache.decode_slots(owner)
         self.window = None
-        self._start, self._length = 0, max(held)
+        self._start, self._length = 0, self.slots.shape[0] - 1
         self.keys_buffer = self.values_buffer = _witness(cache, len(self.seqs), self._length)
-        pads = torch.tensor([self._length - h for h in held])
-        self.padding = (torch.arange(self._length + 1)[None, :] < pads[:, None]).to(cache.device)
         self._verdicts = Verdicts()
 
     def write(self, k: Tensor, v: Tensor, owner: str | None = None) -> tuple[Tensor, Tensor]:
-        keys, values, _ = self.paged.write_tokens(self.seqs, k, v, self.owner)
-        return keys, values
+        return self.paged.write_decoded(self.slots, k, v)
 
     def state(self) -> Any:
-        return self.paged.state()
+        # what the write changes (the blocks were reserved before the module's forward): the lengths and, under
+        # autograd, the pools' tensors; with a window, also the tables (blocks it frees)
+        paged = self.paged
+        if paged.window is not None:
+            return paged.state()
+        return paged.keys_pool, paged.values_pool, dict(paged._lengths)
 
     def restore(self, state: Any) -> None:
-        self.paged.restore(state)
+        paged = self.paged
+        if paged.window is not None:
+            paged.restore(state)
+        else:
+            paged.keys_pool, paged.values_pool, lengths = state
+            paged._lengths = dict(lengths)

@@ -441,6 +441,9 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
         raise mismatch(f"query is on {query.device}, but the module's parameters are on {weight.device}.", arg="query")
 
 
+_CACHES = (LatentCache, PagedKVCache)  # the caches a call writes, restored if a hook raises after it (`call_restoring`)
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), checked stage by stage; its cache holds the latent.
 
@@ -562,7 +565,7 @@ class LatentAttention(nn.Module):
         return self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return call_restoring(self, args, kwargs, LatentCache)  # a hook that raises after forward changes nothing
+        return call_restoring(self, args, kwargs, _CACHES)  # a hook that raises after forward changes nothing
 
     def extra_repr(self) -> str:
         return (

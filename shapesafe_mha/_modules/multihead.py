@@ -297,7 +297,7 @@ class MultiHeadAttention(Conversions, nn.Module):
         return self.__dict__ | {"_verdicts": Verdicts(), "_fused": None}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return call_restoring(self, args, kwargs, KVCache)  # a hook that raises after forward changes nothing
+        return call_restoring(self, args, kwargs, _CACHES)  # a hook that raises after forward changes nothing
 
     def extra_repr(self) -> str:
         # the sizes (resolved) and dropout, then each option that differs from its default (AttentionConfig's)
@@ -433,4 +433,5 @@ class MultiHeadAttention(Conversions, nn.Module):
     _run = run  # the forward by this module's plan (`plan.run`), with `s` its stages, checked or plain
 
 
+_CACHES = (KVCache, PagedKVCache)  # the caches a call writes, restored if a hook raises after it (`call_restoring`)
 _FORWARD = forward_stage(MultiHeadAttention.forward)  # the stage, its hints without a cache and with one
