@@ -134,6 +134,8 @@ NON_NUMERIC: dict[str, str] = {
     "output_gate": "True or False",
 }
 
+# The options whose value is a size that some stage's shape shows (a verdict's constants: `_constants`).
+SIZED = ("window", "rope_dim")
 # The options that take one of a few words, and those words.
 CHOICES: dict[str, tuple[str, ...]] = {"qk_norm_over": ("head", "all", "per_head")}
 # A flag's False where it has a name of its own (RoPE on halves, an RMSNorm, a QK-norm before RoPE): the CLI's
@@ -422,6 +424,21 @@ class AttentionConfig:
             for f in dataclasses.fields(self)
             if f.name not in SIZES and f.name not in idle and getattr(self, f.name) != f.default
         }
+
+    def across_heads(self) -> str | None:
+        """Why a rank holding some of the heads cannot compute this layer (head parallelism), or None."""
+        if self.differential_lambda_init is not None:
+            return (
+                "differential attention (DiffLlama) pairs query head p with p + num_heads/2 and KV head j with j + "
+                "num_kv_heads/2, so a rank holding a contiguous share of the heads cannot compute it; run it unsplit."
+            )
+        if self.qk_norm and self.qk_norm_over == "all":
+            return (
+                "qk_norm_over='all' normalises every head's features together (OLMo-2), so a rank holding some of the "
+                "heads cannot compute it; only a QK-norm of each head (qk_norm_over='head' or 'per_head') is split by "
+                "heads."
+            )
+        return None
 
     def held(self) -> dict[str, Any]:
         """The attributes a `MultiHeadAttention` built from this holds: each option its parts do not hold
