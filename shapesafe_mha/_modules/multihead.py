@@ -27,7 +27,17 @@ from .._core.dims import (
 from .._core.errors import ConfigError
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
-from .config import BUILT_FROM, HELD_AS, HELD_BY_PARTS, OPTIONS, SIZES, AttentionConfig, bind, constructor_of
+from .config import (
+    BUILT_FROM,
+    HELD_AS,
+    HELD_BY_PARTS,
+    OPTIONS,
+    SIZED,
+    SIZES,
+    AttentionConfig,
+    bind,
+    constructor_of,
+)
 from .contract import checked_forward, forward_key, forward_stage, quiet_jit_tracer
 from .conversions import Conversions
 from .plan import RAW, plan, run
@@ -168,8 +178,7 @@ class MultiHeadAttention(Conversions, nn.Module):
         derived["_qkv_rows"] = (num_heads * d_head, num_kv_heads * d_head, num_kv_heads * d_head)
         derived["_constants"] = frozenset(
             {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
-            | ({self.window} if self.window is not None else set())
-            | ({self.rope_dim} if self.rope_dim is not None else set())
+            | {size for size in (getattr(self, name) for name in SIZED) if size is not None}
         )
         self._forget()
 

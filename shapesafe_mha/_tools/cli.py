@@ -288,7 +288,7 @@ def trace(
 
 def _layer_options() -> list[inspect.Parameter]:
     """An option for each `AttentionConfig` field that is no size (those are shared with the other commands, above)
-    and that a command line spells (a number, a flag, a choice, a pair: not `rope_scaling`'s mapping), in the
+    and that a command line spells (a number, a flag, a choice, a pair: not a mapping), in the
     config's order, its help the first sentence of the field's description there (`described`)."""
     from .._modules.config import CHOICES, OPPOSITES, RANGES, SIZES, AttentionConfig, described
 
