@@ -370,7 +370,7 @@ def choose_path(
     """Which computation a `MultiHeadAttention` call runs: separate projections (always correct), or a fast
     path where provably the same; the fused Q/K/V weight it builds is kept on the module for the next call.
     `jit_tracing`: `torch.jit.is_tracing()`, where the caller has asked already."""
-    if key is not query or value is not query or torch.is_grad_enabled() or module.output_gate:
+    if key is not query or value is not query or torch.is_grad_enabled() or module.__dict__["_plan"].gated:
         return SEPARATE, None  # (a gated q_proj holds each head's gate beside its queries: no fused split)
     if jit_tracing is None:
         jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]

@@ -84,6 +84,11 @@ class HeadNorm(nn.Module):
         return normed * weight
 
 
+def qk_norm_modules(config: Any, factory: dict[str, Any]) -> dict[str, nn.Module]:
+    """The submodules of `config`'s QK-norm (an `AttentionConfig`), by name: `q_norm` and `k_norm`, or none."""
+    return dict(zip(("q_norm", "k_norm"), qk_norms(config, factory), strict=True)) if config.qk_norm else {}
+
+
 def qk_norms(config: Any, factory: dict[str, Any]) -> tuple[nn.Module, nn.Module]:
     """The query's and the key's norm of a QK-norm `config` (an `AttentionConfig` with `qk_norm`): an RMSNorm of
     each head (Qwen3), of every head together (`qk_norm_over="all"`, OLMo-2), scaled by `offset + weight`

@@ -74,16 +74,6 @@ def check_float_dtype(owner: str, dtype: Any) -> None:
         )
 
 
-def check_groups(num_heads: int, num_kv_heads: int, owner: str) -> None:
-    """Raise `ConfigError` unless `num_kv_heads` divides `num_heads`."""
-    if num_heads % num_kv_heads == 0:
-        return
-    raise ConfigError(
-        f"{owner}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; each KV head serves "
-        f"a group of query heads, so num_kv_heads must be one of {divisors(num_heads)}."
-    )
-
-
 def same_device_and_dtype(arguments: dict[str, Any], names: tuple[str, ...]) -> None:
     """All tensors among `names` on one device, and of one dtype (masks may be bool)."""
     tensors = [(n, arguments[n]) for n in names if isinstance(arguments.get(n), Tensor)]
@@ -573,27 +563,6 @@ def tune_query_temperature(q: Heads, start: int, floor_scale: int, attn_scale: f
     return K.tune_temperature(q, start, floor_scale, attn_scale)
 
 
-def check_temperature_tuning(owner: str, tuning: Any) -> tuple[int, float] | None:
-    """`(floor_scale, attn_scale)` from `tuning`, or None; `ConfigError` unless a positive int and a finite number."""
-    if tuning is None:
-        return None
-    pair = tuple(tuning) if isinstance(tuning, tuple | list) else ()
-    if (
-        len(pair) != 2
-        or isinstance(pair[0], bool)
-        or not isinstance(pair[0], int)
-        or pair[0] < 1
-        or isinstance(pair[1], bool)
-        or not isinstance(pair[1], int | float)
-        or not math.isfinite(pair[1])
-    ):
-        raise ConfigError(
-            f"{owner}temperature_tuning must be (floor_scale, attn_scale): a positive int and a finite number "
-            f"(Llama 4: (8192, 0.1)), but got {tuning!r}."
-        )
-    return pair[0], float(pair[1])
-
-
 @stage(name="keys", trace=("", ""), sources={"result": "key"})
 def attend_to_new(k: NewKVHeads, v: NewKVHeads) -> tuple[KVHeads, KVHeads]:
     """Without a cache the keys attended over are the new ones (`kv_seq` is `new`)."""
@@ -777,6 +746,20 @@ def attend_folded(
 @stage(name="attention")
 def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Heads:
     return K.zero_rows(K.unfold(out, num_heads), rows)
+
+
+def variant_tensors(config: Any, factory: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parameters and buffers the options of `config` (an `AttentionConfig`) add, by name: attention sinks'
+    `sinks` (zeros at first; None without), DiffLlama's four lambda vectors (normal(0, `LAMBDA_STD`); none
+    without), and ALiBi's `alibi_slopes` (None without; not learned: a buffer, kept in the state dict so that loaded
+    slopes, MPT's, stay)."""
+    heads, d_head, dtype = config.num_heads, config.head_width, factory["dtype"] or torch.get_default_dtype()
+    sinks = nn.Parameter(torch.zeros(heads, **factory)) if config.attention_sinks else None
+    parameters: dict[str, Any] = {"sinks": sinks}
+    for name in K.LAMBDAS if config.differential_lambda_init is not None else ():  # DiffLlama's, named as its are
+        parameters[name] = nn.Parameter(torch.empty(d_head, **factory).normal_(0, K.LAMBDA_STD))
+    slopes = K.alibi_slopes(heads).to(device=factory["device"], dtype=dtype) if config.alibi else None
+    return parameters, {"alibi_slopes": slopes}
 
 
 @stage(name="alibi")

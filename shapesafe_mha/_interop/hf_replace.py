@@ -240,12 +240,12 @@ def _adopt(ours: MultiHeadAttention, theirs: nn.Module, path: str, shared: dict[
     for name, their_name in projection_names(theirs).items():
         setattr(ours, name, getattr(theirs, their_name))
     weightless = isinstance(getattr(theirs, SHARED_QK_NORM, None), nn.Module)  # Llama 4's: ours keep their ones
-    if ours.qk_norm and not weightless:
+    if "q_norm" in ours._modules and not weightless:
         for name, their_name in zip(("q_norm", "k_norm"), qk_norm_names(theirs)[0], strict=True):
             ours._modules[name].weight = getattr(theirs, their_name).weight  # pyright: ignore[reportOptionalMemberAccess]
     if ours.sinks is not None:  # gpt-oss's attention sinks: the model's own parameter, trained in its place
         ours.sinks = theirs.sinks  # pyright: ignore[reportAttributeAccessIssue]  (a Parameter, as declared)
-    for name in LAMBDAS if ours.differential_lambda_init is not None else ():  # DiffLlama's, trained in place
+    for name in (name for name in LAMBDAS if name in ours._parameters):  # DiffLlama's, trained in place
         setattr(ours, name, getattr(theirs, name))
     rotary = ours.rotary
     if rotary is not None:

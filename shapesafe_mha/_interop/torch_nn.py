@@ -4,7 +4,6 @@ Each result is compared with its source on the conversions' probe (`_core/probe.
 against ours, `from_weights`' module against the per-head reference holding the same weights.
 """
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -128,12 +127,11 @@ def from_weights(
     *,
     num_heads: int,
     num_kv_heads: int | None,
-    dropout: float,
-    rope_theta: float | None,
-    rope_scaling: Mapping[str, Any] | None,
     verify: bool,
+    **options: Any,
 ) -> Any:
-    """A `cls` (`MultiHeadAttention`) holding copies of `weights`, verified (`MultiHeadAttention.from_weights`)."""
+    """A `cls` (`MultiHeadAttention`) holding copies of `weights`, verified (`MultiHeadAttention.from_weights`); its
+    `options`, the constructor's keywords of that name."""
     if not isinstance(weights, AttentionWeights):
         raise ConfigError(
             f"MultiHeadAttention.from_weights(): weights must be an AttentionWeights(w_q, w_k, w_v, w_o, b_q, b_k, "
@@ -150,9 +148,7 @@ def from_weights(
         num_kv_heads,
         d_head=d_head,
         bias=any(b is not None for b in biases.values()),
-        dropout=dropout,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
+        **options,
         device=weights.w_q.device,
         dtype=weights.w_q.dtype,
     )

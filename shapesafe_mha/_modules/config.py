@@ -5,13 +5,14 @@ does are derived from these fields: a field added here is listed everywhere thos
 """
 
 import dataclasses
+import functools
+import inspect
 import math
-from collections.abc import Mapping
-from typing import Any
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Concatenate, ParamSpec
 
-from .._compute.stages import check_groups, check_temperature_tuning
 from .._core.errors import ConfigError
-from .._core.messages import divisors, shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,39 @@ class Range:
         return bool(above and below)
 
 
+def check_groups(num_heads: int, num_kv_heads: int, owner: str) -> None:
+    """Raise `ConfigError` unless `num_kv_heads` divides `num_heads`."""
+    if num_heads % num_kv_heads == 0:
+        return
+    from .._core.messages import divisors  # (torch's floor: `shapesafe-mha --help` reads this module without it)
+
+    raise ConfigError(
+        f"{owner}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; each KV head serves "
+        f"a group of query heads, so num_kv_heads must be one of {divisors(num_heads)}."
+    )
+
+
+def check_temperature_tuning(owner: str, tuning: Any) -> tuple[int, float] | None:
+    """`(floor_scale, attn_scale)` from `tuning`, or None; `ConfigError` unless a positive int and a finite number."""
+    if tuning is None:
+        return None
+    pair = tuple(tuning) if isinstance(tuning, tuple | list) else ()
+    if (
+        len(pair) != 2
+        or isinstance(pair[0], bool)
+        or not isinstance(pair[0], int)
+        or pair[0] < 1
+        or isinstance(pair[1], bool)
+        or not isinstance(pair[1], int | float)
+        or not math.isfinite(pair[1])
+    ):
+        raise ConfigError(
+            f"{owner}temperature_tuning must be (floor_scale, attn_scale): a positive int and a finite number "
+            f"(Llama 4: (8192, 0.1)), but got {tuning!r}."
+        )
+    return pair[0], float(pair[1])
+
+
 INF = math.inf
 _POSITIVE_INT = "a positive int"
 _FINITE_POSITIVE = "a finite positive number"
@@ -98,6 +132,18 @@ NON_NUMERIC: dict[str, str] = {
     "attention_sinks": "True or False",
     "alibi": "True or False",
     "output_gate": "True or False",
+}
+
+# The options whose value is a size that some stage's shape shows (a verdict's constants: `_constants`).
+SIZED = ("window", "rope_dim")
+# The options that take one of a few words, and those words.
+CHOICES: dict[str, tuple[str, ...]] = {"qk_norm_over": ("head", "all", "per_head")}
+# A flag's False where it has a name of its own (RoPE on halves, an RMSNorm, a QK-norm before RoPE): the CLI's
+# `--rope-interleaved/--rope-halves`; every other flag's False is `no-` and its name.
+OPPOSITES = {
+    "rope_interleaved": "rope-halves",
+    "qk_norm_centred": "qk-norm-rms",
+    "qk_norm_after_rope": "qk-norm-before-rope",
 }
 
 _RESOLVED = {"num_heads": "num_heads", "d_head": "head_width"}  # a bound's name -> the config's resolved value
@@ -198,6 +244,7 @@ class AttentionConfig:
     d_model: int
     num_heads: int
     num_kv_heads: int | None = None
+    _: dataclasses.KW_ONLY  # every field after the three sizes is a keyword (as the module's constructor takes it)
     d_head: int | None = None
     bias: bool = True
     dropout: float = 0.0
@@ -235,6 +282,8 @@ class AttentionConfig:
             )
         check_groups(num_heads, num_kv_heads, owner)
         if self.d_head is None and d_model % num_heads:
+            from .._core.messages import divisors, shown  # (torch's floor: see `check_groups`)
+
             raise ConfigError(
                 f"{owner}: d_model must be num_heads * d_head, and {d_model} is not divisible by {num_heads}; "
                 f"pass d_head explicitly or use num_heads in {shown(divisors(d_model), limit=5)}."
@@ -287,7 +336,7 @@ class AttentionConfig:
         qk_norm, over, centred, offset, after = (
             self.qk_norm, self.qk_norm_over, self.qk_norm_centred, self.qk_norm_offset, self.qk_norm_after_rope
         )  # fmt: skip
-        if over not in ("head", "all", "per_head"):
+        if over not in CHOICES["qk_norm_over"]:
             raise ConfigError(
                 f"{owner}: qk_norm_over must be 'head' (each head's d_head features), 'all' (every head's "
                 f"together, OLMo-2) or 'per_head' (each head's, with weights of its own, Cohere), but got {over!r}."
@@ -325,6 +374,16 @@ class AttentionConfig:
     def head_width(self) -> int:
         """`d_head`, resolved: `d_model // num_heads` where it is None."""
         return self.d_model // self.num_heads if self.d_head is None else self.d_head
+
+    @property
+    def score_scale(self) -> float | None:
+        """The scores' scale the options fix: `query_pre_attn_scalar ** -0.5`, or None (SDPA's `d_head ** -0.5`)."""
+        return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
+
+    @property
+    def query_rows(self) -> int:
+        """The rows of `q_proj`: each head's `d_head` queries, and with an output gate its `d_head` gate features."""
+        return self.num_heads * self.head_width * (2 if self.output_gate else 1)
 
     @property
     def rotated_width(self) -> int | None:
@@ -366,7 +425,114 @@ class AttentionConfig:
             if f.name not in SIZES and f.name not in idle and getattr(self, f.name) != f.default
         }
 
+    def across_heads(self) -> str | None:
+        """Why a rank holding some of the heads cannot compute this layer (head parallelism), or None."""
+        if self.differential_lambda_init is not None:
+            return (
+                "differential attention (DiffLlama) pairs query head p with p + num_heads/2 and KV head j with j + "
+                "num_kv_heads/2, so a rank holding a contiguous share of the heads cannot compute it; run it unsplit."
+            )
+        if self.qk_norm and self.qk_norm_over == "all":
+            return (
+                "qk_norm_over='all' normalises every head's features together (OLMo-2), so a rank holding some of the "
+                "heads cannot compute it; only a QK-norm of each head (qk_norm_over='head' or 'per_head') is split by "
+                "heads."
+            )
+        return None
+
+    def held(self) -> dict[str, Any]:
+        """The attributes a `MultiHeadAttention` built from this holds: each option its parts do not hold
+        (`HELD_BY_PARTS`), as it holds it (`HELD_AS`); the sizes resolved, and `rope_dim` the rotated width."""
+        held = {name: HELD_AS.get(name, _same)(getattr(self, name)) for name in OPTIONS if name not in HELD_BY_PARTS}
+        return held | {"num_kv_heads": self.kv_heads, "d_head": self.head_width, "rope_dim": self.rotated_width}
+
+
+def described(name: str) -> str:
+    """The `Arguments:` entry of the field `name` in `AttentionConfig`'s docstring, the one description of each
+    option, on one line ("" where the docstrings are stripped, `python -OO`)."""
+    found = re.search(rf"^ {{8}}{name}: (.*?)(?=^ {{8}}\w+:|^ {{4}}\w|\Z)", AttentionConfig.__doc__ or "", re.M | re.S)
+    return " ".join(found.group(1).split()) if found else ""
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+P = ParamSpec("P")
+
+
+def constructor_of(options: Callable[P, Any]) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, P], None]]:
+    """A decorator that gives an `__init__(self, *args, **kwargs)` the parameters of `options` (a class, whose
+    constructor takes them): for type checkers (its type) and for `help()` and `inspect.signature` (its
+    `__signature__`). The `__init__` binds them itself (`bind`)."""
+    signature = inspect.signature(options)
+    itself = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+    def give(init: Callable[..., None]) -> Callable[Concatenate[Any, P], None]:
+        init.__signature__ = signature.replace(parameters=[itself, *signature.parameters.values()])  # type: ignore[attr-defined]
+        return init
+
+    return give
+
+
+@functools.cache
+def _signature(options: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(options)
+
+
+def bind(owner: str, options: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call to `options`' constructor, every parameter named (its default where not given); a
+    `TypeError` naming `owner` and the keyword or count that does not fit."""
+    try:
+        bound = _signature(options).bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"{owner}() {error}") from None
+    bound.apply_defaults()
+    return bound.arguments
+
 
 SIZES = ("d_model", "num_heads", "num_kv_heads", "d_head")
 _QK_NORM_OPTIONS = ("qk_norm_over", "qk_norm_centred", "qk_norm_offset", "qk_norm_after_rope", "norm_eps")
 OPTIONS = tuple(f.name for f in dataclasses.fields(AttentionConfig))
+
+
+# How a built `MultiHeadAttention` holds each option, for its `__setattr__` and `config` (a field added above and
+# held another way than as an attribute of its own name, unchanged, is listed here).
+# BUILT_FROM: the parts built from an option; set on a built module it is refused (build one that has it).
+BUILT_FROM = {
+    "bias": "projections",
+    "rope_theta": "rotary tables",
+    "rope_scaling": "rotary tables",
+    "rope_dim": "rotary tables",
+    "rope_interleaved": "rotary tables",
+    "qk_norm": "QK-norm modules",
+    "qk_norm_over": "QK-norm modules",
+    "qk_norm_centred": "QK-norm modules",
+    "qk_norm_offset": "QK-norm modules",
+    "qk_norm_after_rope": "QK-norm modules",
+    "norm_eps": "QK-norm modules",
+    "attention_sinks": "sinks parameter",
+    "alibi": "ALiBi slopes",
+    "output_gate": "q_proj",
+    "differential_lambda_init": "lambda parameters",
+}
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+# HELD_AS: an option as a built module holds it (validated by the config first).
+HELD_AS: dict[str, Callable[[Any], Any]] = {
+    "clip_qkv": _number,
+    "temperature_tuning": lambda tuning: check_temperature_tuning("", tuning),
+    "qk_norm_offset": float,
+}
+# HELD_BY_PARTS: an option a built module's parts hold, not an attribute of its name: how `config` reads it back.
+HELD_BY_PARTS: dict[str, Callable[[Any], Any]] = {
+    "bias": lambda module: module.q_proj.bias is not None,
+    "rope_scaling": lambda module: getattr(module._modules.get("rotary"), "scaling", None),
+    "rope_dim": lambda module: None if module.rope_dim == module.d_head else module.rope_dim,
+    "attention_sinks": lambda module: module._parameters.get("sinks") is not None,
+    "alibi": lambda module: module._buffers.get("alibi_slopes") is not None,
+}

@@ -2,23 +2,18 @@
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .._compute import kernels as K
 from .._compute.cache import KVCache
 from .._compute.fastpath import FusedQKV, call_restoring, choose_path, pack_qkv
-from .._compute.norms import qk_norms
+from .._compute.norms import qk_norm_modules
 from .._compute.packed import serving_forward
 from .._compute.paged import PagedKVCache
-from .._compute.rotary import (
-    RotaryEmbedding,
-    check_rotary_width,
-)
-from .._compute.stages import check_float_dtype, check_temperature_tuning
+from .._compute.rotary import RotaryEmbedding, rotary_of
+from .._compute.stages import check_float_dtype, variant_tensors
 from .._core.contract import Verdicts, remembered_forward
 from .._core.dims import (
     AttnMask,
@@ -32,57 +27,28 @@ from .._core.dims import (
 from .._core.errors import ConfigError
 from .._core.trace import current_observer
 from .._core.weights import AttentionWeights
-from .config import OPTIONS, SIZES, AttentionConfig
+from .config import (
+    BUILT_FROM,
+    HELD_AS,
+    HELD_BY_PARTS,
+    OPTIONS,
+    SIZED,
+    SIZES,
+    AttentionConfig,
+    bind,
+    constructor_of,
+)
 from .contract import checked_forward, forward_key, forward_stage, quiet_jit_tracer
 from .conversions import Conversions
 from .plan import RAW, plan, run
 
-# The options held as attributes of the module under their own names (`config` reads them back).
-_HELD = tuple(name for name in OPTIONS if name not in ("bias", "rope_scaling", "rope_dim", "attention_sinks", "alibi"))
-# What each option that submodules or parameters were built from fixed: set on a built module, it is refused.
-_BUILT_FROM = {
-    "bias": "projections",
-    "rope_theta": "rotary tables",
-    "rope_scaling": "rotary tables",
-    "rope_dim": "rotary tables",
-    "rope_interleaved": "rotary tables",
-    "qk_norm": "QK-norm modules",
-    "qk_norm_over": "QK-norm modules",
-    "qk_norm_centred": "QK-norm modules",
-    "qk_norm_offset": "QK-norm modules",
-    "qk_norm_after_rope": "QK-norm modules",
-    "norm_eps": "QK-norm modules",
-    "attention_sinks": "sinks parameter",
-    "alibi": "ALiBi slopes",
-    "output_gate": "q_proj",
-    "differential_lambda_init": "lambda parameters",
-}
 
+@dataclasses.dataclass(frozen=True)
+class _Options(AttentionConfig):
+    """The constructor's parameters: the config's fields, then where the parameters are made."""
 
-def _scalar(module: Any, scalar: float | None) -> float | None:
-    module.__dict__["scale"] = None if scalar is None else float(scalar) ** -0.5  # the scores' scale it fixes
-    return scalar
-
-
-def _bound(module: Any, clip: float | None) -> float | None:
-    return None if clip is None else float(clip)
-
-
-def _same(module: Any, value: Any) -> Any:
-    return value
-
-
-# An option set on a built module, validated, as it is held (and what it fixes besides, re-derived).
-_DERIVED = {
-    "query_pre_attn_scalar": _scalar,
-    "clip_qkv": _bound,
-    "temperature_tuning": lambda m, t: _tuning(t),
-    "qk_norm_offset": lambda m, offset: float(offset),
-}
-
-
-def _tuning(tuning: Any) -> tuple[int, float] | None:
-    return check_temperature_tuning("", tuning)
+    device: torch.device | str | None = dataclasses.field(default=None, kw_only=True)
+    dtype: torch.dtype | None = dataclasses.field(default=None, kw_only=True)
 
 
 class MultiHeadAttention(Conversions, nn.Module):
@@ -116,77 +82,50 @@ class MultiHeadAttention(Conversions, nn.Module):
     """
 
     alibi_slopes: Tensor | None  # ALiBi's slopes, one per query head (a buffer; None without ALiBi)
+    sinks: nn.Parameter | None  # attention sinks' logits, one per query head (None without)
+    rotary: RotaryEmbedding | None
     window: int | None  # an option, held under its name (as each of `AttentionConfig`'s)
+    d_model: int  # the sizes, resolved; each option is held under its own name too (`AttentionConfig.held`)
+    num_heads: int
+    num_kv_heads: int
+    d_head: int
+    group: int
+    dropout: float
+    scale: float | None  # the scores' scale the options fix (`AttentionConfig.score_scale`; None: 1/sqrt(d_head))
     native_shape: bool  # derived (`_derive`): torch's fused MHA kernel fits these sizes and options
     _qkv_rows: tuple[int, int, int]
     _constants: frozenset[int]
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        num_kv_heads: int | None = None,
-        *,
-        d_head: int | None = None,
-        bias: bool = True,
-        dropout: float = 0.0,
-        rope_theta: float | None = None,
-        rope_scaling: Mapping[str, Any] | None = None,
-        rope_dim: int | None = None,
-        rope_interleaved: bool = False,
-        qk_norm: bool = False,
-        qk_norm_over: str = "head",
-        qk_norm_centred: bool = False,
-        qk_norm_offset: float = 0.0,
-        qk_norm_after_rope: bool = False,
-        norm_eps: float = 1e-6,
-        window: int | None = None,
-        logit_softcap: float | None = None,
-        query_pre_attn_scalar: float | None = None,
-        clip_qkv: float | None = None,
-        attention_sinks: bool = False,
-        alibi: bool = False,
-        output_gate: bool = False,
-        temperature_tuning: tuple[int, float] | None = None,
-        chunk_size: int | None = None,
-        differential_lambda_init: float | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    @constructor_of(_Options)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        config = AttentionConfig(**{name: value for name, value in locals().items() if name in OPTIONS})
-        check_float_dtype(config.owner, dtype)
-        self._build(config, {"device": device, "dtype": dtype})
+        options = bind("MultiHeadAttention", _Options, args, kwargs)
+        factory = {"device": options.pop("device"), "dtype": options.pop("dtype")}
+        config = AttentionConfig(**options)
+        check_float_dtype(config.owner, factory["dtype"])
+        self._build(config, factory)
 
     def _build(self, config: AttentionConfig, factory: dict[str, Any]) -> None:
         """The submodules, parameters and attributes `config` describes (validated when it was made)."""
-        c, device, dtype = config, factory["device"], factory["dtype"]
+        c = config
         d_model, num_heads, num_kv_heads, d_head = c.d_model, c.num_heads, c.kv_heads, c.head_width
-        self.d_model, self.num_heads, self.num_kv_heads, self.d_head = d_model, num_heads, num_kv_heads, d_head
         self.group = num_heads // num_kv_heads
-        for name in (n for n in _HELD if n not in SIZES):  # each option held under its own name, as it is held
-            setattr(self, name, _DERIVED.get(name, _same)(self, getattr(c, name)))
-        self.rope_dim = c.rotated_width
-        self.q_proj = nn.Linear(d_model, num_heads * d_head * (2 if c.output_gate else 1), bias=c.bias, **factory)
+        for name, value in c.held().items():  # each option held under its own name, as it is held
+            setattr(self, name, value)
+        self.scale = c.score_scale
+        self.q_proj = nn.Linear(d_model, c.query_rows, bias=c.bias, **factory)
         self.k_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=c.bias, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * d_head, bias=c.bias, **factory)
         self.o_proj = nn.Linear(num_heads * d_head, d_model, bias=c.bias, **factory)
         pack_qkv(self.q_proj, self.k_proj, self.v_proj)  # one storage, viewed whole by the fused path
-        self.rotary: RotaryEmbedding | None = None
-        if c.rope_theta is not None:
-            if self.rope_dim == d_head:
-                check_rotary_width(d_head, c.owner)
-            self.rotary = RotaryEmbedding(self.rope_dim or d_head, c.rope_theta, c.rope_scaling, c.rope_interleaved)
-            self.rotary.to(device=device)
-        if c.qk_norm:
-            self.q_norm, self.k_norm = qk_norms(c, factory)
-        self.sinks: nn.Parameter | None = nn.Parameter(torch.zeros(num_heads, **factory)) if c.attention_sinks else None
-        for name in K.LAMBDAS if c.differential_lambda_init is not None else ():  # DiffLlama's, named as its are
-            self.register_parameter(name, nn.Parameter(torch.empty(d_head, **factory).normal_(0, K.LAMBDA_STD)))
-        slopes = None
-        if c.alibi:  # not learned: a buffer, kept in the state dict so that loaded slopes (MPT's) stay
-            slopes = K.alibi_slopes(num_heads).to(device=device, dtype=dtype or torch.get_default_dtype())
-        self.register_buffer("alibi_slopes", slopes)
+        self.rotary = rotary_of(c, factory["device"])
+        for name, norm in qk_norm_modules(c, factory).items():
+            self.add_module(name, norm)
+        parameters, buffers = variant_tensors(c, factory)
+        for name, parameter in parameters.items():
+            setattr(self, name, parameter)
+        for name, buffer in buffers.items():
+            self.register_buffer(name, buffer)
         self._derive()
 
     @classmethod
@@ -214,14 +153,8 @@ class MultiHeadAttention(Conversions, nn.Module):
         return self._described()
 
     def _described(self) -> AttentionConfig:
-        rotary = self._modules.get("rotary")
         return AttentionConfig(
-            **{name: getattr(self, name) for name in _HELD},
-            bias=self.bias,
-            rope_scaling=getattr(rotary, "scaling", None),
-            rope_dim=None if self.rope_dim == self.d_head else self.rope_dim,
-            attention_sinks=self._parameters.get("sinks") is not None,
-            alibi=self._buffers.get("alibi_slopes") is not None,
+            **{name: HELD_BY_PARTS[name](self) if name in HELD_BY_PARTS else getattr(self, name) for name in OPTIONS}
         )
 
     def _derive(self) -> None:
@@ -245,8 +178,7 @@ class MultiHeadAttention(Conversions, nn.Module):
         derived["_qkv_rows"] = (num_heads * d_head, num_kv_heads * d_head, num_kv_heads * d_head)
         derived["_constants"] = frozenset(
             {d_model, num_heads, num_kv_heads, d_head, self.group, num_heads * d_head, num_kv_heads * d_head}
-            | ({self.window} if self.window is not None else set())
-            | ({self.rope_dim} if self.rope_dim is not None else set())
+            | {size for size in (getattr(self, name) for name in SIZED) if size is not None}
         )
         self._forget()
 
@@ -276,15 +208,18 @@ class MultiHeadAttention(Conversions, nn.Module):
         # what they fix again, and forget what was remembered under the old ones.
         built = "_fused" in self.__dict__  # (not while __init__ sets them)
         if built and name in OPTIONS and name not in SIZES:
-            if name in _BUILT_FROM:
+            if name in BUILT_FROM:
                 raise ConfigError(
-                    f"MultiHeadAttention: {name} cannot be set on a built module: its {_BUILT_FROM[name]} "
-                    f"{'were' if _BUILT_FROM[name].endswith('s') else 'was'} built from it. Build one that has it: "
+                    f"MultiHeadAttention: {name} cannot be set on a built module: its {BUILT_FROM[name]} "
+                    f"{'were' if BUILT_FROM[name].endswith('s') else 'was'} built from it. Build one that has it: "
                     f"MultiHeadAttention.from_config(dataclasses.replace(module.config, {name}={value!r})), then "
                     "load_state_dict(module.state_dict())."
                 )
-            dataclasses.replace(self._described(), **{name: value})  # validated as at construction (ConfigError)
-            value = _DERIVED.get(name, _same)(self, value)
+            described = self._described()
+            changed = dataclasses.replace(described, **{name: value})  # validated as at construction (ConfigError)
+            value = HELD_AS[name](value) if name in HELD_AS else value
+            if changed.score_scale != described.score_scale:  # the scores' scale it fixes
+                self.__dict__["scale"] = changed.score_scale
         super().__setattr__(name, value)
         if not built:
             return

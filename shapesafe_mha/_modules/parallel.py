@@ -94,19 +94,16 @@ def plan_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) ->
 
 
 def refuse_unsharded_norm(module: MultiHeadAttention, owner: str) -> None:
-    """Raise `ConfigError` for a QK-norm over every head at once, or differential attention's pairs of heads half the
-    heads apart: a rank holding some heads cannot compute them."""
-    if module.differential_lambda_init is not None:
-        raise ConfigError(
-            f"{owner}: differential attention (DiffLlama) pairs query head p with p + num_heads/2 and KV head j with "
-            "j + num_kv_heads/2, so a rank holding a contiguous share of the heads cannot compute it; run it unsplit."
-        )
-    if module.qk_norm and module.qk_norm_over == "all":
-        raise ConfigError(
-            f"{owner}: qk_norm_over='all' normalises every head's features together (OLMo-2), so a rank holding "
-            "some of the heads cannot compute it; only a QK-norm of each head (qk_norm_over='head' or 'per_head') "
-            "is split by heads."
-        )
+    """Raise `ConfigError` where a rank holding some of the heads cannot compute the layer (a QK-norm over every
+    head at once, differential attention's pairs of heads half the heads apart: `AttentionConfig.across_heads`)."""
+    across = module.config.across_heads()
+    if across is not None:
+        raise ConfigError(f"{owner}: {across}")
+
+
+def _of_each_head(weight: Tensor) -> bool:
+    """Whether a QK-norm's weight has a row for each head, `(heads, d_head)` (Cohere's), not one for every head."""
+    return weight.dim() == 2
 
 
 def _rows(heads: range, d_head: int) -> slice:
@@ -140,11 +137,11 @@ def _local_share(module: MultiHeadAttention, shard: HeadShard) -> tuple[MultiHea
             local.sinks.copy_(module.sinks[shard.q_heads.start : shard.q_heads.stop])  # pyright: ignore[reportOptionalMemberAccess]
         if module.alibi_slopes is not None:  # one slope per query head: this rank's heads' (not the sequence's start)
             local.alibi_slopes.copy_(module.alibi_slopes[shard.q_heads.start : shard.q_heads.stop])  # pyright: ignore[reportOptionalMemberAccess]
-        if module.qk_norm:  # one weight per feature of a head for every head, or each head's own row (Cohere's)
-            for name, heads in (("q_norm", shard.q_heads), ("k_norm", shard.kv_heads)):
+        for name, heads in (("q_norm", shard.q_heads), ("k_norm", shard.kv_heads)):
+            if name in module._modules:  # one weight per feature of a head for every head, or each head's own row
                 mine_norm: Any = local._modules[name]
                 held = getattr(module, name).weight
-                mine_norm.weight.copy_(held[heads.start : heads.stop] if module.qk_norm_over == "per_head" else held)
+                mine_norm.weight.copy_(held[heads.start : heads.stop] if _of_each_head(held) else held)
     local.o_proj.register_parameter("bias", None)  # the output bias is added once, after the sum
     out_bias = None
     if module.o_proj.bias is not None:
@@ -230,11 +227,10 @@ class HeadParallelAttention(nn.Module):
     ) -> "HeadParallelAttention":
         """Keep this rank's share of `module`: its query heads, the KV heads they read, `o_proj`'s columns.
 
-        Every option of `module` is carried (RoPE and its scaling, QK-norm and its weights, window,
-        softcap, `query_pre_attn_scalar`, `clip_qkv`, an output gate, temperature tuning, chunked attention,
-        attention sinks and ALiBi slopes (each rank its heads'), dropout, the biases each projection has). The
-        QK-norm weights, whole on every rank, get the gradient summed over the ranks; weights of each head (Cohere's,
-        `qk_norm_over='per_head'`) are split with their heads, each rank holding its heads' rows. The result is
+        Every option of `module` is carried (its `config`, each `AttentionConfig` field; attention sinks and ALiBi
+        slopes each rank its heads'; the biases each projection has). The QK-norm weights, whole on every rank, get
+        the gradient summed over the ranks; weights of each head (Cohere's) are split with their heads, each rank
+        holding its heads' rows. The result is
         verified: on a float64 copy, a causal forward and a decoding step of the probe, computed head-parallel
         (collective: every rank joins), equal `module`'s (`verify=False` skips it).
 
@@ -268,13 +264,11 @@ class HeadParallelAttention(nn.Module):
     def _sync_shared_norm_gradients(self) -> None:
         """QK-norm weights are every head's, held whole on every rank: each rank's gradient is its heads' share,
         so the shares are summed over the group in backward, and every rank's optimizer steps alike. Weights of each
-        head (qk_norm_over='per_head') are the rank's own rows: nothing to sum (a replicated KV head's are summed
-        with its projections)."""
-        if self.local.qk_norm_over == "per_head":
-            return
+        head (Cohere's) are the rank's own rows: nothing to sum (a replicated KV head's are summed with its
+        projections)."""
         for name in ("q_norm", "k_norm"):
             norm: Any = self.local._modules.get(name)
-            if norm is not None:
+            if norm is not None and not _of_each_head(norm.weight):
                 norm.weight.register_hook(lambda grad: _summed(grad, self.group))
 
     def _sync_replicated_kv_gradients(self) -> None:
@@ -287,7 +281,8 @@ class HeadParallelAttention(nn.Module):
         shard = self.shard
         if not shard.replicated_kv:
             return
-        k_norm = self.local._modules.get("k_norm") if self.local.qk_norm_over == "per_head" else None
+        k_norm: Any = self.local._modules.get("k_norm")
+        k_norm = k_norm if k_norm is not None and _of_each_head(k_norm.weight) else None
         for proj in (self.local.k_proj, self.local.v_proj, *([k_norm] if k_norm is not None else [])):
             for param in proj.parameters():
                 param.register_hook(lambda grad: _summed_by_kv_head(grad, shard, self.group))
@@ -385,11 +380,10 @@ class HeadParallelAttention(nn.Module):
                 full[shard.q_heads.start : shard.q_heads.stop] = sinks.grad
             dist.all_reduce(full, group=self.group)
             grads["sinks"] = full
-        per_head = self.local.qk_norm and self.local.qk_norm_over == "per_head"
         for name, heads, count in (("q_norm", shard.q_heads, self.num_heads), ("k_norm", shard.kv_heads,
                                                                               self.num_kv_heads)):  # fmt: skip
             norm: Any = self.local._modules.get(name)
-            if norm is not None and per_head:  # each rank's rows, a replicated KV head's counted once
+            if norm is not None and _of_each_head(norm.weight):  # each rank's rows, a replicated KV head's counted once
                 full = norm.weight.new_zeros((count, d_head))
                 if norm.weight.grad is not None and (
                     not shard.replicated_kv or name == "q_norm" or shard.rank == shard.kv_sharers[0]

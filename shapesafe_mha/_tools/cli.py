@@ -6,12 +6,15 @@ appears (`--d-model`, `--module`, `--decode`, ...), and its help is written once
 """
 
 import dataclasses
+import inspect
 import json
 import re
 import sys
+import typing
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
+from types import UnionType
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -36,12 +39,6 @@ class DType(StrEnum):
     float64 = "float64"
     float16 = "float16"
     bfloat16 = "bfloat16"
-
-
-class NormOver(StrEnum):
-    head = "head"
-    all = "all"
-    per_head = "per_head"
 
 
 class Format(StrEnum):
@@ -201,7 +198,6 @@ def _plain_text(report: "TraceReport") -> str:
     return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
 
 
-@app.command()
 def trace(
     d_model: DModel = 4096,
     num_heads: NumHeads = 32,
@@ -215,55 +211,6 @@ def trace(
     tp: Annotated[
         int, typer.Option(min=1, metavar="W", help="head-parallel ranks: show one rank's share and the all-reduce")
     ] = 1,
-    rope_theta: Annotated[
-        float | None, typer.Option(metavar="FLOAT", help="rotary position embeddings with this base (Llama: 500000)")
-    ] = None,
-    qk_norm: Annotated[
-        bool, typer.Option("--qk-norm/--no-qk-norm", help="RMS-normalise each head's q and k (Qwen3)")
-    ] = False,
-    window: Annotated[int | None, typer.Option(min=1, metavar="INT", help="sliding-window attention (Mistral)")] = None,
-    logit_softcap: Annotated[float | None, typer.Option(metavar="FLOAT", help="softcapped scores (Gemma 2)")] = None,
-    rope_dim: Annotated[
-        int | None, typer.Option(min=2, metavar="INT", help="partial rotary: rotate a head's first INT features (Phi)")
-    ] = None,
-    rope_interleaved: Annotated[
-        bool, typer.Option("--rope-interleaved/--rope-halves", help="RoPE on adjacent pairs (Cohere, GLM)")
-    ] = False,
-    qk_norm_over: Annotated[
-        NormOver,
-        typer.Option(
-            help="QK-norm over each head's features, all heads' at once (OLMo-2), or per_head: each head's "
-            "with weights of its own (Cohere)"
-        ),
-    ] = NormOver.head,
-    qk_norm_centred: Annotated[
-        bool, typer.Option("--qk-norm-centred/--qk-norm-rms", help="QK-norm a LayerNorm without bias (Cohere)")
-    ] = False,
-    qk_norm_offset: Annotated[
-        float, typer.Option(metavar="FLOAT", help="the QK-norm scales by FLOAT + weight (Gemma 3: 1)")
-    ] = 0.0,
-    attention_sinks: Annotated[
-        bool, typer.Option("--attention-sinks/--no-attention-sinks", help="a learned logit per head (gpt-oss)")
-    ] = False,
-    clip_qkv: Annotated[
-        float | None, typer.Option(metavar="FLOAT", help="clamp the projections to [-FLOAT, FLOAT] (OLMo)")
-    ] = None,
-    qk_norm_after_rope: Annotated[
-        bool, typer.Option("--qk-norm-after-rope/--qk-norm-before-rope", help="QK-norm after RoPE (HunYuan)")
-    ] = False,
-    output_gate: Annotated[
-        bool, typer.Option("--output-gate/--no-output-gate", help="heads gated by q_proj's gate (Qwen3-Next)")
-    ] = False,
-    temperature_tuning: Annotated[
-        tuple[int, float] | None,
-        typer.Option(metavar="FLOOR SCALE", help="queries scaled by position (Llama 4's NoPE layers: 8192 0.1)"),
-    ] = None,
-    chunk_size: Annotated[
-        int | None, typer.Option(min=1, metavar="INT", help="chunked attention: a query sees its chunk only (Llama 4)")
-    ] = None,
-    alibi: Annotated[
-        bool, typer.Option("--alibi/--no-alibi", help="ALiBi position biases, a slope per head (Bloom, MPT)")
-    ] = False,
     kv_lora_rank: Annotated[
         int | None,
         typer.Option(
@@ -290,9 +237,10 @@ def trace(
     output: Annotated[
         Path | None, typer.Option(dir_okay=False, metavar="FILE", help="write to this file instead of the terminal")
     ] = None,
+    **layer: Any,  # the layer's options, one for each AttentionConfig field (`_layer_options`)
 ) -> None:
     """Run one forward and print every stage: named shape, shape, strides, view or new allocation."""
-    options = locals()  # each option is TraceConfig's field of the same name
+    options = locals() | layer  # each option is TraceConfig's field of the same name
     from .._core.errors import ShapesafeError
     from .report import LatentTraceConfig, TraceConfig, trace_forward, trace_latent
 
@@ -307,7 +255,7 @@ def trace(
         else:
             fields = {f.name for f in dataclasses.fields(TraceConfig)}
             given: dict[str, Any] = {name: value for name, value in options.items() if name in fields}
-            given |= {"dtype": dtype.value, "qk_norm_over": qk_norm_over.value}
+            given = {name: str(value) if isinstance(value, StrEnum) else value for name, value in given.items()}
             config = TraceConfig(**given)
             report = trace_forward(config)
     except ShapesafeError as error:
@@ -336,6 +284,53 @@ def trace(
         output.write_text(text)
     except OSError as error:
         fail("trace", f"--output {output}: cannot write it: {error.strerror}")
+
+
+def _layer_options() -> list[inspect.Parameter]:
+    """An option for each `AttentionConfig` field that is no size (those are shared with the other commands, above)
+    and that a command line spells (a number, a flag, a choice, a pair: not a mapping), in the
+    config's order, its help the first sentence of the field's description there (`described`)."""
+    from .._modules.config import CHOICES, OPPOSITES, RANGES, SIZES, AttentionConfig, described
+
+    hints = typing.get_type_hints(AttentionConfig)
+    parameters = []
+    for field in dataclasses.fields(AttentionConfig):
+        kind: Any = hints[field.name]
+        union = typing.get_origin(kind) is UnionType
+        given = [t for t in typing.get_args(kind) if t is not type(None)] if union else [kind]
+        if field.name in SIZES or len(given) != 1:
+            continue
+        flag, (value,) = "--" + field.name.replace("_", "-"), given
+        help = re.split(r"(?<=\.)\s+(?=[A-Z`])", described(field.name), maxsplit=1)[0].replace("`", "")
+        edges = RANGES.get(field.name)
+        if value is bool:
+            option = typer.Option(f"{flag}/--{OPPOSITES.get(field.name, 'no-' + flag[2:])}", help=help)
+        elif field.name in CHOICES:  # typer's choices are an enum's members
+            kind = StrEnum(field.name, {word: word for word in CHOICES[field.name]})
+            option = typer.Option(help=help)
+        elif value in (int, float):
+            low = edges.low if edges and value is int and isinstance(edges.low, int) and not edges.low_open else None
+            option = typer.Option(min=low, metavar=value.__name__.upper(), help=help)
+        elif typing.get_origin(value) is tuple:
+            option = typer.Option(metavar=" ".join(t.__name__.upper() for t in typing.get_args(value)), help=help)
+        else:
+            continue
+        default = kind(field.default) if field.name in CHOICES else field.default
+        parameters.append(inspect.Parameter(field.name, KEYWORD, default=default, annotation=Annotated[kind, option]))
+    return parameters
+
+
+def _with_layer_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command`, its `**layer` the layer's options (`_layer_options`), after its `tp` (typer reads the signature)."""
+    signature = inspect.signature(command)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    at = next(i for i, p in enumerate(own) if p.name == "tp") + 1
+    command.__signature__ = signature.replace(parameters=[*own[:at], *_layer_options(), *own[at:]])  # type: ignore[attr-defined]
+    return command
+
+
+KEYWORD = inspect.Parameter.POSITIONAL_OR_KEYWORD  # (typer passes every option by its name)
+app.command()(_with_layer_options(trace))
 
 
 def _in_cli_words(report: str) -> str:

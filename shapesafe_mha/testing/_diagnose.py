@@ -6,7 +6,7 @@ like. Each variant is the reference with one argument changed, so a match is evi
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -85,42 +85,16 @@ class Scenario:
             eye = torch.eye(w_o.shape[1], dtype=w_o.dtype, device=w_o.device)
             heads = replace(self, merge=None, weights=replace(self.weights, w_o=eye, b_o=None)).expected()
             return torch.nn.functional.linear(self.merge(heads), w_o, b_o)
-        return per_head_attention(
-            self.query,
-            self.key,
-            self.value,
-            self.weights,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            is_causal=self.is_causal,
-            attn_mask=self.attn_mask,
-            key_padding_mask=self.key_padding_mask,
-            rope_theta=self.rope_theta,
-            positions=self.positions,
-            key_positions=self.key_positions,
-            rope_style=self.rope_style,
-            kv_heads=self.kv_heads,
-            scale=self.scale,
-            score_mod=self.score_mod,
-            mask_mod=self.mask_mod,
-            rotary_dim=self.rotary_dim,
-            qk_norm=self.qk_norm,
-            norm_eps=self.norm_eps,
-            qk_norm_over=self.qk_norm_over,
-            window=self.window,
-            logit_softcap=self.logit_softcap,
-            sinks=self.sinks,
-            alibi_slopes=self.alibi_slopes,
-            output_gate=self.output_gate,
-            qk_norm_after_rope=self.qk_norm_after_rope,
-            qk_norm_bias=self.qk_norm_bias,
-            qk_norm_centred=self.qk_norm_centred,
-            out_norm=self.out_norm,
-        )
+        # every other field is the reference's keyword of the same name
+        passed = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_PASSED}
+        return per_head_attention(self.query, self.key, self.value, self.weights, **passed)
 
     @property
     def d_head(self) -> int:
         return self.weights.w_q.shape[0] // self.num_heads
+
+
+_NOT_PASSED = ("query", "key", "value", "weights", "extra", "merge")  # the call's tensors; not the reference's
 
 
 def _causal_shifted(s: Scenario, shift: int) -> Tensor:
