@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
+from shapesafe_mha._modules import plan
 from shapesafe_mha.reference import packed_per_head_attention
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
@@ -380,6 +381,54 @@ def test_a_forward_hook_that_raises_leaves_a_paged_cache_as_it_was(form: str, ki
         assert after[0] == before[0]
         for held, kept in zip(after[1] + after[2], before[1] + before[2], strict=True):
             assert torch.equal(held, kept)
+        torch.testing.assert_close(
+            module(new, is_causal=True, kv_cache=cache), module(new, is_causal=True, kv_cache=twin), rtol=0, atol=0
+        )
+
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found(
+    monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
+    """A decoding step whose verdict is remembered runs unchecked; when it fails after writing the paged cache, it is
+    run again with checks to explain the failure, on the cache as the call found it (the rerun writes where the
+    failed run wrote, from the same lengths), and the call then leaves the cache as it was: equal to a twin that never
+    saw the call, the next step computing exactly what the twin's computes."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(8, 2, 1, rope_theta=10000.0, window=window, dtype=torch.float64)
+    cache = ssm.PagedKVCache.for_module(module, num_blocks=32, block_size=2)
+    twin = ssm.PagedKVCache.for_module(module, num_blocks=32, block_size=2)
+    for paged in (cache, twin):
+        paged.add(), paged.add(), paged.add()
+    with torch.no_grad():
+        for _ in range(11):  # (lengths past the module's sizes: later steps share the verdict by relations)
+            step = torch.randn(3, 1, 8, dtype=torch.float64)
+            for paged in (cache, twin):
+                module(step, is_causal=True, kv_cache=paged)
+        before = _visible(cache)
+        written: list[list[int]] = []  # the lengths each write of the failed call found
+        write = cache.write_decoded
+
+        def spy(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            written.append([cache.length(seq) for seq in cache.sequences])
+            return write(slots, k, v)
+
+        def planted(*_: object) -> None:
+            raise RuntimeError("planted after the cache was written")
+
+        monkeypatch.setattr(cache, "write_decoded", spy)
+        monkeypatch.setattr(plan.RAW, "project_output", planted)  # the unchecked run only: checks run the stage
+        with pytest.raises(RuntimeError, match="planted after the cache was written"):
+            module(torch.randn(3, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
+        monkeypatch.undo()
+        assert written == [before[0][1], before[0][1]]  # the unchecked run, then the checked one, from one cache
+        after = _visible(cache)
+        assert after[0] == before[0] == _visible(twin)[0]
+        for held, kept, twins in zip(after[1] + after[2], before[1] + before[2], _visible(twin)[1] + _visible(twin)[2],
+                                     strict=True):  # fmt: skip
+            assert torch.equal(held, kept) and torch.equal(held, twins)
+        new = torch.randn(3, 1, 8, dtype=torch.float64)
         torch.testing.assert_close(
             module(new, is_causal=True, kv_cache=cache), module(new, is_causal=True, kv_cache=twin), rtol=0, atol=0
         )
