@@ -344,7 +344,8 @@ class PagedKVCache:
         a leave rebuilds the map through `locate` and checks every slot with `check_slots`), so a step makes no
         tensor from Python lists, checks nothing on the device and waits for no value from it. Without a window,
         the right-aligned slots, the padding and the positions are columns of buffers made when the lengths are not
-        the last step's plus one (a join, a leave, a prefill, a restore): a step writes its new column only.
+        those of a step the buffers hold or of the next (a join, a leave, a prefill): a step writes its new column
+        only, from the slot map, so a step undone (a restore, blocks given back) is written again as it is redone.
 
         Raises:
             ShapeError: the pool has too few free blocks, or a block table points outside the pool or at a block
@@ -423,8 +424,6 @@ class PagedKVCache:
             common = min(len(table), len(seen))
             if len(table) > width or table[dropped:common] != seen[dropped:common]:
                 return self._rebuilt(seqs, owner)  # not a block appended or freed by the window: every slot again
-            if len(table) < len(seen):  # blocks given back (a restore): the right-aligned columns made again
-                state.base = []
             for j in range(common, len(table)):  # appended blocks (reserve's): each checked, its slots written
                 block = table[j]
                 if not 0 <= block < self.num_blocks or self._owner_of.get(block) != seq:
