@@ -300,13 +300,15 @@ def test_gradients_through_paged_steps_equal_a_kv_caches() -> None:
     block_size=st.integers(1, 16),
     schedule=schedules(),
     seed=st.integers(0, 2**16),
+    grad=st.booleans(),
     data=st.data(),
 )
 def test_latent_attention_packed_and_paged(
-    lengths: list[int], block_size: int, schedule: list, seed: int, data: st.DataObject
+    lengths: list[int], block_size: int, schedule: list, seed: int, grad: bool, data: st.DataObject
 ) -> None:
     """LatentAttention: packed == each sequence alone, and paged (one shared pool of latent entries) == a
-    LatentCache per sequence, decoding by absorption included (no_grad), sequences joining and leaving."""
+    LatentCache per sequence, sequences joining and leaving; decoding every sequence's new token as one batch
+    (`(num_seqs, 1, d_model)` or packed), by absorption (no_grad) and by rebuilt keys and values (grad)."""
     torch.manual_seed(seed)
     mla = ssm.LatentAttention(16, 2, kv_lora_rank=4, d_nope=2, d_rope=2, d_value=3, dtype=torch.float64)
     x, cu = _packed(lengths, 16)
@@ -318,15 +320,19 @@ def test_latent_attention_packed_and_paged(
     assert cache.values_pool is cache.keys_pool and cache.nbytes == cache.keys_pool.numel() * 8
     cache._free = data.draw(st.permutations(range(64)), label="free list")
     live: list[tuple[int, object]] = []
-    with torch.no_grad():
-        for joining, leaving, sizes in schedule:
+    decoding = [([], [], dict.fromkeys(range(64), 1))] * 3  # then every live sequence decodes, lengths apart
+    with torch.set_grad_enabled(grad):
+        for joining, leaving, sizes in [*schedule, *decoding]:
             for index in reversed(leaving):
                 cache.remove(live.pop(index)[0])
             old = len(live)
             live += [(cache.add(), mla.new_cache(1, 64)) for _ in joining]
             news = [sizes.get(i, 0) for i in range(old)] + joining
             x, cu = _packed(news, 16)
-            out = mla(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
+            if all(n == 1 for n in news) and data.draw(st.booleans(), label="decode form"):
+                out = mla(x[0][:, None], is_causal=True, kv_cache=cache)[:, 0][None]
+            else:
+                out = mla(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
             bounds = cu.tolist()
             for (seq, contiguous), a, b in zip(live, bounds[:-1], bounds[1:], strict=True):
                 if b > a:

@@ -389,13 +389,15 @@ class PagedKVCache:
             keys_flat, values_flat = self._flat()
         else:  # in place, one row a sequence
             keys_flat.index_copy_(0, new, k[:, :, 0])
-            values_flat.index_copy_(0, new, v[:, :, 0])
+            if self.values_pool is not self.keys_pool:  # (a shared pool: one write)
+                values_flat.index_copy_(0, new, v[:, :, 0])
         for seq in seqs:
             lengths[seq] += 1
         # read sequence by sequence (the slots are step by step): each one's keys a run of rows, as SDPA reads them
         where, shape = slots.t().reshape(-1), (len(seqs), slots.shape[0], self.num_kv_heads, self.d_head)
         keys = keys_flat.index_select(0, where).view(shape).transpose(1, 2)
-        values = values_flat.index_select(0, where).view(shape).transpose(1, 2)
+        shared = self.values_pool is self.keys_pool  # (a latent cache: its entries are its keys and values)
+        values = keys if shared else values_flat.index_select(0, where).view(shape).transpose(1, 2)
         if self.window is not None:
             for seq in seqs:
                 self._slide(seq)
