@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
-from shapesafe_mha._modules import plan
+from shapesafe_mha._modules import latent, plan
 from shapesafe_mha.reference import packed_per_head_attention
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
@@ -393,16 +393,21 @@ def test_a_forward_hook_that_raises_leaves_a_paged_cache_as_it_was(form: str, ki
 
 
 
-@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize(("kind", "window"), [("multihead", None), ("multihead", 4), ("latent", None)])
 def test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found(
-    monkeypatch: pytest.MonkeyPatch, window: int | None
+    monkeypatch: pytest.MonkeyPatch, kind: str, window: int | None
 ) -> None:
     """A decoding step whose verdict is remembered runs unchecked; when it fails after writing the paged cache, it is
     run again with checks to explain the failure, on the cache as the call found it (the rerun writes where the
     failed run wrote, from the same lengths), and the call then leaves the cache as it was: equal to a twin that never
     saw the call, the next step computing exactly what the twin's computes."""
     torch.manual_seed(0)
-    module = ssm.MultiHeadAttention(8, 2, 1, rope_theta=10000.0, window=window, dtype=torch.float64)
+    if kind == "multihead":
+        module: torch.nn.Module = ssm.MultiHeadAttention(8, 2, 1, rope_theta=1e4, window=window, dtype=torch.float64)
+        stages, last = plan.RAW, "project_output"
+    else:
+        module = ssm.LatentAttention(8, 2, kv_lora_rank=4, d_nope=2, d_rope=2, d_value=2, dtype=torch.float64)
+        stages, last = latent._RAW, "project_latent_output"
     cache = ssm.PagedKVCache.for_module(module, num_blocks=32, block_size=2)
     twin = ssm.PagedKVCache.for_module(module, num_blocks=32, block_size=2)
     for paged in (cache, twin):
@@ -424,7 +429,7 @@ def test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found(
             raise RuntimeError("planted after the cache was written")
 
         monkeypatch.setattr(cache, "write_decoded", spy)
-        monkeypatch.setattr(plan.RAW, "project_output", planted)  # the unchecked run only: checks run the stage
+        monkeypatch.setattr(stages, last, planted)  # the unchecked run only: checks run the stage
         with pytest.raises(RuntimeError, match="planted after the cache was written"):
             module(torch.randn(3, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
         monkeypatch.undo()

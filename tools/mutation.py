@@ -633,6 +633,9 @@ MUTANTS: list[Mutant] = [
       "self.decode.positions + 1, self.decode.padding\n",
       "latent attention's batched paged decoding rotates the new tokens one position on",
       f"{SERVING}::test_latent_attention_packed_and_paged"),
+    M("_modules/paged_latent.py", "        self.decode.restore(state)\n", "        pass\n",
+      "latent attention's remembered batched decoding step that fails is rerun on the lengths it advanced",
+      f"{SERVING}::test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found"),
     # --- prove, and what it is told of each stage ---
     M("_tools/prove.py", "            if _only_guards_true_everywhere(error, sources):", "            if False:",
       "prove refuses guards torch cannot decide though they hold at every size (false alarms)",
