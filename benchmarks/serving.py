@@ -9,7 +9,8 @@ alternately, round after round, and reports the median per-round ratio (as `pyth
   (`key_padding_mask`) and through plain torch (`F.linear` + `F.scaled_dot_product_attention(enable_gqa=True)`
   with the padding mask): goal <= 1.00;
 - one decoding step of every sequence through a `PagedKVCache` / through a contiguous `KVCache` of the same
-  sequences left-padded to the longest: goal <= 1.10.
+  sequences left-padded to the longest: goal <= 1.10; the same for a `LatentAttention` (MLA, one shared pool of
+  latent entries / a contiguous `LatentCache`).
 
 Then the bytes each decoding step allocates (every new storage, recorded at the dispatcher): a paged step
 gathers the keys and values it attends to (the sequences' positions, not the pool) and never copies the pool.
@@ -30,6 +31,7 @@ from benchmarks.__main__ import measure
 from shapesafe_mha.testing import AllocationRecorder
 
 D_MODEL, HEADS, KV_HEADS, BLOCK = 256, 8, 2, 16
+LATENT = {"kv_lora_rank": 64, "d_nope": 32, "d_rope": 16, "d_value": 32}  # DeepSeek's proportions, scaled down
 
 
 def lengths_of(count: int, seed: int = 0) -> list[int]:
@@ -68,7 +70,9 @@ def torch_padded(module: ssm.MultiHeadAttention, x: torch.Tensor, padding: torch
     return run
 
 
-def decoders(module: ssm.MultiHeadAttention, lengths: list[int]) -> tuple[Callable[[], object], Callable[[], object]]:
+def decoders(
+    module: ssm.MultiHeadAttention | ssm.LatentAttention, lengths: list[int]
+) -> tuple[Callable[[], object], Callable[[], object]]:
     """One decoding step of every sequence, paged and contiguous (each undone after, so every round decodes the
     same step), the caches filled with the prompts first."""
     n, longest = len(lengths), max(lengths)
@@ -124,6 +128,7 @@ def main() -> None:
     rounds = args.rounds or (8 if args.quick else 30)
     torch.manual_seed(0)
     module = ssm.MultiHeadAttention(D_MODEL, HEADS, KV_HEADS, rope_theta=10000.0, bias=False).eval()
+    latent = ssm.LatentAttention(D_MODEL, HEADS, **LATENT).eval()
     rows: list[tuple[str, str, float, float, float, str]] = []
     memory: list[tuple[str, int, int, int, int, int]] = []
     with torch.no_grad():
@@ -143,10 +148,12 @@ def main() -> None:
             inner = max(1, 64 // count)
             baseline = torch_padded(module, padded, padding)
             paged_step, contiguous_step = decoders(module, lengths)
+            paged_latent, contiguous_latent = decoders(latent, lengths)
             for name, ours, theirs, calls, goal in (
                 ("packed prefill / padded (ours)", packed, ours_padded, inner, "<= 1.00"),
                 ("packed prefill / padded (torch)", packed, baseline, inner, "<= 1.00"),
                 ("paged decode / contiguous decode", paged_step, contiguous_step, 8, "<= 1.10"),
+                ("MLA paged decode / contiguous decode", paged_latent, contiguous_latent, 8, "<= 1.10"),
             ):
                 rows.append((name, sizes, *measure(ours, theirs, rounds, calls), goal))
             paged_total, paged_largest = step_bytes(paged_step)

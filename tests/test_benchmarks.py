@@ -24,7 +24,12 @@ def test_serving_benchmark_prints_every_row_and_a_paged_step_never_copies_its_po
     packed/padded and paged/contiguous rows, and each decoding step allocates less than its pool holds."""
     command = [sys.executable, "-m", "benchmarks.serving", "--rounds", "2", "--counts", "1", "3", "--markdown"]
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    rows = ("packed prefill / padded (ours)", "packed prefill / padded (torch)", "paged decode / contiguous decode")
+    rows = (
+        "packed prefill / padded (ours)",
+        "packed prefill / padded (torch)",
+        "paged decode / contiguous decode",
+        "MLA paged decode / contiguous decode",
+    )
     for name in rows:
         assert sum(f"| {name} |" in line for line in out.splitlines()) == 2, name
     steps = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "seqs," in line]

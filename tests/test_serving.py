@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
+from shapesafe_mha._modules import latent, plan
 from shapesafe_mha.reference import packed_per_head_attention
 
 F64 = {"atol": 1e-10, "rtol": 1e-8}
@@ -299,13 +300,15 @@ def test_gradients_through_paged_steps_equal_a_kv_caches() -> None:
     block_size=st.integers(1, 16),
     schedule=schedules(),
     seed=st.integers(0, 2**16),
+    grad=st.booleans(),
     data=st.data(),
 )
 def test_latent_attention_packed_and_paged(
-    lengths: list[int], block_size: int, schedule: list, seed: int, data: st.DataObject
+    lengths: list[int], block_size: int, schedule: list, seed: int, grad: bool, data: st.DataObject
 ) -> None:
     """LatentAttention: packed == each sequence alone, and paged (one shared pool of latent entries) == a
-    LatentCache per sequence, decoding by absorption included (no_grad), sequences joining and leaving."""
+    LatentCache per sequence, sequences joining and leaving; decoding every sequence's new token as one batch
+    (`(num_seqs, 1, d_model)` or packed), by absorption (no_grad) and by rebuilt keys and values (grad)."""
     torch.manual_seed(seed)
     mla = ssm.LatentAttention(16, 2, kv_lora_rank=4, d_nope=2, d_rope=2, d_value=3, dtype=torch.float64)
     x, cu = _packed(lengths, 16)
@@ -317,15 +320,19 @@ def test_latent_attention_packed_and_paged(
     assert cache.values_pool is cache.keys_pool and cache.nbytes == cache.keys_pool.numel() * 8
     cache._free = data.draw(st.permutations(range(64)), label="free list")
     live: list[tuple[int, object]] = []
-    with torch.no_grad():
-        for joining, leaving, sizes in schedule:
+    decoding = [([], [], dict.fromkeys(range(64), 1))] * 3  # then every live sequence decodes, lengths apart
+    with torch.set_grad_enabled(grad):
+        for joining, leaving, sizes in [*schedule, *decoding]:
             for index in reversed(leaving):
                 cache.remove(live.pop(index)[0])
             old = len(live)
             live += [(cache.add(), mla.new_cache(1, 64)) for _ in joining]
             news = [sizes.get(i, 0) for i in range(old)] + joining
             x, cu = _packed(news, 16)
-            out = mla(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
+            if all(n == 1 for n in news) and data.draw(st.booleans(), label="decode form"):
+                out = mla(x[0][:, None], is_causal=True, kv_cache=cache)[:, 0][None]
+            else:
+                out = mla(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
             bounds = cu.tolist()
             for (seq, contiguous), a, b in zip(live, bounds[:-1], bounds[1:], strict=True):
                 if b > a:
@@ -385,19 +392,73 @@ def test_a_forward_hook_that_raises_leaves_a_paged_cache_as_it_was(form: str, ki
         )
 
 
+
+@pytest.mark.parametrize(("kind", "window"), [("multihead", None), ("multihead", 4), ("latent", None)])
+def test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found(
+    monkeypatch: pytest.MonkeyPatch, kind: str, window: int | None
+) -> None:
+    """A decoding step whose verdict is remembered runs unchecked; when it fails after writing the paged cache, it is
+    run again with checks to explain the failure, on the cache as the call found it (the rerun writes where the
+    failed run wrote, from the same lengths), and the call then leaves the cache as it was: equal to a twin that never
+    saw the call, the next step computing exactly what the twin's computes."""
+    torch.manual_seed(0)
+    if kind == "multihead":
+        module: torch.nn.Module = ssm.MultiHeadAttention(8, 2, 1, rope_theta=1e4, window=window, dtype=torch.float64)
+        stages, last = plan.RAW, "project_output"
+    else:
+        module = ssm.LatentAttention(8, 2, kv_lora_rank=4, d_nope=2, d_rope=2, d_value=2, dtype=torch.float64)
+        stages, last = latent._RAW, "project_latent_output"
+    cache = ssm.PagedKVCache.for_module(module, num_blocks=32, block_size=2)
+    twin = ssm.PagedKVCache.for_module(module, num_blocks=32, block_size=2)
+    for paged in (cache, twin):
+        paged.add(), paged.add(), paged.add()
+    with torch.no_grad():
+        for _ in range(11):  # (lengths past the module's sizes: later steps share the verdict by relations)
+            step = torch.randn(3, 1, 8, dtype=torch.float64)
+            for paged in (cache, twin):
+                module(step, is_causal=True, kv_cache=paged)
+        before = _visible(cache)
+        written: list[list[int]] = []  # the lengths each write of the failed call found
+        write = cache.write_decoded
+
+        def spy(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            written.append([cache.length(seq) for seq in cache.sequences])
+            return write(slots, k, v)
+
+        def planted(*_: object) -> None:
+            raise RuntimeError("planted after the cache was written")
+
+        monkeypatch.setattr(cache, "write_decoded", spy)
+        monkeypatch.setattr(stages, last, planted)  # the unchecked run only: checks run the stage
+        with pytest.raises(RuntimeError, match="planted after the cache was written"):
+            module(torch.randn(3, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
+        monkeypatch.undo()
+        assert written == [before[0][1], before[0][1]]  # the unchecked run, then the checked one, from one cache
+        after = _visible(cache)
+        assert after[0] == before[0] == _visible(twin)[0]
+        for held, kept, twins in zip(after[1] + after[2], before[1] + before[2], _visible(twin)[1] + _visible(twin)[2],
+                                     strict=True):  # fmt: skip
+            assert torch.equal(held, kept) and torch.equal(held, twins)
+        new = torch.randn(3, 1, 8, dtype=torch.float64)
+        torch.testing.assert_close(
+            module(new, is_causal=True, kv_cache=cache), module(new, is_causal=True, kv_cache=twin), rtol=0, atol=0
+        )
+
+
 @given(
     module=serving_modules(variants=False),
     block_size=st.integers(1, 8),
     count=st.integers(1, 3),
-    operations=st.lists(st.sampled_from(["decode", "decode", "chunk", "undo"]), min_size=1, max_size=10),
+    operations=st.lists(st.sampled_from(["decode", "decode", "chunk", "undo", "shuffle"]), min_size=1, max_size=10),
     data=st.data(),
 )
 def test_decoding_after_undone_steps_and_chunks_equals_a_kv_cache_per_sequence(
     module: ssm.MultiHeadAttention, block_size: int, count: int, operations: list[str], data: st.DataObject
 ) -> None:
     """What decoding keeps between steps (slot maps, right-aligned slots, positions) follows the cache through
-    steps undone by `restore` (the blocks they took given back) and packed chunks between steps (every sequence
-    the same number of new tokens): each step computes what a contiguous KVCache per sequence computes."""
+    steps undone by `restore` (the blocks they took given back, then other blocks handed out for the same positions)
+    and packed chunks between steps (every sequence the same number of new tokens): each step computes what a
+    contiguous KVCache per sequence computes."""
     cache = ssm.PagedKVCache.for_module(module, num_blocks=96, block_size=block_size)
     cache._free = data.draw(st.permutations(range(96)), label="free list")
     seqs = [(cache.add(), module.new_cache(1, 64)) for _ in range(count)]
@@ -408,6 +469,9 @@ def test_decoding_after_undone_steps_and_chunks_equals_a_kv_cache_per_sequence(
     saved: list[tuple] = []
     with torch.no_grad():
         for operation in operations:
+            if operation == "shuffle":  # (after an undo: the blocks given back are not the next ones handed out)
+                cache._free = data.draw(st.permutations(cache._free), label="free list")
+                continue
             if operation == "undo":
                 if saved:
                     state, states = saved.pop()

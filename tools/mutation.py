@@ -74,6 +74,7 @@ BY_LENGTH_PROBE = (
 )
 COHERE_HF = "tests/test_variants_hf.py::test_cohere_qk_norm_equals_the_reference_and_round_trips"
 FLEX = "tests/test_flex.py"
+SERVING = "tests/test_serving.py"
 
 MUTANTS: list[Mutant] = [
     # --- kernels: the computation ---
@@ -616,6 +617,25 @@ MUTANTS: list[Mutant] = [
       "absorption bypasses a hooked or adapted kv_b_proj", LATENT),
     M("_modules/contract.py", "return kept is None or (needed is not None and kept >= needed)", "return True",
       "a cache with a narrower window than the module's accepted (it drops keys the module needs)", VARIANTS),
+    # --- serving: a paged cache's decoding steps ---
+    M("_compute/paged.py", "            paged._lengths = dict(lengths)\n", "            pass\n",
+      "a remembered decoding step that fails is rerun with checks on the lengths its failed run advanced",
+      f"{SERVING}::test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found"),
+    M("_compute/paged.py", "        if paged.window is not None:\n            paged.restore(state)\n",
+      "        if paged.window is not None:\n            pass\n",
+      "a remembered windowed decoding step that fails is rerun with checks on the tables and lengths it changed",
+      f"{SERVING}::test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found"),
+    M("_modules/paged_latent.py", "self.decode.positions, self.decode.padding\n",
+      "self.decode.positions, self.decode.padding & False\n",
+      "latent attention's batched paged decoding attends to the shorter sequences' left padding",
+      f"{SERVING}::test_latent_attention_packed_and_paged"),
+    M("_modules/paged_latent.py", "self.decode.positions, self.decode.padding\n",
+      "self.decode.positions + 1, self.decode.padding\n",
+      "latent attention's batched paged decoding rotates the new tokens one position on",
+      f"{SERVING}::test_latent_attention_packed_and_paged"),
+    M("_modules/paged_latent.py", "        self.decode.restore(state)\n", "        pass\n",
+      "latent attention's remembered batched decoding step that fails is rerun on the lengths it advanced",
+      f"{SERVING}::test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found"),
     # --- prove, and what it is told of each stage ---
     M("_tools/prove.py", "            if _only_guards_true_everywhere(error, sources):", "            if False:",
       "prove refuses guards torch cannot decide though they hold at every size (false alarms)",

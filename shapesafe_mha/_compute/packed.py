@@ -85,11 +85,12 @@ def serving_forward(
     positions: Any,
     cu_seqlens: Any,
     view: Callable[[PagedKVCache, int, str], Any] = SequenceView,
+    decode: Callable[[PagedKVCache, str], Any] | None = DecodeView,
 ) -> Tensor:
     """`MultiHeadAttention.forward` for a packed batch (`cu_seqlens`) and/or a `PagedKVCache` (see the module's
     `forward`); a failed call leaves the paged cache as it was. `view(paged, seq, owner)` is one sequence of the
-    paged cache as the module's cache stage reads it (`LatentAttention` passes its own); a module with a view of
-    its own decodes sequence by sequence."""
+    paged cache as the module's cache stage reads it, `decode(paged, owner)` one new token of every sequence
+    (with its `positions` and `padding`) (`LatentAttention` passes its own); None decodes sequence by sequence."""
     owner = f"{'LatentAttention' if hasattr(module, 'kv_lora_rank') else 'MultiHeadAttention'}.forward()"
     paged = kv_cache if isinstance(kv_cache, PagedKVCache) else None
     _refuse(module, query, key, value, attn_mask, key_padding_mask, need_weights, kv_cache, paged, owner)
@@ -103,12 +104,12 @@ def serving_forward(
                 "or chunks pack them, (1, total, d_model), and pass cu_seqlens."
             )
         _check_positions(positions, (query.shape[0], 1), "one token of each sequence has", owner)
-        if view is SequenceView and module.temperature_tuning is None:  # (a view of its own: one by one)
-            return _decoded(module, query, paged, is_causal, positions, owner)
+        if decode is not None and getattr(module, "temperature_tuning", None) is None:
+            return _decoded(module, query, paged, is_causal, positions, decode, owner)
         where = None if positions is None else positions.reshape(1, -1)
         steps = list(range(query.shape[0] + 1))
         packed = query.reshape(1, -1, query.shape[2])
-        return _paged(module, packed, steps, paged, is_causal, where, view, owner)[0][:, None]
+        return _paged(module, packed, steps, paged, is_causal, where, view, decode, owner)[0][:, None]
     if query.shape[0] != 1:
         raise ShapeError(
             f"{owner}: query has batch={query.shape[0]}, but with cu_seqlens it is a packed batch (1, total, "
@@ -117,7 +118,7 @@ def serving_forward(
     offsets = check_cu_seqlens(cu_seqlens, query.shape[1], None if paged is None else len(paged.sequences), owner)
     _check_positions(positions, (1, query.shape[1]), "a packed batch's positions are (1, total):", owner)
     if paged is not None:
-        return _paged(module, query, offsets, paged, is_causal, positions, view, owner)
+        return _paged(module, query, offsets, paged, is_causal, positions, view, decode, owner)
     pieces = [
         module.forward(query[:, a:b], is_causal=is_causal, positions=None if positions is None else positions[:, a:b])
         for a, b in itertools.pairwise(offsets)
@@ -184,15 +185,16 @@ def _paged(
     is_causal: bool,
     positions: Tensor | None,
     view: Callable[[PagedKVCache, int, str], Any],
+    decode: Callable[[PagedKVCache, str], Any] | None,
     owner: str,
 ) -> Tensor:
     """Each live sequence's segment of `query` through the module, appending to its blocks; all or nothing."""
     seqs = paged.sequences
     sizes = [b - a for a, b in itertools.pairwise(offsets)]
-    batched = view is SequenceView and module.temperature_tuning is None  # (its own view: one by one)
-    if batched and all(size == 1 for size in sizes):  # decoding, packed: one batch
+    batched = getattr(module, "temperature_tuning", None) is None  # (else one by one)
+    if decode is not None and batched and all(size == 1 for size in sizes):  # decoding, packed: one batch
         where = None if positions is None else positions[0][:, None]
-        return _decoded(module, query[0][:, None], paged, is_causal, where, owner)[:, 0][None]
+        return _decoded(module, query[0][:, None], paged, is_causal, where, decode, owner)[:, 0][None]
     state = paged.state()
     try:
         paged.reserve(dict(zip(seqs, sizes, strict=True)), owner)  # every block the call needs, or none, first
@@ -210,13 +212,19 @@ def _paged(
 
 
 def _decoded(
-    module: Any, query: Tensor, paged: PagedKVCache, is_causal: bool, positions: Tensor | None, owner: str
+    module: Any,
+    query: Tensor,
+    paged: PagedKVCache,
+    is_causal: bool,
+    positions: Tensor | None,
+    view: Callable[[PagedKVCache, str], Any],
+    owner: str,
 ) -> Tensor:
-    """One new token of every live sequence, `query` `(num_seqs, 1, d_model)`, as one batch (`DecodeView`); all or
-    nothing."""
+    """One new token of every live sequence, `query` `(num_seqs, 1, d_model)`, as one batch (`view`, a `DecodeView`
+    or the module's own); all or nothing."""
     state = paged.state()
     try:
-        decode = DecodeView(paged, owner)
+        decode = view(paged, owner)
         if module.rotary is None:
             where = None
         elif positions is not None:

@@ -344,7 +344,8 @@ class PagedKVCache:
         a leave rebuilds the map through `locate` and checks every slot with `check_slots`), so a step makes no
         tensor from Python lists, checks nothing on the device and waits for no value from it. Without a window,
         the right-aligned slots, the padding and the positions are columns of buffers made when the lengths are not
-        the last step's plus one (a join, a leave, a prefill, a restore): a step writes its new column only.
+        those of a step the buffers hold or of the next (a join, a leave, a prefill): a step writes its new column
+        only, from the slot map, so a step undone (a restore, blocks given back) is written again as it is redone.
 
         Raises:
             ShapeError: the pool has too few free blocks, or a block table points outside the pool or at a block
@@ -388,13 +389,15 @@ class PagedKVCache:
             keys_flat, values_flat = self._flat()
         else:  # in place, one row a sequence
             keys_flat.index_copy_(0, new, k[:, :, 0])
-            values_flat.index_copy_(0, new, v[:, :, 0])
+            if self.values_pool is not self.keys_pool:  # (a shared pool: one write)
+                values_flat.index_copy_(0, new, v[:, :, 0])
         for seq in seqs:
             lengths[seq] += 1
         # read sequence by sequence (the slots are step by step): each one's keys a run of rows, as SDPA reads them
         where, shape = slots.t().reshape(-1), (len(seqs), slots.shape[0], self.num_kv_heads, self.d_head)
         keys = keys_flat.index_select(0, where).view(shape).transpose(1, 2)
-        values = values_flat.index_select(0, where).view(shape).transpose(1, 2)
+        shared = self.values_pool is self.keys_pool  # (a latent cache: its entries are its keys and values)
+        values = keys if shared else values_flat.index_select(0, where).view(shape).transpose(1, 2)
         if self.window is not None:
             for seq in seqs:
                 self._slide(seq)
@@ -423,8 +426,6 @@ class PagedKVCache:
             common = min(len(table), len(seen))
             if len(table) > width or table[dropped:common] != seen[dropped:common]:
                 return self._rebuilt(seqs, owner)  # not a block appended or freed by the window: every slot again
-            if len(table) < len(seen):  # blocks given back (a restore): the right-aligned columns made again
-                state.base = []
             for j in range(common, len(table)):  # appended blocks (reserve's): each checked, its slots written
                 block = table[j]
                 if not 0 <= block < self.num_blocks or self._owner_of.get(block) != seq:

@@ -630,7 +630,8 @@ class LatentAttention(nn.Module):
             kv_cache: a `LatentCache`: this call's latent is appended, and attention covers all of it.
             positions: `(batch, seq)` rotary positions; default `len(kv_cache) + arange(seq)`.
             cu_seqlens: a packed batch `(1, total, d_model)` of sequences end to end, and a `PagedKVCache`
-                (`PagedKVCache.for_module(self, ...)`), as in `MultiHeadAttention.forward` (each sequence in turn).
+                (`PagedKVCache.for_module(self, ...)`), as in `MultiHeadAttention.forward` (prompts and chunks
+                sequence by sequence, one new token of every sequence as one batch).
 
         Returns:
             `(batch, seq, d_model)`.
@@ -639,11 +640,12 @@ class LatentAttention(nn.Module):
             ShapeError: an input does not fit the module, the others or the cache; a failed call changes nothing.
         """
         if cu_seqlens is not None or isinstance(kv_cache, PagedKVCache):  # serving: packed batches, paged caches
-            from .paged_latent import latent_view
+            from .paged_latent import latent_decode, latent_view
 
             return serving_forward(self, query, None, None, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                                    is_causal=is_causal, need_weights=False, kv_cache=kv_cache, positions=positions,
-                                   cu_seqlens=cu_seqlens, view=latent_view(self))  # fmt: skip
+                                   cu_seqlens=cu_seqlens, view=latent_view(self),
+                                   decode=latent_decode(self))  # fmt: skip
         call = (query, attn_mask, key_padding_mask, is_causal, kv_cache, positions)
         absorb = isinstance(query, Tensor) and isinstance(kv_cache, LatentCache) and self._absorbs(query)
         keyed = isinstance(query, Tensor) and isinstance(kv_cache, LatentCache | None)
