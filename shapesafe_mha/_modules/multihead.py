@@ -66,16 +66,11 @@ class MultiHeadAttention(Conversions, nn.Module):
         >>> attn(torch.randn(2, 10, 64), is_causal=True).shape
         torch.Size([2, 10, 64])
 
-    Arguments:
-        d_model: width of inputs and outputs.
-        num_heads: query heads.
-        num_kv_heads: key/value heads; None means `num_heads` (MHA), 1 is MQA, any divisor of
-            `num_heads` is GQA.
-        d_head: width of each head; default `d_model // num_heads` (which must then divide).
-        device, dtype: of the parameters.
-
-    Every other keyword is a variant (RoPE, QK-norm, windows, softcapping, sinks, ALiBi, an output gate, ...):
-    the `AttentionConfig` field of the same name, described there.
+    Its keywords are `AttentionConfig`'s fields, described there (the signature is derived from them), and
+    `device`, `dtype` of the parameters: `d_model`, the width of inputs and outputs; `num_heads`, query heads;
+    `num_kv_heads`, key/value heads (None: `num_heads`, MHA; 1: MQA; any divisor of `num_heads`: GQA), these three
+    by position too; `d_head`, each head's width (default `d_model // num_heads`, which must then divide); and
+    every variant (RoPE, QK-norm, windows, softcapping, sinks, ALiBi, an output gate, ...).
 
     Raises:
         ConfigError: a size or an option out of its range, or contradicting another (see `AttentionConfig`).
