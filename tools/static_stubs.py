@@ -201,11 +201,23 @@ def default(value: Any) -> str:
     return "..."
 
 
+def hints_of(fn: Any) -> dict[str, Any]:
+    """A function's annotations; for one whose signature is derived (`MultiHeadAttention.__init__` takes
+    `AttentionConfig`'s fields through `constructor_of`, which sets `__signature__`), that signature's."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    derived = getattr(fn, "__signature__", None)
+    if derived is None:
+        return hints
+    empty = inspect.Parameter.empty
+    taken = {p.name: p.annotation for p in derived.parameters.values() if p.annotation is not empty}
+    return taken | ({"return": hints["return"]} if "return" in hints else {})
+
+
 def render_function(
     writer: Writer, name: str, fn: Any, rule: Rule, indent: str = "", class_dims: tuple[str, ...] = ()
 ) -> list[str]:
     """A function's stub: its signature with every shape static; overloads where `rule.selects` or `rule.given`."""
-    hints = typing.get_type_hints(fn, include_extras=True)
+    hints = hints_of(fn)
     signature = inspect.signature(fn)
     result = hints.get("return", type(None))
     if rule.selects is None and rule.given is None:
@@ -311,7 +323,7 @@ def render_overload(
 
 def render_class(writer: Writer, name: str, cls: type) -> list[str]:
     """A class generic over the sizes its constructor takes, its shaped methods static."""
-    init_hints = typing.get_type_hints(cls.__init__, include_extras=True)
+    init_hints = hints_of(cls.__init__)
     dims = tuple(p for p, tp in init_hints.items() if p in DIMS and int in members(tp))
     lines = [f'@shape_vars("{", ".join(dims)}")', f"class {name}(_{name}):"]
     for attribute, tp in typing.get_type_hints(cls, include_extras=True).items():
