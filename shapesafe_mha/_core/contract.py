@@ -214,10 +214,14 @@ class Stage(Generic[P, R]):
             return self.fn(*args, **kwargs)
         shared = mode.get()
         if shared is not None:
-            if shared is OFF or shared is COVERED:  # off, or covered by the remembered call it is made in
+            if shared is OFF:
                 return self.fn(*args, **kwargs) if kwargs else self.raw(*args)
-            if type(shared) is Covering:  # in a decorated call checked for the first time: checked on its own
-                shared.used = True
+            if shared is COVERED:  # covered by the remembered call it is made in: unchecked
+                if self.plan is None:
+                    return self.fn(*args, **kwargs) if kwargs else self.raw(*args)
+                # (a stage with a plan: its remembered plan, found by its key, costs less than its function)
+            elif type(shared) is Covering:  # in a decorated call checked for the first time: checked on its own,
+                shared.used = shared.used or self.plan is None  # and covered by its verdict unless it has a plan
             else:
                 with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
                     return shared.call(self, *args, **kwargs)
@@ -491,7 +495,8 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
     only a tensor gives a `torch.Size`, and a tensor always gives one (`signature_of` a Size is uncacheable);
     the keywords follow `KEYWORDS`, so a keyword's name is never a text argument in its place. (This runs on
     every remembered call: the usual stage calls, of one or two tensors or a tensor and a head count, are unrolled;
-    `UNROLLED` holds it for one to six tensors, for callers that know the count before the call.)"""
+    `UNROLLED` holds it, less the devices, for one to six tensors, for callers that know the count before the
+    call and whose checks read no device.)"""
     if not kwargs:
         count = len(args)
         if count == 2:
@@ -531,48 +536,45 @@ def signature_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, .
 
 def _key1(args: tuple[Any, ...]) -> tuple[Any, ...]:
     (a,) = args
-    return (type(a), a.shape, a.dtype, a.device)
+    return (type(a), a.shape, a.dtype)
 
 
 def _key2(args: tuple[Any, ...]) -> tuple[Any, ...]:
     a, b = args
-    return (type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device)
+    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype)
 
 
 def _key3(args: tuple[Any, ...]) -> tuple[Any, ...]:
     a, b, c = args
-    return (
-        type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, type(c), c.shape, c.dtype, c.device,
-    )  # fmt: skip
+    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype, type(c), c.shape, c.dtype)
 
 
 def _key4(args: tuple[Any, ...]) -> tuple[Any, ...]:
     a, b, c, d = args
-    return (
-        type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device,
-        type(c), c.shape, c.dtype, c.device, type(d), d.shape, d.dtype, d.device,
-    )  # fmt: skip
+    return (type(a), a.shape, a.dtype, type(b), b.shape, b.dtype, type(c), c.shape, c.dtype, type(d), d.shape, d.dtype)
 
 
 def _key5(args: tuple[Any, ...]) -> tuple[Any, ...]:
     a, b, c, d, e = args
     return (
-        type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, type(c), c.shape, c.dtype, c.device,
-        type(d), d.shape, d.dtype, d.device, type(e), e.shape, e.dtype, e.device,
+        type(a), a.shape, a.dtype, type(b), b.shape, b.dtype, type(c), c.shape, c.dtype,
+        type(d), d.shape, d.dtype, type(e), e.shape, e.dtype,
     )  # fmt: skip
 
 
 def _key6(args: tuple[Any, ...]) -> tuple[Any, ...]:
     a, b, c, d, e, f = args
     return (
-        type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, type(c), c.shape, c.dtype, c.device,
-        type(d), d.shape, d.dtype, d.device, type(e), e.shape, e.dtype, e.device, type(f), f.shape, f.dtype, f.device,
+        type(a), a.shape, a.dtype, type(b), b.shape, b.dtype, type(c), c.shape, c.dtype,
+        type(d), d.shape, d.dtype, type(e), e.shape, e.dtype, type(f), f.shape, f.dtype,
     )  # fmt: skip
 
 
-# `signature_key(args, {})` of 1-6 tensors, unrolled: the same tuple (tests/test_verdicts.py draws calls and
-# compares), for a caller that knows every argument is a tensor (a decorated function whose every parameter is
-# annotated `X[Tensor, ...]`); a call of anything else raises AttributeError or ValueError, and is keyed in full.
+# `signature_key(args, {})` of 1-6 tensors, unrolled, less each tensor's device: what a jaxtyping annotation reads
+# (its type, shape and dtype; `.device` makes a new object each read, whose hash and compare cost more than the rest:
+# 1.4% of a user's layer in `benchmarks.user_code`), for a caller whose checks read no device, a decorated function
+# whose every parameter is annotated `X[Tensor, ...]` (tests/test_verdicts.py draws calls and compares with the key's
+# definition). A call of anything else raises AttributeError, and is keyed by `signature_key`, device and all.
 UNROLLED = {1: _key1, 2: _key2, 3: _key3, 4: _key4, 5: _key5, 6: _key6}  # (a layer's x and its weights)
 
 _Tensor = torch.Tensor
