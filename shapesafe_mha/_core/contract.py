@@ -55,20 +55,22 @@ def parse_switch(value: str) -> bool:
 OFF_BY_ENV = parse_switch(os.environ.get(ENV_VAR, ""))
 
 
-class _Off:
+class _Mode:
+    """A constant value of `mode`, with the one dispatcher's answers under it (see `route`)."""
+
+    __slots__ = ("answer", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.answer: tuple[Any, Any] = (None, None)
+
     def __repr__(self) -> str:
-        return "OFF"
+        return self.name
 
 
-OFF = _Off()
-
-
-class _Covered:
-    def __repr__(self) -> str:
-        return "COVERED"
-
-
-COVERED = _Covered()
+OFF = _Mode("OFF")
+COVERED = _Mode("COVERED")
+OWN = _Mode("OWN")
 
 
 class Covering:
@@ -80,6 +82,35 @@ class Covering:
 
     def __init__(self) -> None:
         self.used = False
+
+    @property
+    def answer(self) -> "Covering":
+        return self
+
+    def __getitem__(self, coverable: bool) -> None:
+        if coverable:
+            self.used = True
+
+
+# The one dispatcher: what a checked call made while `mode` is set does, for every checked callable (our stages,
+# users' decorated functions and methods, `expect`, the modules' forwards), is `route(mode.get(), coverable)`.
+# `coverable`: whether the callable's verdict depends on its arguments' shapes only, so that a remembered call
+# whose key held them covers it (a plain stage, a decorated function, an expectation); not so a method (its body
+# reads `self`), a stage with a plan (its remembered plan costs less than its function), a module (its parameters).
+# The answer is one of:
+# - OFF: run the plain function, unchecked;
+# - OWN: checked by the callable's own verdicts, outside the covering call;
+# - None: checked by its own verdicts;
+# - a `Session`: checked in that `shape_scope`'s dimensions (a module's forward keeps a session of its own).
+# Each value of `mode` holds its answers, indexed by `coverable` (callers index them inline: `route`, spelled out):
+OFF.answer = (OFF, OFF)  # inside `unchecked()`, or everywhere under SHAPESAFE_MHA_UNCHECKED
+COVERED.answer = (OWN, OFF)  # inside a remembered call whose verdict covers what it calls
+# a `Covering`: None, and a coverable call marks it as covering what it calls; a `Session` (`Session.answer`): itself
+
+
+def route(shared: Any, coverable: bool) -> Any:
+    """What a checked call does under `shared`, a value of `mode` other than None (see the table above)."""
+    return shared.answer[coverable]
 
 
 # What the checks do now, in one context variable (a remembered call reads one): None, the usual; OFF inside
@@ -204,6 +235,7 @@ class Stage(Generic[P, R]):
         self.sources = sources
         self.precheck, self.validate, self.explain = precheck, validate, explain
         self.plan = plan
+        self.coverable = plan is None  # (see `route`: a stage with a plan runs its remembered plan, keyed)
         self.verdicts = Verdicts()
         self.exact = self.verdicts.exact  # key -> what a remembered call runs (Verdicts.forget clears it in place)
         functools.update_wrapper(self, fn)
@@ -214,15 +246,10 @@ class Stage(Generic[P, R]):
             return self.fn(*args, **kwargs)
         shared = mode.get()
         if shared is not None:
+            shared = shared.answer[self.coverable]  # (`route`, spelled out: this runs on every call)
             if shared is OFF:
                 return self.fn(*args, **kwargs) if kwargs else self.raw(*args)
-            if shared is COVERED:  # covered by the remembered call it is made in: unchecked
-                if self.plan is None:
-                    return self.fn(*args, **kwargs) if kwargs else self.raw(*args)
-                # (a stage with a plan: its remembered plan, found by its key, costs less than its function)
-            elif type(shared) is Covering:  # in a decorated call checked for the first time: checked on its own,
-                shared.used = shared.used or self.plan is None  # and covered by its verdict unless it has a plan
-            else:
+            if shared is not None and shared is not OWN:
                 with shared.calling(f"{self.name}()"):  # inside a shape_scope: checked in its dimensions, every time
                     return shared.call(self, *args, **kwargs)
         key = signature_key(args, kwargs)
@@ -328,6 +355,11 @@ class Session:
         self.called_with: list[tuple[str, Any, Any]] = []
         self.where = ""  # in a shared session, which call bound a dimension: " (in split_heads())"
         self._context: Any = None
+
+    @property
+    def answer(self) -> tuple["Session", "Session"]:
+        """The dispatcher's answer inside the `shape_scope` this session is (see `route`): checked in it."""
+        return self, self
 
     def __enter__(self) -> "Session":
         if self.check:
@@ -628,7 +660,11 @@ def remembered_forward(
     observer)`, every stage checked, and is remembered if it passes. An unchecked call that fails is run again
     checked to explain it (`recheck`); a call that fails leaves `cache` as it was.
     """
-    check = not (compiling() or mode.get() is OFF)  # checks_enabled(), spelled out: this runs on every call
+    if compiling():  # checks_enabled(), spelled out: this runs on every call
+        check = False
+    else:
+        shared = mode.get()  # (a module is never covered, and checks in a session of its own: see `route`)
+        check = shared is None or route(shared, False) is not OFF
     keys = None
     if check and observer is None:
         try:

@@ -25,6 +25,7 @@ from . import trace as _trace
 from .contract import (
     COVERED,
     OFF,
+    OWN,
     SHAPE_FAILURES,
     UNCACHEABLE,
     UNROLLED,
@@ -394,6 +395,7 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
     contract = _Checked(fn)
     verdicts, run, owner = contract.verdicts, contract.run, contract.owner
     method = contract.method
+    coverable = not method  # a method's body reads `self`, which no caller's key holds (see `route`)
     key_of = contract.key if method else signature_key  # a method's key holds its sizes on self
     arity, unrolled, exact = contract.arity, UNROLLED.get(contract.arity), verdicts.exact
 
@@ -409,19 +411,17 @@ def shapecheck(fn: Callable[P, R]) -> Callable[P, R]:
             return unchecked_call(args, kwargs)
         shared = mode.get()
         if shared is not None:
+            shared = shared.answer[coverable]  # (`route`, spelled out: this runs on every call)
             if shared is OFF:
                 return unchecked_call(args, kwargs)
-            if shared is COVERED:  # in a remembered call that checked this one when it was checked itself
-                if not method:
-                    return fn(*args, **kwargs)
-                token = mode.set(None)  # a method's body reads `self`, which no caller's key holds: its own verdict
+            if shared is OWN:  # in a covering call: a method by its own verdict, outside it
+                token = mode.set(None)
                 try:
                     return checked(*args, **kwargs)
                 finally:
                     mode.reset(token)
-            if type(shared) is not Covering:
+            if shared is not None:
                 return run(shared, args, kwargs, True)  # in a shape_scope: checked in its dimensions, every time
-            shared.used = True  # in a decorated call checked for the first time: on its own, as anywhere
         # our stages' key (`signature_key`, unrolled where every argument is a tensor): what the checks read
         if unrolled is not None and len(args) == arity:
             try:
@@ -506,7 +506,8 @@ def expect(tensor: torch.Tensor, shape: Any, name: str | None = None) -> torch.T
             hint = _hint_of(shape)
             reporting.add(name or f"expectation {reporting.expectations}", tensor, hint)
         return tensor
-    if mode.get() is COVERED:  # in a remembered call: it held for these shapes
+    shared = mode.get()
+    if shared is not None and shared.answer[True] is OFF:  # in a remembered call (`route`): it held for these shapes
         return tensor
     session = _current.get()
     hint = _hint_of(shape)
