@@ -132,8 +132,12 @@ def checks_enabled() -> bool:
         ...     print(ssm.checks_enabled())
         False
     """
-    # is_compiling first: dynamo folds it to a constant and never traces the ContextVar.
-    return not (torch.compiler.is_compiling() or mode.get() is OFF)
+    # is_compiling first: dynamo folds it to a constant and never traces the ContextVar. (A call that is never
+    # covered, such as a module's or the Hugging Face backend's, is checked unless `route` says OFF.)
+    if torch.compiler.is_compiling():
+        return False
+    shared = mode.get()
+    return shared is None or route(shared, False) is not OFF
 
 
 @contextlib.contextmanager
@@ -660,11 +664,8 @@ def remembered_forward(
     observer)`, every stage checked, and is remembered if it passes. An unchecked call that fails is run again
     checked to explain it (`recheck`); a call that fails leaves `cache` as it was.
     """
-    if compiling():  # checks_enabled(), spelled out: this runs on every call
-        check = False
-    else:
-        shared = mode.get()  # (a module is never covered, and checks in a session of its own: see `route`)
-        check = shared is None or route(shared, False) is not OFF
+    # checks_enabled(), spelled out: this runs on every call (a module is never covered: see `route`)
+    check = not compiling() and ((shared := mode.get()) is None or shared.answer[False] is not OFF)
     keys = None
     if check and observer is None:
         try:
