@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
@@ -36,6 +36,43 @@ def test_prefill_then_decoding_equals_one_causal_forward(data: st.DataObject, de
 
     full = module(x, is_causal=True)
     cache = module.new_cache(config.batch, capacity=config.seq + data.draw(st.integers(0, 3), label="spare"))
+    pieces, start = [], 0
+    for size in chunks:
+        pieces.append(module(x[:, start : start + size], is_causal=True, kv_cache=cache))
+        start += size
+    assert len(cache) == config.seq
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **F64)
+
+
+@given(data=st.data())
+def test_a_window_cache_shorter_than_the_sequence_with_rope_equals_one_causal_windowed_forward(
+    data: st.DataObject,
+) -> None:
+    """Prefill in chunks, then token by token, through a sliding-window cache that holds fewer positions than the
+    sequence (capacity >= window), with rotary embeddings (half or interleaved, partial or whole): every step ==
+    one causal windowed forward, whose rotary positions count every position seen, not only those kept."""
+    config = data.draw(attention_configs(cross=False, max_seq=12), label="config")
+    d_head = config.d_head
+    assume(d_head % 2 == 0)  # (rotary embeddings rotate pairs)
+    window = data.draw(st.integers(1, config.seq), label="window")
+    capacity = data.draw(st.integers(window, max(window, config.seq - 1)), label="capacity")
+    rope_dim = data.draw(st.sampled_from(sorted({2, d_head})), label="rope_dim")
+    torch.manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    module = ssm.MultiHeadAttention(
+        config.d_model,
+        config.num_heads,
+        config.num_kv_heads,
+        d_head=d_head,
+        window=window,
+        rope_theta=data.draw(st.sampled_from([10.0, 10000.0]), label="rope_theta"),
+        rope_dim=rope_dim,
+        rope_interleaved=data.draw(st.booleans(), label="interleaved"),
+    ).double()
+    x = data.draw(attention_inputs(config)).query.double()
+    chunks = data.draw(chunkings(config.seq), label="chunks")
+
+    full = module(x, is_causal=True)
+    cache = module.new_cache(config.batch, capacity)
     pieces, start = [], 0
     for size in chunks:
         pieces.append(module(x[:, start : start + size], is_causal=True, kv_cache=cache))

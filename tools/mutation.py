@@ -170,6 +170,8 @@ MUTANTS: list[Mutant] = [
       "verdict key without the device", CONTRACT, VERDICTS),
     M("_core/contract.py", "        if relations is not None and relations() in self.relations:", "        if relations is not None and self.relations:",
       "any remembered verdict covers every call", CONTRACT),
+    M("_modules/plan.py", "start = 0 if kv_cache is None else kv_cache.seen", "start = 0 if kv_cache is None else kv_cache.kept",
+      "rotary positions counted from the positions a window cache keeps, not from all it has seen", CACHE),
     M("_core/contract.py", "COVERED.answer = (OWN, OFF)", "COVERED.answer = (OFF, OFF)",
       "a covering call covers a method (whose body reads self) and a planned stage too", "tests/test_shapecheck.py"),
     M("_core/contract.py", "        if coverable:\n            self.used = True", "        if coverable:\n            pass",
