@@ -283,7 +283,7 @@ def per_head_attention(
             reference adds `qk_norm_offset`; `sinks`; `alibi_slopes`; `output_gate`; `differential`), and where
             one is not passed, the value a module starts with (weights of ones, zero sinks, Press's slopes); the
             gate's rows and the lambdas, which start random, must be passed. Its other fields (biases, dropout,
-            `rope_scaling`: pass `rope_frequencies`) are not read. Default: the keywords describe the layer.
+            scaled RoPE: pass `rope_frequencies`) are not read. Default: the keywords describe the layer.
         num_heads, num_kv_heads: the head counts (`num_kv_heads` divides `num_heads`); without `config`, needed.
         attn_mask, is_causal, key_padding_mask: as in `MultiHeadAttention.forward`.
         rope_theta: rotate each head's queries and keys (default RoPE with this base); angles in
@@ -338,7 +338,7 @@ def per_head_attention(
             `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4's NoPE layers).
         clip_qkv: each projected query, key and value feature clamped to `[-clip_qkv, clip_qkv]` (OLMo),
             after a QK-norm over every head (OLMoE) and before a per-head one.
-        scale: the score scale; default the config's (`query_pre_attn_scalar ** -0.5`), else `1/sqrt(d_head)`.
+        scale: the score scale; default the config's `score_scale`, else `1/sqrt(d_head)`.
         score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, applied to each head's
             scaled scores (before the softcap and the masks); `h` is the *query* head. It is called
             once per head on int32 index tensors laid out to broadcast against that head's scores
