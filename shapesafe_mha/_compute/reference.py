@@ -471,9 +471,11 @@ def described(weights: AttentionWeights, **keywords: Any) -> tuple[AttentionConf
     parameters = inspect.signature(per_head_attention).parameters
     given = {name: p.default for name, p in parameters.items() if p.default is not p.empty} | keywords
     num_heads, rope, norm = given["num_heads"], given["rope_theta"] is not None, given["qk_norm"] is not None
+    d_head = weights.w_q.shape[0] // num_heads
+    partial = rope and given["rotary_dim"] not in (None, d_head)  # every feature rotated: the config's default
     config = AttentionConfig(
-        weights.w_q.shape[1], num_heads, given["num_kv_heads"], d_head=weights.w_q.shape[0] // num_heads,
-        rope_theta=given["rope_theta"], rope_dim=given["rotary_dim"] if rope else None,
+        weights.w_q.shape[1], num_heads, given["num_kv_heads"], d_head=d_head,
+        rope_theta=given["rope_theta"], rope_dim=given["rotary_dim"] if partial else None,
         rope_interleaved=rope and given["rope_style"] == "interleaved", qk_norm=norm,
         qk_norm_over=given["qk_norm_over"] if norm else "head", qk_norm_centred=norm and given["qk_norm_centred"],
         qk_norm_after_rope=norm and given["qk_norm_after_rope"], norm_eps=given["norm_eps"], window=given["window"],
