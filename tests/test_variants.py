@@ -136,7 +136,7 @@ def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options
     """Any mix of QK-norm, window, softcap, query scale, attention sinks, ALiBi, clip_qkv, an output gate,
     temperature tuning and chunked attention, with or without RoPE (full or partial, halves or adjacent pairs),
     causal or not, padded or not, MHA/GQA/MQA: the module (with and without grad, so every path) equals the
-    reference, head by head."""
+    reference, head by head, given each option as a keyword or reading them from the module's config."""
     rope = data.draw(st.booleans(), label="rope")
     config = data.draw(attention_configs(cross=False, max_seq=24, rope=rope), label="config")
     module = _module(config, options, data)
@@ -147,6 +147,12 @@ def test_each_variant_equals_the_per_head_reference(data: st.DataObject, options
         padding = torch.rand(config.batch, config.seq) < 0.3
     expected = _reference(module, x, options, is_causal=is_causal, key_padding_mask=padding)
     torch.testing.assert_close(module(x, is_causal=is_causal, key_padding_mask=padding), expected, **F64)
+    norms = (module.q_norm.weight, module.k_norm.weight) if options["qk_norm"] else None
+    gate = module.gate_weights() if module.output_gate else None
+    tensors = {"qk_norm": norms, "sinks": module.sinks, "alibi_slopes": module.alibi_slopes, "output_gate": gate}
+    read = per_head_attention(x, x, x, module.weights(), module.config, is_causal=is_causal, key_padding_mask=padding,
+                              **tensors)  # fmt: skip
+    torch.testing.assert_close(read, expected, **F64)
     with torch.no_grad():
         out, weights = module(x, is_causal=is_causal, key_padding_mask=padding, need_weights=True)
         torch.testing.assert_close(out, expected, **F64)
@@ -647,3 +653,14 @@ def test_a_variant_module_fit_for_torchs_fused_kernel_still_computes_its_variant
     with torch.no_grad():
         without_grad = module(x)
     torch.testing.assert_close(without_grad, with_grad, **F64)
+
+
+def test_the_reference_given_a_config_refuses_a_keyword_the_config_describes() -> None:
+    """An option given both in the config and as a keyword could disagree: the reference names it and computes
+    nothing; an option of the config whose tensors start random (the gate's rows) needs them passed."""
+    module = ssm.MultiHeadAttention(8, 2, window=2, output_gate=True, dtype=torch.float64)
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"per_head_attention\(\): window given with config="):
+        per_head_attention(x, x, x, module.weights(), module.config, window=3, output_gate=module.gate_weights())
+    with pytest.raises(TypeError, match=r"pass output_gate=module\.gate_weights\(\)"):
+        per_head_attention(x, x, x, module.weights(), module.config)

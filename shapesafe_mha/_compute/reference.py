@@ -4,15 +4,17 @@ No fused projection, no reshapes, no folding: for each head, slice that head's r
 weights, project, score, mask, softmax, weight the values; then concatenate and project out.
 """
 
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from .._core.weights import AttentionWeights
+from .._modules.config import AttentionConfig
 
 
 def _rows(weight: Tensor, bias: Tensor | None, head: int, d_head: int) -> tuple[Tensor, Tensor | None]:
@@ -35,6 +37,7 @@ def _softmax_or_zeros(scores: Tensor) -> Tensor:
     return exp / torch.where(total == 0, torch.ones_like(total), total)
 
 
+T = TypeVar("T")
 KVHeads = Literal["grouped", "interleaved"]
 RopeStyle = Literal["half", "interleaved"]
 NormOver = Literal["head", "all", "per_head"]
@@ -138,6 +141,9 @@ def alibi_slopes(num_heads: int) -> Tensor:
     return torch.tensor(slopes + extra[: num_heads - power], dtype=torch.float64)
 
 
+_press_slopes = alibi_slopes  # (per_head_attention's keyword of that name hides it there)
+
+
 def _head_mask(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,
@@ -207,9 +213,10 @@ def per_head_attention(
     key: Tensor,
     value: Tensor,
     weights: AttentionWeights,
+    config: AttentionConfig | None = None,
     *,
-    num_heads: int,
-    num_kv_heads: int,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
     key_padding_mask: Tensor | None = None,
@@ -259,12 +266,25 @@ def per_head_attention(
         >>> ref = per_head_attention(x, x, x, m.weights(), num_heads=4, num_kv_heads=2)
         >>> bool(torch.allclose(ref, m(x), atol=1e-5))
         True
+        >>> w = ssm.MultiHeadAttention(16, 4, 2, rope_theta=10000.0, window=3, alibi=True)
+        >>> ref = per_head_attention(x, x, x, w.weights(), w.config, is_causal=True)
+        >>> bool(torch.allclose(ref, w(x, is_causal=True), atol=1e-5))
+        True
 
     Arguments:
         query: `(batch, seq, d_model)`.
         key, value: `(batch, kv_seq, d_model)`.
         weights: the layer's weights in `nn.Linear` layout.
-        num_heads, num_kv_heads: the head counts (`num_kv_heads` divides `num_heads`).
+        config: the layer's description (`module.config`): the sizes and every option it describes are read from
+            it (the head counts, RoPE's theta, part and pairs, the QK-norm's kind and epsilon, the window, the
+            softcap, the scale, clip_qkv, temperature tuning, the chunks), each keyword below that names one of
+            them then refused (a `TypeError`; `scale`, where given, replaces the config's); its options that hold
+            tensors take them from the keywords below (`qk_norm`: the module's norm weights, to which the
+            reference adds `qk_norm_offset`; `sinks`; `alibi_slopes`; `output_gate`; `differential`), and where
+            one is not passed, the value a module starts with (weights of ones, zero sinks, Press's slopes); the
+            gate's rows and the lambdas, which start random, must be passed. Its other fields (biases, dropout,
+            scaled RoPE: pass `rope_frequencies`) are not read. Default: the keywords describe the layer.
+        num_heads, num_kv_heads: the head counts (`num_kv_heads` divides `num_heads`); without `config`, needed.
         attn_mask, is_causal, key_padding_mask: as in `MultiHeadAttention.forward`.
         rope_theta: rotate each head's queries and keys (default RoPE with this base); angles in
             float32, as transformers computes them.
@@ -318,7 +338,7 @@ def per_head_attention(
             `1 + attn_scale * log(1 + floor((i + 1) / floor_scale))` after RoPE and QK-norm (Llama 4's NoPE layers).
         clip_qkv: each projected query, key and value feature clamped to `[-clip_qkv, clip_qkv]` (OLMo),
             after a QK-norm over every head (OLMoE) and before a per-head one.
-        scale: the score scale; default `1/sqrt(d_head)`.
+        scale: the score scale; default the config's `score_scale`, else `1/sqrt(d_head)`.
         score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, applied to each head's
             scaled scores (before the softcap and the masks); `h` is the *query* head. It is called
             once per head on int32 index tensors laid out to broadcast against that head's scores
@@ -330,6 +350,28 @@ def per_head_attention(
     Returns:
         `(batch, seq, d_model)`.
     """
+    if config is not None:  # the options the config describes, read from it; the tensors from the arguments
+        _refuse_both(config, {name: value for name, value in locals().items() if name in _DESCRIBED})
+        num_heads, num_kv_heads, rope_theta = config.num_heads, config.kv_heads, config.rope_theta
+        rotary_dim, rope_style = config.rope_dim, "interleaved" if config.rope_interleaved else "half"
+        norm_eps, qk_norm_over = config.norm_eps, cast(NormOver, config.qk_norm_over)
+        qk_norm_centred, qk_norm_after_rope = config.qk_norm_centred, config.qk_norm_after_rope
+        window, logit_softcap = config.window, config.logit_softcap
+        scale = config.score_scale if scale is None else scale
+        clip_qkv, temperature_tuning, chunk_size = config.clip_qkv, config.temperature_tuning, config.chunk_size
+        qk_norm = _norm_weights(config, qk_norm, query) if config.qk_norm else None
+        qk_norm_bias = qk_norm_bias if config.qk_norm else None
+        sinks = None if not config.attention_sinks else query.new_zeros(num_heads) if sinks is None else sinks
+        alibi_slopes = None if not config.alibi else _press_slopes(num_heads) if alibi_slopes is None else alibi_slopes
+        output_gate = _given(output_gate, "output_gate", "module.gate_weights()") if config.output_gate else None
+        lambda_init = config.differential_lambda_init
+        if lambda_init is not None:
+            lambdas = _given(differential, "differential", "(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init)")
+            differential = (*lambdas[:4], lambda_init)
+        else:
+            differential = None
+    if num_heads is None or num_kv_heads is None:
+        raise TypeError("per_head_attention() needs config= (an AttentionConfig), or num_heads= and num_kv_heads=.")
     d_head = weights.check(num_heads, num_kv_heads)
     group = num_heads // num_kv_heads
     batch, seq, _ = query.shape
@@ -400,6 +442,80 @@ def per_head_attention(
     if out_norm is not None:  # BitNet: the merged heads RMS-normalised before the output projection
         merged = _rms_norm(merged, *out_norm)
     return _linear(merged, weights.w_o, weights.b_o)
+
+
+# The keywords whose option an `AttentionConfig` describes: with `config=` they are read from it.
+_DESCRIBED = (
+    "num_heads", "num_kv_heads", "rope_theta", "rope_style", "rotary_dim", "norm_eps", "qk_norm_over",
+    "qk_norm_after_rope", "qk_norm_centred", "clip_qkv", "temperature_tuning", "chunk_size", "window",
+    "logit_softcap",
+)  # fmt: skip
+
+
+def described(weights: AttentionWeights, **keywords: Any) -> tuple[AttentionConfig, dict[str, Any]]:
+    """The `AttentionConfig` that `per_head_attention`'s keywords describe, and the keywords left to pass beside it
+    (masks, positions, `scale`, the options' tensors): `per_head_attention(q, k, v, weights, config, **rest)` computes
+    what `per_head_attention(q, k, v, weights, **keywords)` does (the QK-norm's weights as its scales, no offset).
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> from shapesafe_mha._compute.reference import described
+        >>> m = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2)
+        >>> config, rest = described(m.weights(), num_heads=4, num_kv_heads=2, window=3, is_causal=True)
+        >>> config.variants(), rest
+        ({'window': 3}, {'is_causal': True})
+
+    Raises:
+        ConfigError: the keywords describe no layer an `AttentionConfig` can (its message names the option).
+    """
+    parameters = inspect.signature(per_head_attention).parameters
+    given = {name: p.default for name, p in parameters.items() if p.default is not p.empty} | keywords
+    num_heads, rope, norm = given["num_heads"], given["rope_theta"] is not None, given["qk_norm"] is not None
+    d_head = weights.w_q.shape[0] // num_heads
+    partial = rope and given["rotary_dim"] not in (None, d_head)  # every feature rotated: the config's default
+    config = AttentionConfig(
+        weights.w_q.shape[1], num_heads, given["num_kv_heads"], d_head=d_head,
+        rope_theta=given["rope_theta"], rope_dim=given["rotary_dim"] if partial else None,
+        rope_interleaved=rope and given["rope_style"] == "interleaved", qk_norm=norm,
+        qk_norm_over=given["qk_norm_over"] if norm else "head", qk_norm_centred=norm and given["qk_norm_centred"],
+        qk_norm_after_rope=norm and given["qk_norm_after_rope"], norm_eps=given["norm_eps"], window=given["window"],
+        logit_softcap=given["logit_softcap"], clip_qkv=given["clip_qkv"], chunk_size=given["chunk_size"],
+        temperature_tuning=given["temperature_tuning"], attention_sinks=given["sinks"] is not None,
+        alibi=given["alibi_slopes"] is not None, output_gate=given["output_gate"] is not None,
+        differential_lambda_init=None if given["differential"] is None else given["differential"][4],
+    )  # fmt: skip
+    return config, {name: value for name, value in keywords.items() if name not in _DESCRIBED}
+
+
+def _refuse_both(config: AttentionConfig, given: dict[str, object]) -> None:
+    """`TypeError` naming the keywords given beside `config` that it describes (each keyword at its default is not
+    given)."""
+    defaults = inspect.signature(per_head_attention).parameters
+    both = [name for name in _DESCRIBED if given[name] != defaults[name].default]
+    if both:
+        raise TypeError(
+            f"per_head_attention(): {', '.join(both)} given with config=, which describes them; pass them in the "
+            f"config (dataclasses.replace(config, ...)) or drop config=."
+        )
+
+
+def _given(value: T | None, name: str, example: str) -> T:
+    """`value`, or a `TypeError` naming the keyword (`name`) that the config's option needs."""
+    if value is None:
+        raise TypeError(f"per_head_attention(): the config's {name} needs its tensors: pass {name}={example}.")
+    return value
+
+
+def _norm_weights(config: AttentionConfig, given: tuple[Tensor, Tensor] | None, like: Tensor) -> tuple[Tensor, Tensor]:
+    """The QK-norm's scales of a config: `qk_norm_offset + weight` of the weights given (the module's `q_norm` and
+    `k_norm` weights), or of the ones a module starts with."""
+    if given is None:
+        width, kv_width = config.num_heads * config.head_width, config.kv_heads * config.head_width
+        shapes = {"head": ((config.head_width,),) * 2, "all": ((width,), (kv_width,))}
+        per_head = ((config.num_heads, config.head_width), (config.kv_heads, config.head_width))
+        q_shape, k_shape = shapes.get(config.qk_norm_over, per_head)
+        given = (like.new_ones(q_shape), like.new_ones(k_shape))
+    return given[0] + config.qk_norm_offset, given[1] + config.qk_norm_offset
 
 
 def per_head_latent_attention(

@@ -149,23 +149,17 @@ def _validate_attention(arguments: dict[str, Any], dims: dict[str, int]) -> None
     check_variants("", arguments.get("window"), arguments.get("softcap"))
 
 
-def check_variants(
-    owner: str, window: Any, softcap: Any, scalar: Any = None, norm_eps: Any = 0.0, clip_qkv: Any = None
-) -> None:
-    """Raise `ConfigError` unless a sliding window is a positive int, a softcap (query scalar, clip bound) a
-    finite positive number, and a norm's epsilon a finite number >= 0."""
+def check_variants(owner: str, window: Any, softcap: Any) -> None:
+    """Raise `ConfigError` unless a sliding window is a positive int and a softcap a finite positive number."""
     if window is not None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ConfigError(
                 f"{owner}window must be a positive int (the keys a query sees, itself included), but got {window!r}."
             )
-    for name, value in (("logit softcap", softcap), ("query_pre_attn_scalar", scalar), ("clip_qkv", clip_qkv)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-            raise ConfigError(f"{owner}{name} must be a finite positive number, but got {value!r}.")
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, int | float) or not 0 <= norm_eps < math.inf:
-        raise ConfigError(f"{owner}norm_eps must be a finite number >= 0, but got {norm_eps!r}.")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, int | float) or not 0 < softcap < math.inf
+    ):
+        raise ConfigError(f"{owner}logit softcap must be a finite positive number, but got {softcap!r}.")
 
 
 def _validate_split(arguments: dict[str, Any], dims: dict[str, int]) -> None:

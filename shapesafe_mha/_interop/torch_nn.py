@@ -84,10 +84,8 @@ def verify_weights(module: Any, weights: AttentionWeights) -> None:
         cast: dict[str, Any] = {name: None if t is None else t.detach().to(dtype) for name, t in vars(weights).items()}
         held = AttentionWeights(**cast)
         x = probe.probe_tokens(module.d_model, held.w_q.device, dtype)
-        options: dict[str, Any] = {"num_heads": module.num_heads, "num_kv_heads": module.num_kv_heads}
+        options: dict[str, Any] = {"config": module.config}  # the sizes and options the reference reads from it
         rotary = module.rotary
-        if module.rope_theta is not None:
-            options["rope_theta"] = module.rope_theta
         if rotary is not None and rotary.scaling is not None:  # scaled RoPE: the reference takes its frequencies
             frequencies = inverse_frequencies(rotary.d_head, rotary.theta, rotary.scaling)
             options["rope_frequencies"] = (frequencies, rotary.attention_factor)

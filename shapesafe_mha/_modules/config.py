@@ -37,13 +37,13 @@ class Range:
     label: str | None = None
     step: int = 1
 
-    def bound(self, bound: float | str | None, config: "AttentionConfig") -> float | None:
-        """A bound as a number: a named size resolved against `config`."""
+    def bound(self, bound: float | str | None, config: "AttentionConfig | None") -> float | None:
+        """A bound as a number: a named size resolved against `config` (needed for such a bound)."""
         if isinstance(bound, str):
             return float(getattr(config, _RESOLVED.get(bound, bound)))
         return bound
 
-    def holds(self, value: Any, config: "AttentionConfig", upper: bool = True) -> bool:
+    def holds(self, value: Any, config: "AttentionConfig | None", upper: bool = True) -> bool:
         """Whether `value` is of this kind and within both bounds (NaN is within none; `upper=False`: above the
         lower one)."""
         if value is None:
@@ -56,6 +56,14 @@ class Range:
         above = low is None or (value > low if self.low_open else value >= low)
         below = high is None or (value < high if self.high_open else value <= high)
         return bool(above and below)
+
+
+def check_range(owner: str, name: str, value: Any, config: "AttentionConfig | None" = None, upper: bool = True) -> None:
+    """`ConfigError` naming the option `name` (as `owner` begins it) and its range (`RANGES`) unless `value` is
+    within it (`upper`: its upper bound too; `config`: the sizes a bound names)."""
+    edges = RANGES[name]
+    if not edges.holds(value, config, upper):
+        raise ConfigError(f"{owner}{edges.label or name} must be {edges.says}, but got {value!r}.")
 
 
 def check_groups(num_heads: int, num_kv_heads: int, owner: str) -> None:
@@ -312,9 +320,7 @@ class AttentionConfig:
     def _check_range(self, owner: str, name: str, upper: bool = True) -> None:
         """`ConfigError` naming the option and its range (`RANGES`) unless its value is within it (`upper`:
         its upper bound too)."""
-        edges, value = RANGES[name], getattr(self, name)
-        if not edges.holds(value, self, upper):
-            raise ConfigError(f"{owner}: {edges.label or name} must be {edges.says}, but got {value!r}.")
+        check_range(f"{owner}: ", name, getattr(self, name), self, upper)
 
     def _check_differential(self, owner: str) -> None:
         if self.differential_lambda_init is None:

@@ -27,7 +27,6 @@ from .._compute.stages import (
     autocast_dtype,
     autocast_on,
     check_cache,
-    check_variants,
     explain_mask,
     positive_count,
     precheck_masks,
@@ -67,6 +66,7 @@ from .._core.dims import (
 from .._core.errors import ConfigError, ShapeError
 from .._core.messages import dtype_name, mismatch
 from .._core.trace import current_observer
+from .config import check_range
 
 _OWNER = "LatentAttention.forward()"
 
@@ -512,9 +512,8 @@ class LatentAttention(nn.Module):
         for name, size in sizes.items():
             positive_count(owner, name, size)
         check_rotary_width(d_rope, owner.removesuffix(": "), "d_rope")
-        if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"{owner}dropout must be a number in [0, 1), but got {dropout!r}.")
-        check_variants(owner, None, None, None, norm_eps)
+        for name, value in (("dropout", dropout), ("norm_eps", norm_eps)):
+            check_range(owner, name, value)  # the ranges of MultiHeadAttention's options of those names
         number = isinstance(scale, int | float) and not isinstance(scale, bool)
         if scale is not None and not (number and 0 < scale < math.inf):
             raise ConfigError(f"{owner}scale must be a finite positive number, but got {scale!r}.")

@@ -5,6 +5,7 @@ the causal mask shifted, RoPE turned the wrong way, ...) is that mistake, whatev
 like. Each variant is the reference with one argument changed, so a match is evidence, not a guess.
 """
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -12,8 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compute.reference import KVHeads, MaskMod, NormOver, RopeStyle, ScoreMod, per_head_attention
+from .._compute.reference import KVHeads, MaskMod, ScoreMod, described, per_head_attention
+from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
+from .._modules.config import BUILT_FROM, AttentionConfig
+from .._modules.config import described as option_described
 
 # Below this a float64 deviation is float32 rounding, not a wrong formula (float32's epsilon is 1.2e-7).
 FLOAT32_INSIDE = 1e-5
@@ -42,42 +46,38 @@ class Tolerance:
 
 @dataclass(frozen=True)
 class Scenario:
-    """Everything the reference needs for one example, in float64: one call of `per_head_attention`."""
+    """Everything the reference needs for one example, in float64: one call of `per_head_attention`, the layer
+    described by `config` (its sizes and options), the tensors of its options in `tensors` by the reference's
+    keywords (and those of what a transformers layer computes beyond the options, `out_norm`, `qk_norm_bias`).
+    `Scenario.of` builds one from the reference's keyword form."""
 
     query: Tensor
     key: Tensor
     value: Tensor
     weights: AttentionWeights
-    num_heads: int
-    num_kv_heads: int
+    config: AttentionConfig
     is_causal: bool = False
     attn_mask: Tensor | None = None
     key_padding_mask: Tensor | None = None
-    rope_theta: float | None = None
     positions: Tensor | None = None
     key_positions: Tensor | None = None
-    rope_style: RopeStyle = "half"
     kv_heads: KVHeads = "grouped"
     scale: float | None = None
     score_mod: ScoreMod | None = None
     mask_mod: MaskMod | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    # the variants a layer computes beyond these (what check_hf_attention reads from a config)
-    rotary_dim: int | None = None
-    qk_norm: tuple[Tensor, Tensor] | None = None
-    norm_eps: float = 1e-6
-    qk_norm_over: NormOver = "head"
-    window: int | None = None
-    logit_softcap: float | None = None
-    sinks: Tensor | None = None
-    alibi_slopes: Tensor | None = None
-    output_gate: tuple[Tensor, Tensor | None] | None = None
-    qk_norm_after_rope: bool = False
-    qk_norm_bias: tuple[Tensor, Tensor] | None = None
-    qk_norm_centred: bool = False
-    out_norm: tuple[Tensor, float] | None = None
+    tensors: dict[str, Any] = field(default_factory=dict)
     # how the code merged the heads `(batch, seq, num_heads * d_head)` before W_O, where a mistake did it its own way
     merge: Callable[[Tensor], Tensor] | None = None
+
+    @classmethod
+    def of(cls, query: Tensor, key: Tensor, value: Tensor, weights: AttentionWeights, **keywords: Any) -> "Scenario":
+        """The scenario of `per_head_attention(query, key, value, weights, **keywords)`: its config the one the
+        keywords describe, each keyword not a field here (an option's tensors) one of `tensors`."""
+        config, rest = described(weights, **keywords)
+        own = {f.name for f in fields(cls)}
+        tensors = {name: value for name, value in rest.items() if name not in own and value is not None}
+        return cls(query, key, value, weights, config, **{k: v for k, v in rest.items() if k in own}, tensors=tensors)
 
     def expected(self) -> Tensor:
         if self.merge is not None:  # the heads merged right (W_O the identity), merged the code's way, then W_O
@@ -87,14 +87,23 @@ class Scenario:
             return torch.nn.functional.linear(self.merge(heads), w_o, b_o)
         # every other field is the reference's keyword of the same name
         passed = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_PASSED}
-        return per_head_attention(self.query, self.key, self.value, self.weights, **passed)
+        return per_head_attention(self.query, self.key, self.value, self.weights, self.config, **passed, **self.tensors)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.kv_heads
 
     @property
     def d_head(self) -> int:
-        return self.weights.w_q.shape[0] // self.num_heads
+        return self.config.head_width
 
 
-_NOT_PASSED = ("query", "key", "value", "weights", "extra", "merge")  # the call's tensors; not the reference's
+# the call's tensors, its config and the options' tensors (passed apart); not the reference's keywords
+_NOT_PASSED = ("query", "key", "value", "weights", "config", "extra", "tensors", "merge")
 
 
 def _causal_shifted(s: Scenario, shift: int) -> Tensor:
@@ -215,7 +224,7 @@ def variants(s: Scenario) -> list[Variant]:
                 'not i % num_kv_heads; if that is your convention, pass kv_heads="grouped"'
             )
         out.append(("heads", why, lambda t: replace(t, kv_heads=other)))
-    if s.num_heads > 1 and s.query.shape[1] > 1 and s.out_norm is None:
+    if s.num_heads > 1 and s.query.shape[1] > 1 and s.tensors.get("out_norm") is None:
         heads = s.num_heads
 
         def unmoved(merged: Tensor) -> Tensor:  # `out.reshape(b, s, -1)` of `out` (b, h, s, d): no transpose
@@ -294,10 +303,8 @@ def variants(s: Scenario) -> list[Variant]:
                 lambda t: replace(t, key_padding_mask=None, extra={**t.extra, "padding": False}),
             )
         )
-    if s.rope_theta is not None:
+    if s.config.rotated_width is not None:  # RoPE's mistakes that no option's value makes
         q_at, k_at = _positions(s)
-        style: RopeStyle = "interleaved" if s.rope_style == "half" else "half"
-        out.append(("RoPE/positions", "RoPE not applied", lambda t: replace(t, rope_theta=None)))
         out.append(
             (
                 "RoPE/positions",
@@ -305,8 +312,6 @@ def variants(s: Scenario) -> list[Variant]:
                 lambda t: replace(t, positions=-q_at, key_positions=-k_at),
             )
         )
-        pairs = "(2i, 2i+1) where (i, i + d_head/2)" if style == "interleaved" else "(i, i + d_head/2) where (2i, 2i+1)"
-        out.append(("RoPE/positions", f"RoPE rotates pairs {pairs} was meant", lambda t: replace(t, rope_style=style)))
         out.append(
             (
                 "RoPE/positions",
@@ -314,41 +319,68 @@ def variants(s: Scenario) -> list[Variant]:
                 lambda t: replace(t, positions=q_at + 1, key_positions=k_at),
             )
         )
-        if s.rotary_dim is not None:
-            out.append(("RoPE/positions", f"RoPE over every feature where only the first {s.rotary_dim} rotate "
-                        "(partial rotary)", lambda t: replace(t, rotary_dim=None)))  # fmt: skip
-    return out + _layer_variants(s)
+    return out + _option_variants(s) + _layer_variants(s)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(AttentionConfig)}
+
+
+def _what(name: str) -> str:
+    """What the option `name` is, in its description's first words (in parentheses), or ""."""
+    words = re.split(r"[:;]| \(", option_described(name), maxsplit=1)[0].strip()
+    return f" ({words})" if len(words) > 12 else ""
+
+
+def _default(config: AttentionConfig, name: str) -> AttentionConfig:
+    """`config` with the option `name` at its default, and where the config then refuses (RoPE's part without
+    RoPE), every option of the same part (`BUILT_FROM`) at its default too."""
+    try:
+        return replace(config, **{name: _DEFAULTS[name]})
+    except ConfigError:
+        part = BUILT_FROM.get(name)
+        return replace(config, **{other: _DEFAULTS[other] for other, of in BUILT_FROM.items() if of == part})
+
+
+def _option_variants(s: Scenario) -> list[Variant]:
+    """The layer's options, derived from its config: each option that differs from its default, not applied (its
+    default instead); each flag at its default of a part the layer has (RoPE's pairs, the QK-norm's kind and
+    place: `BUILT_FROM`), set the other way."""
+    on = s.config.variants()
+    out: list[Variant] = [
+        (
+            name,
+            f"{name}={value!r} not applied{_what(name)}",
+            lambda t, name=name: replace(t, config=_default(t.config, name)),
+        )
+        for name, value in on.items()
+    ]
+    parts = {BUILT_FROM[name] for name in on if name in BUILT_FROM}
+    for name, default in _DEFAULTS.items():
+        if default is False and getattr(s.config, name) is False and BUILT_FROM.get(name) in parts:
+            try:
+                replace(s.config, **{name: True})
+            except ConfigError:  # not beside the part's other options (a centred norm after RoPE)
+                continue
+            out.append((name, f"{name}=True where False was asked{_what(name)}",
+                        lambda t, name=name: replace(t, config=replace(t.config, **{name: True}))))  # fmt: skip
+    return out
 
 
 def _layer_variants(s: Scenario) -> list[Variant]:
-    """Mistakes in the variants a transformers layer computes beyond plain attention (check_hf_attention)."""
+    """Mistakes in what a layer computes beyond plain attention that no option's default or other value makes."""
     out: list[Variant] = []
-    if s.qk_norm is not None:
-        out.append(("QK-norm", "QK-norm not applied", lambda t: replace(t, qk_norm=None, qk_norm_bias=None)))
-        if s.rope_theta is not None and s.qk_norm_bias is None and s.qk_norm_over == "head" and not s.qk_norm_centred:
-            where = "before" if s.qk_norm_after_rope else "after"
-            out.append(("QK-norm", f"QK-norm applied {where} RoPE",
-                        lambda t: replace(t, qk_norm_after_rope=not t.qk_norm_after_rope)))  # fmt: skip
-        if s.qk_norm_centred:  # Cohere's LayerNorm without bias
-            out.append(("QK-norm", "QK-norm an RMSNorm where a LayerNorm (each head's mean subtracted) was meant",
-                        lambda t: replace(t, qk_norm_centred=False)))  # fmt: skip
-    if s.logit_softcap is not None:
-        out.append(("softcap", "logit softcapping not applied", lambda t: replace(t, logit_softcap=None)))
-    if s.window is not None:
-        out.append(("window", "sliding window not applied", lambda t: replace(t, window=None)))
-        longer = s.window + 1
-        out.append(("window", "sliding window one key longer", lambda t: replace(t, window=longer)))
-    if s.sinks is not None:
-        out.append(("sinks", "attention sinks left out of the softmax", lambda t: replace(t, sinks=None)))
-    if s.alibi_slopes is not None:
-        out.append(("ALiBi", "ALiBi biases not applied", lambda t: replace(t, alibi_slopes=None)))
-        reversed_slopes = s.alibi_slopes.flip(0)
+    if s.config.window is not None:
+        longer = s.config.window + 1
+        out.append(("window", "sliding window one key longer",
+                    lambda t: replace(t, config=replace(t.config, window=longer))))  # fmt: skip
+    slopes = s.tensors.get("alibi_slopes")
+    if slopes is not None:
+        reversed_slopes = slopes.flip(0)
         out.append(("ALiBi", "ALiBi slopes in the reverse head order",
-                    lambda t: replace(t, alibi_slopes=reversed_slopes)))  # fmt: skip
-    if s.output_gate is not None:
-        out.append(("output gate", "the output gate not applied", lambda t: replace(t, output_gate=None)))
-    if s.out_norm is not None:
-        out.append(("output norm", "the merged heads' norm not applied", lambda t: replace(t, out_norm=None)))
+                    lambda t: replace(t, tensors={**t.tensors, "alibi_slopes": reversed_slopes})))  # fmt: skip
+    if s.tensors.get("out_norm") is not None:
+        out.append(("output norm", "the merged heads' norm not applied",
+                    lambda t: replace(t, tensors={k: v for k, v in t.tensors.items() if k != "out_norm"})))  # fmt: skip
     if s.scale is not None and s.d_head > 1:
         d_head = s.d_head
         out.append(("scaling", "scores scaled by 1/sqrt(d_head), not the config's scale",

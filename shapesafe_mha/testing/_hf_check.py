@@ -368,13 +368,13 @@ def _scenario(
     padding: Tensor | None = None,
 ) -> Scenario:
     wide = x.double()
-    return Scenario(
+    return Scenario.of(
         wide,
         wide,
         wide,
         _to(layer.weights, torch.float64),
-        c.num_heads,
-        c.num_kv_heads,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
         is_causal=True,
         key_padding_mask=padding,
         rope_theta=layer.theta if rope else None,

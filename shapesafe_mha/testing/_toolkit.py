@@ -241,13 +241,13 @@ def _compare(
         ) from error
     wide = x.double()
     source = wide if memory is None else memory.double()
-    scenario = Scenario(
+    scenario = Scenario.of(
         wide,
         source,
         source,
         _to(weights, torch.float64),
-        config.num_heads,
-        config.num_kv_heads,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
         is_causal=is_causal,
         attn_mask=extra.get("attn_mask"),
         key_padding_mask=extra.get("key_padding_mask"),
