@@ -293,11 +293,13 @@ def test_sequences_join_and_leave() -> None:
         module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
 
 
-def test_gradients_through_paged_steps_equal_a_kv_caches() -> None:
+@pytest.mark.parametrize("window", [3, None])
+def test_gradients_through_paged_steps_equal_a_kv_caches(window: int | None) -> None:
     """Under autograd the pools are written out of place (as KVCache's buffers are): a prefill and two decoding
-    steps backpropagate, and the gradients are the contiguous cache's."""
+    steps backpropagate, and the gradients are the contiguous cache's (with a window and without: the two decoding
+    routes)."""
     torch.manual_seed(0)
-    module = ssm.MultiHeadAttention(8, 4, 2, rope_theta=10000.0, window=3, dtype=torch.float64)
+    module = ssm.MultiHeadAttention(8, 4, 2, rope_theta=10000.0, window=window, dtype=torch.float64)
     x = torch.randn(1, 7, 8, dtype=torch.float64)
     paged = ssm.PagedKVCache.for_module(module, num_blocks=16, block_size=2)
     paged.add(), paged.add()

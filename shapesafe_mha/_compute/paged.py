@@ -429,7 +429,7 @@ class PagedKVCache:
         for seq in seqs:
             lengths[seq] += 1
         # read sequence by sequence: each one's keys a run of rows, as SDPA reads them
-        where, shape = slots.view(-1), (len(seqs), slots.shape[1], self.num_kv_heads, self.d_head)
+        where, shape = slots.reshape(-1), (len(seqs), slots.shape[1], self.num_kv_heads, self.d_head)
         keys = keys_flat.index_select(0, where).view(shape).transpose(1, 2)
         shared = self.values_pool is self.keys_pool  # (a latent cache: its entries are its keys and values)
         values = keys if shared else values_flat.index_select(0, where).view(shape).transpose(1, 2)
