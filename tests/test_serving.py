@@ -229,6 +229,35 @@ def test_a_planted_off_by_one_block_is_caught_and_named(monkeypatch: pytest.Monk
     assert _snapshot(cache) == before
 
 
+@pytest.mark.parametrize("failure", ["bad table", "after the write"])
+def test_a_failed_decoding_step_gives_back_the_blocks_it_took(monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
+    """A decoding step whose sequences are at their blocks' ends takes a new block for each; when the step fails
+    (a block table found bad after the blocks were taken, or a failure after the keys were written) it gives them
+    back: tables, lengths and the free list, in its order, are as they were, and the next step runs."""
+    module, cache, a, b = _two_sequences(num_blocks=16)
+    with torch.no_grad():
+        module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)  # (lengths 4: blocks full)
+    if failure == "bad table":
+        cache._tables[b][0] = cache._tables[a][0]  # (b's table is read after both sequences took their new block)
+    else:
+        write = cache.write_decoded
+
+        def failing(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            write(slots, k, v)
+            raise RuntimeError("planted after the write")
+
+        monkeypatch.setattr(cache, "write_decoded", failing)
+    before, free = _snapshot(cache), list(cache._free)
+    with torch.no_grad(), pytest.raises((ssm.ShapeError, RuntimeError), match=r"belongs to sequence|planted"):
+        module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
+    assert _snapshot(cache) == before and cache._free == free
+    if failure == "after the write":
+        monkeypatch.undo()
+        with torch.no_grad():
+            module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
+        assert [cache.length(seq) for seq in cache.sequences] == [5, 5] and cache.free_blocks == len(free) - 2
+
+
 def test_decoding_a_paged_cache_copies_no_pool() -> None:
     """A decoding step writes in place and gathers only the keys it attends to: the pools are never reallocated,
     and no tensor as large as a pool is made."""
@@ -264,11 +293,13 @@ def test_sequences_join_and_leave() -> None:
         module(torch.randn(2, 1, 8, dtype=torch.float64), is_causal=True, kv_cache=cache)
 
 
-def test_gradients_through_paged_steps_equal_a_kv_caches() -> None:
+@pytest.mark.parametrize("window", [3, None])
+def test_gradients_through_paged_steps_equal_a_kv_caches(window: int | None) -> None:
     """Under autograd the pools are written out of place (as KVCache's buffers are): a prefill and two decoding
-    steps backpropagate, and the gradients are the contiguous cache's."""
+    steps backpropagate, and the gradients are the contiguous cache's (with a window and without: the two decoding
+    routes)."""
     torch.manual_seed(0)
-    module = ssm.MultiHeadAttention(8, 4, 2, rope_theta=10000.0, window=3, dtype=torch.float64)
+    module = ssm.MultiHeadAttention(8, 4, 2, rope_theta=10000.0, window=window, dtype=torch.float64)
     x = torch.randn(1, 7, 8, dtype=torch.float64)
     paged = ssm.PagedKVCache.for_module(module, num_blocks=16, block_size=2)
     paged.add(), paged.add()
@@ -390,7 +421,6 @@ def test_a_forward_hook_that_raises_leaves_a_paged_cache_as_it_was(form: str, ki
         torch.testing.assert_close(
             module(new, is_causal=True, kv_cache=cache), module(new, is_causal=True, kv_cache=twin), rtol=0, atol=0
         )
-
 
 
 @pytest.mark.parametrize(("kind", "window"), [("multihead", None), ("multihead", 4), ("latent", None)])

@@ -638,6 +638,13 @@ MUTANTS: list[Mutant] = [
       "        if paged.window is not None:\n            pass\n",
       "a remembered windowed decoding step that fails is rerun with checks on the tables and lengths it changed",
       f"{SERVING}::test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found"),
+    M("_compute/paged.py", "        for seq, block in reversed(handed):\n            self._tables[seq].pop()\n"
+      "            self._release(block)\n", "",
+      "a failed decoding step keeps the blocks it took for sequences at their blocks' ends",
+      f"{SERVING}::test_a_failed_decoding_step_gives_back_the_blocks_it_took"),
+    M("_compute/paged.py", "        for seq, block in reversed(handed):\n", "        for seq, block in handed:\n",
+      "a failed decoding step gives its blocks back in the order it took them (the free list reordered)",
+      f"{SERVING}::test_a_failed_decoding_step_gives_back_the_blocks_it_took"),
     M("_modules/paged_latent.py", "self.decode.positions, self.decode.padding\n",
       "self.decode.positions, self.decode.padding & False\n",
       "latent attention's batched paged decoding attends to the shorter sequences' left padding",

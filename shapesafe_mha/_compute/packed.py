@@ -91,7 +91,7 @@ def serving_forward(
     `forward`); a failed call leaves the paged cache as it was. `view(paged, seq, owner)` is one sequence of the
     paged cache as the module's cache stage reads it, `decode(paged, owner)` one new token of every sequence
     (with its `positions` and `padding`) (`LatentAttention` passes its own); None decodes sequence by sequence."""
-    owner = f"{'LatentAttention' if hasattr(module, 'kv_lora_rank') else 'MultiHeadAttention'}.forward()"
+    owner = _owner(module)
     paged = kv_cache if isinstance(kv_cache, PagedKVCache) else None
     _refuse(module, query, key, value, attn_mask, key_padding_mask, need_weights, kv_cache, paged, owner)
     if cu_seqlens is None:  # a paged cache without offsets: one new token of each live sequence, (num_seqs, 1, d_model)
@@ -125,6 +125,17 @@ def serving_forward(
         if b > a
     ]
     return _joined(module, query, pieces)
+
+
+_OWNERS: dict[type, str] = {}  # each module class's name in messages (looked up once: this runs every decoding step)
+
+
+def _owner(module: Any) -> str:
+    owner = _OWNERS.get(type(module))
+    if owner is None:
+        owner = f"{'LatentAttention' if hasattr(module, 'kv_lora_rank') else 'MultiHeadAttention'}.forward()"
+        _OWNERS[type(module)] = owner
+    return owner
 
 
 def _check_positions(positions: Any, shape: tuple[int, int], what: str, owner: str) -> None:
@@ -221,8 +232,10 @@ def _decoded(
     owner: str,
 ) -> Tensor:
     """One new token of every live sequence, `query` `(num_seqs, 1, d_model)`, as one batch (`view`, a `DecodeView`
-    or the module's own); all or nothing."""
-    state = paged.state()
+    or the module's own); all or nothing (without a window, the step's undo point is `_step_state`: the blocks it
+    takes, not a copy of every table and the free list)."""
+    light = paged.window is None
+    state: Any = paged._step_state() if light else paged.state()
     try:
         decode = view(paged, owner)
         if module.rotary is None:
@@ -231,12 +244,18 @@ def _decoded(
             where = positions
         else:
             where = decode.positions.to(query.device)
-        return module.forward(
+        out = module.forward(
             query, is_causal=is_causal, kv_cache=decode, key_padding_mask=decode.padding, positions=where
         )
     except BaseException:
-        paged.restore(state)
+        if light:
+            paged._undo_step(state)
+        else:
+            paged.restore(state)
         raise
+    if light:
+        paged._end_step()
+    return out
 
 
 def _joined(module: Any, query: Tensor, pieces: list[Tensor]) -> Tensor:

@@ -99,9 +99,11 @@ class PagedKVCache:
         self._owners = torch.full((num_blocks,), -1, dtype=torch.int64)  # the same, as the checks read it
         self._owners_stale = False  # (rebuilt from _owner_of when a check next reads it: no tensor write per block)
         self._decoding: _Decoding | None = None  # the decoding steps' tensors, kept between steps (see `decode_slots`)
-        flat = (num_blocks * block_size, num_kv_heads, d_head)  # the pools as rows of slots (`_flat`)
+        flat = (num_blocks * block_size, num_kv_heads, 1, d_head)  # the pools as rows of slots (`_flat`)
         self._flats = (self.keys_pool, self.values_pool, self.keys_pool.view(flat), self.values_pool.view(flat))
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out the lowest first
+        self._handed: list[tuple[int, int]] | None = None  # while a decoding step runs: the blocks reserve hands out
+        self._zero = self.keys_pool.new_zeros(())  # (what the views' witnesses expand: `_witness`)
         self._next = 0
         self._verdicts = Verdicts()
 
@@ -241,6 +243,36 @@ class PagedKVCache:
         self._owner_of, self._free = dict(owner_of), list(free)
         self._owners_stale = True
 
+    def _step_state(self) -> tuple[Tensor, Tensor, dict[int, int], list[tuple[int, int]]]:
+        """What `_undo_step` needs to undo one decoding step without a window (`decode_slots`, then
+        `write_decoded`): the pools' tensors and the lengths, and, from now until `_undo_step` or
+        `_end_step`, each block `reserve` hands out. Such a step changes the tables only by appending those blocks,
+        so they are not copied, nor the free list or the owners (which `state()` copies: its cost grows with the
+        pool's blocks, this one's with the live sequences).
+
+        Raises:
+            ConfigError: the cache keeps a window (its steps free blocks too: use `state()`).
+        """
+        if self.window is not None:
+            raise ConfigError("PagedKVCache._step_state(): a cache with a window frees blocks as it decodes; use "
+                              "state() and restore().")  # fmt: skip
+        self._handed = []
+        return self.keys_pool, self.values_pool, dict(self._lengths), self._handed
+
+    def _undo_step(self, state: tuple[Tensor, Tensor, dict[int, int], list[tuple[int, int]]]) -> None:
+        """Undo the decoding step since `_step_state()`: its lengths and pools, and its blocks, given back last
+        first (each table's last block, the free list as it was)."""
+        self.keys_pool, self.values_pool, lengths, handed = state
+        self._lengths = dict(lengths)
+        for seq, block in reversed(handed):
+            self._tables[seq].pop()
+            self._release(block)
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """The decoding step since `_step_state()` is over: `reserve` records no more."""
+        self._handed = None
+
     # --- reading and writing ------------------------------------------------------------------------
 
     def first_kept(self, seq: int) -> int:
@@ -274,6 +306,8 @@ class PagedKVCache:
                 self._owner_of[block] = seq
                 self._tables[seq].append(block)
                 self._owners_stale = True
+                if self._handed is not None:  # (a decoding step's undo point: `_step_state`)
+                    self._handed.append((seq, block))
 
     def slots(self, seq: int, start: int, end: int) -> Tensor:
         """The pool slots (`block * block_size + offset`) of positions `start..end-1` of `seq`, int64."""
@@ -336,16 +370,17 @@ class PagedKVCache:
     def decode_slots(self, owner: str) -> tuple[Tensor, Tensor, Tensor]:
         """Prepare one new position of every live sequence (a decoding step): reserve the blocks it needs; return the
         positions the new tokens take `(num_seqs, 1)`, the pool slots each sequence attends to, right-aligned, its
-        new one last, `(held, num_seqs)` int64 (a shorter sequence's padding reads its own first held slot), and the
+        new one last, `(num_seqs, held)` int64 (a shorter sequence's padding reads its own first held slot), and the
         padding on their left `(num_seqs, held)` bool (True = padding).
 
         The slots are read from each sequence's slot map (`_Decoding`), kept between steps and checked where a block
         table changes (a block appended is checked to be in the pool and the sequence's; any other change, a join or
         a leave rebuilds the map through `locate` and checks every slot with `check_slots`), so a step makes no
         tensor from Python lists, checks nothing on the device and waits for no value from it. Without a window,
-        the right-aligned slots, the padding and the positions are columns of buffers made when the lengths are not
-        those of a step the buffers hold or of the next (a join, a leave, a prefill): a step writes its new column
-        only, from the slot map, so a step undone (a restore, blocks given back) is written again as it is redone.
+        where each sequence's right-aligned slots sit in its map, the padding and the positions are columns of
+        buffers made when the lengths are not those of a step the buffers cover (a join, a leave, a prefill): a
+        step slices them and reads its slots from the map as the map is now (one gather), so a step undone (a
+        restore, blocks given back and others handed out) reads the blocks its redo holds.
 
         Raises:
             ShapeError: the pool has too few free blocks, or a block table points outside the pool or at a block
@@ -363,38 +398,38 @@ class PagedKVCache:
             column = torch.tensor(now, device=self.device)[:, None]
             where = torch.arange(held, device=self.device)[None] + (column + (1 - held))
             first = torch.tensor(firsts, device=self.device)[:, None]
-            padding = where < first
-            return column, state.slots.gather(1, torch.maximum(where, first)).t().contiguous(), padding
+            return column, state.slots.gather(1, torch.maximum(where, first)), where < first
         step = now[0] - state.base[0] if state.base else -1
-        if step < 0 or step > state.filled + 1 or step >= state.room or now != [n + step for n in state.base]:
-            state.aligned(now)  # (the lengths are not the buffers' plus a step: made again)
+        if step < 0 or step >= state.room or now != [n + step for n in state.base]:
+            state.aligned(now)  # (the lengths are not the buffers' plus some steps: made again)
             step = 0
         held = state.held + step
-        # the new column: each sequence's slot of its new position (the other columns are the earlier steps')
-        state.read[held - 1 : held] = state.slots_t.gather(0, state.positions_t[step : step + 1])
-        state.filled = step  # (columns past it may be another call's: a later step may not skip to them)
-        return state.positions[:, step : step + 1], state.read[:held], state.padding[:, :held]
+        read = state.slots.gather(1, state.where[:, :held])  # (the map as it is now: blocks appended since included)
+        return state.positions[:, step : step + 1], read, state.padding[:, :held]
 
     def write_decoded(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write one new position of each live sequence, `k, v` `(num_seqs, num_kv_heads, 1, d_head)`, at the last of
-        its `slots` `(held, num_seqs)` (from `decode_slots`); return the keys and values at `slots`, `(num_seqs,
+        its `slots` `(num_seqs, held)` (from `decode_slots`); return the keys and values at `slots`, `(num_seqs,
         num_kv_heads, held, d_head)` (one gather each: the keys attended, not the pool)."""
         seqs, lengths = self.sequences, self._lengths
         keys_flat, values_flat = self._flat()
-        new = slots[-1]
-        if k.dtype != self.dtype or self.keys_pool.requires_grad or self.values_pool.requires_grad or (
-            torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        new = slots[:, -1]
+        if (
+            k.dtype != self.dtype
+            or self.keys_pool.requires_grad
+            or self.values_pool.requires_grad
+            or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
         ):
             self._scatter(new, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
             keys_flat, values_flat = self._flat()
-        else:  # in place, one row a sequence
-            keys_flat.index_copy_(0, new, k[:, :, 0])
+        else:  # in place, one row a sequence (the flat pools' rows are `(num_kv_heads, 1, d_head)`, as k's are)
+            keys_flat.index_copy_(0, new, k)
             if self.values_pool is not self.keys_pool:  # (a shared pool: one write)
-                values_flat.index_copy_(0, new, v[:, :, 0])
+                values_flat.index_copy_(0, new, v)
         for seq in seqs:
             lengths[seq] += 1
-        # read sequence by sequence (the slots are step by step): each one's keys a run of rows, as SDPA reads them
-        where, shape = slots.t().reshape(-1), (len(seqs), slots.shape[0], self.num_kv_heads, self.d_head)
+        # read sequence by sequence: each one's keys a run of rows, as SDPA reads them
+        where, shape = slots.reshape(-1), (len(seqs), slots.shape[1], self.num_kv_heads, self.d_head)
         keys = keys_flat.index_select(0, where).view(shape).transpose(1, 2)
         shared = self.values_pool is self.keys_pool  # (a latent cache: its entries are its keys and values)
         values = keys if shared else values_flat.index_select(0, where).view(shape).transpose(1, 2)
@@ -404,10 +439,11 @@ class PagedKVCache:
         return keys, values
 
     def _flat(self) -> tuple[Tensor, Tensor]:
-        """The pools as `(num_blocks * block_size, num_kv_heads, d_head)` views (made once per pool)."""
+        """The pools as `(num_blocks * block_size, num_kv_heads, 1, d_head)` views, a slot a row shaped as one new
+        position's keys are (made once per pool)."""
         kept = self._flats
         if kept[0] is not self.keys_pool or kept[1] is not self.values_pool:
-            flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.d_head)
+            flat = (self.num_blocks * self.block_size, self.num_kv_heads, 1, self.d_head)
             keys, values = self.keys_pool, self.values_pool
             kept = self._flats = (keys, values, keys.view(flat), values.view(flat))
         return kept[2], kept[3]
@@ -431,7 +467,6 @@ class PagedKVCache:
                 if not 0 <= block < self.num_blocks or self._owner_of.get(block) != seq:
                     return self._rebuilt(seqs, owner)  # (which raises, naming the block)
                 state.slots[i, j * size : (j + 1) * size] = state.offsets + block * size
-                state.slots_t[j * size : (j + 1) * size, i] = state.offsets + block * size
             state.rows[i] = list(table)
         return state
 
@@ -495,7 +530,7 @@ class PagedKVCache:
 def _witness(cache: PagedKVCache, batch: int, held: int) -> Tensor:
     """A `(batch, num_kv_heads, held, d_head)` tensor of the pool's dtype and device that holds no memory: what the
     module's cache stage checks, the sizes of the keys a view holds (read only when the call writes)."""
-    return cache.keys_pool.new_zeros(()).expand(batch, cache.num_kv_heads, held, cache.d_head)
+    return cache._zero.expand(batch, cache.num_kv_heads, held, cache.d_head)
 
 
 class SequenceView(KVCache):
@@ -522,30 +557,31 @@ class SequenceView(KVCache):
 class _Decoding:
     """What the decoding steps of one set of sequences reuse: each one's pool slot by position `(num_seqs, width *
     block_size)` (checked: see `PagedKVCache.decode_slots`) and the block tables it was made from; without a window,
-    the right-aligned read slots `(room + held, num_seqs)`, padding `(num_seqs, room + held)` and positions
-    `(num_seqs, room)` of the next `room` steps from the lengths `base` (their columns filled step by step)."""
+    for the next `room` steps from the lengths `base`, where each sequence's right-aligned slots sit in its map
+    `(num_seqs, held + room)` (clamped into it), their padding, the same shape, and the new tokens' positions
+    `(num_seqs, room)`: step `s` reads the first `held + s` columns of the first two and column `s` of the third."""
 
     def __init__(
         self, seqs: tuple[int, ...], locate: Any, rows: list[list[int]], slots: Tensor, offsets: Tensor
     ) -> None:
         self.seqs, self.locate, self.rows, self.slots, self.offsets = seqs, locate, rows, slots, offsets
-        self.slots_t = slots.t().contiguous()
         self.base: list[int] = []
-        self.room = self.held = self.filled = 0
-        self.read = self.padding = self.positions = self.positions_t = slots[:0]
+        self.room = self.held = 0
+        self.where = self.padding = self.positions = slots[:0]
 
     def aligned(self, lengths: list[int], room: int = 64) -> None:
-        """The buffers for the steps from `lengths` on (see the class)."""
+        """The buffers for the steps from `lengths` on (see the class). Step `s` holds `held + s` keys of a sequence
+        of length `n + s`, so its column `j` is position `n + s + 1 - (held + s) + j = n + 1 - held + j`, the same
+        for every step: the buffers are made once and sliced."""
         device = self.slots.device
         held = max(lengths) + 1
         column = torch.tensor(lengths, device=device)[:, None]
         where = torch.arange(held + room, device=device)[None] + (column + (1 - held))
         self.padding = where < 0
-        self.read = self.slots.gather(1, where[:, :held].clamp(min=0)).t().contiguous()
-        self.read = torch.cat((self.read, self.read.new_zeros(room, len(lengths))))
+        # (padding reads the sequence's position 0; columns past the map, read by no step the map serves, its last)
+        self.where = where.clamp(0, self.slots.shape[1] - 1)
         self.positions = column + torch.arange(room, device=device)[None]
-        self.positions_t = self.positions.t().contiguous()
-        self.base, self.room, self.held, self.filled = lengths, room, held, 0
+        self.base, self.room, self.held = lengths, room, held
 
 
 class DecodeView(KVCache):
@@ -557,7 +593,7 @@ class DecodeView(KVCache):
         self.paged, self.owner, self.seqs = cache, owner, cache.sequences
         self.positions, self.slots, self.padding = cache.decode_slots(owner)
         self.window = None
-        self._start, self._length = 0, self.slots.shape[0] - 1
+        self._start, self._length = 0, self.slots.shape[1] - 1
         self.keys_buffer = self.values_buffer = _witness(cache, len(self.seqs), self._length)
         self._verdicts = Verdicts()
 

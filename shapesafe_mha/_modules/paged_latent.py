@@ -43,8 +43,8 @@ class PagedLatentDecodeView(LatentCache):
     def __init__(self, cache: PagedKVCache, owner: str, kv_lora_rank: int) -> None:
         self.decode, self.kv_lora_rank = DecodeView(cache, owner), kv_lora_rank
         self.positions, self.padding = self.decode.positions, self.decode.padding
-        held = self.decode.slots.shape[0] - 1
-        self.buffer = cache.keys_pool.new_zeros(()).expand(len(self.decode.seqs), held, cache.d_head)  # (sizes only)
+        held = self.decode.slots.shape[1] - 1
+        self.buffer = cache._zero.expand(len(self.decode.seqs), held, cache.d_head)  # (sizes only)
         self._length = held
 
     def write(self, latent: Tensor, k_rope: Tensor, owner: str) -> tuple[Tensor, Tensor]:
