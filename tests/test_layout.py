@@ -21,6 +21,7 @@ UPWARD = {
     ("_modules.conversions", "_interop.hf"): "MultiHeadAttention.from_hf/to_hf: public classmethods, done by interop",
     ("_modules.conversions", "_interop.torch_nn"): "MultiHeadAttention.from_torch/to_torch/from_weights, the same",
     ("_modules.latent", "_interop.hf"): "LatentAttention.from_hf, the same",
+    ("_compute.reference", "_modules.config"): "per_head_attention's config= annotation, for type checkers only",
 }
 
 

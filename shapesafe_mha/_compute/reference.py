@@ -8,13 +8,15 @@ import inspect
 import itertools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from .._core.weights import AttentionWeights
-from .._modules.config import AttentionConfig
+
+if TYPE_CHECKING:  # (the reference reads a config's fields; it builds none)
+    from .._modules.config import AttentionConfig
 
 
 def _rows(weight: Tensor, bias: Tensor | None, head: int, d_head: int) -> tuple[Tensor, Tensor | None]:
@@ -213,7 +215,7 @@ def per_head_attention(
     key: Tensor,
     value: Tensor,
     weights: AttentionWeights,
-    config: AttentionConfig | None = None,
+    config: "AttentionConfig | None" = None,
     *,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
@@ -351,7 +353,7 @@ def per_head_attention(
         `(batch, seq, d_model)`.
     """
     if config is not None:  # the options the config describes, read from it; the tensors from the arguments
-        _refuse_both(config, {name: value for name, value in locals().items() if name in _DESCRIBED})
+        _refuse_both(config, {name: value for name, value in locals().items() if name in DESCRIBED})
         num_heads, num_kv_heads, rope_theta = config.num_heads, config.kv_heads, config.rope_theta
         rotary_dim, rope_style = config.rope_dim, "interleaved" if config.rope_interleaved else "half"
         norm_eps, qk_norm_over = config.norm_eps, cast(NormOver, config.qk_norm_over)
@@ -445,53 +447,18 @@ def per_head_attention(
 
 
 # The keywords whose option an `AttentionConfig` describes: with `config=` they are read from it.
-_DESCRIBED = (
+DESCRIBED = (
     "num_heads", "num_kv_heads", "rope_theta", "rope_style", "rotary_dim", "norm_eps", "qk_norm_over",
     "qk_norm_after_rope", "qk_norm_centred", "clip_qkv", "temperature_tuning", "chunk_size", "window",
     "logit_softcap",
 )  # fmt: skip
 
 
-def described(weights: AttentionWeights, **keywords: Any) -> tuple[AttentionConfig, dict[str, Any]]:
-    """The `AttentionConfig` that `per_head_attention`'s keywords describe, and the keywords left to pass beside it
-    (masks, positions, `scale`, the options' tensors): `per_head_attention(q, k, v, weights, config, **rest)` computes
-    what `per_head_attention(q, k, v, weights, **keywords)` does (the QK-norm's weights as its scales, no offset).
-
-    Example:
-        >>> import torch, shapesafe_mha as ssm
-        >>> from shapesafe_mha._compute.reference import described
-        >>> m = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2)
-        >>> config, rest = described(m.weights(), num_heads=4, num_kv_heads=2, window=3, is_causal=True)
-        >>> config.variants(), rest
-        ({'window': 3}, {'is_causal': True})
-
-    Raises:
-        ConfigError: the keywords describe no layer an `AttentionConfig` can (its message names the option).
-    """
-    parameters = inspect.signature(per_head_attention).parameters
-    given = {name: p.default for name, p in parameters.items() if p.default is not p.empty} | keywords
-    num_heads, rope, norm = given["num_heads"], given["rope_theta"] is not None, given["qk_norm"] is not None
-    d_head = weights.w_q.shape[0] // num_heads
-    partial = rope and given["rotary_dim"] not in (None, d_head)  # every feature rotated: the config's default
-    config = AttentionConfig(
-        weights.w_q.shape[1], num_heads, given["num_kv_heads"], d_head=d_head,
-        rope_theta=given["rope_theta"], rope_dim=given["rotary_dim"] if partial else None,
-        rope_interleaved=rope and given["rope_style"] == "interleaved", qk_norm=norm,
-        qk_norm_over=given["qk_norm_over"] if norm else "head", qk_norm_centred=norm and given["qk_norm_centred"],
-        qk_norm_after_rope=norm and given["qk_norm_after_rope"], norm_eps=given["norm_eps"], window=given["window"],
-        logit_softcap=given["logit_softcap"], clip_qkv=given["clip_qkv"], chunk_size=given["chunk_size"],
-        temperature_tuning=given["temperature_tuning"], attention_sinks=given["sinks"] is not None,
-        alibi=given["alibi_slopes"] is not None, output_gate=given["output_gate"] is not None,
-        differential_lambda_init=None if given["differential"] is None else given["differential"][4],
-    )  # fmt: skip
-    return config, {name: value for name, value in keywords.items() if name not in _DESCRIBED}
-
-
-def _refuse_both(config: AttentionConfig, given: dict[str, object]) -> None:
+def _refuse_both(config: "AttentionConfig", given: dict[str, object]) -> None:
     """`TypeError` naming the keywords given beside `config` that it describes (each keyword at its default is not
     given)."""
     defaults = inspect.signature(per_head_attention).parameters
-    both = [name for name in _DESCRIBED if given[name] != defaults[name].default]
+    both = [name for name in DESCRIBED if given[name] != defaults[name].default]
     if both:
         raise TypeError(
             f"per_head_attention(): {', '.join(both)} given with config=, which describes them; pass them in the "
@@ -506,7 +473,9 @@ def _given(value: T | None, name: str, example: str) -> T:
     return value
 
 
-def _norm_weights(config: AttentionConfig, given: tuple[Tensor, Tensor] | None, like: Tensor) -> tuple[Tensor, Tensor]:
+def _norm_weights(
+    config: "AttentionConfig", given: tuple[Tensor, Tensor] | None, like: Tensor
+) -> tuple[Tensor, Tensor]:
     """The QK-norm's scales of a config: `qk_norm_offset + weight` of the weights given (the module's `q_norm` and
     `k_norm` weights), or of the ones a module starts with."""
     if given is None:
