@@ -1,5 +1,6 @@
 """Serving shapes: a packed batch computes each sequence as if alone; a paged cache computes what a KVCache does."""
 
+import inspect
 import itertools
 import math
 
@@ -9,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shapesafe_mha as ssm
+from shapesafe_mha._compute.paged import _Decoding
 from shapesafe_mha._modules import latent, plan
 from shapesafe_mha.reference import packed_per_head_attention
 
@@ -141,6 +143,38 @@ def test_paged_equals_a_kv_cache_per_sequence(
         held = sum(1 for row in cache.block_table().tolist() for block in row if block >= 0)
         bound = sum(math.ceil((module.window - 1) / block_size) + 1 for _ in live)
         assert held <= bound
+
+
+_ROOM = inspect.signature(_Decoding.aligned).parameters["room"].default  # steps a decoding map's buffers serve
+
+
+@pytest.mark.parametrize("steps", [_ROOM + 1, 2 * _ROOM + 1])
+@pytest.mark.parametrize("block_size", [1, 2 * _ROOM])
+@pytest.mark.parametrize("rope_theta", [None, 10000.0])
+def test_any_number_of_decoding_steps_equals_a_kv_cache_per_sequence(
+    rope_theta: float | None, block_size: int, steps: int
+) -> None:
+    """Batched decoding steps one after another, as many as a server makes (up to and past the steps that the slot
+    map's buffers of positions and padding serve before they are made again), == each sequence decoded through its
+    own contiguous KVCache: every step's output, and its length. (A block of many positions: a map made again only
+    when a block is appended past its width would hide the steps its buffers serve.)"""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(8, 4, 2, rope_theta=rope_theta, dtype=torch.float64)
+    cache = ssm.PagedKVCache.for_module(module, num_blocks=3 * (2 * _ROOM + 6) // block_size + 6, block_size=block_size)
+    prompts = [3, 1, 5]
+    live = [(cache.add(), module.new_cache(1, max(prompts) + steps)) for _ in prompts]
+    x, cu = _packed(prompts, module.d_model)
+    module(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)
+    for (_, contiguous), a, b in zip(live, cu.tolist()[:-1], cu.tolist()[1:], strict=True):
+        module(x[:, a:b], is_causal=True, kv_cache=contiguous)
+    for _ in range(steps):
+        new = torch.randn(len(prompts), 1, module.d_model, dtype=torch.float64)
+        out = module(new, is_causal=True, kv_cache=cache)
+        for i, (seq, contiguous) in enumerate(live):
+            torch.testing.assert_close(
+                out[i : i + 1], module(new[i : i + 1], is_causal=True, kv_cache=contiguous), **F64
+            )
+            assert cache.length(seq) == len(contiguous)
 
 
 def _two_sequences(

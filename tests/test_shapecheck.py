@@ -860,3 +860,46 @@ def test_a_decorated_method_inside_a_covered_call_keeps_its_own_verdict() -> Non
     mix.weight = nn.Parameter(torch.randn(8, 5))
     line = first_line(lambda: total(x))
     assert line.endswith("Mix.forward(): the result has d=5 (axis 1), but x set d=8."), line
+
+
+class _Bottleneck(nn.Module):
+    """A method whose body reads `self` (its weights) and says what it expects of them: the hidden width is d."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.w_in, self.w_out = nn.Parameter(torch.randn(d, hidden)), nn.Parameter(torch.randn(hidden, d))
+
+    @ssm.shapecheck
+    def forward(self, x: Float[Tensor, "batch d"]) -> Float[Tensor, "batch d"]:
+        hidden = ssm.expect(x @ self.w_in, "batch d", name="hidden")
+        return hidden @ self.w_out  # the result's shape is (batch, d) whatever the hidden width
+
+
+def _outcome(run: Callable[[], Any]) -> str:
+    try:
+        run()
+    except ssm.ShapeError as failure:
+        return str(failure).splitlines()[0]
+    return "passes"
+
+
+@pytest.mark.parametrize("warm", [0, 1, 2])
+@pytest.mark.parametrize("hidden", [8, 4, 16])
+def test_a_method_called_inside_a_decorated_call_is_checked_as_it_is_alone(warm: int, hidden: int) -> None:
+    """Whatever its caller's verdict (not yet checked, checked, remembered and covering what it calls), a decorated
+    method called inside a decorated function is checked as the same call alone: its caller's key does not hold
+    `self`, so the expectations inside the method are checked again, never covered by the caller's verdict."""
+    block = _Bottleneck(8, 8)
+
+    @ssm.shapecheck
+    def total(x: Float[Tensor, "batch d"]) -> Float[Tensor, " batch"]:
+        return ssm.expect(block(x), "batch d").sum(-1)
+
+    x = torch.randn(3, 8)
+    for _ in range(warm):
+        total(x)
+    block.w_in, block.w_out = _Bottleneck(8, hidden).w_in, _Bottleneck(8, hidden).w_out
+    alone = _outcome(lambda: _Bottleneck(8, hidden).forward(x))
+    assert (alone == "passes") == (hidden == 8), alone
+    assert _outcome(lambda: total(x)) == alone
+    assert _outcome(lambda: total(x)) == alone  # and again, its verdicts now remembered

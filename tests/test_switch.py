@@ -1,5 +1,6 @@
 """The checks switch: really off, back on, per thread, by environment; remembered verdicts never hide a mistake."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -7,6 +8,8 @@ import threading
 
 import pytest
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 import shapesafe_mha as ssm
 
@@ -79,3 +82,63 @@ def test_a_remembered_verdict_never_hides_a_wrong_call() -> None:
             module(right.double())
         with pytest.raises(ssm.ConfigError, match="num_heads must be a positive int, but got True"):
             ssm.split_heads(torch.randn(2, 5, 32), True)  # type: ignore[arg-type]  # a bool is not a head count
+
+
+def _enabled_inside(where: str, quiet: bool) -> list[bool]:
+    """What `checks_enabled()` says inside a decorated function's body, called `where`: its first call (checked),
+    its later calls (remembered, covering the expectation inside), or a `shape_scope`; all of it under `unchecked()`
+    if `quiet`."""
+    seen: list[bool] = []
+
+    @ssm.shapecheck
+    def body(x: Float[Tensor, "batch d"]) -> Float[Tensor, "batch d"]:
+        seen.append(ssm.checks_enabled())
+        return ssm.expect(x, "batch d")
+
+    x = torch.randn(2, 3)
+    with ssm.unchecked() if quiet else contextlib.nullcontext():
+        if where == "scope":
+            with ssm.shape_scope(batch=2):
+                body(x)
+                body(x)
+        else:
+            for _ in range({"first": 1, "remembered": 3}[where]):
+                body(x)
+    return seen
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+@pytest.mark.parametrize("where", ["first", "remembered", "scope"])
+def test_checks_enabled_is_false_exactly_inside_unchecked(where: str, quiet: bool) -> None:
+    """`checks_enabled()` says whether checks run now: inside a decorated call whose verdict is remembered (which
+    covers the stages and expectations it calls, but not a cache's append, a module or the Hugging Face backend, which
+    ask `checks_enabled()`) as anywhere, it is False inside `unchecked()` and True everywhere else."""
+    seen = _enabled_inside(where, quiet)
+    assert seen and all(enabled is not quiet for enabled in seen), seen
+
+
+@pytest.mark.parametrize("warm", [0, 1, 2])
+def test_a_cache_append_inside_a_remembered_call_is_refused_as_alone(warm: int) -> None:
+    """A KVCache held outside a decorated function (its key does not hold the cache) refuses inside it, however often
+    the function was checked, the append it refuses alone: k of batch 1 into a cache of batch 2 (unchecked, torch
+    would broadcast it into both sequences)."""
+    caches = [ssm.KVCache(2, 2, 8, 4, dtype=torch.float32)]
+
+    @ssm.shapecheck
+    def step(k: Float[Tensor, "batch num_kv_heads new d_head"]) -> Float[Tensor, "batch num_kv_heads kv_seq d_head"]:
+        return caches[0].append(ssm.expect(k, "batch num_kv_heads new d_head"), k)[0]
+
+    k = torch.randn(1, 2, 1, 4)
+    caches[0] = ssm.KVCache(1, 2, 8, 4, dtype=torch.float32)
+    for _ in range(warm):
+        step(k)
+    caches[0] = ssm.KVCache(2, 2, 8, 4, dtype=torch.float32)
+    with pytest.raises(
+        ssm.ShapeError, match=r"^KVCache.append\(\): k has batch=1 \(axis 0\), but the cache set batch=2"
+    ):
+        ssm.KVCache(2, 2, 8, 4, dtype=torch.float32).append(k, k)
+    with pytest.raises(
+        ssm.ShapeError, match=r"^KVCache.append\(\): k has batch=1 \(axis 0\), but the cache set batch=2"
+    ):
+        step(k)
+    assert len(caches[0]) == 0

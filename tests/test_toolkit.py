@@ -1256,6 +1256,37 @@ def test_an_option_not_applied_is_named_with_the_words_of_its_description() -> N
     assert found["window"] == "window=3 not applied (sliding-window attention)", found
 
 
+_LAYERS = [asked for _, asked, _ in _VARIANTS] + [
+    {**_ROPE, "rotary_dim": 2, "rope_style": "interleaved"},
+    {**_ROPE, "rotary_dim": 2, "qk_norm": _NORM, "qk_norm_after_rope": True, "window": 3},
+]
+
+
+@pytest.mark.parametrize("asked", _LAYERS, ids=[",".join(sorted(a)) or "plain" for a in _LAYERS])
+def test_each_option_of_the_layer_derives_a_not_applied_fault_that_computes(asked: dict[str, Any]) -> None:
+    """The diagnosis derives, for every option the layer sets (`config.variants()`), the fault "<option> not applied":
+    the layer with that option at its default (and where the config refuses that alone, the option's whole part at
+    its defaults: RoPE's pairs and rotated width have no meaning without RoPE), a layer the reference computes. A
+    fault whose change the config refuses would be skipped in silence, and that mistake never named."""
+    from shapesafe_mha.testing._diagnose import _DEFAULTS, Scenario, variants
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=generator)
+    w = AttentionWeights(*(torch.randn(8, 8, dtype=torch.float64, generator=generator) for _ in range(4)))
+    scenario = Scenario.of(x, x, x, w, num_heads=2, num_kv_heads=2, **asked)
+    on = scenario.config.variants()
+    derived = {
+        kind: change
+        for kind, said, change in variants(scenario)
+        if said.startswith(f"{kind}=") and " not applied" in said
+    }
+    assert {kind for kind in derived if kind in on} == set(on), derived
+    for name in on:
+        fault = derived[name](scenario)
+        assert getattr(fault.config, name) == _DEFAULTS[name], name
+        assert fault.expected().shape == x.shape, name
+
+
 @pytest.mark.parametrize(
     ("asked", "planted", "named"),
     [
