@@ -12,7 +12,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Concatenate, ParamSpec
 
+from .._compute.reference import DESCRIBED, per_head_attention
 from .._core.errors import ConfigError
+from .._core.weights import AttentionWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,3 +544,38 @@ HELD_BY_PARTS: dict[str, Callable[[Any], Any]] = {
     "attention_sinks": lambda module: module._parameters.get("sinks") is not None,
     "alibi": lambda module: module._buffers.get("alibi_slopes") is not None,
 }
+
+
+def of_reference(weights: AttentionWeights, **keywords: Any) -> tuple[AttentionConfig, dict[str, Any]]:
+    """The `AttentionConfig` that `per_head_attention`'s keywords describe, and the keywords left to pass beside it
+    (masks, positions, `scale`, the options' tensors): `per_head_attention(q, k, v, weights, config, **rest)` computes
+    what `per_head_attention(q, k, v, weights, **keywords)` does (the QK-norm's weights as its scales, no offset).
+
+    Example:
+        >>> import torch, shapesafe_mha as ssm
+        >>> from shapesafe_mha._modules.config import of_reference
+        >>> m = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2)
+        >>> config, rest = of_reference(m.weights(), num_heads=4, num_kv_heads=2, window=3, is_causal=True)
+        >>> config.variants(), rest
+        ({'window': 3}, {'is_causal': True})
+
+    Raises:
+        ConfigError: the keywords describe no layer an `AttentionConfig` can (its message names the option).
+    """
+    parameters = inspect.signature(per_head_attention).parameters
+    given = {name: p.default for name, p in parameters.items() if p.default is not p.empty} | keywords
+    num_heads, rope, norm = given["num_heads"], given["rope_theta"] is not None, given["qk_norm"] is not None
+    d_head = weights.w_q.shape[0] // num_heads
+    partial = rope and given["rotary_dim"] not in (None, d_head)  # every feature rotated: the config's default
+    config = AttentionConfig(
+        weights.w_q.shape[1], num_heads, given["num_kv_heads"], d_head=d_head,
+        rope_theta=given["rope_theta"], rope_dim=given["rotary_dim"] if partial else None,
+        rope_interleaved=rope and given["rope_style"] == "interleaved", qk_norm=norm,
+        qk_norm_over=given["qk_norm_over"] if norm else "head", qk_norm_centred=norm and given["qk_norm_centred"],
+        qk_norm_after_rope=norm and given["qk_norm_after_rope"], norm_eps=given["norm_eps"], window=given["window"],
+        logit_softcap=given["logit_softcap"], clip_qkv=given["clip_qkv"], chunk_size=given["chunk_size"],
+        temperature_tuning=given["temperature_tuning"], attention_sinks=given["sinks"] is not None,
+        alibi=given["alibi_slopes"] is not None, output_gate=given["output_gate"] is not None,
+        differential_lambda_init=None if given["differential"] is None else given["differential"][4],
+    )  # fmt: skip
+    return config, {name: value for name, value in keywords.items() if name not in DESCRIBED}

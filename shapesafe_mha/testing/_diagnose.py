@@ -5,7 +5,6 @@ the causal mask shifted, RoPE turned the wrong way, ...) is that mistake, whatev
 like. Each variant is the reference with one argument changed, so a match is evidence, not a guess.
 """
 
-import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -14,49 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compute.reference import DESCRIBED, KVHeads, MaskMod, ScoreMod, per_head_attention
+from .._compute.reference import KVHeads, MaskMod, ScoreMod, per_head_attention
 from .._core.errors import ConfigError
 from .._core.weights import AttentionWeights
-from .._modules.config import BUILT_FROM, AttentionConfig
+from .._modules.config import BUILT_FROM, AttentionConfig, of_reference
 from .._modules.config import described as option_described
 
 # Below this a float64 deviation is float32 rounding, not a wrong formula (float32's epsilon is 1.2e-7).
 FLOAT32_INSIDE = 1e-5
-
-
-def described(weights: AttentionWeights, **keywords: Any) -> tuple[AttentionConfig, dict[str, Any]]:
-    """The `AttentionConfig` that `per_head_attention`'s keywords describe, and the keywords left to pass beside it
-    (masks, positions, `scale`, the options' tensors): `per_head_attention(q, k, v, weights, config, **rest)` computes
-    what `per_head_attention(q, k, v, weights, **keywords)` does (the QK-norm's weights as its scales, no offset).
-
-    Example:
-        >>> import torch, shapesafe_mha as ssm
-        >>> from shapesafe_mha.testing._diagnose import described
-        >>> m = ssm.MultiHeadAttention(16, num_heads=4, num_kv_heads=2)
-        >>> config, rest = described(m.weights(), num_heads=4, num_kv_heads=2, window=3, is_causal=True)
-        >>> config.variants(), rest
-        ({'window': 3}, {'is_causal': True})
-
-    Raises:
-        ConfigError: the keywords describe no layer an `AttentionConfig` can (its message names the option).
-    """
-    parameters = inspect.signature(per_head_attention).parameters
-    given = {name: p.default for name, p in parameters.items() if p.default is not p.empty} | keywords
-    num_heads, rope, norm = given["num_heads"], given["rope_theta"] is not None, given["qk_norm"] is not None
-    d_head = weights.w_q.shape[0] // num_heads
-    partial = rope and given["rotary_dim"] not in (None, d_head)  # every feature rotated: the config's default
-    config = AttentionConfig(
-        weights.w_q.shape[1], num_heads, given["num_kv_heads"], d_head=d_head,
-        rope_theta=given["rope_theta"], rope_dim=given["rotary_dim"] if partial else None,
-        rope_interleaved=rope and given["rope_style"] == "interleaved", qk_norm=norm,
-        qk_norm_over=given["qk_norm_over"] if norm else "head", qk_norm_centred=norm and given["qk_norm_centred"],
-        qk_norm_after_rope=norm and given["qk_norm_after_rope"], norm_eps=given["norm_eps"], window=given["window"],
-        logit_softcap=given["logit_softcap"], clip_qkv=given["clip_qkv"], chunk_size=given["chunk_size"],
-        temperature_tuning=given["temperature_tuning"], attention_sinks=given["sinks"] is not None,
-        alibi=given["alibi_slopes"] is not None, output_gate=given["output_gate"] is not None,
-        differential_lambda_init=None if given["differential"] is None else given["differential"][4],
-    )  # fmt: skip
-    return config, {name: value for name, value in keywords.items() if name not in DESCRIBED}
 
 
 @dataclass(frozen=True)
@@ -110,7 +74,7 @@ class Scenario:
     def of(cls, query: Tensor, key: Tensor, value: Tensor, weights: AttentionWeights, **keywords: Any) -> "Scenario":
         """The scenario of `per_head_attention(query, key, value, weights, **keywords)`: its config the one the
         keywords describe, each keyword not a field here (an option's tensors) one of `tensors`."""
-        config, rest = described(weights, **keywords)
+        config, rest = of_reference(weights, **keywords)
         own = {f.name for f in fields(cls)}
         tensors = {name: value for name, value in rest.items() if name not in own and value is not None}
         return cls(query, key, value, weights, config, **{k: v for k, v in rest.items() if k in own}, tensors=tensors)
