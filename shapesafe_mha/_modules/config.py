@@ -10,11 +10,12 @@ import inspect
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Concatenate, ParamSpec
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec
 
-from .._compute.reference import DESCRIBED, per_head_attention
 from .._core.errors import ConfigError
-from .._core.weights import AttentionWeights
+
+if TYPE_CHECKING:  # (torch is imported by what uses them: the command line's help imports none)
+    from .._core.weights import AttentionWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -546,7 +547,7 @@ HELD_BY_PARTS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def of_reference(weights: AttentionWeights, **keywords: Any) -> tuple[AttentionConfig, dict[str, Any]]:
+def of_reference(weights: "AttentionWeights", **keywords: Any) -> tuple[AttentionConfig, dict[str, Any]]:
     """The `AttentionConfig` that `per_head_attention`'s keywords describe, and the keywords left to pass beside it
     (masks, positions, `scale`, the options' tensors): `per_head_attention(q, k, v, weights, config, **rest)` computes
     what `per_head_attention(q, k, v, weights, **keywords)` does (the QK-norm's weights as its scales, no offset).
@@ -562,6 +563,8 @@ def of_reference(weights: AttentionWeights, **keywords: Any) -> tuple[AttentionC
     Raises:
         ConfigError: the keywords describe no layer an `AttentionConfig` can (its message names the option).
     """
+    from .._compute.reference import DESCRIBED, per_head_attention  # (imports torch: not at the config's import)
+
     parameters = inspect.signature(per_head_attention).parameters
     given = {name: p.default for name, p in parameters.items() if p.default is not p.empty} | keywords
     num_heads, rope, norm = given["num_heads"], given["rope_theta"] is not None, given["qk_norm"] is not None
