@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what type checkers and the docs read; at run time each name
     from ._modules.config import AttentionConfig as AttentionConfig
     from ._modules.latent import LatentAttention as LatentAttention
     from ._modules.latent import LatentCache as LatentCache
+    from ._modules.latent_config import LatentConfig as LatentConfig
     from ._modules.multihead import MultiHeadAttention as MultiHeadAttention
     from ._tools.prove import ShapeProof as ShapeProof
     from ._tools.prove import prove as prove
@@ -55,6 +56,7 @@ _WHERE = {
     "AttentionConfig": "_modules.config",
     "LatentAttention": "_modules.latent",
     "LatentCache": "_modules.latent",
+    "LatentConfig": "_modules.latent_config",
     "MultiHeadAttention": "_modules.multihead",
     "ShapeProof": "_tools.prove",
     "prove": "_tools.prove",
@@ -107,6 +109,7 @@ __all__ = [
     "KVCache",
     "LatentAttention",
     "LatentCache",
+    "LatentConfig",
     "LatentTraceConfig",
     "MultiHeadAttention",
     "PagedKVCache",

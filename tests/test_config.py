@@ -13,6 +13,7 @@ import torch
 
 import shapesafe_mha as ssm
 from shapesafe_mha._modules.config import OPTIONS, SIZES
+from shapesafe_mha._modules.latent_config import LATENT_OPTIONS, LATENT_SIZES
 
 # A module with most options on, so that an option set after construction meets the others.
 BASE = {"d_model": 32, "num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0, "qk_norm": True, "window": 6}
@@ -117,3 +118,91 @@ def test_an_option_set_out_of_its_range_is_refused_as_at_construction(name: str,
         setattr(module, name, value)
     assert str(set_later.value) == str(constructed.value)
     assert module.config == ssm.MultiHeadAttention(**BASE).config
+
+
+# LatentAttention: the same invariants, over `LatentConfig`.
+LATENT_BASE: dict[str, Any] = {"d_model": 32, "num_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 8, "d_nope": 4,
+                               "d_rope": 4, "d_value": 6}  # fmt: skip
+LATENT_CHANGED: dict[str, Any] = {
+    "bias": True,
+    "rope_theta": 50.0,
+    "interleaved": True,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    "scale": 0.3,
+    "norm_eps": 0.5,
+    "dropout": 0.25,
+}
+
+
+def test_every_latent_option_has_a_value_here() -> None:
+    assert set(LATENT_CHANGED) == set(LATENT_OPTIONS) - set(LATENT_SIZES)
+
+
+def _latent_outputs(module: ssm.LatentAttention, x: torch.Tensor) -> list[torch.Tensor]:
+    """A causal prefill, then a prefill of three and two decoding steps through the module's own cache."""
+    module = module.double().eval()
+    with torch.no_grad():
+        cache = module.new_cache(x.shape[0], 8)
+        outs = [module(x, is_causal=True), module(x[:, :3], is_causal=True, kv_cache=cache)]
+        outs += [module(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in (3, 4)]
+    return outs
+
+
+def _latent_agree(a: ssm.LatentAttention, b: ssm.LatentAttention) -> None:
+    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for got, expected in zip(_latent_outputs(a, x), _latent_outputs(b, x), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("changed", [{}, *({name: value} for name, value in LATENT_CHANGED.items())])
+def test_a_latent_module_rebuilt_from_its_config_computes_what_it_computes(changed: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    module = ssm.LatentAttention(**LATENT_BASE, **changed)
+    rebuilt = ssm.LatentAttention.from_config(module.config)
+    rebuilt.load_state_dict(module.state_dict())
+    assert rebuilt.config == module.config == ssm.LatentConfig(**LATENT_BASE, **changed)
+    assert repr(rebuilt) == repr(module)
+    _latent_agree(rebuilt, module)
+
+
+@pytest.mark.parametrize("name", list(LATENT_CHANGED))
+def test_a_latent_option_set_on_a_built_module_is_followed_or_refused_never_half_applied(name: str) -> None:
+    torch.manual_seed(0)
+    module = ssm.LatentAttention(**LATENT_BASE)
+    with torch.no_grad():
+        module(torch.randn(1, 4, 32), is_causal=True)  # remembered: a verdict
+    value = LATENT_CHANGED[name]
+    target = ssm.LatentAttention.from_config(dataclasses.replace(module.config, **{name: value}))
+    before, state = module.config, {k: v.clone() for k, v in module.state_dict().items()}
+    try:
+        setattr(module, name, value)
+    except ssm.ConfigError as error:
+        assert "LatentAttention.from_config(dataclasses.replace(module.config" in str(error)
+        assert module.config == before  # refused: nothing changed
+        assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+        return
+    assert module.config == target.config
+    target.load_state_dict(module.state_dict())
+    _latent_agree(module, target)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("scale", 0), ("scale", float("inf")), ("dropout", 1.0), ("interleaved", 1)]
+)
+def test_a_latent_option_set_out_of_its_range_is_refused_as_at_construction(name: str, value: Any) -> None:
+    module = ssm.LatentAttention(**LATENT_BASE)
+    with pytest.raises(ssm.ConfigError) as constructed:
+        ssm.LatentAttention(**(LATENT_BASE | {name: value}))
+    with pytest.raises(ssm.ConfigError) as set_later:
+        setattr(module, name, value)
+    assert str(set_later.value) == str(constructed.value)
+    assert module.config == ssm.LatentAttention(**LATENT_BASE).config
+
+
+def test_a_latent_config_is_validated_where_it_is_made() -> None:
+    with pytest.raises(ssm.ConfigError, match=r"^LatentAttention\(d_model=32, num_heads=4\): d_rope=3 is odd"):
+        ssm.LatentConfig(**(LATENT_BASE | {"d_rope": 3}))
+    with pytest.raises(ssm.ConfigError, match=r"rope_theta must be a positive finite number .* but got None\.$"):
+        ssm.LatentConfig(**(LATENT_BASE | {"rope_theta": None}))
+    with pytest.raises(ssm.ConfigError, match=r"^LatentAttention\.from_config\(\): config must be a LatentConfig"):
+        ssm.LatentAttention.from_config(ssm.AttentionConfig(32, 4))  # type: ignore[arg-type]

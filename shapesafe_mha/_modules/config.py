@@ -61,10 +61,17 @@ class Range:
         return bool(above and below)
 
 
-def check_range(owner: str, name: str, value: Any, config: "AttentionConfig | None" = None, upper: bool = True) -> None:
-    """`ConfigError` naming the option `name` (as `owner` begins it) and its range (`RANGES`) unless `value` is
-    within it (`upper`: its upper bound too; `config`: the sizes a bound names)."""
-    edges = RANGES[name]
+def check_range(
+    owner: str,
+    name: str,
+    value: Any,
+    config: "AttentionConfig | None" = None,
+    upper: bool = True,
+    ranges: "Mapping[str, Range] | None" = None,
+) -> None:
+    """`ConfigError` naming the option `name` (as `owner` begins it) and its range (`ranges`, default `RANGES`)
+    unless `value` is within it (`upper`: its upper bound too; `config`: the sizes a bound names)."""
+    edges = (RANGES if ranges is None else ranges)[name]
     if not edges.holds(value, config, upper):
         raise ConfigError(f"{owner}{edges.label or name} must be {edges.says}, but got {value!r}.")
 

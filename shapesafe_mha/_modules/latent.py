@@ -11,8 +11,8 @@ A prefill rebuilds every head's keys and values from the latent (`kv_b_proj`); a
 provably the same computation (see `LatentAttention._absorbs`).
 """
 
-import math
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from .._compute import kernels as K
 from .._compute.fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
 from .._compute.packed import serving_forward
 from .._compute.paged import PagedKVCache
-from .._compute.rotary import RotaryEmbedding, check_rotary_width, default_positions
+from .._compute.rotary import RotaryEmbedding, default_positions
 from .._compute.stages import (
     autocast_dtype,
     autocast_on,
@@ -66,7 +66,8 @@ from .._core.dims import (
 from .._core.errors import ConfigError, ShapeError
 from .._core.messages import dtype_name, mismatch
 from .._core.trace import current_observer
-from .config import check_range
+from .config import bind, constructor_of
+from .latent_config import LATENT_BUILT_FROM, LATENT_OPTIONS, LATENT_SIZES, LatentConfig
 
 _OWNER = "LatentAttention.forward()"
 
@@ -444,6 +445,23 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
 _CACHES = (LatentCache, PagedKVCache)  # the caches a call writes, restored if a hook raises after it (`call_restoring`)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options(LatentConfig):
+    """The constructor's parameters: the config's fields, then where the parameters are made."""
+
+    device: torch.device | str | None = dataclasses.field(default=None, kw_only=True)
+    dtype: torch.dtype | None = dataclasses.field(default=None, kw_only=True)
+
+
+# An option a built module's parts hold, not an attribute of its name: how `config` reads it back.
+_HELD_BY_PARTS: dict[str, Callable[[Any, str], Any]] = {
+    "bias": lambda module, _: module.kv_a_proj_with_mqa.bias is not None,
+    "rope_scaling": lambda module, _: module.rotary.scaling,
+    "scale": lambda module, _: None if module.scale == (module.d_nope + module.d_rope) ** -0.5 else module.scale,
+    "norm_eps": lambda module, _: module.kv_a_layernorm.eps,
+}
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), checked stage by stage; its cache holds the latent.
 
@@ -458,88 +476,69 @@ class LatentAttention(nn.Module):
         >>> mla(torch.randn(2, 10, 64), is_causal=True).shape
         torch.Size([2, 10, 64])
 
-    Arguments:
-        d_model: width of inputs and outputs.
-        num_heads: heads (queries, keys and values alike).
-        kv_lora_rank: width of the latent keys and values are rebuilt from (cached).
-        d_nope, d_rope: each query/key head's part without and with RoPE (`d_rope` even).
-        d_value: width of a value head.
-        q_lora_rank: width of the queries' bottleneck; None projects queries directly.
-        bias: biases on `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj` (DeepSeek's `attention_bias`).
-        rope_theta: base of the rotary frequencies.
-        rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("yarn": DeepSeek-V3, Kimi K2; the
-            others `RotaryEmbedding` takes), or None.
-        scale: the score scale; default `(d_nope + d_rope) ** -0.5` (DeepSeek-V3's YaRN multiplies it by the
-            square of its `mscale_all_dim` factor, which `from_hf` reads).
-        interleaved: rotate feature pairs `(2i, 2i+1)` (DeepSeek's `rope_interleave`), not `(i, i + d/2)`.
-        norm_eps: epsilon of the bottleneck and latent RMSNorms.
-        dropout: on the attention probabilities, in training.
-        device, dtype: of the parameters.
+    Its keywords are `LatentConfig`'s fields, described there (the signature is derived from them), and `device`,
+    `dtype` of the parameters: `d_model` and `num_heads` (by position too); the sizes `kv_lora_rank`, `d_nope`,
+    `d_rope`, `d_value` and `q_lora_rank`; `bias`, `rope_theta`, `rope_scaling`, `scale`, `interleaved`,
+    `norm_eps` and `dropout`. `module.config` describes a built module; `from_config` builds one.
 
     Raises:
-        ConfigError: a size is not a positive int, `d_rope` is odd, or `dropout` is not in [0, 1).
+        ConfigError: a size is not a positive int, `d_rope` is odd, or an option is out of its range.
     """
 
     _sizes: tuple[int, ...]  # derived (`_derive`)
     _constants: frozenset[int]
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        *,
-        kv_lora_rank: int,
-        d_nope: int,
-        d_rope: int,
-        d_value: int,
-        q_lora_rank: int | None = None,
-        bias: bool = False,
-        rope_theta: float = 10000.0,
-        rope_scaling: Mapping[str, Any] | None = None,
-        scale: float | None = None,
-        interleaved: bool = False,
-        norm_eps: float = 1e-6,
-        dropout: float = 0.0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    @constructor_of(_Options)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        owner = f"LatentAttention(d_model={d_model}, num_heads={num_heads}): "
-        sizes = {"d_model": d_model, "num_heads": num_heads, "kv_lora_rank": kv_lora_rank, "d_nope": d_nope}
-        sizes |= {"d_rope": d_rope, "d_value": d_value}
-        if q_lora_rank is not None:
-            sizes["q_lora_rank"] = q_lora_rank
-        for name, size in sizes.items():
-            positive_count(owner, name, size)
-        check_rotary_width(d_rope, owner.removesuffix(": "), "d_rope")
-        for name, value in (("dropout", dropout), ("norm_eps", norm_eps)):
-            check_range(owner, name, value)  # the ranges of MultiHeadAttention's options of those names
-        number = isinstance(scale, int | float) and not isinstance(scale, bool)
-        if scale is not None and not (number and 0 < scale < math.inf):
-            raise ConfigError(f"{owner}scale must be a finite positive number, but got {scale!r}.")
+        options = bind("LatentAttention", _Options, args, kwargs)
+        factory = {"device": options.pop("device"), "dtype": options.pop("dtype")}
+        self._build(LatentConfig(**options), factory)
+
+    def _build(self, c: LatentConfig, factory: dict[str, Any]) -> None:
+        """The submodules and attributes `c` describes (validated when it was made)."""
         self.d_model, self.num_heads, self.q_lora_rank, self.kv_lora_rank = (
-            d_model,
-            num_heads,
-            q_lora_rank,
-            kv_lora_rank,
-        )
-        self.d_nope, self.d_rope, self.d_value = d_nope, d_rope, d_value
-        self.rope_theta, self.interleaved, self.dropout = rope_theta, bool(interleaved), dropout
-        self.scale = (d_nope + d_rope) ** -0.5 if scale is None else float(scale)
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        q_width = num_heads * (d_nope + d_rope)
-        if q_lora_rank is None:
-            self.q_proj = nn.Linear(d_model, q_width, bias=False, **factory)
+            c.d_model, c.num_heads, c.q_lora_rank, c.kv_lora_rank
+        )  # fmt: skip
+        self.d_nope, self.d_rope, self.d_value = c.d_nope, c.d_rope, c.d_value
+        self.rope_theta, self.interleaved, self.dropout = c.rope_theta, c.interleaved, c.dropout
+        self.scale = c.score_scale
+        q_width = c.num_heads * (c.d_nope + c.d_rope)
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.d_model, q_width, bias=False, **factory)
         else:
-            self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=bias, **factory)
-            self.q_a_layernorm = nn.RMSNorm(q_lora_rank, eps=norm_eps, **factory)
-            self.q_b_proj = nn.Linear(q_lora_rank, q_width, bias=False, **factory)
-        self.kv_a_proj_with_mqa = nn.Linear(d_model, kv_lora_rank + d_rope, bias=bias, **factory)
-        self.kv_a_layernorm = nn.RMSNorm(kv_lora_rank, eps=norm_eps, **factory)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (d_nope + d_value), bias=False, **factory)
-        self.o_proj = nn.Linear(num_heads * d_value, d_model, bias=bias, **factory)
-        self.rotary = RotaryEmbedding(d_rope, rope_theta, rope_scaling).to(device=device)
+            self.q_a_proj = nn.Linear(c.d_model, c.q_lora_rank, bias=c.bias, **factory)
+            self.q_a_layernorm = nn.RMSNorm(c.q_lora_rank, eps=c.norm_eps, **factory)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_width, bias=False, **factory)
+        self.kv_a_proj_with_mqa = nn.Linear(c.d_model, c.kv_lora_rank + c.d_rope, bias=c.bias, **factory)
+        self.kv_a_layernorm = nn.RMSNorm(c.kv_lora_rank, eps=c.norm_eps, **factory)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_heads * (c.d_nope + c.d_value), bias=False, **factory)
+        self.o_proj = nn.Linear(c.num_heads * c.d_value, c.d_model, bias=c.bias, **factory)
+        self.rotary = RotaryEmbedding(c.d_rope, c.rope_theta, c.rope_scaling).to(device=factory["device"])
         self._derive()
+
+    @classmethod
+    def from_config(
+        cls, config: LatentConfig, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> "LatentAttention":
+        """The module `config` describes, its parameters freshly initialised.
+
+        Example:
+            >>> import dataclasses, shapesafe_mha as ssm
+            >>> mla = ssm.LatentAttention(64, 8, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
+            >>> ssm.LatentAttention.from_config(dataclasses.replace(mla.config, rope_theta=50000.0)).rope_theta
+            50000.0
+        """
+        if not isinstance(config, LatentConfig):
+            raise ConfigError(
+                f"LatentAttention.from_config(): config must be a LatentConfig, but got {type(config).__name__}."
+            )
+        return cls(**{name: getattr(config, name) for name in LATENT_OPTIONS}, device=device, dtype=dtype)
+
+    @property
+    def config(self) -> LatentConfig:
+        """The module as it is now, described as one `LatentConfig`."""
+        return LatentConfig(**{name: _HELD_BY_PARTS.get(name, getattr)(self, name) for name in LATENT_OPTIONS})
 
     def _derive(self) -> None:
         """What the sizes fix, derived from them (again, when one is set after construction: a verdict remembered
@@ -553,9 +552,20 @@ class LatentAttention(nn.Module):
         derived["_verdicts"] = Verdicts()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # A size or option set after construction: derive what they fix again, and forget what was remembered.
+        # An option set on a built module: validated as at construction and followed, or refused where parts were
+        # built from it. A size set (or an option): what they fix derived again, what was remembered forgotten.
+        built = "_verdicts" in self.__dict__  # (not while _build sets them)
+        if built and name in LATENT_OPTIONS and name not in LATENT_SIZES:
+            if name in LATENT_BUILT_FROM:
+                raise ConfigError(
+                    f"LatentAttention: {name} cannot be set on a built module: its {LATENT_BUILT_FROM[name]} were "
+                    f"built from it. Build one that has it: LatentAttention.from_config(dataclasses.replace("
+                    f"module.config, {name}={value!r})), then load_state_dict(module.state_dict())."
+                )
+            changed = dataclasses.replace(self.config, **{name: value})  # validated as at construction
+            value = changed.score_scale if name == "scale" else getattr(changed, name)
         super().__setattr__(name, value)
-        if "_verdicts" in self.__dict__ and not name.startswith("_") and name != "training":
+        if built and not name.startswith("_") and name != "training":
             self._derive()
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LatentAttention":
@@ -567,12 +577,12 @@ class LatentAttention(nn.Module):
         return call_restoring(self, args, kwargs, _CACHES)  # a hook that raises after forward changes nothing
 
     def extra_repr(self) -> str:
-        return (
-            f"d_model={self.d_model}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
-            f"kv_lora_rank={self.kv_lora_rank}, d_nope={self.d_nope}, d_rope={self.d_rope}, d_value={self.d_value}, "
-            f"rope_theta={self.rope_theta}" + (", interleaved=True" if self.interleaved else "")
-            + ("" if self.rotary.scaling is None else f", rope_scaling={self.rotary.scaling}")
-            + ("" if self.scale == (self.d_nope + self.d_rope) ** -0.5 else f", scale={self.scale:g}")
+        # the sizes and rope_theta, then each option that differs from its default (LatentConfig's)
+        config = self.config
+        return ", ".join(
+            f"{f.name}={getattr(config, f.name)!r}"
+            for f in dataclasses.fields(config)
+            if f.name in (*LATENT_SIZES, "rope_theta") or getattr(config, f.name) != f.default
         )
 
     def new_cache(self, batch: int, capacity: int) -> LatentCache:

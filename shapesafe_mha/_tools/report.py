@@ -9,6 +9,7 @@ from .._compute.fastpath import choose_path
 from .._core.errors import ConfigError
 from .._core.trace import Stage, tracing
 from .._modules.config import OPTIONS, SIZES, AttentionConfig
+from .._modules.latent_config import LatentConfig
 from .._modules.multihead import MultiHeadAttention
 from .._modules.parallel import plan_heads, refuse_unsharded_norm
 
@@ -170,8 +171,9 @@ def trace_forward(config: TraceConfig = TraceConfig()) -> TraceReport:
 
 
 @dataclass(frozen=True)
-class LatentTraceConfig:
-    """What to trace of multi-head latent attention. The default is DeepSeek-V3's layer on `meta`."""
+class LatentTraceConfig(LatentConfig):
+    """What to trace of multi-head latent attention: a layer, every `LatentConfig` field (by default DeepSeek-V3's
+    layer), and the call: its batch and positions, on `meta` by default (no memory is used)."""
 
     d_model: int = 7168
     num_heads: int = 128
@@ -208,17 +210,7 @@ def trace_latent(config: LatentTraceConfig = LatentTraceConfig()) -> TraceReport
 
     dtype = _dtype("trace_latent()", config.dtype)
     device = torch.device(config.device)
-    module = LatentAttention(
-        config.d_model,
-        config.num_heads,
-        q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank,
-        d_nope=config.d_nope,
-        d_rope=config.d_rope,
-        d_value=config.d_value,
-        device=device,
-        dtype=dtype,
-    ).eval()
+    module = LatentAttention.from_config(config, device=device, dtype=dtype).eval()
     seq = 1 if config.decode is not None else config.seq
     x = torch.randn(config.batch, seq, config.d_model, device=device, dtype=dtype)
     cache = None
