@@ -20,7 +20,8 @@ F64 = {"atol": 1e-10, "rtol": 1e-8}
 @st.composite
 def serving_modules(draw: st.DrawFn, *, variants: bool = True) -> ssm.MultiHeadAttention:
     """A float64 module with MHA, GQA or MQA by construction, and the variants a packed batch must keep per
-    sequence: RoPE (positions restart), a sliding window, softcapping, sinks, QK-norm."""
+    sequence: RoPE (positions restart), a sliding window, softcapping, sinks, QK-norm, ALiBi (distances within a
+    sequence), Llama 4's temperature tuning (each query's scale from its own cache index)."""
     num_kv_heads = draw(st.sampled_from([1, 2]), label="num_kv_heads")
     group = draw(st.integers(1, 3), label="group")
     d_head = draw(st.sampled_from([2, 4]), label="d_head")
@@ -33,6 +34,8 @@ def serving_modules(draw: st.DrawFn, *, variants: bool = True) -> ssm.MultiHeadA
             "logit_softcap": draw(st.sampled_from([None, 2.0]), label="softcap"),
             "attention_sinks": draw(st.booleans(), label="sinks"),
             "qk_norm": draw(st.booleans(), label="qk_norm"),
+            "alibi": draw(st.booleans(), label="alibi"),
+            "temperature_tuning": draw(st.sampled_from([None, (2, 0.5)]), label="temperature_tuning"),
         }
     torch.manual_seed(draw(st.integers(0, 2**16), label="seed"))
     module = ssm.MultiHeadAttention(
@@ -66,7 +69,7 @@ def _packed(lengths: list[int], d_model: int) -> tuple[torch.Tensor, torch.Tenso
 )
 def test_packed_equals_each_sequence_alone(module: ssm.MultiHeadAttention, lengths: list[int], causal: bool) -> None:
     """Packed == each sequence through the module alone == the packed per-head reference (RoPE positions restart,
-    windows, softcap, sinks, QK-norm, GQA/MQA, empty sequences)."""
+    windows, softcap, sinks, QK-norm, ALiBi, temperature tuning, GQA/MQA, empty sequences)."""
     x, cu = _packed(lengths, module.d_model)
     out = module(x, cu_seqlens=cu, is_causal=causal)
     bounds = cu.tolist()
@@ -75,20 +78,8 @@ def test_packed_equals_each_sequence_alone(module: ssm.MultiHeadAttention, lengt
     if alone:
         torch.testing.assert_close(out, torch.cat(alone, dim=1), **F64)
     norms = (module.q_norm.weight, module.k_norm.weight) if module.qk_norm else None
-    reference = packed_per_head_attention(
-        x,
-        cu,
-        module.weights(),
-        num_heads=module.num_heads,
-        num_kv_heads=module.num_kv_heads,
-        is_causal=causal,
-        rope_theta=module.rope_theta,
-        window=module.window,
-        logit_softcap=module.logit_softcap,
-        sinks=module.sinks,
-        qk_norm=norms,
-        norm_eps=module.norm_eps,
-    )
+    tensors = {"sinks": module.sinks, "qk_norm": norms}  # every option the reference reads from the config
+    reference = packed_per_head_attention(x, cu, module.weights(), config=module.config, is_causal=causal, **tensors)
     torch.testing.assert_close(out, reference, **F64)
 
 
@@ -109,7 +100,7 @@ def schedules(draw: st.DrawFn) -> list[tuple[list[int], list[int], dict[int, int
 
 
 @given(
-    module=serving_modules(variants=False),
+    module=serving_modules(),
     block_size=st.integers(1, 16),
     schedule=schedules(),
     data=st.data(),

@@ -671,6 +671,10 @@ MUTANTS: list[Mutant] = [
     M("_modules/paged_latent.py", "        self.decode.restore(state)\n", "        pass\n",
       "latent attention's remembered batched decoding step that fails is rerun on the lengths it advanced",
       f"{SERVING}::test_a_remembered_decoding_step_that_fails_is_rerun_on_the_cache_it_found"),
+    M("_compute/packed.py", '    return bool(getattr(getattr(module, "_plan", None), "one_start", False))',
+      "    return False",
+      "a temperature-tuned layer (one cache index for the batch) decodes sequences at different indices as one batch",
+      f"{SERVING}::test_paged_equals_a_kv_cache_per_sequence"),
     # --- prove, and what it is told of each stage ---
     M("_tools/prove.py", "            if _only_guards_true_everywhere(error, sources):", "            if False:",
       "prove refuses guards torch cannot decide though they hold at every size (false alarms)",

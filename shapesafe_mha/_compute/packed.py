@@ -104,7 +104,7 @@ def serving_forward(
                 "or chunks pack them, (1, total, d_model), and pass cu_seqlens."
             )
         _check_positions(positions, (query.shape[0], 1), "one token of each sequence has", owner)
-        if decode is not None and getattr(module, "temperature_tuning", None) is None:
+        if decode is not None and not _one_start(module):
             return _decoded(module, query, paged, is_causal, positions, decode, owner)
         where = None if positions is None else positions.reshape(1, -1)
         steps = list(range(query.shape[0] + 1))
@@ -202,7 +202,7 @@ def _paged(
     """Each live sequence's segment of `query` through the module, appending to its blocks; all or nothing."""
     seqs = paged.sequences
     sizes = [b - a for a, b in itertools.pairwise(offsets)]
-    batched = getattr(module, "temperature_tuning", None) is None  # (else one by one)
+    batched = not _one_start(module)  # (else one by one)
     if decode is not None and batched and all(size == 1 for size in sizes):  # decoding, packed: one batch
         where = None if positions is None else positions[0][:, None]
         return _decoded(module, query[0][:, None], paged, is_causal, where, decode, owner)[:, 0][None]
@@ -220,6 +220,12 @@ def _paged(
         paged.restore(state)
         raise
     return _joined(module, query, pieces)
+
+
+def _one_start(module: Any) -> bool:
+    """Whether `module`'s plan reads one cache index for a whole batch (Llama 4's temperature tuning), so sequences
+    at different ones cannot decode as one batch (a `LatentAttention`: it has no such transform)."""
+    return bool(getattr(getattr(module, "_plan", None), "one_start", False))
 
 
 def _decoded(

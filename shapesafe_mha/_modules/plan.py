@@ -49,6 +49,7 @@ class Plan(NamedTuple):
     before_split: tuple[BeforeSplit, ...]
     after_split: tuple[AfterSplit, ...]
     positions: bool  # the transforms rotate by positions (RoPE)
+    one_start: bool  # a transform reads `start` as one cache index for the batch: sequences at others run apart
     chunk_size: int | None
     window: int | None
     softcap: float | None
@@ -78,6 +79,7 @@ def plan(config: Any) -> Plan:
         tuple(before),
         tuple(after),
         config.rope_theta is not None,
+        config.temperature_tuning is not None,  # (`_tuner`: each query's scale from `start` and its offset)
         config.chunk_size,
         config.window,
         config.logit_softcap,
