@@ -740,3 +740,40 @@ def test_apply_rotary_on_heads_of_odd_width_names_the_width() -> None:
     assert str(raised.value).splitlines()[0] == (
         "apply_rotary(): q has d_head=7 (axis 3), which is odd; rotary embeddings rotate pairs of features."
     )
+
+
+# For each constructor argument of RotaryEmbedding, a value other than the default (a YaRN scaling, so that the
+# factor and the frequencies both change). A parameter added to the constructor fails the first test until listed.
+_ROTARY_CHANGED: dict[str, Any] = {
+    "d_head": 6,
+    "theta": 50.0,
+    "scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    "interleaved": True,
+}
+
+
+def test_every_rotary_argument_has_a_value_here() -> None:
+    import inspect
+
+    assert set(_ROTARY_CHANGED) == set(inspect.signature(ssm.RotaryEmbedding).parameters)
+
+
+@pytest.mark.parametrize("name", list(_ROTARY_CHANGED))
+def test_a_rotary_argument_set_on_a_built_module_is_followed_or_refused_never_half_applied(name: str) -> None:
+    """Set after construction, an argument's tables equal a fresh module's built with it (it is read at each call), or
+    it is refused naming the constructor call that has it, the tables left as they were."""
+    rope = ssm.RotaryEmbedding(8, 10000.0)
+    positions = torch.arange(40)[None]
+    before = rope(positions, torch.float64)
+    value = _ROTARY_CHANGED[name]
+    fresh = ssm.RotaryEmbedding(**({"d_head": 8, "theta": 10000.0} | {name: value}))
+    try:
+        setattr(rope, name, value)
+    except ssm.ConfigError as error:
+        assert str(error).startswith(f"RotaryEmbedding: {name} cannot be set on a built module")
+        assert f"RotaryEmbedding(d_head={fresh.d_head!r}, theta={fresh.theta!r}, scaling={fresh.scaling!r}" in str(error)
+        for got, kept in zip(rope(positions, torch.float64), before, strict=True):
+            torch.testing.assert_close(got, kept, rtol=0, atol=0)
+        return
+    for got, expected in zip(rope(positions, torch.float64), fresh(positions, torch.float64), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -348,6 +348,19 @@ class RotaryEmbedding(nn.Module):
         # `to_empty()` and loaded (how large models are built), has frequencies and not uninitialized memory.
         self.register_load_state_dict_post_hook(_frequencies_again)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The frequencies (and YaRN's factor, LongRoPE's tables, the length rule) are built from these: set on a
+        # built module they would be half applied, so they are refused; `interleaved` is read at each call.
+        if name in _SOURCES and "inv_freq" in self.__dict__.get("_buffers", {}):
+            given = {"d_head": self.d_head, "theta": self.theta, "scaling": self.scaling} | {name: value}
+            given |= {"interleaved": True} if self.interleaved else {}
+            shown = ", ".join(f"{key}={item!r}" for key, item in given.items())
+            raise ConfigError(
+                f"RotaryEmbedding: {name} cannot be set on a built module: its frequencies were built from it. "
+                f"Build one that has it: RotaryEmbedding({shown})."
+            )
+        super().__setattr__(name, value)
+
     def reset_parameters(self) -> None:
         """Compute `inv_freq` again, in place (after `to_empty()` it is uninitialized memory)."""
         inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
@@ -382,6 +395,9 @@ class RotaryEmbedding(nn.Module):
         if self.attention_factor != 1.0:  # YaRN, LongRoPE: in float32, before the cast, as transformers multiplies
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
+
+
+_SOURCES = ("d_head", "theta", "scaling")  # what a RotaryEmbedding's frequencies are built from
 
 
 def _frequencies_again(module: nn.Module, incompatible_keys: Any) -> None:
