@@ -327,7 +327,11 @@ class RotaryEmbedding(nn.Module):
             `original_max_position_embeddings` and `factor` or `attention_factor`; both choose each call's
             frequencies by its length, `max(positions) + 1` (see `long_frequencies`).
         interleaved: tables for adjacent pairs, each angle twice in a row (`apply_rotary(..., interleaved=True)`),
-            instead of `cat(angles, angles)` for halves.
+            instead of `cat(angles, angles)` for halves; read at each call, so it may be set on a built module.
+
+    Raises:
+        ConfigError: a scaling it does not take; `d_head`, `theta` or `scaling` set on a built module (its
+            frequencies were built from them: build another).
     """
 
     def __init__(
