@@ -35,6 +35,7 @@ from ._core.weights import AttentionWeights as AttentionWeights
 from ._modules.config import AttentionConfig as AttentionConfig
 from ._modules.latent import LatentAttention as _LatentAttention
 from ._modules.latent import LatentCache as LatentCache
+from ._modules.latent_config import LatentConfig as LatentConfig
 from ._modules.multihead import MultiHeadAttention as _MultiHeadAttention
 from ._tools.prove import ShapeProof as ShapeProof
 from ._tools.prove import prove as prove
@@ -52,6 +53,7 @@ __all__ = [
     "KVCache",
     "LatentAttention",
     "LatentCache",
+    "LatentConfig",
     "LatentTraceConfig",
     "MultiHeadAttention",
     "PagedKVCache",
@@ -131,7 +133,7 @@ class KVCache(_KVCache):
 
 @shape_vars("d_model, num_heads, kv_lora_rank, d_nope, d_rope, d_value, q_lora_rank")
 class LatentAttention(_LatentAttention):
-    def __init__(self, d_model: Shaped[int, "d_model"], num_heads: Shaped[int, "num_heads"], *, kv_lora_rank: Shaped[int, "kv_lora_rank"], d_nope: Shaped[int, "d_nope"], d_rope: Shaped[int, "d_rope"], d_value: Shaped[int, "d_value"], q_lora_rank: Shaped[int, "q_lora_rank"] | None = None, bias: bool = False, rope_theta: float = 10000.0, rope_scaling: Mapping[str, Any] | None = None, scale: float | None = None, interleaved: bool = False, norm_eps: float = 1e-06, dropout: float = 0.0, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None: ...
+    def __init__(self, d_model: Shaped[int, "d_model"], num_heads: Shaped[int, "num_heads"], *, kv_lora_rank: Shaped[int, "kv_lora_rank"], d_nope: Shaped[int, "d_nope"], d_rope: Shaped[int, "d_rope"], d_value: Shaped[int, "d_value"], q_lora_rank: Shaped[int, "q_lora_rank"] | None = None, bias: bool = False, rope_theta: float = 10000.0, interleaved: bool = False, rope_scaling: Mapping[str, Any] | None = None, scale: float | None = None, norm_eps: float = 1e-06, dropout: float = 0.0, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None: ...
     @shape_vars("batch, seq, kv_seq, bounds")
     def forward(self, query: Shaped[Tensor, "[batch, seq, d_model]"], *, attn_mask: Shaped[Tensor, "[seq, kv_seq]"] | Shaped[Tensor, "[batch, num_heads, seq, kv_seq]"] | Shaped[Tensor, "[batch, 1, seq, kv_seq]"] | Shaped[Tensor, "[1, num_heads, seq, kv_seq]"] | Shaped[Tensor, "[1, 1, seq, kv_seq]"] | None = None, key_padding_mask: Shaped[Tensor, "[batch, kv_seq]"] | None = None, is_causal: bool = False, kv_cache: LatentCache | _PagedKVCache | None = None, positions: Shaped[Tensor, "[batch, seq]"] | None = None, cu_seqlens: Shaped[Tensor, "[bounds]"] | None = None) -> Shaped[Tensor, "[batch, seq, d_model]"]: ...
     @shape_vars("batch, seq, kv_seq, bounds")

@@ -579,11 +579,10 @@ class LatentAttention(nn.Module):
     def extra_repr(self) -> str:
         # the sizes and rope_theta, then each option that differs from its default (LatentConfig's)
         config = self.config
-        return ", ".join(
-            f"{f.name}={getattr(config, f.name)!r}"
-            for f in dataclasses.fields(config)
-            if f.name in (*LATENT_SIZES, "rope_theta") or getattr(config, f.name) != f.default
-        )
+        shown = [*LATENT_SIZES, "rope_theta"]
+        fields = dataclasses.fields(config)
+        shown += [f.name for f in fields if f.name not in shown and getattr(config, f.name) != f.default]
+        return ", ".join(f"{name}={getattr(config, name)!r}" for name in shown)
 
     def new_cache(self, batch: int, capacity: int) -> LatentCache:
         """A `LatentCache` that fits this module: `kv_lora_rank + d_rope` numbers per position."""

@@ -71,11 +71,11 @@ class LatentConfig:
     d_model: int
     num_heads: int
     _: dataclasses.KW_ONLY
-    q_lora_rank: int | None = None
     kv_lora_rank: int
     d_nope: int
     d_rope: int
     d_value: int
+    q_lora_rank: int | None = None
     bias: bool = False
     rope_theta: float = 10000.0
     interleaved: bool = False
