@@ -398,3 +398,23 @@ def test_a_cache_of_an_integer_dtype_is_refused_at_its_first_append() -> None:
     first = str(caught.value).splitlines()[0]
     assert first == "KVCache.append(): witness has dtype int64, but it must be floating point."
     assert len(cache) == 0
+
+
+@pytest.mark.parametrize("value", [None, 2, 8, 0])
+def test_a_window_set_on_a_built_cache_is_refused_and_changes_nothing(value: int | None) -> None:
+    """Which positions a cache kept was decided by its window (and which blocks a paged cache freed): set afterwards,
+    decoding would attend to positions a fresh cache of that window keeps and this one dropped. Refused, naming how to
+    build one, before and after it has slid."""
+    module = ssm.MultiHeadAttention(16, 2, window=4).eval()
+    x = torch.randn(1, 10, 16)
+    paged = ssm.PagedKVCache.for_module(module, num_blocks=8, block_size=2)
+    paged.add()
+    caches = [module.new_cache(1, capacity=8), paged]
+    with torch.no_grad():
+        module(x[:, :7], is_causal=True, kv_cache=caches[0])  # slid: positions 0..2 dropped
+        module(x[:, :7], cu_seqlens=torch.tensor([0, 7], dtype=torch.int32), is_causal=True, kv_cache=paged)
+    for cache in (*caches, module.new_cache(1, capacity=8)):
+        before = repr(cache)
+        with pytest.raises(ssm.ConfigError, match=rf"^{type(cache).__name__}: window cannot be set on a built cache"):
+            cache.window = value
+        assert cache.window == 4 and repr(cache) == before

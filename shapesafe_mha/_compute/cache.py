@@ -106,6 +106,22 @@ class KVCache:
         self._verdicts = Verdicts()
 
     @property
+    def window(self) -> int | None:
+        """The sliding window the cache keeps positions for (None: every position)."""
+        return self._window
+
+    @window.setter
+    def window(self, value: int | None) -> None:
+        # Which positions the cache kept was decided by its window: set on a built one, it would be half applied.
+        if "_verdicts" in self.__dict__:
+            raise ConfigError(
+                f"{type(self).__name__}: window cannot be set on a built cache: the positions it kept were chosen by "
+                f"it. Build one that has it: KVCache(..., window={value!r}), or module.new_cache(batch, capacity) "
+                "from a module of that window."
+            )
+        self._window = value
+
+    @property
     def batch(self) -> int:
         return self.keys_buffer.shape[0]
 

@@ -129,6 +129,22 @@ class PagedKVCache:
     # --- the pool's sizes ---------------------------------------------------------------------------
 
     @property
+    def window(self) -> int | None:
+        """The sliding window whose passed blocks the cache frees (None: it keeps every position)."""
+        return self._window
+
+    @window.setter
+    def window(self, value: int | None) -> None:
+        # The blocks it freed were chosen by its window: set on a built cache, it would be half applied.
+        if "_tables" in self.__dict__:
+            raise ConfigError(
+                f"PagedKVCache: window cannot be set on a built cache: the blocks it freed were chosen by it. Build "
+                f"one that has it: PagedKVCache.for_module(module, num_blocks, block_size) from a module of that "
+                f"window, or PagedKVCache(..., window={value!r})."
+            )
+        self._window = value
+
+    @property
     def num_blocks(self) -> int:
         return self.keys_pool.shape[0]
 

@@ -248,8 +248,8 @@ def trace(
     try:
         if kv_lora_rank is not None:
             latent = LatentTraceConfig(
-                d_model, num_heads, q_lora_rank, kv_lora_rank, d_nope, d_rope, d_value, batch, seq, device,
-                dtype.value, decode,
+                d_model, num_heads, kv_lora_rank=kv_lora_rank, d_nope=d_nope, d_rope=d_rope, d_value=d_value,
+                q_lora_rank=q_lora_rank, batch=batch, seq=seq, device=device, dtype=dtype.value, decode=decode,
             )  # fmt: skip
             report = trace_latent(latent)
         else:

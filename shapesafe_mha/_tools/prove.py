@@ -379,7 +379,7 @@ class _Decode(nn.Module):
         cache = KVCache.__new__(KVCache)
         cache.keys_buffer, cache.values_buffer = past_keys.clone(), past_values.clone()
         cache._length = past_keys.shape[2] - query.shape[1]  # pyright: ignore[reportAttributeAccessIssue]
-        cache._verdicts, cache._start, cache.window = Verdicts(), 0, None
+        cache.window, cache._verdicts, cache._start = None, Verdicts(), 0  # (the window before it is built)
         return self.inner(query, kv_cache=cache, **self.kwargs)
 
 
