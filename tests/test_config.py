@@ -105,6 +105,31 @@ def test_an_option_set_on_a_built_module_is_followed_or_refused_never_half_appli
     _agree(module, target)
 
 
+@pytest.mark.parametrize("name", list(CHANGED))
+def test_an_option_followed_on_a_built_module_keeps_a_cache_filled_before_it_right(name: str) -> None:
+    """A cache filled before an option was set holds keys and values computed without it: decoding on through that
+    cache equals a module built with the option decoding through its own, or the option was refused."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(**BASE).double().eval()
+    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 4
+    cache = module.new_cache(2, 8)
+    with torch.no_grad():
+        module(x[:, :3], is_causal=True, kv_cache=cache)
+    try:
+        setattr(module, name, CHANGED[name])
+    except ssm.ConfigError:
+        return  # refused (how: the test above)
+    target = ssm.MultiHeadAttention.from_config(module.config).double().eval()
+    target.load_state_dict(module.state_dict())
+    fresh = target.new_cache(2, 8)
+    with torch.no_grad():
+        target(x[:, :3], is_causal=True, kv_cache=fresh)
+        for t in (3, 4):
+            expected = target(x[:, t : t + 1], is_causal=True, kv_cache=fresh)
+            got = module(x[:, t : t + 1], is_causal=True, kv_cache=cache)
+            torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-8)
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [("window", 0), ("logit_softcap", -1.0), ("query_pre_attn_scalar", float("nan")), ("dropout", 1.0),
@@ -148,6 +173,9 @@ def _latent_outputs(module: ssm.LatentAttention, x: torch.Tensor) -> list[torch.
     return outs
 
 
+_F64: dict[str, Any] = {"atol": 1e-10, "rtol": 1e-8}
+
+
 def _latent_agree(a: ssm.LatentAttention, b: ssm.LatentAttention) -> None:
     x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for got, expected in zip(_latent_outputs(a, x), _latent_outputs(b, x), strict=True):
@@ -186,6 +214,45 @@ def test_a_latent_option_set_on_a_built_module_is_followed_or_refused_never_half
     _latent_agree(module, target)
 
 
+@pytest.mark.parametrize("name", list(LATENT_CHANGED))
+def test_a_latent_option_followed_on_a_built_module_keeps_a_cache_filled_before_it_right(name: str) -> None:
+    """As for MultiHeadAttention: decoding on through a cache filled before the option was set equals a module built
+    with it decoding through its own, or the option was refused."""
+    torch.manual_seed(0)
+    module = ssm.LatentAttention(**LATENT_BASE).double().eval()
+    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cache = module.new_cache(2, 8)
+    with torch.no_grad():
+        module(x[:, :3], is_causal=True, kv_cache=cache)
+    try:
+        setattr(module, name, LATENT_CHANGED[name])
+    except ssm.ConfigError:
+        return
+    target = ssm.LatentAttention.from_config(module.config).double().eval()
+    target.load_state_dict(module.state_dict())
+    fresh = target.new_cache(2, 8)
+    with torch.no_grad():
+        target(x[:, :3], is_causal=True, kv_cache=fresh)
+        for t in (3, 4):
+            expected = target(x[:, t : t + 1], is_causal=True, kv_cache=fresh)
+            torch.testing.assert_close(module(x[:, t : t + 1], is_causal=True, kv_cache=cache), expected, **_F64)
+
+
+def test_a_latent_size_set_on_a_built_module_derives_the_default_scale_again() -> None:
+    """Without a scale of its own, the scores' scale is the sizes' `(d_nope + d_rope) ** -0.5`: a size set (pruning
+    with the parts replaced) makes it the new sizes', as a module built with them has; a given scale stays."""
+    smaller = LATENT_BASE | {"d_nope": 2}
+    for given in ({}, {"scale": 0.3}):
+        module = ssm.LatentAttention(**LATENT_BASE, **given)
+        fresh = ssm.LatentAttention(**smaller, **given)
+        module.d_nope = 2
+        for name in ("q_b_proj", "kv_b_proj"):
+            setattr(module, name, getattr(fresh, name))
+        module.load_state_dict(fresh.state_dict())
+        assert module.scale == fresh.scale and module.config == fresh.config
+        _latent_agree(module, fresh)
+
+
 @pytest.mark.parametrize(
     ("name", "value"), [("scale", 0), ("scale", float("inf")), ("dropout", 1.0), ("interleaved", 1)]
 )
@@ -206,3 +273,14 @@ def test_a_latent_config_is_validated_where_it_is_made() -> None:
         ssm.LatentConfig(**(LATENT_BASE | {"rope_theta": None}))
     with pytest.raises(ssm.ConfigError, match=r"^LatentAttention\.from_config\(\): config must be a LatentConfig"):
         ssm.LatentAttention.from_config(ssm.AttentionConfig(32, 4))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "value"), [("scale", 0.05), ("group", 1), ("native_shape", False)])
+def test_what_a_module_derives_set_on_it_is_refused_naming_its_source(name: str, value: Any) -> None:
+    """`scale`, `group` and `native_shape` follow the options and sizes: set directly, the scale was read by some paths
+    and not torch's fused kernel (0.15 apart), and the others were undone by the next derivation."""
+    module = ssm.MultiHeadAttention(32, 4)
+    before = {n: getattr(module, n) for n in ("scale", "group", "native_shape")}
+    with pytest.raises(ssm.ConfigError, match=rf"^MultiHeadAttention: {name} cannot be set: it is derived from "):
+        setattr(module, name, value)
+    assert {n: getattr(module, n) for n in before} == before

@@ -269,3 +269,33 @@ def test_a_mask_with_another_number_of_heads_is_refused_by_name(tmp_path) -> Non
             sharded(torch.randn(2, 5, 16), attn_mask=mask)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_option_set_on_a_head_parallel_module_is_its_shards_and_a_size_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Set on the built module, an option is the shard's (followed as `MultiHeadAttention` follows it: the output
+    equals a module built with it, split again), and a size, which split the heads, is refused by name. Neither is
+    kept as a plain attribute the forward never reads."""
+    import torch
+    import torch.distributed as dist
+
+    from shapesafe_mha.parallel import HeadParallelAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        module = ssm.MultiHeadAttention(16, 4, 2).eval()
+        sharded = HeadParallelAttention.from_module(module).eval()
+        x = torch.randn(2, 5, 16)
+        for name, value in (("window", 2), ("logit_softcap", 1.0)):
+            setattr(sharded, name, value)
+            setattr(module, name, value)
+            assert getattr(sharded.local, name) == value and name not in sharded.__dict__
+        with torch.no_grad():
+            torch.testing.assert_close(sharded(x, is_causal=True), module(x, is_causal=True))
+        with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention: rope_theta cannot be set on a built module"):
+            sharded.rope_theta = 10000.0
+        with pytest.raises(ssm.ConfigError, match=r"^HeadParallelAttention: num_heads cannot be set on a built one"):
+            sharded.num_heads = 8
+        assert sharded.num_heads == 4
+    finally:
+        dist.destroy_process_group()

@@ -13,6 +13,7 @@ different layer.
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import inspect
 import math
@@ -1345,7 +1346,11 @@ def latent_from_hf(cls: Any, attention: nn.Module, *, verify: bool = True) -> An
         else:  # no field says how RoPE pairs features (DeepSeek-V2 interleaves): the probe shows it
             try:
                 verify_against_hf(owner, module, attention)
-            except ConfigError:
-                module.interleaved = True
+            except ConfigError:  # (built again: a built module's pairing is fixed, as its caches' keys are)
+                pairs = cls.from_config(
+                    dataclasses.replace(module.config, interleaved=True), device=weight.device, dtype=weight.dtype
+                )
+                pairs.load_state_dict(module.state_dict())
+                module = pairs.train(attention.training)
                 verify_against_hf(owner, module, attention)
     return module

@@ -531,6 +531,7 @@ BUILT_FROM = {
     "alibi": "ALiBi slopes",
     "output_gate": "q_proj",
     "differential_lambda_init": "lambda parameters",
+    "clip_qkv": "caches' keys and values",  # (clipped before they are cached: a cache filled before would mix both)
 }
 
 

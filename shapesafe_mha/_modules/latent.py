@@ -457,7 +457,7 @@ class _Options(LatentConfig):
 _HELD_BY_PARTS: dict[str, Callable[[Any, str], Any]] = {
     "bias": lambda module, _: module.kv_a_proj_with_mqa.bias is not None,
     "rope_scaling": lambda module, _: module.rotary.scaling,
-    "scale": lambda module, _: None if module.scale == (module.d_nope + module.d_rope) ** -0.5 else module.scale,
+    "scale": lambda module, _: module._scale,
     "norm_eps": lambda module, _: module.kv_a_layernorm.eps,
 }
 
@@ -486,6 +486,8 @@ class LatentAttention(nn.Module):
     """
 
     _sizes: tuple[int, ...]  # derived (`_derive`)
+    scale: float  # derived: the scale given (`_scale`), else `(d_nope + d_rope) ** -0.5`
+    _scale: float | None
     _constants: frozenset[int]
 
     @constructor_of(_Options)
@@ -502,7 +504,7 @@ class LatentAttention(nn.Module):
         )  # fmt: skip
         self.d_nope, self.d_rope, self.d_value = c.d_nope, c.d_rope, c.d_value
         self.rope_theta, self.interleaved, self.dropout = c.rope_theta, c.interleaved, c.dropout
-        self.scale = c.score_scale
+        self._scale = c.scale  # (None: the default of the sizes, `scale` derived again when one is set)
         q_width = c.num_heads * (c.d_nope + c.d_rope)
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(c.d_model, q_width, bias=False, **factory)
@@ -546,6 +548,8 @@ class LatentAttention(nn.Module):
         derived = self.__dict__  # not __setattr__: these are what it derives
         sizes = (self.d_model, self.num_heads, self.kv_lora_rank, self.d_nope, self.d_rope, self.d_value)
         derived["_sizes"] = sizes
+        given = derived["_scale"]  # the scores' scale: the one given, else the sizes' default
+        derived["scale"] = (self.d_nope + self.d_rope) ** -0.5 if given is None else float(given)
         derived["_constants"] = frozenset(
             {*sizes, self.q_lora_rank or 0, self.d_nope + self.d_rope, self.kv_lora_rank + self.d_rope}
         )
@@ -556,16 +560,16 @@ class LatentAttention(nn.Module):
         # built from it. A size set (or an option): what they fix derived again, what was remembered forgotten.
         built = "_verdicts" in self.__dict__  # (not while _build sets them)
         if built and name in LATENT_OPTIONS and name not in LATENT_SIZES:
+            changed = dataclasses.replace(self.config, **{name: value})  # validated as at construction
             if name in LATENT_BUILT_FROM:
                 raise ConfigError(
                     f"LatentAttention: {name} cannot be set on a built module: its {LATENT_BUILT_FROM[name]} were "
                     f"built from it. Build one that has it: LatentAttention.from_config(dataclasses.replace("
                     f"module.config, {name}={value!r})), then load_state_dict(module.state_dict())."
                 )
-            changed = dataclasses.replace(self.config, **{name: value})  # validated as at construction
-            value = changed.score_scale if name == "scale" else getattr(changed, name)
+            name, value = ("_scale", changed.scale) if name == "scale" else (name, getattr(changed, name))
         super().__setattr__(name, value)
-        if built and not name.startswith("_") and name != "training":
+        if built and (not name.startswith("_") or name == "_scale") and name != "training":
             self._derive()
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LatentAttention":

@@ -57,8 +57,8 @@ class LatentConfig:
         rope_theta: base of the rotary frequencies.
         rope_scaling: transformers' `rope_parameters` dict for scaled RoPE ("yarn": DeepSeek-V3, Kimi K2; the
             others `RotaryEmbedding` takes), or None.
-        scale: the score scale; None: `(d_nope + d_rope) ** -0.5` (DeepSeek-V3's YaRN multiplies it by the
-            square of its `mscale_all_dim` factor, which `from_hf` reads).
+        scale: the score scale; None: `(d_nope + d_rope) ** -0.5` (held as None where given equal to it). DeepSeek-V3's
+            YaRN multiplies it by the square of its `mscale_all_dim` factor, which `from_hf` reads.
         interleaved: rotate feature pairs `(2i, 2i+1)` (DeepSeek's `rope_interleave`), not `(i, i + d/2)`.
         norm_eps: epsilon of the bottleneck and latent RMSNorms.
         dropout: on the attention probabilities, in training.
@@ -96,6 +96,8 @@ class LatentConfig:
         for name in ("bias", "interleaved"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{owner}{name} must be True or False, but got {getattr(self, name)!r}.")
+        if self.scale is not None and float(self.scale) == (self.d_nope + self.d_rope) ** -0.5:
+            object.__setattr__(self, "scale", None)  # the sizes' default, given: the same layer as without it
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Mapping):
             raise ConfigError(
                 f"{owner}rope_scaling must be a mapping (transformers' rope_parameters) or None, but got "
@@ -120,4 +122,5 @@ LATENT_BUILT_FROM = {
     "rope_theta": "rotary tables",
     "rope_scaling": "rotary tables",
     "norm_eps": "RMSNorms",
+    "interleaved": "caches' rotary keys",  # (rotated before they are cached: a cache filled before would mix both)
 }

@@ -42,6 +42,14 @@ from .contract import checked_forward, forward_key, forward_stage, quiet_jit_tra
 from .conversions import Conversions
 from .plan import RAW, plan, run
 
+# What a built module derives from its sizes and options (`_derive`, `AttentionConfig.score_scale`): set, it would
+# be undone by the next derivation, or disagree with the path that does not read it (torch's fused kernel).
+_DERIVED = {
+    "scale": "query_pre_attn_scalar (query_pre_attn_scalar ** -0.5; None: 1 / sqrt(d_head))",
+    "group": "num_heads // num_kv_heads",
+    "native_shape": "the sizes and options (whether torch's fused kernel computes them)",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class _Options(AttentionConfig):
@@ -202,7 +210,15 @@ class MultiHeadAttention(Conversions, nn.Module):
         # an option or a tensor of the module's own set (head pruning, sinks or ALiBi slopes loaded another way): derive
         # what they fix again, and forget what was remembered under the old ones.
         built = "_fused" in self.__dict__  # (not while __init__ sets them)
+        if built and name in _DERIVED:
+            raise ConfigError(
+                f"MultiHeadAttention: {name} cannot be set: it is derived from {_DERIVED[name]}, and follows it. Set "
+                "that, or build the module you want: MultiHeadAttention.from_config(dataclasses.replace(module.config, "
+                "...))."
+            )
         if built and name in OPTIONS and name not in SIZES:
+            described = self._described()
+            changed = dataclasses.replace(described, **{name: value})  # validated as at construction (ConfigError)
             if name in BUILT_FROM:
                 raise ConfigError(
                     f"MultiHeadAttention: {name} cannot be set on a built module: its {BUILT_FROM[name]} "
@@ -210,8 +226,6 @@ class MultiHeadAttention(Conversions, nn.Module):
                     f"MultiHeadAttention.from_config(dataclasses.replace(module.config, {name}={value!r})), then "
                     "load_state_dict(module.state_dict())."
                 )
-            described = self._described()
-            changed = dataclasses.replace(described, **{name: value})  # validated as at construction (ConfigError)
             value = HELD_AS[name](value) if name in HELD_AS else value
             if changed.score_scale != described.score_scale:  # the scores' scale it fixes
                 self.__dict__["scale"] = changed.score_scale

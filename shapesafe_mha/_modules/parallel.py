@@ -17,6 +17,7 @@ from .._compute.cache import KVCache
 from .._core import probe
 from .._core.contract import checks_enabled
 from .._core.errors import ConfigError, ShapeError
+from .config import OPTIONS, SIZES
 from .multihead import MultiHeadAttention
 
 
@@ -220,6 +221,20 @@ class HeadParallelAttention(nn.Module):
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
         self.d_head = local.d_head
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Built: an option is the shard's (set there: followed, or refused as MultiHeadAttention refuses it); the
+        # sizes split the heads, so setting one is refused. (Set as a plain attribute, either would be ignored.)
+        if "d_head" in self.__dict__:
+            if name in OPTIONS and name not in SIZES:
+                setattr(self.local, name, value)
+                return
+            if name in SIZES:
+                raise ConfigError(
+                    f"HeadParallelAttention: {name} cannot be set on a built one: the heads were split by it. Split "
+                    "a module of those sizes: HeadParallelAttention.from_module(module)."
+                )
+        super().__setattr__(name, value)
 
     @classmethod
     def from_module(
