@@ -284,3 +284,34 @@ def test_what_a_module_derives_set_on_it_is_refused_naming_its_source(name: str,
     with pytest.raises(ssm.ConfigError, match=rf"^MultiHeadAttention: {name} cannot be set: it is derived from "):
         setattr(module, name, value)
     assert {n: getattr(module, n) for n in before} == before
+
+
+@pytest.mark.parametrize(
+    ("options", "name", "make", "fits"),
+    [
+        ({}, "rotary", lambda: ssm.RotaryEmbedding(8, 10000.0), False),  # a NoPE module would ignore it
+        ({"rope_theta": 1e4}, "rotary", lambda: ssm.RotaryEmbedding(8, 5e5), False),  # config.rope_theta would lie
+        ({"rope_theta": 1e4}, "rotary", lambda: None, False),
+        ({"rope_theta": 1e4}, "rotary", lambda: ssm.RotaryEmbedding(8, 1e4), True),
+        ({}, "q_norm", lambda: torch.nn.RMSNorm(8), False),  # a module without a QK-norm would ignore it
+        ({"qk_norm": True}, "k_norm", lambda: torch.nn.RMSNorm(8, eps=0.5), False),  # config.norm_eps would lie
+        ({"qk_norm": True}, "k_norm", lambda: torch.nn.RMSNorm(8, eps=1e-6), True),
+    ],
+)
+def test_a_part_replaced_on_a_built_module_fits_its_config_or_is_refused(
+    options: dict[str, Any], name: str, make: Any, fits: bool
+) -> None:
+    """The submodules the options build (rotary tables, QK-norms), replaced: one the config describes is taken, and the
+    module then equals one rebuilt from its config; any other is refused naming from_config, the module unchanged."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, **options)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    if not fits:
+        with pytest.raises(ssm.ConfigError, match=rf"^MultiHeadAttention: {name} cannot be replaced by this one: "):
+            setattr(module, name, make())
+        assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+        return
+    setattr(module, name, make())
+    rebuilt = ssm.MultiHeadAttention.from_config(module.config)
+    rebuilt.load_state_dict(module.state_dict())
+    _agree(module, rebuilt)

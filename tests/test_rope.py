@@ -274,7 +274,10 @@ def test_a_rotary_submodule_of_another_width_is_refused_by_the_modules_rotated_w
     against d_rope (the module's rope_dim, bound by the module where it is partial) or d_head (full rotary, where
     the module binds no d_rope)."""
     module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=rope_dim)
-    module.rotary = ssm.RotaryEmbedding(2 if rope_dim else 4)
+    narrower = ssm.RotaryEmbedding(2 if rope_dim else 4)
+    with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention: rotary cannot be replaced by this one: its d_head"):
+        module.rotary = narrower  # set: refused there, against the config
+    module._modules["rotary"] = narrower  # put past the refusal: the call's checks refuse it
     with pytest.raises(ssm.ShapeError) as caught:
         module(torch.randn(1, 5, 32))
     lines = str(caught.value).splitlines()

@@ -1,7 +1,6 @@
 """The norms of QK-norm: Gemma's RMSNorm with weights stored as offsets (the scale `offset + weight`), and
 Cohere's norm of each head with weights of its own."""
 
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,21 +83,3 @@ class HeadNorm(nn.Module):
         return normed * weight
 
 
-def qk_norm_modules(config: Any, factory: dict[str, Any]) -> dict[str, nn.Module]:
-    """The submodules of `config`'s QK-norm (an `AttentionConfig`), by name: `q_norm` and `k_norm`, or none."""
-    return dict(zip(("q_norm", "k_norm"), qk_norms(config, factory), strict=True)) if config.qk_norm else {}
-
-
-def qk_norms(config: Any, factory: dict[str, Any]) -> tuple[nn.Module, nn.Module]:
-    """The query's and the key's norm of a QK-norm `config` (an `AttentionConfig` with `qk_norm`): an RMSNorm of
-    each head (Qwen3), of every head together (`qk_norm_over="all"`, OLMo-2), scaled by `offset + weight`
-    (Gemma 3), or a `HeadNorm` with weights of each head or centred (Cohere)."""
-    num_heads, num_kv_heads, d_head, eps = config.num_heads, config.kv_heads, config.head_width, config.norm_eps
-    over, centred, offset = config.qk_norm_over, config.qk_norm_centred, float(config.qk_norm_offset)
-    if over == "per_head" or centred:
-        heads = (num_heads, num_kv_heads) if over == "per_head" else (None, None)
-        return tuple(HeadNorm(h, d_head, eps, centred, **factory) for h in heads)  # pyright: ignore[reportReturnType]
-    widths = (num_heads * d_head, num_kv_heads * d_head) if over == "all" else (d_head, d_head)
-    if offset:
-        return OffsetRMSNorm(widths[0], eps, offset, **factory), OffsetRMSNorm(widths[1], eps, offset, **factory)
-    return nn.RMSNorm(widths[0], eps=eps, **factory), nn.RMSNorm(widths[1], eps=eps, **factory)

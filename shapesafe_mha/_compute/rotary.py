@@ -520,11 +520,3 @@ def default_positions(query: Tensor, cached: int) -> Tensor:
     return torch.arange(cached, cached + seq, device=query.device).expand(batch, seq)
 
 
-def rotary_of(config: Any, device: Any) -> "RotaryEmbedding | None":
-    """The rotary embedding `config` (an `AttentionConfig`) describes, on `device`: None without RoPE."""
-    if config.rope_theta is None:
-        return None
-    width = config.rotated_width
-    if width == config.head_width:
-        check_rotary_width(width, config.owner)
-    return RotaryEmbedding(width, config.rope_theta, config.rope_scaling, config.rope_interleaved).to(device=device)

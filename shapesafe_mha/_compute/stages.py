@@ -742,20 +742,6 @@ def unfold(out: FoldedQueries, num_heads: int, rows: RowsWithAKey | None) -> Hea
     return K.zero_rows(K.unfold(out, num_heads), rows)
 
 
-def variant_tensors(config: Any, factory: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The parameters and buffers the options of `config` (an `AttentionConfig`) add, by name: attention sinks'
-    `sinks` (zeros at first; None without), DiffLlama's four lambda vectors (normal(0, `LAMBDA_STD`); none
-    without), and ALiBi's `alibi_slopes` (None without; not learned: a buffer, kept in the state dict so that loaded
-    slopes, MPT's, stay)."""
-    heads, d_head, dtype = config.num_heads, config.head_width, factory["dtype"] or torch.get_default_dtype()
-    sinks = nn.Parameter(torch.zeros(heads, **factory)) if config.attention_sinks else None
-    parameters: dict[str, Any] = {"sinks": sinks}
-    for name in K.LAMBDAS if config.differential_lambda_init is not None else ():  # DiffLlama's, named as its are
-        parameters[name] = nn.Parameter(torch.empty(d_head, **factory).normal_(0, K.LAMBDA_STD))
-    slopes = K.alibi_slopes(heads).to(device=factory["device"], dtype=dtype) if config.alibi else None
-    return parameters, {"alibi_slopes": slopes}
-
-
 @stage(name="alibi")
 def alibi_bias(slopes: AlibiSlopes, q: Heads, k: KVHeads) -> FoldedBias:
     """ALiBi (Bloom, MPT): `slopes[h] * (kv_pos - q_pos)` for each query head's row and key, laid out as the

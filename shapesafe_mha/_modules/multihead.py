@@ -9,11 +9,10 @@ from torch import Tensor, nn
 
 from .._compute.cache import KVCache
 from .._compute.fastpath import FusedQKV, call_restoring, choose_path, pack_qkv
-from .._compute.norms import qk_norm_modules
 from .._compute.packed import serving_forward
 from .._compute.paged import PagedKVCache
-from .._compute.rotary import RotaryEmbedding, rotary_of
-from .._compute.stages import check_float_dtype, variant_tensors
+from .._compute.rotary import RotaryEmbedding
+from .._compute.stages import check_float_dtype
 from .._core.contract import Verdicts, remembered_forward
 from .._core.dims import (
     AttnMask,
@@ -40,7 +39,7 @@ from .config import (
 )
 from .contract import checked_forward, forward_key, forward_stage, quiet_jit_tracer
 from .conversions import Conversions
-from .plan import RAW, plan, run
+from .plan import PARTS, RAW, part_misfit, plan, qk_norm_modules, rotary_of, run, variant_tensors
 
 # What a built module derives from its sizes and options (`_derive`, `AttentionConfig.score_scale`): set, it would
 # be undone by the next derivation, or disagree with the path that does not read it (torch's fused kernel).
@@ -215,6 +214,11 @@ class MultiHeadAttention(Conversions, nn.Module):
                 f"MultiHeadAttention: {name} cannot be set: it is derived from {_DERIVED[name]}, and follows it. Set "
                 "that, or build the module you want: MultiHeadAttention.from_config(dataclasses.replace(module.config, "
                 "...))."
+            )
+        if built and name in PARTS and (why := part_misfit(self._described(), name, value)) is not None:
+            raise ConfigError(
+                f"MultiHeadAttention: {name} cannot be replaced by this one: {why}. Build the module that has it: "
+                "MultiHeadAttention.from_config(dataclasses.replace(module.config, ...)), then load its state_dict."
             )
         if built and name in OPTIONS and name not in SIZES:
             described = self._described()

@@ -12,13 +12,17 @@ here, its reader, the reference.
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from .._compute import kernels as K
 from .._compute.fastpath import FUSED, NATIVE, FusedQKV
+from .._compute.norms import HeadNorm, OffsetRMSNorm
 from .._compute.rotary import (
+    RotaryEmbedding,
     apply_partial_rotary,
     apply_rotary,
+    check_rotary_width,
     default_positions,
     partial_rotary_tables,
     rotary_tables,
@@ -224,3 +228,78 @@ def run(
         merged = s.gate_output(merged, gate)
     out = s.project_output(m["o_proj"], merged)
     return out if weights is None else (out, weights)
+
+
+# The parts a config builds: a module's submodules, parameters and buffers for its options (the stages take plain
+# arguments; this is where the config is read for them).
+def rotary_of(config: Any, device: Any) -> "RotaryEmbedding | None":
+    """The rotary embedding `config` (an `AttentionConfig`) describes, on `device`: None without RoPE."""
+    if config.rope_theta is None:
+        return None
+    width = config.rotated_width
+    if width == config.head_width:
+        check_rotary_width(width, config.owner)
+    return RotaryEmbedding(width, config.rope_theta, config.rope_scaling, config.rope_interleaved).to(device=device)
+
+
+def qk_norm_modules(config: Any, factory: dict[str, Any]) -> dict[str, nn.Module]:
+    """The submodules of `config`'s QK-norm (an `AttentionConfig`), by name: `q_norm` and `k_norm`, or none."""
+    return dict(zip(("q_norm", "k_norm"), qk_norms(config, factory), strict=True)) if config.qk_norm else {}
+
+
+def qk_norms(config: Any, factory: dict[str, Any]) -> tuple[nn.Module, nn.Module]:
+    """The query's and the key's norm of a QK-norm `config` (an `AttentionConfig` with `qk_norm`): an RMSNorm of
+    each head (Qwen3), of every head together (`qk_norm_over="all"`, OLMo-2), scaled by `offset + weight`
+    (Gemma 3), or a `HeadNorm` with weights of each head or centred (Cohere)."""
+    num_heads, num_kv_heads, d_head, eps = config.num_heads, config.kv_heads, config.head_width, config.norm_eps
+    over, centred, offset = config.qk_norm_over, config.qk_norm_centred, float(config.qk_norm_offset)
+    if over == "per_head" or centred:
+        heads = (num_heads, num_kv_heads) if over == "per_head" else (None, None)
+        return tuple(HeadNorm(h, d_head, eps, centred, **factory) for h in heads)  # pyright: ignore[reportReturnType]
+    widths = (num_heads * d_head, num_kv_heads * d_head) if over == "all" else (d_head, d_head)
+    if offset:
+        return OffsetRMSNorm(widths[0], eps, offset, **factory), OffsetRMSNorm(widths[1], eps, offset, **factory)
+    return nn.RMSNorm(widths[0], eps=eps, **factory), nn.RMSNorm(widths[1], eps=eps, **factory)
+
+
+def variant_tensors(config: Any, factory: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parameters and buffers the options of `config` (an `AttentionConfig`) add, by name: attention sinks'
+    `sinks` (zeros at first; None without), DiffLlama's four lambda vectors (normal(0, `LAMBDA_STD`); none
+    without), and ALiBi's `alibi_slopes` (None without; not learned: a buffer, kept in the state dict so that loaded
+    slopes, MPT's, stay)."""
+    heads, d_head, dtype = config.num_heads, config.head_width, factory["dtype"] or torch.get_default_dtype()
+    sinks = nn.Parameter(torch.zeros(heads, **factory)) if config.attention_sinks else None
+    parameters: dict[str, Any] = {"sinks": sinks}
+    for name in K.LAMBDAS if config.differential_lambda_init is not None else ():  # DiffLlama's, named as its are
+        parameters[name] = nn.Parameter(torch.empty(d_head, **factory).normal_(0, K.LAMBDA_STD))
+    slopes = K.alibi_slopes(heads).to(device=factory["device"], dtype=dtype) if config.alibi else None
+    return parameters, {"alibi_slopes": slopes}
+
+
+PARTS = ("rotary", "q_norm", "k_norm")  # the submodules the options build (`rotary_of`, `qk_norm_modules`)
+
+
+def part_misfit(config: Any, name: str, value: Any) -> str | None:
+    """Why `value`, set as the submodule `name` (one of `PARTS`) of a module `config` describes, would not compute what
+    the part `config` builds computes (so that the module's `config` would misdescribe it), or None where it does: a
+    part where the config builds none or none where it builds one, or a part of the kind it builds made with other
+    values. A part of another kind (the user's own tables or norm) is the user's: its results are checked each call."""
+    if name == "rotary":
+        built: Any = rotary_of(config, "meta")
+        fields = ("d_head", "theta", "scaling", "interleaved")
+    else:
+        built = qk_norm_modules(config, {"device": "meta", "dtype": None}).get(name)
+        fields = ("eps", "offset", "centred")
+    if built is None or value is None:
+        if built is value:
+            return None
+        return f"the module has {'no' if built is None else 'a'} {name} (its config: {config.variants() or 'plain'})"
+    if not isinstance(value, type(built)):
+        return None  # a part of the user's own (tables, a norm): what it returns is checked at each call
+    for field in fields:
+        if getattr(value, field, None) != getattr(built, field, None):
+            return f"its {field} is {getattr(value, field, None)!r}, the config's {getattr(built, field, None)!r}"
+    weight = getattr(built, "weight", None)
+    if weight is not None and tuple(getattr(value, "weight", weight).shape) != tuple(weight.shape):
+        return f"its weight is {tuple(value.weight.shape)}, the config's {tuple(weight.shape)}"
+    return None
