@@ -315,3 +315,28 @@ def test_a_part_replaced_on_a_built_module_fits_its_config_or_is_refused(
     rebuilt = ssm.MultiHeadAttention.from_config(module.config)
     rebuilt.load_state_dict(module.state_dict())
     _agree(module, rebuilt)
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "fits"),
+    [
+        ("rotary", lambda: ssm.RotaryEmbedding(4, 5e5), False),  # config.rope_theta would lie
+        ("rotary", lambda: ssm.RotaryEmbedding(4, 10000.0), True),
+        ("q_a_layernorm", lambda: torch.nn.RMSNorm(12, eps=10.0), False),  # config.norm_eps would lie
+        ("kv_a_layernorm", lambda: torch.nn.RMSNorm(8, eps=1e-6), True),
+        ("kv_a_layernorm", lambda: None, False),
+    ],
+)
+def test_a_latent_part_replaced_on_a_built_module_fits_its_config_or_is_refused(
+    name: str, make: Any, fits: bool
+) -> None:
+    torch.manual_seed(0)
+    module = ssm.LatentAttention(**LATENT_BASE)
+    if not fits:
+        with pytest.raises(ssm.ConfigError, match=rf"^LatentAttention: {name} cannot be replaced by this one: "):
+            setattr(module, name, make())
+        return
+    setattr(module, name, make())
+    rebuilt = ssm.LatentAttention.from_config(module.config)
+    rebuilt.load_state_dict(module.state_dict())
+    _latent_agree(module, rebuilt)

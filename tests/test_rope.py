@@ -275,7 +275,8 @@ def test_a_rotary_submodule_of_another_width_is_refused_by_the_modules_rotated_w
     the module binds no d_rope)."""
     module = ssm.MultiHeadAttention(32, 4, 2, rope_theta=1e4, rope_dim=rope_dim)
     narrower = ssm.RotaryEmbedding(2 if rope_dim else 4)
-    with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention: rotary cannot be replaced by this one: its d_head"):
+    refused = r"^MultiHeadAttention: rotary cannot be replaced by this one: its d_head"
+    with pytest.raises(ssm.ConfigError, match=refused):
         module.rotary = narrower  # set: refused there, against the config
     module._modules["rotary"] = narrower  # put past the refusal: the call's checks refuse it
     with pytest.raises(ssm.ShapeError) as caught:
@@ -774,7 +775,8 @@ def test_a_rotary_argument_set_on_a_built_module_is_followed_or_refused_never_ha
         setattr(rope, name, value)
     except ssm.ConfigError as error:
         assert str(error).startswith(f"RotaryEmbedding: {name} cannot be set on a built module")
-        assert f"RotaryEmbedding(d_head={fresh.d_head!r}, theta={fresh.theta!r}, scaling={fresh.scaling!r}" in str(error)
+        built = f"RotaryEmbedding(d_head={fresh.d_head!r}, theta={fresh.theta!r}, scaling={fresh.scaling!r}"
+        assert built in str(error)
         for got, kept in zip(rope(positions, torch.float64), before, strict=True):
             torch.testing.assert_close(got, kept, rtol=0, atol=0)
         return

@@ -68,6 +68,7 @@ from .._core.messages import dtype_name, mismatch
 from .._core.trace import current_observer
 from .config import bind, constructor_of
 from .latent_config import LATENT_BUILT_FROM, LATENT_OPTIONS, LATENT_SIZES, LatentConfig
+from .plan import misfit
 
 _OWNER = "LatentAttention.forward()"
 
@@ -453,6 +454,15 @@ class _Options(LatentConfig):
     dtype: torch.dtype | None = dataclasses.field(default=None, kw_only=True)
 
 
+# The parts its config builds, as `_build` makes them: a part set
+# on a built module must be one of them, or of the user's own kind (`plan.misfit`).
+_PARTS: dict[str, Callable[[LatentConfig], Any]] = {
+    "rotary": lambda c: RotaryEmbedding(c.d_rope, c.rope_theta, c.rope_scaling),
+    "q_a_layernorm": lambda c: None if c.q_lora_rank is None else nn.RMSNorm(c.q_lora_rank, eps=c.norm_eps),
+    "kv_a_layernorm": lambda c: nn.RMSNorm(c.kv_lora_rank, eps=c.norm_eps),
+}
+_FIELDS = ("d_head", "theta", "scaling", "interleaved", "eps")
+
 # An option a built module's parts hold, not an attribute of its name: how `config` reads it back.
 _HELD_BY_PARTS: dict[str, Callable[[Any, str], Any]] = {
     "bias": lambda module, _: module.kv_a_proj_with_mqa.bias is not None,
@@ -559,6 +569,14 @@ class LatentAttention(nn.Module):
         # An option set on a built module: validated as at construction and followed, or refused where parts were
         # built from it. A size set (or an option): what they fix derived again, what was remembered forgotten.
         built = "_verdicts" in self.__dict__  # (not while _build sets them)
+        if built and name in _PARTS:  # a part the config builds, replaced: the one it builds, or the user's own kind
+            config = self.config
+            why = misfit(_PARTS[name](config), value, name, _FIELDS, config)
+            if why is not None:
+                raise ConfigError(
+                    f"LatentAttention: {name} cannot be replaced by this one: {why}. Build the module that has it: "
+                    "LatentAttention.from_config(dataclasses.replace(module.config, ...)), then load its state_dict."
+                )
         if built and name in LATENT_OPTIONS and name not in LATENT_SIZES:
             changed = dataclasses.replace(self.config, **{name: value})  # validated as at construction
             if name in LATENT_BUILT_FROM:

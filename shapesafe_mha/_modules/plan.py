@@ -290,10 +290,16 @@ def part_misfit(config: Any, name: str, value: Any) -> str | None:
     else:
         built = qk_norm_modules(config, {"device": "meta", "dtype": None}).get(name)
         fields = ("eps", "offset", "centred")
+    return misfit(built, value, name, fields, config.variants() or "plain")
+
+
+def misfit(built: Any, value: Any, name: str, fields: tuple[str, ...], described: Any) -> str | None:
+    """Why `value` does not compute what `built` (the part its config builds, or None) computes: presence, or a field
+    of the same kind of part (and the weight's shape); None where it does, or where it is another kind (the user's)."""
     if built is None or value is None:
         if built is value:
             return None
-        return f"the module has {'no' if built is None else 'a'} {name} (its config: {config.variants() or 'plain'})"
+        return f"the module has {'no' if built is None else 'a'} {name} (its config: {described})"
     if not isinstance(value, type(built)):
         return None  # a part of the user's own (tables, a norm): what it returns is checked at each call
     for field in fields:
