@@ -275,7 +275,7 @@ def test_a_latent_config_is_validated_where_it_is_made() -> None:
         ssm.LatentAttention.from_config(ssm.AttentionConfig(32, 4))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("name", "value"), [("scale", 0.05), ("group", 1), ("native_shape", False)])
+@pytest.mark.parametrize(("name", "value"), [("scale", 0.05), ("group", 2), ("native_shape", False)])
 def test_what_a_module_derives_set_on_it_is_refused_naming_its_source(name: str, value: Any) -> None:
     """`scale`, `group` and `native_shape` follow the options and sizes: set directly, the scale was read by some paths
     and not torch's fused kernel (0.15 apart), and the others were undone by the next derivation."""
@@ -340,3 +340,89 @@ def test_a_latent_part_replaced_on_a_built_module_fits_its_config_or_is_refused(
     rebuilt = ssm.LatentAttention.from_config(module.config)
     rebuilt.load_state_dict(module.state_dict())
     _latent_agree(module, rebuilt)
+
+
+def test_setting_anything_to_the_value_it_has_is_accepted_and_changes_nothing() -> None:
+    """An override loop (`for k, v in options.items(): setattr(m, k, v)`) over the values a built object already has
+    changes nothing and raises nothing, whether that attribute may be set to another value or not."""
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(**BASE, clip_qkv=2.0)
+    latent = ssm.LatentAttention(**LATENT_BASE)
+    rope = ssm.RotaryEmbedding(8, 10000.0)
+    cache = module.new_cache(1, 8)
+    for target, names in (
+        (module, [*OPTIONS, "scale", "group", "native_shape", "rotary", "q_norm", "k_norm"]),
+        (latent, [*LATENT_OPTIONS, "rotary", "kv_a_layernorm"]),
+        (rope, ["d_head", "theta", "scaling", "interleaved"]),
+        (cache, ["window"]),
+    ):
+        before, config = repr(target), getattr(target, "config", None)
+        for name in names:
+            setattr(target, name, getattr(config, name) if hasattr(config, name) else getattr(target, name))
+        assert repr(target) == before
+    rebuilt = ssm.MultiHeadAttention.from_config(module.config)
+    rebuilt.load_state_dict(module.state_dict())
+    _agree(module, rebuilt)
+
+
+def test_a_config_is_a_copy_editing_it_leaves_the_module_as_it_was() -> None:
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    module = ssm.MultiHeadAttention(**BASE | {"rope_scaling": scaling})
+    latent = ssm.LatentAttention(**LATENT_BASE, rope_scaling=scaling)
+    for built in (module, latent):
+        config = built.config
+        assert config.rope_scaling is not None
+        config.rope_scaling["factor"] = 8.0  # (a mapping inside a frozen config: still a mapping)
+        assert built.config.rope_scaling == scaling
+
+
+def test_a_module_pickles_and_copies_with_its_plan() -> None:
+    """The plan's transforms are closures: not pickled, but made again from the config on the way back."""
+    import copy
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(**BASE, clip_qkv=2.0).eval()
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    copies = [pickle.loads(pickle.dumps(module)), copy.deepcopy(module), torch.load(buffer, weights_only=False)]
+    for twin in copies:
+        assert twin.config == module.config
+        _agree(twin, module)
+
+
+def test_a_norm_of_another_kind_than_the_config_builds_is_refused() -> None:
+    """Gemma 3's QK-norm scales by `offset + weight` (`OffsetRMSNorm`): a plain `nn.RMSNorm` put in its place is a kind
+    the library builds for another config, not the user's own part, and refused."""
+    module = ssm.MultiHeadAttention(**BASE, qk_norm_offset=1.0)
+    with pytest.raises(ssm.ConfigError, match=r"it is a RMSNorm, where the config builds a OffsetRMSNorm"):
+        module.q_norm = torch.nn.RMSNorm(8, eps=1e-6)
+
+
+def test_a_latent_module_with_parts_of_the_users_own_kind_still_describes_itself() -> None:
+    class Tables(torch.nn.Module):
+        def __init__(self, rotary: ssm.RotaryEmbedding) -> None:
+            super().__init__()
+            self.inner = rotary
+
+        def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+            return self.inner(positions, dtype)
+
+    latent = ssm.LatentAttention(**LATENT_BASE)
+    before = latent.config
+    latent.rotary = Tables(latent.rotary)
+    latent.dropout = 0.1
+    assert latent.config == dataclasses.replace(before, dropout=0.1) and "dropout=0.1" in repr(latent)
+
+
+def test_a_latent_trace_config_takes_the_sizes_by_keyword() -> None:
+    """`LatentTraceConfig` is a `LatentConfig`: past `d_model` and `num_heads`, positions would bind other sizes than
+    they did before it was one, so they are refused rather than read silently another way."""
+    with pytest.raises(TypeError, match="positional"):
+        ssm.LatentTraceConfig(64, 8, 24, 16, 8, 4, 8)  # type: ignore[misc]
+    config = ssm.LatentTraceConfig(64, 8, q_lora_rank=24, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8)
+    assert ssm.LatentAttention.from_config(config).config == ssm.LatentConfig(
+        64, 8, q_lora_rank=24, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8
+    )

@@ -289,7 +289,10 @@ def test_an_option_set_on_a_head_parallel_module_is_its_shards_and_a_size_is_ref
         for name, value in (("window", 2), ("logit_softcap", 1.0)):
             setattr(sharded, name, value)
             setattr(module, name, value)
-            assert getattr(sharded.local, name) == value and name not in sharded.__dict__
+            assert getattr(sharded, name) == getattr(sharded.local, name) == value and name not in sharded.__dict__
+        with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention: scale cannot be set: it is derived from"):
+            sharded.scale = 0.01  # the shard's, refused there (as a plain attribute it was read by nothing)
+        sharded.num_heads = 4  # the value it has: nothing to refuse
         with torch.no_grad():
             torch.testing.assert_close(sharded(x, is_causal=True), module(x, is_causal=True))
         with pytest.raises(ssm.ConfigError, match=r"^MultiHeadAttention: rope_theta cannot be set on a built module"):

@@ -113,7 +113,7 @@ class KVCache:
     @window.setter
     def window(self, value: int | None) -> None:
         # Which positions the cache kept was decided by its window: set on a built one, it would be half applied.
-        if "_verdicts" in self.__dict__:
+        if "_verdicts" in self.__dict__ and value != self._window:
             raise ConfigError(
                 f"{type(self).__name__}: window cannot be set on a built cache: the positions it kept were chosen by "
                 f"it. Build one that has it: KVCache(..., window={value!r}), or module.new_cache(batch, capacity) "
@@ -203,7 +203,7 @@ class KVCache:
         self._check_room(k.shape[2], None)
 
     def _check_room(self, new: int, owner: str | None) -> None:
-        if self._length + new <= self.capacity or self.window is not None:
+        if self._length + new <= self.capacity or self._window is not None:
             return
         if owner is None:
             raise ShapeError(

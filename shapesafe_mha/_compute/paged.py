@@ -136,7 +136,7 @@ class PagedKVCache:
     @window.setter
     def window(self, value: int | None) -> None:
         # The blocks it freed were chosen by its window: set on a built cache, it would be half applied.
-        if "_tables" in self.__dict__:
+        if "_tables" in self.__dict__ and value != self._window:
             raise ConfigError(
                 f"PagedKVCache: window cannot be set on a built cache: the blocks it freed were chosen by it. Build "
                 f"one that has it: PagedKVCache.for_module(module, num_blocks, block_size) from a module of that "

@@ -327,11 +327,12 @@ class RotaryEmbedding(nn.Module):
             `original_max_position_embeddings` and `factor` or `attention_factor`; both choose each call's
             frequencies by its length, `max(positions) + 1` (see `long_frequencies`).
         interleaved: tables for adjacent pairs, each angle twice in a row (`apply_rotary(..., interleaved=True)`),
-            instead of `cat(angles, angles)` for halves; read at each call, so it may be set on a built module.
+            instead of `cat(angles, angles)` for halves.
 
     Raises:
-        ConfigError: a scaling it does not take; `d_head`, `theta` or `scaling` set on a built module (its
-            frequencies were built from them: build another).
+        ConfigError: a scaling it does not take; an argument set to another value on a built module (its
+            frequencies, and the layout the module holding it pairs features by, were built from them: build
+            another).
     """
 
     def __init__(
@@ -353,9 +354,9 @@ class RotaryEmbedding(nn.Module):
         self.register_load_state_dict_post_hook(_frequencies_again)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # The frequencies (and YaRN's factor, LongRoPE's tables, the length rule) are built from these: set on a
-        # built module they would be half applied, so they are refused; `interleaved` is read at each call.
-        if name in _SOURCES and "inv_freq" in self.__dict__.get("_buffers", {}):
+        # The frequencies (and YaRN's factor, LongRoPE's tables, the length rule) and the tables' layout are built
+        # from these: set on a built module to another value they would be half applied, so they are refused.
+        if name in _SOURCES and "inv_freq" in self.__dict__.get("_buffers", {}) and value != getattr(self, name):
             given = {"d_head": self.d_head, "theta": self.theta, "scaling": self.scaling} | {name: value}
             given |= {"interleaved": True} if self.interleaved else {}
             shown = ", ".join(f"{key}={item!r}" for key, item in given.items())
@@ -401,7 +402,9 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-_SOURCES = ("d_head", "theta", "scaling")  # what a RotaryEmbedding's frequencies are built from
+# What a RotaryEmbedding's frequencies and tables are built from (`interleaved`: the tables' layout, which the module
+# that holds it pairs its features by: set alone, the two would disagree).
+_SOURCES = ("d_head", "theta", "scaling", "interleaved")
 
 
 def _frequencies_again(module: nn.Module, incompatible_keys: Any) -> None:

@@ -474,6 +474,11 @@ def _same(value: Any) -> Any:
     return value
 
 
+def copied(mapping: Any) -> Any:
+    """A mapping a part holds, as a config holds it: a copy (editing the config's must not edit the part's)."""
+    return None if mapping is None else dict(mapping)
+
+
 P = ParamSpec("P")
 
 
@@ -548,7 +553,7 @@ HELD_AS: dict[str, Callable[[Any], Any]] = {
 # HELD_BY_PARTS: an option a built module's parts hold, not an attribute of its name: how `config` reads it back.
 HELD_BY_PARTS: dict[str, Callable[[Any], Any]] = {
     "bias": lambda module: module.q_proj.bias is not None,
-    "rope_scaling": lambda module: getattr(module._modules.get("rotary"), "scaling", None),
+    "rope_scaling": lambda module: copied(getattr(module._modules.get("rotary"), "scaling", None)),
     "rope_dim": lambda module: None if module.rope_dim == module.d_head else module.rope_dim,
     "attention_sinks": lambda module: module._parameters.get("sinks") is not None,
     "alibi": lambda module: module._buffers.get("alibi_slopes") is not None,

@@ -135,8 +135,8 @@ def forward_key(
     if kv_cache is not None:
         kv_len += kv_cache._start + kv_cache._length  # len(kv_cache), without a Python call of __len__
         buffer = kv_cache.keys_buffer
-        cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache.window), buffer.shape
-        if kv_cache.window is not None:
+        cache_kind, buffer_shape = (type(kv_cache), buffer.dtype, buffer.device, kv_cache._window), buffer.shape
+        if kv_cache._window is not None:
             kept = (kv_cache.kept, kv_cache.kept + key_shape[1])
     masked = attn_mask is not None or key_padding_mask is not None
     device = query.device

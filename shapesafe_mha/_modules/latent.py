@@ -66,7 +66,7 @@ from .._core.dims import (
 from .._core.errors import ConfigError, ShapeError
 from .._core.messages import dtype_name, mismatch
 from .._core.trace import current_observer
-from .config import bind, constructor_of
+from .config import bind, constructor_of, copied
 from .latent_config import LATENT_BUILT_FROM, LATENT_OPTIONS, LATENT_SIZES, LatentConfig
 from .plan import misfit
 
@@ -466,9 +466,8 @@ _FIELDS = ("d_head", "theta", "scaling", "interleaved", "eps")
 # An option a built module's parts hold, not an attribute of its name: how `config` reads it back.
 _HELD_BY_PARTS: dict[str, Callable[[Any, str], Any]] = {
     "bias": lambda module, _: module.kv_a_proj_with_mqa.bias is not None,
-    "rope_scaling": lambda module, _: module.rotary.scaling,
+    "rope_scaling": lambda module, _: copied(getattr(module._modules.get("rotary"), "scaling", None)),
     "scale": lambda module, _: module._scale,
-    "norm_eps": lambda module, _: module.kv_a_layernorm.eps,
 }
 
 
@@ -514,6 +513,7 @@ class LatentAttention(nn.Module):
         )  # fmt: skip
         self.d_nope, self.d_rope, self.d_value = c.d_nope, c.d_rope, c.d_value
         self.rope_theta, self.interleaved, self.dropout = c.rope_theta, c.interleaved, c.dropout
+        self.norm_eps = c.norm_eps  # (held, as MultiHeadAttention holds its: a norm of the user's kind has no `eps`)
         self._scale = c.scale  # (None: the default of the sizes, `scale` derived again when one is set)
         q_width = c.num_heads * (c.d_nope + c.d_rope)
         if c.q_lora_rank is None:
@@ -579,6 +579,8 @@ class LatentAttention(nn.Module):
                 )
         if built and name in LATENT_OPTIONS and name not in LATENT_SIZES:
             changed = dataclasses.replace(self.config, **{name: value})  # validated as at construction
+            if name in LATENT_BUILT_FROM and changed == self.config:  # (the value it has: nothing to change)
+                return
             if name in LATENT_BUILT_FROM:
                 raise ConfigError(
                     f"LatentAttention: {name} cannot be set on a built module: its {LATENT_BUILT_FROM[name]} were "

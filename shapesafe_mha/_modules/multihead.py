@@ -43,7 +43,7 @@ from .plan import PARTS, RAW, part_misfit, plan, qk_norm_modules, rotary_of, run
 
 # What a built module derives from its sizes and options (`_derive`, `AttentionConfig.score_scale`): set, it would
 # be undone by the next derivation, or disagree with the path that does not read it (torch's fused kernel).
-_DERIVED = {
+DERIVED = {
     "scale": "query_pre_attn_scalar (query_pre_attn_scalar ** -0.5; None: 1 / sqrt(d_head))",
     "group": "num_heads // num_kv_heads",
     "native_shape": "the sizes and options (whether torch's fused kernel computes them)",
@@ -209,9 +209,9 @@ class MultiHeadAttention(Conversions, nn.Module):
         # an option or a tensor of the module's own set (head pruning, sinks or ALiBi slopes loaded another way): derive
         # what they fix again, and forget what was remembered under the old ones.
         built = "_fused" in self.__dict__  # (not while __init__ sets them)
-        if built and name in _DERIVED:
+        if built and name in DERIVED and value != getattr(self, name):
             raise ConfigError(
-                f"MultiHeadAttention: {name} cannot be set: it is derived from {_DERIVED[name]}, and follows it. Set "
+                f"MultiHeadAttention: {name} cannot be set: it is derived from {DERIVED[name]}, and follows it. Set "
                 "that, or build the module you want: MultiHeadAttention.from_config(dataclasses.replace(module.config, "
                 "...))."
             )
@@ -223,6 +223,8 @@ class MultiHeadAttention(Conversions, nn.Module):
         if built and name in OPTIONS and name not in SIZES:
             described = self._described()
             changed = dataclasses.replace(described, **{name: value})  # validated as at construction (ConfigError)
+            if name in BUILT_FROM and changed == described:  # (the value it has: nothing to change)
+                return
             if name in BUILT_FROM:
                 raise ConfigError(
                     f"MultiHeadAttention: {name} cannot be set on a built module: its {BUILT_FROM[name]} "

@@ -18,7 +18,8 @@ from .._core import probe
 from .._core.contract import checks_enabled
 from .._core.errors import ConfigError, ShapeError
 from .config import OPTIONS, SIZES
-from .multihead import MultiHeadAttention
+from .multihead import DERIVED, MultiHeadAttention
+from .plan import PARTS
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,11 @@ class _GatherHeads(torch.autograd.Function):
         return grad[:, ctx.rank * ctx.heads : (ctx.rank + 1) * ctx.heads], None, None
 
 
+# What a HeadParallelAttention's shard holds for it: the options, what a module derives from them (but `group`: its own
+# is the process group) and the parts they build.
+_SHARDS = frozenset(OPTIONS) - frozenset(SIZES) | frozenset(DERIVED) - {"group"} | frozenset(PARTS)
+
+
 class HeadParallelAttention(nn.Module):
     """`MultiHeadAttention` split by heads across the ranks of a torch.distributed process group.
 
@@ -223,18 +229,24 @@ class HeadParallelAttention(nn.Module):
         self.d_head = local.d_head
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # Built: an option is the shard's (set there: followed, or refused as MultiHeadAttention refuses it); the
-        # sizes split the heads, so setting one is refused. (Set as a plain attribute, either would be ignored.)
+        # Built: an option, or what a module derives or builds from them, is the shard's (set there: followed, or
+        # refused as MultiHeadAttention refuses it); the sizes split the heads, so another value of one is refused.
+        # (Set as a plain attribute, either would be ignored.)
         if "d_head" in self.__dict__:
-            if name in OPTIONS and name not in SIZES:
+            if name in _SHARDS:
                 setattr(self.local, name, value)
                 return
-            if name in SIZES:
+            if name in SIZES and value != getattr(self, name):
                 raise ConfigError(
                     f"HeadParallelAttention: {name} cannot be set on a built one: the heads were split by it. Split "
                     "a module of those sizes: HeadParallelAttention.from_module(module)."
                 )
         super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _SHARDS and "local" in self._modules:  # the shard's, as set (`__setattr__`)
+            return getattr(self._modules["local"], name)
+        return super().__getattr__(name)
 
     @classmethod
     def from_module(

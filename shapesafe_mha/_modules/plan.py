@@ -9,6 +9,7 @@ maps' outputs in head pairs (`_differential`). A variant is one field of the con
 here, its reader, the reference.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -96,38 +97,40 @@ def _normalize_all(s: Any, m: dict[str, Any], q: Tensor, k: Tensor, v: Tensor) -
     return q, k, v
 
 
-def _clipper(bound: float) -> BeforeSplit:
-    def clip(s: Any, m: dict[str, Any], q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return s.clip_projections(q, k, v, bound)
+# The transforms that take an option are partials of module-level functions, not closures: a plan pickles (with
+# the module that holds it: `torch.save`, `copy.deepcopy`).
+def _clip(bound: float, s: Any, m: dict[str, Any], q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return s.clip_projections(q, k, v, bound)
 
-    return clip
+
+def _clipper(bound: float) -> BeforeSplit:
+    return functools.partial(_clip, bound)
 
 
 def _normalize_heads(s: Any, m: dict[str, Any], q: Tensor, k: Tensor, positions: Any, start: int) -> Any:
     return s.normalize_qk(m["q_norm"], m["k_norm"], q, k)
 
 
+def _rotate_part(interleaved: bool, s: Any, m: dict[str, Any], q: Tensor, k: Tensor, positions: Any, start: int) -> Any:
+    cos, sin = s.partial_rotary_tables(m["rotary"], positions, q)  # the first rope_dim features only
+    return s.apply_partial_rotary(q, k, cos, sin, interleaved)
+
+
+def _rotate(interleaved: bool, s: Any, m: dict[str, Any], q: Tensor, k: Tensor, positions: Any, start: int) -> Any:
+    cos, sin = s.rotary_tables(m["rotary"], positions, q)
+    return s.apply_rotary(q, k, cos, sin, interleaved)
+
+
 def _rotator(partial: bool, interleaved: bool) -> AfterSplit:
-    if partial:  # the tables and the rotation of the first rope_dim features only
+    return functools.partial(_rotate_part if partial else _rotate, interleaved)
 
-        def rotate_part(s: Any, m: dict[str, Any], q: Tensor, k: Tensor, positions: Any, start: int) -> Any:
-            cos, sin = s.partial_rotary_tables(m["rotary"], positions, q)
-            return s.apply_partial_rotary(q, k, cos, sin, interleaved)
 
-        return rotate_part
-
-    def rotate(s: Any, m: dict[str, Any], q: Tensor, k: Tensor, positions: Any, start: int) -> Any:
-        cos, sin = s.rotary_tables(m["rotary"], positions, q)
-        return s.apply_rotary(q, k, cos, sin, interleaved)
-
-    return rotate
+def _tune(scales: tuple[int, float], s: Any, m: dict[str, Any], q: Tensor, k: Tensor, positions: Any, at: int) -> Any:
+    return s.tune_query_temperature(q, at, *scales), k
 
 
 def _tuner(floor_scale: int, attn_scale: float) -> AfterSplit:
-    def tune(s: Any, m: dict[str, Any], q: Tensor, k: Tensor, positions: Any, start: int) -> Any:
-        return s.tune_query_temperature(q, start, floor_scale, attn_scale), k
-
-    return tune
+    return functools.partial(_tune, (floor_scale, attn_scale))
 
 
 def _differential(
@@ -206,7 +209,7 @@ def run(
     else:
         k, v = s.append_to_cache(kv_cache, kv_cache.keys_buffer, k, v)
         masked = attn_mask is not None or key_padding_mask is not None
-        if masked and kv_cache.window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
+        if masked and kv_cache._window is not None and kv_cache.seen != k.shape[2]:  # positions were dropped
             attn_mask, key_padding_mask = s.visible_masks(attn_mask, key_padding_mask, kv_cache.seen, k.shape[2])
     if p.chunk_size is not None:  # Llama 4: a query sees only the keys of its own chunk
         attn_mask = s.chunk_masks(q, k, attn_mask, key_padding_mask, p.chunk_size)
@@ -277,6 +280,7 @@ def variant_tensors(config: Any, factory: dict[str, Any]) -> tuple[dict[str, Any
 
 
 PARTS = ("rotary", "q_norm", "k_norm")  # the submodules the options build (`rotary_of`, `qk_norm_modules`)
+_BUILT_KINDS = (RotaryEmbedding, nn.RMSNorm, OffsetRMSNorm, HeadNorm)  # the kinds of part they build
 
 
 def part_misfit(config: Any, name: str, value: Any) -> str | None:
@@ -301,6 +305,8 @@ def misfit(built: Any, value: Any, name: str, fields: tuple[str, ...], described
             return None
         return f"the module has {'no' if built is None else 'a'} {name} (its config: {described})"
     if not isinstance(value, type(built)):
+        if isinstance(value, _BUILT_KINDS):  # a kind a config builds, but another than this config's (its offset)
+            return f"it is a {type(value).__name__}, where the config builds a {type(built).__name__}"
         return None  # a part of the user's own (tables, a norm): what it returns is checked at each call
     for field in fields:
         if getattr(value, field, None) != getattr(built, field, None):

@@ -1,6 +1,6 @@
 """`trace_forward`: run one forward of a config and report every stage, as observed."""
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -177,6 +177,7 @@ class LatentTraceConfig(LatentConfig):
 
     d_model: int = 7168
     num_heads: int = 128
+    _: KW_ONLY  # (the rest by keyword, as LatentAttention takes them)
     q_lora_rank: int | None = 1536
     kv_lora_rank: int = 512
     d_nope: int = 128
