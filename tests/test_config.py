@@ -51,7 +51,7 @@ def test_every_option_has_a_value_here() -> None:
     assert set(CHANGED) == set(OPTIONS) - set(SIZES)
 
 
-def _outputs(module: ssm.MultiHeadAttention, x: torch.Tensor) -> list[torch.Tensor]:
+def _outputs(module: ssm.MultiHeadAttention | ssm.LatentAttention, x: torch.Tensor) -> list[torch.Tensor]:
     """A causal prefill, then two decoding steps through the module's own cache."""
     module = module.double().eval()
     with torch.no_grad():
@@ -63,7 +63,7 @@ def _outputs(module: ssm.MultiHeadAttention, x: torch.Tensor) -> list[torch.Tens
     return outs
 
 
-def _agree(a: ssm.MultiHeadAttention, b: ssm.MultiHeadAttention) -> None:
+def _agree(a: ssm.MultiHeadAttention | ssm.LatentAttention, b: ssm.MultiHeadAttention | ssm.LatentAttention) -> None:
     x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for got, expected in zip(_outputs(a, x), _outputs(b, x), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-8)
@@ -163,23 +163,7 @@ def test_every_latent_option_has_a_value_here() -> None:
     assert set(LATENT_CHANGED) == set(LATENT_OPTIONS) - set(LATENT_SIZES)
 
 
-def _latent_outputs(module: ssm.LatentAttention, x: torch.Tensor) -> list[torch.Tensor]:
-    """A causal prefill, then a prefill of three and two decoding steps through the module's own cache."""
-    module = module.double().eval()
-    with torch.no_grad():
-        cache = module.new_cache(x.shape[0], 8)
-        outs = [module(x, is_causal=True), module(x[:, :3], is_causal=True, kv_cache=cache)]
-        outs += [module(x[:, t : t + 1], is_causal=True, kv_cache=cache) for t in (3, 4)]
-    return outs
-
-
 _F64: dict[str, Any] = {"atol": 1e-10, "rtol": 1e-8}
-
-
-def _latent_agree(a: ssm.LatentAttention, b: ssm.LatentAttention) -> None:
-    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    for got, expected in zip(_latent_outputs(a, x), _latent_outputs(b, x), strict=True):
-        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-8)
 
 
 @pytest.mark.parametrize("changed", [{}, *({name: value} for name, value in LATENT_CHANGED.items())])
@@ -190,7 +174,7 @@ def test_a_latent_module_rebuilt_from_its_config_computes_what_it_computes(chang
     rebuilt.load_state_dict(module.state_dict())
     assert rebuilt.config == module.config == ssm.LatentConfig(**LATENT_BASE, **changed)
     assert repr(rebuilt) == repr(module)
-    _latent_agree(rebuilt, module)
+    _agree(rebuilt, module)
 
 
 @pytest.mark.parametrize("name", list(LATENT_CHANGED))
@@ -211,7 +195,7 @@ def test_a_latent_option_set_on_a_built_module_is_followed_or_refused_never_half
         return
     assert module.config == target.config
     target.load_state_dict(module.state_dict())
-    _latent_agree(module, target)
+    _agree(module, target)
 
 
 @pytest.mark.parametrize("name", list(LATENT_CHANGED))
@@ -250,7 +234,7 @@ def test_a_latent_size_set_on_a_built_module_derives_the_default_scale_again() -
             setattr(module, name, getattr(fresh, name))
         module.load_state_dict(fresh.state_dict())
         assert module.scale == fresh.scale and module.config == fresh.config
-        _latent_agree(module, fresh)
+        _agree(module, fresh)
 
 
 @pytest.mark.parametrize(
@@ -339,7 +323,7 @@ def test_a_latent_part_replaced_on_a_built_module_fits_its_config_or_is_refused(
     setattr(module, name, make())
     rebuilt = ssm.LatentAttention.from_config(module.config)
     rebuilt.load_state_dict(module.state_dict())
-    _latent_agree(module, rebuilt)
+    _agree(module, rebuilt)
 
 
 def test_setting_anything_to_the_value_it_has_is_accepted_and_changes_nothing() -> None:
