@@ -239,10 +239,11 @@ class KVCache:
         new = k.shape[2]
         if _batched(k):  # (the test of refuse_under_vmap, inlined: this runs on every decoding step)
             refuse_under_vmap(k, owner)
-        if self._length + new > self.capacity:  # (_check_room's own test first, inlined likewise)
+        keys, values = self.keys_buffer, self.values_buffer
+        capacity = keys.shape[2]  # (`capacity`, without a property call)
+        if self._length + new > capacity:  # (_check_room's own test first, inlined likewise)
             self._check_room(new, owner)
         # out of place also without grad while a buffer is in a graph: an earlier step's backward reads it
-        keys, values = self.keys_buffer, self.values_buffer
         tracked = keys.requires_grad or values.requires_grad or (
             torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
         )
@@ -250,8 +251,8 @@ class KVCache:
         if inference and not torch.is_inference_mode_enabled():
             # filled under torch.inference_mode, written outside it: torch allows no in-place write of those
             self.keys_buffer, self.values_buffer = self.keys_buffer.clone(), self.values_buffer.clone()
-        if self.window is not None and self._length + new > self.capacity:
-            kept = min(self.window - 1, self._length)
+        if self._window is not None and self._length + new > capacity:
+            kept = min(self._window - 1, self._length)
             if kept + new > self.capacity:
                 return self._pass_through(k, v, kept)
             self._slide(kept)

@@ -352,7 +352,8 @@ class MultiHeadAttention(Conversions, nn.Module):
             ShapeError: any input does not fit the module, the others or the cache; nothing
                 (parameters, cache) is changed by a failed call.
         """
-        if cu_seqlens is not None or (kv_cache is not None and isinstance(kv_cache, PagedKVCache)):  # serving
+        cache = kv_cache if kv_cache is None or isinstance(kv_cache, KVCache) else None  # (one isinstance a call)
+        if cu_seqlens is not None or (cache is not kv_cache and isinstance(kv_cache, PagedKVCache)):  # serving
             return serving_forward(self, query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                                    is_causal=is_causal, need_weights=need_weights, kv_cache=kv_cache,
                                    positions=positions, cu_seqlens=cu_seqlens)  # fmt: skip
@@ -370,7 +371,7 @@ class MultiHeadAttention(Conversions, nn.Module):
             self._verdicts,
             self._constants,
             lambda: None if jit_tracing else forward_key(self, path, fused, *call),
-            kv_cache if isinstance(kv_cache, KVCache) else None,
+            cache,
             lambda: self._run(RAW, path, fused, *call),
             checked,
             current_observer(),

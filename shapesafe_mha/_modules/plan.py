@@ -199,7 +199,7 @@ def run(
         if gate is None:
             q = s.split_query(q, num_heads)
         k, v = s.split_key(k, num_kv_heads), s.split_value(v, num_kv_heads)
-    start = 0 if kv_cache is None else kv_cache.seen
+    start = 0 if kv_cache is None else kv_cache._start + kv_cache._length  # (`seen`, without a property call)
     if p.positions and positions is None:
         positions = default_positions(query, start)
     for transform in p.after_split:
