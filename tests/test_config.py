@@ -410,3 +410,67 @@ def test_a_latent_trace_config_takes_the_sizes_by_keyword() -> None:
     assert ssm.LatentAttention.from_config(config).config == ssm.LatentConfig(
         64, 8, q_lora_rank=24, kv_lora_rank=16, d_nope=8, d_rope=4, d_value=8
     )
+
+
+_ROUTES = {  # nn.Module's routes around __setattr__, each setting `name` to `value` (or removing it)
+    "add_module": lambda module, name, value: module.add_module(name, value),
+    "register_module": lambda module, name, value: module.register_module(name, value),
+    "del": lambda module, name, value: delattr(module, name),
+}
+
+
+@pytest.mark.parametrize("route", list(_ROUTES))
+@pytest.mark.parametrize(
+    ("kind", "options", "name", "make"),
+    [
+        ("mha", {"rope_theta": 1e4}, "rotary", lambda: ssm.RotaryEmbedding(8, 5e5)),
+        ("mha", {"rope_theta": 1e4}, "rotary", lambda: None),
+        ("mha", {"qk_norm": True}, "q_norm", lambda: torch.nn.RMSNorm(8, eps=0.5)),
+        ("mla", {}, "rotary", lambda: ssm.RotaryEmbedding(4, 5e5)),
+        ("mla", {}, "kv_a_layernorm", lambda: torch.nn.RMSNorm(8, eps=0.5)),
+    ],
+)
+def test_a_part_replaced_or_removed_around_setattr_is_refused_as_setting_it_is(
+    route: str, kind: str, options: dict[str, Any], name: str, make: Any
+) -> None:
+    """`add_module`, `register_module` and `del` reach a module's parts without `__setattr__`: on a built module they
+    are refused as setting the part is (`ConfigError` naming from_config), and the module is left as it was."""
+    torch.manual_seed(0)
+    module: Any = ssm.MultiHeadAttention(32, 4, **options) if kind == "mha" else ssm.LatentAttention(**LATENT_BASE)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    config, part = module.config, module._modules.get(name)
+    with pytest.raises(ssm.ConfigError, match=rf"^{type(module).__name__}: {name} cannot be "):
+        _ROUTES[route](module, name, make())
+    assert module._modules.get(name) is part and module.config == config
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+@pytest.mark.parametrize("route", ["add_module", "register_module"])
+def test_a_fitting_part_added_around_setattr_is_taken_as_setting_it_is(route: str) -> None:
+    torch.manual_seed(0)
+    module = ssm.MultiHeadAttention(32, 4, rope_theta=1e4, qk_norm=True)
+    _ROUTES[route](module, "k_norm", torch.nn.RMSNorm(8, eps=1e-6))
+    rebuilt = ssm.MultiHeadAttention.from_config(module.config)
+    rebuilt.load_state_dict(module.state_dict())
+    _agree(module, rebuilt)
+
+
+@pytest.mark.parametrize(
+    ("kind", "norms"), [("mha", ("q_norm", "k_norm")), ("mla", ("q_a_layernorm", "kv_a_layernorm"))]
+)
+def test_a_norms_eps_set_on_the_part_is_followed_by_the_config_or_the_config_refuses(
+    kind: str, norms: tuple[str, str]
+) -> None:
+    """A torch norm's `eps` is a plain attribute the module cannot see set: its config reads it from the parts, so a
+    module rebuilt from it computes what the edited one does; parts left disagreeing cannot be one `norm_eps`."""
+    torch.manual_seed(0)
+    module: Any = ssm.MultiHeadAttention(**BASE) if kind == "mha" else ssm.LatentAttention(**LATENT_BASE)
+    getattr(module, norms[0]).eps = 0.5
+    disagree = rf"{norms[0]}\.eps=0\.5, {norms[1]}\.eps=1e-06: its config holds one norm_eps"
+    with pytest.raises(ssm.ConfigError, match=disagree):
+        module.config  # noqa: B018
+    getattr(module, norms[1]).eps = 0.5
+    assert module.config.norm_eps == 0.5
+    rebuilt = type(module).from_config(module.config)
+    rebuilt.load_state_dict(module.state_dict())
+    _agree(module, rebuilt)

@@ -782,3 +782,27 @@ def test_a_rotary_argument_set_on_a_built_module_is_followed_or_refused_never_ha
         return
     for got, expected in zip(rope(positions, torch.float64), fresh(positions, torch.float64), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("route", ["assign", "register_buffer"])
+@pytest.mark.parametrize("name", ["inv_freq", "long_inv_freq"])
+def test_frequencies_set_on_a_built_rotary_are_refused_and_the_same_ones_accepted(route: str, name: str) -> None:
+    """The frequencies are derived from the arguments (and computed from them again after a load and in bfloat16):
+    others set on a built module, by assignment or `register_buffer`, would be half applied, so they are refused
+    naming what builds them; the same values are accepted."""
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                "original_max_position_embeddings": 8, "factor": 2.0}  # fmt: skip
+    rope = ssm.RotaryEmbedding(8, 10000.0, longrope)
+    current = getattr(rope, name)
+
+    def put(value: torch.Tensor) -> None:
+        if route == "register_buffer":
+            rope.register_buffer(name, value, persistent=False)
+        else:
+            setattr(rope, name, value)
+
+    with pytest.raises(ssm.ConfigError, match=rf"^RotaryEmbedding: {name} cannot be set on a built module: .*theta="):
+        put(current / 4)
+    assert getattr(rope, name) is current
+    put(current.clone())
+    torch.testing.assert_close(getattr(rope, name), current, rtol=0, atol=0)

@@ -228,9 +228,11 @@ def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
     shape = q.shape
     if shape[1] == k.shape[1]:
         return True
-    if shape[2] == 1 and not native_decodes(shape[0], shape[1], k.shape[2], shape[3]):
-        return False  # decoding: the folded group is a view, faster against many keys (asked first: cheapest)
-    return not (torch.compiler.is_compiling() or dropout_p > 0.0 or not on_native_device(q))
+    if torch.compiler.is_compiling() or dropout_p > 0.0 or not on_native_device(q):
+        return False  # (compiling asked first: a decode's rule below would guard on the cache's length)
+    if shape[2] == 1:  # decoding: the folded group is a view, faster against many keys
+        return native_decodes(shape[0], shape[1], k.shape[2], shape[3])
+    return True
 
 
 def native_decodes(batch: int, num_heads: int, kv_seq: int, d_head: int) -> bool:

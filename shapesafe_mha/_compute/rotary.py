@@ -364,7 +364,30 @@ class RotaryEmbedding(nn.Module):
                 f"RotaryEmbedding: {name} cannot be set on a built module: its frequencies were built from it. "
                 f"Build one that has it: RotaryEmbedding({shown})."
             )
+        self._keep_frequencies(name, value)
         super().__setattr__(name, value)
+
+    def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
+        self._keep_frequencies(name, tensor)  # (nn.Module's route around __setattr__)
+        super().register_buffer(name, tensor, persistent)
+
+    def _keep_frequencies(self, name: str, value: Any) -> None:
+        """Refuse other frequencies set on a built module: they are derived from `d_head`, `theta` and `scaling`
+        (computed again after a load, and from those in bfloat16), so edited ones would be half applied."""
+        current = self.__dict__["_buffers"].get(name) if "attention_factor" in self.__dict__ else None
+        if name not in _DERIVED or current is None or value is current:
+            return
+        same = isinstance(value, Tensor) and value.shape == current.shape
+        if same and not (value.is_meta or current.is_meta):
+            same = torch.equal(value.to(device=current.device, dtype=current.dtype), current)
+        if not same:
+            raise ConfigError(
+                f"RotaryEmbedding: {name} cannot be set on a built module: it is derived from d_head, theta and "
+                "scaling, and computed from them again (after a load, in bfloat16). Build the frequencies you want "
+                f"from those: another theta, or a scaling ({', '.join(SUPPORTED_SCALING)}), e.g. RotaryEmbedding("
+                f"{self.d_head}, theta={self.theta!r}, scaling={{'rope_type': 'yarn', 'factor': 4.0, "
+                "'original_max_position_embeddings': 4096})."
+            )
 
     def reset_parameters(self) -> None:
         """Compute `inv_freq` again, in place (after `to_empty()` it is uninitialized memory)."""
@@ -405,6 +428,7 @@ class RotaryEmbedding(nn.Module):
 # What a RotaryEmbedding's frequencies and tables are built from (`interleaved`: the tables' layout, which the module
 # that holds it pairs its features by: set alone, the two would disagree).
 _SOURCES = ("d_head", "theta", "scaling", "interleaved")
+_DERIVED = ("inv_freq", "long_inv_freq")  # the buffers built from them
 
 
 def _frequencies_again(module: nn.Module, incompatible_keys: Any) -> None:

@@ -459,7 +459,7 @@ class AttentionConfig:
     def held(self) -> dict[str, Any]:
         """The attributes a `MultiHeadAttention` built from this holds: each option its parts do not hold
         (`HELD_BY_PARTS`), as it holds it (`HELD_AS`); the sizes resolved, and `rope_dim` the rotated width."""
-        held = {name: HELD_AS.get(name, _same)(getattr(self, name)) for name in OPTIONS if name not in HELD_BY_PARTS}
+        held = {name: HELD_AS.get(name, _same)(getattr(self, name)) for name in OPTIONS if name not in NOT_HELD}
         return held | {"num_kv_heads": self.kv_heads, "d_head": self.head_width, "rope_dim": self.rotated_width}
 
 
@@ -550,14 +550,30 @@ HELD_AS: dict[str, Callable[[Any], Any]] = {
     "temperature_tuning": lambda tuning: check_temperature_tuning("", tuning),
     "qk_norm_offset": float,
 }
+def parts_eps(module: Any, names: tuple[str, ...], held: float) -> float:
+    """The epsilon a module's norms `names` hold now (an `eps` set on one of them is followed), `held` where none
+    holds one; parts that disagree cannot be described by one `norm_eps`: `ConfigError`."""
+    found = {name: eps for name in names if (eps := getattr(module._modules.get(name), "eps", None)) is not None}
+    if len(set(found.values())) > 1:
+        shown = ", ".join(f"{name}.eps={eps!r}" for name, eps in found.items())
+        raise ConfigError(
+            f"{type(module).__name__}: {shown}: its config holds one norm_eps, so these must agree. Set them to one "
+            "value, or build the module you want with from_config(dataclasses.replace(module.config, norm_eps=...))."
+        )
+    return next(iter(found.values()), held)
+
+
 # HELD_BY_PARTS: an option a built module's parts hold, not an attribute of its name: how `config` reads it back.
 HELD_BY_PARTS: dict[str, Callable[[Any], Any]] = {
+    "norm_eps": lambda module: parts_eps(module, ("q_norm", "k_norm"), module.norm_eps),
     "bias": lambda module: module.q_proj.bias is not None,
     "rope_scaling": lambda module: copied(getattr(module._modules.get("rotary"), "scaling", None)),
     "rope_dim": lambda module: None if module.rope_dim == module.d_head else module.rope_dim,
     "attention_sinks": lambda module: module._parameters.get("sinks") is not None,
     "alibi": lambda module: module._buffers.get("alibi_slopes") is not None,
 }
+# Held by the parts only (norm_eps is also an attribute: differential attention's norm, and where no part holds one).
+NOT_HELD = HELD_BY_PARTS.keys() - {"norm_eps"}
 
 
 def of_reference(weights: "AttentionWeights", **keywords: Any) -> tuple[AttentionConfig, dict[str, Any]]:

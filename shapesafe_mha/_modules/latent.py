@@ -66,9 +66,9 @@ from .._core.dims import (
 from .._core.errors import ConfigError, ShapeError
 from .._core.messages import dtype_name, mismatch
 from .._core.trace import current_observer
-from .config import bind, constructor_of, copied
+from .config import bind, constructor_of, copied, parts_eps
 from .latent_config import LATENT_BUILT_FROM, LATENT_OPTIONS, LATENT_SIZES, LatentConfig
-from .plan import misfit
+from .plan import Guarded, misfit
 
 _OWNER = "LatentAttention.forward()"
 
@@ -468,10 +468,11 @@ _HELD_BY_PARTS: dict[str, Callable[[Any, str], Any]] = {
     "bias": lambda module, _: module.kv_a_proj_with_mqa.bias is not None,
     "rope_scaling": lambda module, _: copied(getattr(module._modules.get("rotary"), "scaling", None)),
     "scale": lambda module, _: module._scale,
+    "norm_eps": lambda module, _: parts_eps(module, ("q_a_layernorm", "kv_a_layernorm"), module.norm_eps),
 }
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(Guarded):
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), checked stage by stage; its cache holds the latent.
 
     `o_proj(merge(attention(q, cat(k_nope, k_rope), v)))` where `q = q_b_proj(norm(q_a_proj(x)))` split per
@@ -564,6 +565,8 @@ class LatentAttention(nn.Module):
             {*sizes, self.q_lora_rank or 0, self.d_nope + self.d_rope, self.kv_lora_rank + self.d_rope}
         )
         derived["_verdicts"] = Verdicts()
+
+    _GUARDED, _BUILT = frozenset((*_PARTS, *LATENT_OPTIONS)), "_verdicts"  # (`Guarded`)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # An option set on a built module: validated as at construction and followed, or refused where parts were

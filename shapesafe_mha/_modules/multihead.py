@@ -39,7 +39,7 @@ from .config import (
 )
 from .contract import checked_forward, forward_key, forward_stage, quiet_jit_tracer
 from .conversions import Conversions
-from .plan import PARTS, RAW, part_misfit, plan, qk_norm_modules, rotary_of, run, variant_tensors
+from .plan import PARTS, RAW, Guarded, part_misfit, plan, qk_norm_modules, rotary_of, run, variant_tensors
 
 # What a built module derives from its sizes and options (`_derive`, `AttentionConfig.score_scale`): set, it would
 # be undone by the next derivation, or disagree with the path that does not read it (torch's fused kernel).
@@ -58,7 +58,7 @@ class _Options(AttentionConfig):
     dtype: torch.dtype | None = dataclasses.field(default=None, kw_only=True)
 
 
-class MultiHeadAttention(Conversions, nn.Module):
+class MultiHeadAttention(Conversions, Guarded):
     """Multi-head attention with MHA, GQA and MQA by configuration, batch-first, checked.
 
     `o_proj(merge_heads(attention(split_heads(q_proj(x)), split_heads(k_proj(x)), split_heads(v_proj(x)))))`.
@@ -203,6 +203,8 @@ class MultiHeadAttention(Conversions, nn.Module):
         # copy.deepcopy and pickle: tensors of its own, packed again where each is its storage whole
         super().__setstate__(state)
         pack_qkv(*(self._modules.get(name) for name in ("q_proj", "k_proj", "v_proj")))
+
+    _GUARDED, _BUILT = frozenset((*PARTS, *OPTIONS, *DERIVED)), "_fused"  # (`Guarded`)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A projection replaced (PEFT wraps and later unwraps them): forget the fused view of the old ones. A size,
@@ -359,7 +361,9 @@ class MultiHeadAttention(Conversions, nn.Module):
                                    positions=positions, cu_seqlens=cu_seqlens)  # fmt: skip
         key = query if key is None else key
         value = key if value is None else value
-        call = (query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions)
+        call: tuple[Any, ...] = (
+            query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions
+        )  # fmt: skip
         jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
         path, fused = choose_path(self, *call, jit_tracing=jit_tracing)
 

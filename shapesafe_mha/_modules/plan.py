@@ -31,6 +31,7 @@ from .._compute.rotary import (
 from .._compute.scorer import score
 from .._compute.stages import FORWARD_STAGES
 from .._core.contract import raw
+from .._core.errors import ConfigError
 
 # The stages a plan runs, by the names it calls them; RAW: their functions, what a remembered forward runs.
 STAGES = FORWARD_STAGES | {
@@ -295,6 +296,31 @@ def part_misfit(config: Any, name: str, value: Any) -> str | None:
         built = qk_norm_modules(config, {"device": "meta", "dtype": None}).get(name)
         fields = ("eps", "offset", "centred")
     return misfit(built, value, name, fields, config.variants() or "plain")
+
+
+class Guarded(nn.Module):
+    """The routes around `__setattr__` that `nn.Module` offers, taken through it on a built module: `add_module`
+    (and `register_module`) of a part or an option's name is checked as setting it is, and `del` of one is refused
+    (the part would be gone while the config still describes it). A subclass names what it guards (`_GUARDED`) and
+    the attribute its construction sets last (`_BUILT`)."""
+
+    _GUARDED: frozenset[str] = frozenset()
+    _BUILT = ""
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        if name in self._GUARDED and self._BUILT in self.__dict__:
+            setattr(self, name, module)  # the same checks, and what follows a part replaced
+        else:
+            super().add_module(name, module)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._GUARDED and self._BUILT in self.__dict__:
+            kind = type(self).__name__
+            raise ConfigError(
+                f"{kind}: {name} cannot be deleted from a built module: its config describes it. Build the module "
+                f"you want: {kind}.from_config(dataclasses.replace(module.config, ...)), then load its state_dict."
+            )
+        super().__delattr__(name)
 
 
 def misfit(built: Any, value: Any, name: str, fields: tuple[str, ...], described: Any) -> str | None:
