@@ -219,18 +219,31 @@ def test_a_module_cast_to_half_precision_keeps_its_rope_frequencies(dtype: torch
         torch.testing.assert_close(got, want.to(dtype))
 
 
-def test_dynamic_quantization_stays_close_to_float() -> None:
-    module, x = _module(dtype=torch.float32), _x(dtype=torch.float32)
-    with torch.no_grad():
-        expected = module(x)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_dynamic_quantization_stays_close_to_float(kind: str) -> None:
+    """Linear layers swapped for dynamically quantized ones (whose `weight` is a method): the module runs, prefill and
+    decoding, and stays near the float module (a LatentAttention once read `.weight.dtype` and failed)."""
+    torch.manual_seed(0)
+    module: Any = (
+        _module(dtype=torch.float32)
+        if kind == "mha"
+        else ssm.LatentAttention(32, 4, q_lora_rank=12, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=4).eval()
+    )
+    x = torch.randn(2, 5, 32)
+
+    def outputs(m: Any) -> list[torch.Tensor]:
+        with torch.no_grad():
+            cache = m.new_cache(2, 8)
+            return [m(x, is_causal=True), m(x[:, :4], is_causal=True, kv_cache=cache), m(x[:, 4:], kv_cache=cache)]
+
+    expected = outputs(module)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
         quantized = torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
-    assert type(quantized.q_proj) is not nn.Linear
-    with torch.no_grad():
-        out = quantized(x)
-    assert (out - expected).abs().max() < 0.05 * expected.abs().max()
-    assert not torch.equal(out, expected)
+    assert not any(type(m) is nn.Linear for m in quantized.modules())
+    for out, want in zip(outputs(quantized), expected, strict=True):
+        assert (out - want).abs().max() < 0.05 * want.abs().max()
+        assert not torch.equal(out, want)
 
 
 def test_a_parametrized_weight_is_used() -> None:

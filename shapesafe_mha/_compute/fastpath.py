@@ -399,3 +399,15 @@ def native_kernel(
     kernel = torch._native_multi_head_attention  # pyright: ignore[reportPrivateImportUsage]
     d_model = query.shape[-1]
     return kernel(query, query, query, d_model, num_heads, in_weight, in_bias, out_weight, out_bias, None, False)[0]
+
+
+def tensor_kind(module: nn.Module, projection: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device of the tensors a module computes with, read from `projection`'s weight; where that is no
+    tensor (a dynamically quantized layer's `weight` is a method: it takes and gives floats), from the module's first
+    floating parameter or buffer, else the default dtype on the CPU (where torch's quantized layers run)."""
+    weight = getattr(projection, "weight", None)
+    if isinstance(weight, Tensor):
+        return weight.dtype, weight.device
+    floating = (t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point())
+    found = next(floating, None)
+    return (torch.get_default_dtype(), torch.device("cpu")) if found is None else (found.dtype, found.device)

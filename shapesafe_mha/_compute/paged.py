@@ -23,6 +23,7 @@ from .._core.contract import Verdicts
 from .._core.dims import BlockTable, PagePool
 from .._core.errors import ConfigError, ShapeError
 from .cache import KVCache
+from .fastpath import tensor_kind
 
 PagedState = tuple[Tensor, Tensor, dict[int, list[int]], dict[int, int], dict[int, int], list[int], int]
 
@@ -112,19 +113,12 @@ class PagedKVCache:
         """A paged cache that fits `module`: a `MultiHeadAttention`'s KV heads, `d_head`, dtype, device and window,
         or a `LatentAttention`'s entries (`shared`: its latent and rotary key, one pool)."""
         if hasattr(module, "kv_lora_rank"):
-            weight = module.kv_a_proj_with_mqa.weight
+            dtype, device = tensor_kind(module, module.kv_a_proj_with_mqa)
             width = module.kv_lora_rank + module.d_rope
-            return cls(num_blocks, block_size, 1, width, dtype=weight.dtype, device=weight.device, shared=True)
-        weight = module.k_proj.weight
-        return cls(
-            num_blocks,
-            block_size,
-            module.num_kv_heads,
-            module.d_head,
-            dtype=weight.dtype,
-            device=weight.device,
-            window=module.window,
-        )
+            return cls(num_blocks, block_size, 1, width, dtype=dtype, device=device, shared=True)
+        dtype, device = tensor_kind(module, module.k_proj)
+        heads, d_head = module.num_kv_heads, module.d_head
+        return cls(num_blocks, block_size, heads, d_head, dtype=dtype, device=device, window=module.window)
 
     # --- the pool's sizes ---------------------------------------------------------------------------
 

@@ -550,6 +550,8 @@ HELD_AS: dict[str, Callable[[Any], Any]] = {
     "temperature_tuning": lambda tuning: check_temperature_tuning("", tuning),
     "qk_norm_offset": float,
 }
+
+
 def parts_eps(module: Any, names: tuple[str, ...], held: float) -> float:
     """The epsilon a module's norms `names` hold now (an `eps` set on one of them is followed), `held` where none
     holds one; parts that disagree cannot be described by one `norm_eps`: `ConfigError`."""

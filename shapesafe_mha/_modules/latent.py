@@ -19,7 +19,14 @@ import torch
 from torch import Tensor, nn
 
 from .._compute import kernels as K
-from .._compute.fastpath import call_restoring, global_hooks, module_state, plain_linear, refuse_under_vmap
+from .._compute.fastpath import (
+    call_restoring,
+    global_hooks,
+    module_state,
+    plain_linear,
+    refuse_under_vmap,
+    tensor_kind,
+)
 from .._compute.packed import serving_forward
 from .._compute.paged import PagedKVCache
 from .._compute.rotary import RotaryEmbedding, default_positions
@@ -432,14 +439,16 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
             arg="kv_cache",
             dim="kv_lora_rank",
         )
-    weight = module.kv_a_proj_with_mqa.weight
-    if isinstance(query, Tensor) and query.dtype != weight.dtype:
+    weight = getattr(module.kv_a_proj_with_mqa, "weight", None)
+    if not isinstance(weight, Tensor) or not isinstance(query, Tensor):
+        return  # a quantized projection (its weight a method), an adapter: its own call decides, the result checked
+    if query.dtype != weight.dtype:
         raise mismatch(
             f"query has dtype {dtype_name(query.dtype)}, but the module's parameters are {dtype_name(weight.dtype)}; "
             f"cast one of them (query.to({weight.dtype}) or module.to({query.dtype})).",
             arg="query",
         )
-    if isinstance(query, Tensor) and query.device != weight.device:
+    if query.device != weight.device:
         raise mismatch(f"query is on {query.device}, but the module's parameters are on {weight.device}.", arg="query")
 
 
@@ -613,8 +622,8 @@ class LatentAttention(Guarded):
 
     def new_cache(self, batch: int, capacity: int) -> LatentCache:
         """A `LatentCache` that fits this module: `kv_lora_rank + d_rope` numbers per position."""
-        weight = self.kv_a_proj_with_mqa.weight
-        return LatentCache(batch, capacity, self.kv_lora_rank, self.d_rope, dtype=weight.dtype, device=weight.device)
+        dtype, device = tensor_kind(self, self.kv_a_proj_with_mqa)
+        return LatentCache(batch, capacity, self.kv_lora_rank, self.d_rope, dtype=dtype, device=device)
 
     @classmethod
     def from_hf(cls, attention: nn.Module, *, verify: bool = True) -> "LatentAttention":

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compute.cache import KVCache
-from .._compute.fastpath import FusedQKV, call_restoring, choose_path, pack_qkv
+from .._compute.fastpath import FusedQKV, call_restoring, choose_path, pack_qkv, tensor_kind
 from .._compute.packed import serving_forward
 from .._compute.paged import PagedKVCache
 from .._compute.rotary import RotaryEmbedding
@@ -39,7 +39,17 @@ from .config import (
 )
 from .contract import checked_forward, forward_key, forward_stage, quiet_jit_tracer
 from .conversions import Conversions
-from .plan import PARTS, RAW, Guarded, part_misfit, plan, qk_norm_modules, rotary_of, run, variant_tensors
+from .plan import (
+    PARTS,
+    RAW,
+    Guarded,
+    part_misfit,
+    plan,
+    qk_norm_modules,
+    rotary_of,
+    run,
+    variant_tensors,
+)
 
 # What a built module derives from its sizes and options (`_derive`, `AttentionConfig.score_scale`): set, it would
 # be undone by the next derivation, or disagree with the path that does not read it (torch's fused kernel).
@@ -293,8 +303,8 @@ class MultiHeadAttention(Conversions, Guarded):
 
         With a `window`, `capacity >= window` serves a generation of any length (see `KVCache`).
         """
-        weight, heads, d_head = self.k_proj.weight, self.num_kv_heads, self.d_head
-        return KVCache(batch, heads, capacity, d_head, dtype=weight.dtype, device=weight.device, window=self.window)
+        dtype, device = tensor_kind(self, self.k_proj)
+        return KVCache(batch, self.num_kv_heads, capacity, self.d_head, dtype=dtype, device=device, window=self.window)
 
     def forward(
         self,
