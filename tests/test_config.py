@@ -474,3 +474,40 @@ def test_a_norms_eps_set_on_the_part_is_followed_by_the_config_or_the_config_ref
     rebuilt = type(module).from_config(module.config)
     rebuilt.load_state_dict(module.state_dict())
     _agree(module, rebuilt)
+
+
+def test_heads_pruned_part_by_part_sizes_then_parts_equal_a_module_of_the_pruned_sizes() -> None:
+    """Head pruning by hand on a module with per-head QK-norms: the projections and sizes set, then norms of the new
+    sizes, compute what a module built with those sizes and loaded with the kept rows computes. A norm set before the
+    sizes is refused saying the order; a call between the sizes and the norms is a ShapeError naming the norm."""
+    from shapesafe_mha._compute.norms import HeadNorm
+
+    torch.manual_seed(0)
+    options = {"d_head": 8, "rope_theta": 1e4, "qk_norm": True, "qk_norm_over": "per_head"}
+    module = ssm.MultiHeadAttention(32, 4, **options).double().eval()
+    keep = [0, 2]
+    rows = torch.cat([torch.arange(h * 8, h * 8 + 8) for h in keep])
+
+    def norm(old: Any) -> HeadNorm:
+        new = HeadNorm(2, 8, 1e-6, False, dtype=torch.float64)
+        new.weight.data = old.weight.data[keep].clone()
+        return new
+
+    pruned = ssm.MultiHeadAttention(32, 2, **options).double().eval()
+    state = {}  # the kept heads' rows: of Q/K/V, their norms' weights, and o_proj's columns
+    for key, value in module.state_dict().items():
+        part = key.split(".")[0]
+        by_rows = part in ("q_proj", "k_proj", "v_proj")
+        state[key] = value[rows] if by_rows else value[keep] if "norm" in part else value
+    state["o_proj.weight"] = module.o_proj.weight.detach()[:, rows]
+    pruned.load_state_dict(state)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        setattr(module, name, getattr(pruned, name))
+    with pytest.raises(ssm.ConfigError, match=r"pruning heads\? set the sizes first"):
+        module.q_norm = norm(module.q_norm)
+    module.num_heads = module.num_kv_heads = 2
+    with pytest.raises(ssm.ShapeError, match=r"q_norm\.weight has shape \(4, 8\), but q .* needs \(2, 8\)"):
+        module(torch.randn(1, 5, 32, dtype=torch.float64), is_causal=True)
+    module.q_norm, module.k_norm = norm(module.q_norm), norm(module.k_norm)
+    assert module.config == pruned.config
+    _agree(module, pruned)

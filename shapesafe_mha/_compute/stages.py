@@ -54,6 +54,7 @@ from .._core.messages import ExplainedError, divisors, dtype_name, mismatch, sho
 from . import kernels as K
 from .cache import KVCache
 from .fastpath import project as call_projection
+from .norms import HeadNorm, OffsetRMSNorm
 from .scorer import score
 
 # --- what annotations cannot say --------------------------------------------------------------------
@@ -525,14 +526,37 @@ split_key = stage(name="split_k", raw=K.split_heads)(_split_kv)
 split_value = stage(name="split_v", raw=K.split_heads)(_split_kv)
 
 
-@stage(name="qk_norm", trace=("q_norm", "k_norm"))
+_NORM_KINDS = (nn.RMSNorm, nn.LayerNorm, OffsetRMSNorm, HeadNorm)  # the norms whose weights' layouts are known
+
+
+def _norms_fit(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    """A QK-norm's `validate`: a norm of a kind the library builds has a weight that fits what it normalises (a
+    `HeadNorm`'s `(heads, d_head)` the heads, another's the trailing features), so torch's broadcast error never
+    stands for ours; a norm of the user's own kind decides itself."""
+    for name, given in (("q_norm", "q"), ("k_norm", "k")):
+        norm, x = arguments[name], arguments[given]
+        weight = getattr(norm, "weight", None)
+        if not isinstance(norm, _NORM_KINDS) or not isinstance(weight, Tensor) or not isinstance(x, Tensor):
+            continue
+        per_head = isinstance(norm, HeadNorm) and weight.ndim == 2
+        wanted = (x.shape[1], x.shape[-1]) if per_head else tuple(x.shape[x.ndim - weight.ndim :])
+        if tuple(weight.shape) != wanted:
+            raise mismatch(
+                f"{name}.weight has shape {tuple(weight.shape)}, but {given} {tuple(x.shape)} needs {wanted}: the norm "
+                "was built for other sizes. Pruning heads? Set num_heads and num_kv_heads first, then norms of the "
+                "new sizes (their rows of the old weights).",
+                arg=f"{name}.weight",
+            )
+
+
+@stage(name="qk_norm", trace=("q_norm", "k_norm"), validate=_norms_fit)
 def normalize_qk(q_norm: nn.Module, k_norm: nn.Module, q: Heads, k: NewKVHeads) -> tuple[Heads, NewKVHeads]:
     """QK-norm (Qwen3, Gemma 3): each head's query and key RMS-normalised over `d_head`, before RoPE
     (HunYuan: after it)."""
     return q_norm(q), k_norm(k)
 
 
-@stage(name="qk_norm", trace=("q_norm", "k_norm"))
+@stage(name="qk_norm", trace=("q_norm", "k_norm"), validate=_norms_fit)
 def normalize_qk_inner(
     q_norm: nn.Module, k_norm: nn.Module, q: QueryInner, k: NewKVInner
 ) -> tuple[QueryInner, NewKVInner]:

@@ -339,5 +339,8 @@ def misfit(built: Any, value: Any, name: str, fields: tuple[str, ...], described
             return f"its {field} is {getattr(value, field, None)!r}, the config's {getattr(built, field, None)!r}"
     weight = getattr(built, "weight", None)
     if weight is not None and tuple(getattr(value, "weight", weight).shape) != tuple(weight.shape):
-        return f"its weight is {tuple(value.weight.shape)}, the config's {tuple(weight.shape)}"
+        return (
+            f"its weight is {tuple(value.weight.shape)}, the config's {tuple(weight.shape)} (pruning heads? set the "
+            "sizes first, num_heads and num_kv_heads, then parts of the new sizes)"
+        )
     return None
