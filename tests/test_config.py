@@ -511,3 +511,67 @@ def test_heads_pruned_part_by_part_sizes_then_parts_equal_a_module_of_the_pruned
     module.q_norm, module.k_norm = norm(module.q_norm), norm(module.k_norm)
     assert module.config == pruned.config
     _agree(module, pruned)
+
+
+def test_norms_of_the_users_own_kind_keep_their_eps_and_the_config_its_norm_eps() -> None:
+    """A norm of the user's own kind is theirs (its results checked each call): its `eps` is not the config's, so
+    both norms replaced by LayerNorms of another eps leave `config.norm_eps` and options settable as they were."""
+    for module, names in (
+        (ssm.MultiHeadAttention(**BASE), ("q_norm", "k_norm")),
+        (ssm.LatentAttention(**LATENT_BASE), ("q_a_layernorm", "kv_a_layernorm")),
+    ):
+        width = {n: getattr(module, n).weight.shape[-1] for n in names}
+        for name in names:
+            setattr(module, name, torch.nn.LayerNorm(width[name], eps=1e-5))
+        assert module.config.norm_eps == 1e-6 and repr(module)
+        module.dropout = 0.1
+        assert module.config.dropout == 0.1
+
+
+def test_what_else_a_built_part_holds_is_refused_or_read_back() -> None:
+    """A built part's other values: the offset of Gemma's norm and the centring of Cohere's are refused (the module's
+    config describes them); with differential attention, whose own norm holds `norm_eps`, QK-norms set to another eps
+    leave no one `norm_eps`, and reading the config says so."""
+    gemma = ssm.MultiHeadAttention(**BASE, qk_norm_offset=1.0)
+    with pytest.raises(ssm.ConfigError, match=r"^OffsetRMSNorm: offset cannot be set on a built norm"):
+        gemma.q_norm.offset = 2.0
+    cohere = ssm.MultiHeadAttention(**BASE, qk_norm_over="per_head")
+    with pytest.raises(ssm.ConfigError, match=r"^HeadNorm: centred cannot be set on a built norm"):
+        cohere.k_norm.centred = True
+    both = ssm.MultiHeadAttention(**BASE, differential_lambda_init=0.8)
+    both.q_norm.eps = both.k_norm.eps = 0.5
+    with pytest.raises(ssm.ConfigError, match=r"differential attention's norm holds norm_eps=1e-06"):
+        both.config  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["sinks", "alibi_slopes", "lambda_q1"])
+def test_a_variant_tensor_parametrized_is_refused_not_dropped(name: str) -> None:
+    """`register_parametrization` deletes the tensor first: a module then neither held it nor described it (its sinks
+    dropped silently, 0.396 off). Deleting one of a built module's variant tensors is refused, the module unchanged."""
+    from torch.nn.utils import parametrize
+
+    options = {"sinks": {"attention_sinks": True}, "alibi_slopes": {"alibi": True},
+               "lambda_q1": {"differential_lambda_init": 0.8}}[name]  # fmt: skip
+    module = ssm.MultiHeadAttention(32, 4, **options)
+    config = module.config
+
+    class Twice(torch.nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return 2 * t
+
+    with pytest.raises(ssm.ConfigError, match=rf"^MultiHeadAttention: {name} cannot be deleted"):
+        parametrize.register_parametrization(module, name, Twice())
+    assert module.config == config and not parametrize.is_parametrized(module)
+
+
+def test_a_module_whose_projection_weight_is_int8_makes_caches_of_its_float_kind() -> None:
+    """An int8 weight (bitsandbytes' layout) is not the kind the module computes in: its caches take the dtype of
+    the module's floating tensors."""
+    for module, projection in (
+        (ssm.MultiHeadAttention(32, 4, 2, dtype=torch.float64), "k_proj"),
+        (ssm.LatentAttention(**LATENT_BASE, dtype=torch.float64), "kv_a_proj_with_mqa"),
+    ):
+        part = getattr(module, projection)
+        part.weight = torch.nn.Parameter(part.weight.detach().to(torch.int8), requires_grad=False)
+        assert module.new_cache(1, 4).dtype == torch.float64
+        assert ssm.PagedKVCache.for_module(module, num_blocks=2, block_size=4).dtype == torch.float64

@@ -649,7 +649,7 @@ def test_a_yarn_module_without_its_attention_factor_is_caught() -> None:
     with torch.no_grad():
         expected = _hf_forward(layer, rotary, x, torch.arange(9).expand(2, 9))
         torch.testing.assert_close(ours(x, is_causal=True), expected, **F64)
-        ours.rotary.attention_factor = 1.0
+        ours.rotary.__dict__["attention_factor"] = 1.0  # planted past the refusal of setting it
         assert (ours(x, is_causal=True) - expected).abs().max() > 1e-3
 
 
@@ -806,3 +806,27 @@ def test_frequencies_set_on_a_built_rotary_are_refused_and_the_same_ones_accepte
     assert getattr(rope, name) is current
     put(current.clone())
     torch.testing.assert_close(getattr(rope, name), current, rtol=0, atol=0)
+
+
+def test_what_else_a_rotary_derives_is_refused_and_its_frequencies_may_be_cast() -> None:
+    """What a call reads besides the frequencies (YaRN's attention factor, the rule by length) is derived from the
+    arguments too: set, refused; a parametrization (which deletes the frequencies first) is refused; the frequencies
+    cast by assignment are the same values, and accepted."""
+    from torch.nn.utils import parametrize
+
+    yarn = ssm.RotaryEmbedding(8, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+    with pytest.raises(ssm.ConfigError, match=r"^RotaryEmbedding: attention_factor cannot be set"):
+        yarn.attention_factor = 1.0
+    dynamic = ssm.RotaryEmbedding(8, 10000.0, {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 8})
+    with pytest.raises(ssm.ConfigError, match=r"^RotaryEmbedding: by_length cannot be set"):
+        dynamic.by_length = False
+
+    class Twice(torch.nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return 2 * t
+
+    with pytest.raises(ssm.ConfigError, match=r"^RotaryEmbedding: inv_freq cannot be set"):
+        parametrize.register_parametrization(yarn, "inv_freq", Twice())
+    rope = ssm.RotaryEmbedding(8, 10000.0)
+    rope.inv_freq = rope.inv_freq.to(torch.bfloat16)
+    assert rope.inv_freq.dtype == torch.bfloat16

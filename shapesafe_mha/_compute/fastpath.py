@@ -403,10 +403,11 @@ def native_kernel(
 
 def tensor_kind(module: nn.Module, projection: nn.Module) -> tuple[torch.dtype, torch.device]:
     """The dtype and device of the tensors a module computes with, read from `projection`'s weight; where that is no
-    tensor (a dynamically quantized layer's `weight` is a method: it takes and gives floats), from the module's first
-    floating parameter or buffer, else the default dtype on the CPU (where torch's quantized layers run)."""
+    floating tensor (a dynamically quantized layer's `weight` is a method, an int8 one's integers: they take and give
+    floats), from the module's first floating parameter or buffer, else the default dtype on the CPU (where torch's
+    quantized layers run)."""
     weight = getattr(projection, "weight", None)
-    if isinstance(weight, Tensor):
+    if isinstance(weight, Tensor) and weight.is_floating_point():  # (an int8 weight, bitsandbytes': not the kind)
         return weight.dtype, weight.device
     floating = (t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point())
     found = next(floating, None)

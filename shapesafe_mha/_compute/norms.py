@@ -2,12 +2,33 @@
 Cohere's norm of each head with weights of its own."""
 
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._core.errors import ConfigError
 
-class OffsetRMSNorm(nn.Module):
+
+class _Fixed(nn.Module):
+    """A norm whose `_FIXED` attributes are refused once built: the module holding it describes them (its config's
+    `qk_norm_offset`, `qk_norm_centred`), so one set on the norm alone would be half applied. `eps` may be set: the
+    holder's config reads it back."""
+
+    _FIXED: tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._FIXED and "weight" in self.__dict__.get("_parameters", {}) and value != getattr(self, name):
+            raise ConfigError(
+                f"{type(self).__name__}: {name} cannot be set on a built norm: the module holding it describes it. "
+                f"Build the module you want: from_config(dataclasses.replace(module.config, ...)), then load its "
+                "state_dict."
+            )
+        super().__setattr__(name, value)
+
+
+class OffsetRMSNorm(_Fixed):
     """`x / sqrt(mean(x**2) + eps) * (offset + weight)` over the last axis (Gemma 3: `offset=1.0`).
 
     Gemma's checkpoints store each norm's scale as its offset from 1, so its weights start at zeros; the
@@ -20,6 +41,8 @@ class OffsetRMSNorm(nn.Module):
         >>> norm.weight.detach().sum().item(), norm(torch.randn(2, 8)).shape
         (0.0, torch.Size([2, 8]))
     """
+
+    _FIXED = ("offset",)
 
     def __init__(
         self,
@@ -40,7 +63,7 @@ class OffsetRMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), None, self.eps) * (self.offset + self.weight)
 
 
-class HeadNorm(nn.Module):
+class HeadNorm(_Fixed):
     """A norm of each head's `d_head` features with weights of its own for every head (Cohere's QK-norm):
     `(x - mean(x)) / sqrt(var(x) + eps) * weight[h]` (`centred`, a LayerNorm without bias), or
     `x / sqrt(mean(x**2) + eps) * weight[h]`, for the features of head `h`.
@@ -55,6 +78,8 @@ class HeadNorm(nn.Module):
         >>> norm.weight.shape, norm(torch.randn(2, 4, 3, 8)).shape
         (torch.Size([4, 8]), torch.Size([2, 4, 3, 8]))
     """
+
+    _FIXED = ("centred",)
 
     def __init__(
         self,

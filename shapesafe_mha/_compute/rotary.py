@@ -364,8 +364,15 @@ class RotaryEmbedding(nn.Module):
                 f"RotaryEmbedding: {name} cannot be set on a built module: its frequencies were built from it. "
                 f"Build one that has it: RotaryEmbedding({shown})."
             )
+        if name in _DERIVED_VALUES and "attention_factor" in self.__dict__ and value != getattr(self, name):
+            raise self._derived(name)
         self._keep_frequencies(name, value)
         super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _DERIVED and "attention_factor" in self.__dict__:  # (`register_parametrization` deletes first)
+            raise self._derived(name)
+        super().__delattr__(name)
 
     def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
         self._keep_frequencies(name, tensor)  # (nn.Module's route around __setattr__)
@@ -378,16 +385,19 @@ class RotaryEmbedding(nn.Module):
         if name not in _DERIVED or current is None or value is current:
             return
         same = isinstance(value, Tensor) and value.shape == current.shape
-        if same and not (value.is_meta or current.is_meta):
-            same = torch.equal(value.to(device=current.device, dtype=current.dtype), current)
+        if same and not (value.is_meta or current.is_meta):  # (compared in the new dtype: a cast is the same values)
+            same = torch.equal(current.to(device=value.device, dtype=value.dtype), value)
         if not same:
-            raise ConfigError(
-                f"RotaryEmbedding: {name} cannot be set on a built module: it is derived from d_head, theta and "
-                "scaling, and computed from them again (after a load, in bfloat16). Build the frequencies you want "
-                f"from those: another theta, or a scaling ({', '.join(SUPPORTED_SCALING)}), e.g. RotaryEmbedding("
-                f"{self.d_head}, theta={self.theta!r}, scaling={{'rope_type': 'yarn', 'factor': 4.0, "
-                "'original_max_position_embeddings': 4096})."
-            )
+            raise self._derived(name)
+
+    def _derived(self, name: str) -> ConfigError:
+        return ConfigError(
+            f"RotaryEmbedding: {name} cannot be set on a built module: it is derived from d_head, theta and "
+            "scaling, and computed from them again (after a load, in bfloat16). Build the frequencies you want "
+            f"from those: another theta, or a scaling ({', '.join(SUPPORTED_SCALING)}), e.g. RotaryEmbedding("
+            f"{self.d_head}, theta={self.theta!r}, scaling={{'rope_type': 'yarn', 'factor': 4.0, "
+            "'original_max_position_embeddings': 4096})."
+        )
 
     def reset_parameters(self) -> None:
         """Compute `inv_freq` again, in place (after `to_empty()` it is uninitialized memory)."""
@@ -429,6 +439,7 @@ class RotaryEmbedding(nn.Module):
 # that holds it pairs its features by: set alone, the two would disagree).
 _SOURCES = ("d_head", "theta", "scaling", "interleaved")
 _DERIVED = ("inv_freq", "long_inv_freq")  # the buffers built from them
+_DERIVED_VALUES = ("by_length", "context", "attention_factor")  # and what else a call reads of them
 
 
 def _frequencies_again(module: nn.Module, incompatible_keys: Any) -> None:

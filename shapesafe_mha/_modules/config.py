@@ -555,14 +555,27 @@ HELD_AS: dict[str, Callable[[Any], Any]] = {
 def parts_eps(module: Any, names: tuple[str, ...], held: float) -> float:
     """The epsilon a module's norms `names` hold now (an `eps` set on one of them is followed), `held` where none
     holds one; parts that disagree cannot be described by one `norm_eps`: `ConfigError`."""
-    found = {name: eps for name in names if (eps := getattr(module._modules.get(name), "eps", None)) is not None}
+    from torch import nn  # (here: the config is read before torch is imported, by the CLI's help)
+
+    from .._compute.norms import HeadNorm, OffsetRMSNorm
+
+    kinds = (nn.RMSNorm, OffsetRMSNorm, HeadNorm)  # the kinds the library builds: a norm of the user's kind is theirs
+    parts = {name: part for name in names if isinstance(part := module._modules.get(name), kinds)}
+    found = {name: part.eps for name, part in parts.items() if part.eps is not None}
     if len(set(found.values())) > 1:
         shown = ", ".join(f"{name}.eps={eps!r}" for name, eps in found.items())
         raise ConfigError(
             f"{type(module).__name__}: {shown}: its config holds one norm_eps, so these must agree. Set them to one "
             "value, or build the module you want with from_config(dataclasses.replace(module.config, norm_eps=...))."
         )
-    return next(iter(found.values()), held)
+    eps = next(iter(found.values()), held)
+    if eps != held and getattr(module, "differential_lambda_init", None) is not None:
+        raise ConfigError(
+            f"{type(module).__name__}: the QK-norms' eps is {eps!r}, but differential attention's norm holds "
+            f"norm_eps={held!r}: one config holds one norm_eps. Build the module you want with "
+            "from_config(dataclasses.replace(module.config, norm_eps=...))."
+        )
+    return eps
 
 
 # HELD_BY_PARTS: an option a built module's parts hold, not an attribute of its name: how `config` reads it back.

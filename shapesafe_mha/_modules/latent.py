@@ -440,7 +440,7 @@ def _precheck_forward(arguments: dict[str, Any]) -> None:
             dim="kv_lora_rank",
         )
     weight = getattr(module.kv_a_proj_with_mqa, "weight", None)
-    if not isinstance(weight, Tensor) or not isinstance(query, Tensor):
+    if not isinstance(weight, Tensor) or not weight.is_floating_point() or not isinstance(query, Tensor):
         return  # a quantized projection (its weight a method), an adapter: its own call decides, the result checked
     if query.dtype != weight.dtype:
         raise mismatch(
@@ -614,7 +614,10 @@ class LatentAttention(Guarded):
 
     def extra_repr(self) -> str:
         # the sizes and rope_theta, then each option that differs from its default (LatentConfig's)
-        config = self.config
+        try:
+            config = self.config
+        except ConfigError:  # (parts that disagree: reading the config says so, printing the module does not)
+            return ", ".join(f"{name}={getattr(self, name)!r}" for name in LATENT_SIZES)
         shown = [*LATENT_SIZES, "rope_theta"]
         fields = dataclasses.fields(config)
         shown += [f.name for f in fields if f.name not in shown and getattr(config, f.name) != f.default]

@@ -42,6 +42,7 @@ from .conversions import Conversions
 from .plan import (
     PARTS,
     RAW,
+    TENSORS,
     Guarded,
     part_misfit,
     plan,
@@ -214,7 +215,7 @@ class MultiHeadAttention(Conversions, Guarded):
         super().__setstate__(state)
         pack_qkv(*(self._modules.get(name) for name in ("q_proj", "k_proj", "v_proj")))
 
-    _GUARDED, _BUILT = frozenset((*PARTS, *OPTIONS, *DERIVED)), "_fused"  # (`Guarded`)
+    _GUARDED, _BUILT = frozenset((*PARTS, *TENSORS, *OPTIONS, *DERIVED)), "_fused"  # (`Guarded`)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A projection replaced (PEFT wraps and later unwraps them): forget the fused view of the old ones. A size,

@@ -281,6 +281,7 @@ def variant_tensors(config: Any, factory: dict[str, Any]) -> tuple[dict[str, Any
 
 
 PARTS = ("rotary", "q_norm", "k_norm")  # the submodules the options build (`rotary_of`, `qk_norm_modules`)
+TENSORS = ("sinks", "alibi_slopes", *K.LAMBDAS)  # and the tensors (`variant_tensors`)
 _BUILT_KINDS = (RotaryEmbedding, nn.RMSNorm, OffsetRMSNorm, HeadNorm)  # the kinds of part they build
 
 
