@@ -830,3 +830,17 @@ def test_what_else_a_rotary_derives_is_refused_and_its_frequencies_may_be_cast()
     rope = ssm.RotaryEmbedding(8, 10000.0)
     rope.inv_freq = rope.inv_freq.to(torch.bfloat16)
     assert rope.inv_freq.dtype == torch.bfloat16
+
+
+def test_a_rotarys_scaling_read_back_is_a_copy_editing_it_edits_nothing() -> None:
+    """`rotary.scaling["factor"] = ...` once edited what the config read and not the frequencies built from it (0.205
+    off a module rebuilt from its config): what it returns is a copy, and the module computes as it did."""
+    module = ssm.MultiHeadAttention(32, 4, rope_theta=1e4, rope_scaling=LLAMA3, dtype=torch.float64).eval()
+    assert module.rotary is not None
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    before, config = module(x, is_causal=True), module.config
+    scaling = module.rotary.scaling
+    assert scaling is not None
+    scaling["factor"] = 2.0
+    assert module.config == config
+    torch.testing.assert_close(module(x, is_causal=True), before, rtol=0, atol=0)

@@ -15,6 +15,7 @@ forward over the same positions (whose keys all turn by the longest call's frequ
 transformers model decoding through its `DynamicCache` computes.
 """
 
+import copy
 import math
 import operator
 from collections.abc import Mapping
@@ -353,6 +354,18 @@ class RotaryEmbedding(nn.Module):
         # `to_empty()` and loaded (how large models are built), has frequencies and not uninitialized memory.
         self.register_load_state_dict_post_hook(_frequencies_again)
 
+    _scaling: dict[str, Any] | None  # (set by `scaling`'s setter)
+
+    @property
+    def scaling(self) -> dict[str, Any] | None:
+        """The scaling it was built with, a copy: editing it in place edits nothing (the frequencies were built from
+        it, and the module's config reads it)."""
+        return copy.deepcopy(self._scaling)
+
+    @scaling.setter
+    def scaling(self, value: Mapping[str, Any] | None) -> None:
+        self.__dict__["_scaling"] = dict(value) if value else None
+
     def __setattr__(self, name: str, value: Any) -> None:
         # The frequencies (and YaRN's factor, LongRoPE's tables, the length rule) and the tables' layout are built
         # from these: set on a built module to another value they would be half applied, so they are refused.
@@ -420,10 +433,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
         long: Tensor | None = self.long_inv_freq  # pyright: ignore[reportAssignmentType]
         if inv_freq.dtype in _ROUNDING:  # `module.to(torch.bfloat16)` rounds buffers: angles off by radians at 4k
-            inv_freq, long = inverse_frequencies(self.d_head, self.theta, self.scaling), None
-        if self.by_length and self.scaling is not None and positions.numel():  # the call's length picks them
+            inv_freq, long = inverse_frequencies(self.d_head, self.theta, self._scaling), None
+        if self.by_length and self._scaling is not None and positions.numel():  # the call's length picks them
             length = positions.max() + 1
-            inv_freq = long_frequencies(self.d_head, self.theta, self.scaling, length, short=inv_freq, long=long)
+            inv_freq = long_frequencies(self.d_head, self.theta, self._scaling, length, short=inv_freq, long=long)
         angles = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
         if self.interleaved:  # each pair's angle twice in a row, for features (2i, 2i+1)
             angles = angles.repeat_interleave(2, dim=-1)
