@@ -12,9 +12,8 @@ from .._core.errors import ConfigError
 
 
 class _Fixed(nn.Module):
-    """A norm whose `_FIXED` attributes are refused once built: the module holding it describes them (its config's
-    `qk_norm_offset`, `qk_norm_centred`), so one set on the norm alone would be half applied. `eps` may be set: the
-    holder's config reads it back."""
+    """A norm whose `_FIXED` attributes are refused once built: the module holding it describes them in its config,
+    so one set on the norm alone would be half applied. `eps` may be set: the holder's config reads it back."""
 
     _FIXED: tuple[str, ...] = ()
 
