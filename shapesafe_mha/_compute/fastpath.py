@@ -366,15 +366,17 @@ def choose_path(
     kv_cache: Any,
     positions: Any,
     jit_tracing: bool | None = None,
+    compiling: bool | None = None,
 ) -> tuple[str, FusedQKV | None]:
     """Which computation a `MultiHeadAttention` call runs: separate projections (always correct), or a fast
     path where provably the same; the fused Q/K/V weight it builds is kept on the module for the next call.
-    `jit_tracing`: `torch.jit.is_tracing()`, where the caller has asked already."""
+    `jit_tracing`, `compiling`: `torch.jit.is_tracing()` and `torch.compiler.is_compiling()`, where the caller has
+    asked already."""
     if key is not query or value is not query or torch.is_grad_enabled() or module.__dict__["_plan"].gated:
         return SEPARATE, None  # (a gated q_proj holds each head's gate beside its queries: no fused split)
     if jit_tracing is None:
         jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
-    if _compiling() or jit_tracing or not isinstance(query, Tensor):
+    if (_compiling() if compiling is None else compiling) or jit_tracing or not isinstance(query, Tensor):
         return SEPARATE, None
     modules = module._modules
     fused = fused_qkv(modules["q_proj"], modules["k_proj"], modules["v_proj"], module._fused, module._qkv_rows)

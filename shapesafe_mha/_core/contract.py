@@ -655,17 +655,19 @@ def remembered_forward(
     run: Callable[[], R],
     checked: Callable[[bool, Any], R],
     observer: Any,
+    compiling: bool,
 ) -> R:
     """A module's forward under its remembered verdicts (`MultiHeadAttention` and `LatentAttention` both).
 
-    `cache` is the call's cache (with `state()` and `restore(state)`) or None.
+    `cache` is the call's cache (with `state()` and `restore(state)`) or None; `compiling`: whether dynamo traces it
+    (`torch.compiler.is_compiling()`, asked once by the caller: no check then).
 
     A call whose key (exact, or by relations) is known runs `run()` unchecked; any other runs `checked(check,
     observer)`, every stage checked, and is remembered if it passes. An unchecked call that fails is run again
     checked to explain it (`recheck`); a call that fails leaves `cache` as it was.
     """
     # checks_enabled(), spelled out: this runs on every call (a module is never covered: see `route`)
-    check = not compiling() and ((shared := mode.get()) is None or shared.answer[False] is not OFF)
+    check = not compiling and ((shared := mode.get()) is None or shared.answer[False] is not OFF)
     keys = None
     if check and observer is None:
         try:

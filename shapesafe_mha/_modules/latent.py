@@ -704,6 +704,7 @@ class LatentAttention(Guarded):
             lambda: self._run(_RAW, absorb, *call),
             lambda check, observer: self._checked(check, observer, absorb, *call),
             current_observer(),
+            torch.compiler.is_compiling(),
         )
 
     def _checked(self, check: bool, observer: Any, absorb: bool, *call: Any) -> Any:

@@ -376,7 +376,8 @@ class MultiHeadAttention(Conversions, Guarded):
             query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, kv_cache, positions
         )  # fmt: skip
         jit_tracing = torch.jit.is_tracing()  # pyright: ignore[reportPrivateImportUsage]
-        path, fused = choose_path(self, *call, jit_tracing=jit_tracing)
+        compiling = torch.compiler.is_compiling()  # (asked once: the path and the checks both read it)
+        path, fused = choose_path(self, *call, jit_tracing=jit_tracing, compiling=compiling)
 
         def checked(check: bool, observer: Any) -> Any:
             with quiet_jit_tracer() if jit_tracing else contextlib.nullcontext():
@@ -390,6 +391,7 @@ class MultiHeadAttention(Conversions, Guarded):
             lambda: self._run(RAW, path, fused, *call),
             checked,
             current_observer(),
+            compiling,
         )
 
     def _checked(self, check: bool, observer: Any, *call: Any) -> Any:
