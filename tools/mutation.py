@@ -581,7 +581,7 @@ MUTANTS: list[Mutant] = [
       "Gemma's QK-norm scales by weight, not offset + weight", VARIANTS, VARIANTS_HF),
     M("_modules/plan.py", "    if offset:\n        return OffsetRMSNorm", "    if False:\n        return OffsetRMSNorm", "qk_norm_offset ignored: a plain RMSNorm", VARIANTS),
     # --- RoPE scaled by length (dynamic, LongRoPE) and Cohere's QK-norm of each head ---
-    M("_compute/rotary.py", "        if self.by_length and self.scaling is not None and positions.numel():",
+    M("_compute/rotary.py", "        if self.by_length and self._scaling is not None and positions.numel():",
       "        if False:", "RoPE scaled by length never turns (dynamic unscaled, LongRoPE's short factors, at every length)",
       BY_LENGTH_TABLES),
     M("_compute/rotary.py", "            length = positions.max() + 1\n", "            length = torch.tensor(positions.shape[-1])\n",
@@ -704,6 +704,27 @@ MUTANTS: list[Mutant] = [
     M("testing/_toolkit.py", "    matches = name_bug(got, scenario, tol, rows) if float32_inside else None",
       "    matches = None", "a wrong formula off by under 1e-5 reported as float32 rounding (MQA ALiBi per KV head)",
       MODS),
+    # --- the routes around the refusals (nn.Module's own, the parts' attributes) ---
+    M("_modules/plan.py", "            setattr(self, name, module)  # the same checks, and what follows a part replaced",
+      "            super().add_module(name, module)",
+      "add_module of a part on a built module skips __setattr__'s checks (a rotary of another theta taken)",
+      "tests/test_config.py::test_a_part_replaced_or_removed_around_setattr_is_refused_as_setting_it_is"),
+    M("_modules/config.py", "    if len(set(found.values())) > 1:", "    if len(set(found.values())) > 2:",
+      "QK-norms of different eps read back as one norm_eps (the first's)",
+      "tests/test_config.py::test_a_norms_eps_set_on_the_part_is_followed_by_the_config_or_the_config_refuses"),
+    M("_modules/config.py", "    parts = {name: part for name in names if isinstance(part := module._modules.get(name), kinds)}",
+      "    parts = {name: part for name in names if (part := module._modules.get(name)) is not None}",
+      "a norm of the user's own kind read as the config's norm_eps (replacing both QK-norms refused)",
+      "tests/test_config.py::test_norms_of_the_users_own_kind_keep_their_eps_and_the_config_its_norm_eps"),
+    M("_compute/rotary.py", '        if name in _DERIVED and "attention_factor" in self.__dict__:', "        if False:",
+      "the frequencies deleted from a built rotary (register_parametrization) and replaced, half applied",
+      f"{ROPE}::test_what_else_a_rotary_derives_is_refused_and_its_frequencies_may_be_cast"),
+    M("_compute/rotary.py", "        return copy.deepcopy(self._scaling)", "        return self._scaling",
+      "a rotary's scaling edited in place: the config reads it, the frequencies were built from the old one",
+      f"{ROPE}::test_a_rotarys_scaling_read_back_is_a_copy_editing_it_edits_nothing"),
+    M("_compute/stages.py", "        if tuple(weight.shape) != wanted:", "        if False:",
+      "a QK-norm built for other head counts meets torch's broadcast error, not a ShapeError naming it",
+      "tests/test_config.py::test_heads_pruned_part_by_part_sizes_then_parts_equal_a_module_of_the_pruned_sizes"),
 ]  # fmt: skip
 
 
