@@ -225,13 +225,13 @@ def zeroes_empty_rows(q: Tensor, dropout_p: float) -> bool:
 def native_gqa(q: Tensor, k: Tensor, dropout_p: float) -> bool:
     """Whether torch's own GQA computes this attention without copying K/V, and faster than the fold (see
     `NATIVE_GQA_SINCE`). MHA: always (there is nothing to expand)."""
-    shape = q.shape
-    if shape[1] == k.shape[1]:
+    shape, key_shape = q.shape, k.shape  # (each `.shape` makes a torch.Size: read once)
+    if shape[1] == key_shape[1]:
         return True
     if torch.compiler.is_compiling() or dropout_p > 0.0 or not on_native_device(q):
         return False  # (compiling asked first: a decode's rule below would guard on the cache's length)
     if shape[2] == 1:  # decoding: the folded group is a view, faster against many keys
-        return native_decodes(shape[0], shape[1], k.shape[2], shape[3])
+        return native_decodes(shape[0], shape[1], key_shape[2], shape[3])
     return True
 
 

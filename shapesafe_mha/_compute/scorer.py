@@ -40,17 +40,17 @@ def score(
     explicit = need_weights or softcap is not None or sinks is not None or slopes is not None
     native = not explicit and K.native_gqa(q, k, dropout_p)  # torch's own kernel, where it copies nothing
     mask = s.combine_masks(q, k, attn_mask, key_padding_mask, is_causal, explicit, window, native)
-    # (the sizes read where a branch needs them, not before: this runs on every call)
-    if mask is None and not explicit and q.shape[1] == k.shape[1]:
+    shape, key_shape = q.shape, k.shape  # (each `.shape` makes a torch.Size: read once, this runs on every call)
+    if mask is None and not explicit and shape[1] == key_shape[1]:
         return s.attend_heads(q, k, v, K.native_causal(is_causal, q, k), dropout_p, scale), None, None
     if native:
         if mask is None:
             causal = K.native_causal(is_causal, q, k, gqa=True)
             return s.attend_native(q, k, v, None, causal, False, dropout_p, scale), None, None
-        may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, q.shape[2], k.shape[2])
+        may_empty = K.may_empty_rows(attn_mask, key_padding_mask, is_causal, shape[2], key_shape[2])
         return s.attend_native(q, k, v, mask, False, may_empty, dropout_p, scale), None, None
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    seq, kv_seq = q.shape[2], k.shape[2]
+    num_heads, num_kv_heads = shape[1], key_shape[1]
+    seq, kv_seq = shape[2], key_shape[2]
     single = seq == 1  # decoding: the fold and the merge are one view or reshape each
     folded = s.fold_one_query(q, num_kv_heads) if single else s.fold_queries(s.group_queries(q, num_kv_heads))
     folded_mask, rows = None, None
