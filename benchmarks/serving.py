@@ -30,7 +30,7 @@ import shapesafe_mha as ssm
 from benchmarks.__main__ import measure
 from shapesafe_mha.testing import AllocationRecorder
 
-D_MODEL, HEADS, KV_HEADS, BLOCK = 256, 8, 2, 16
+D_MODEL, HEADS, KV_HEADS, BLOCK, THETA = 256, 8, 2, 16, 10000.0
 LATENT = {"kv_lora_rank": 64, "d_nope": 32, "d_rope": 16, "d_value": 32}  # DeepSeek's proportions, scaled down
 
 
@@ -53,16 +53,27 @@ def _padded(x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Te
 
 
 def torch_padded(module: ssm.MultiHeadAttention, x: torch.Tensor, padding: torch.Tensor) -> Callable[[], object]:
-    """Plain torch on the padded batch: projections, views, SDPA with GQA and a causal & padding mask."""
+    """Plain torch on the padded batch, the module's computation written out: projections, views, RoPE (rotate-half;
+    cos and sin made each call from the positions, as the module and transformers' rotary layers make them), SDPA
+    with GQA and a causal & padding mask."""
     b, s, _ = x.shape
     w = module.weights()
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     mask = (causal[None] & ~padding[:, None, :])[:, None]
     mask = mask | torch.eye(s, dtype=torch.bool)  # padded rows keep one key (their outputs are dropped anyway)
+    d_head = D_MODEL // HEADS
+    inv_freq = 1.0 / (THETA ** (torch.arange(0, d_head, 2, dtype=torch.float32) / d_head))
+
+    def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        first, second = t.chunk(2, dim=-1)
+        return t * cos + torch.cat((-second, first), dim=-1) * sin
 
     def run() -> object:
-        q = F.linear(x, w.w_q, w.b_q).view(b, s, HEADS, -1).transpose(1, 2)
-        k = F.linear(x, w.w_k, w.b_k).view(b, s, KV_HEADS, -1).transpose(1, 2)
+        angles = torch.arange(s, dtype=torch.float32)[:, None] * inv_freq[None]
+        angles = torch.cat((angles, angles), -1)
+        cos, sin = angles.cos(), angles.sin()
+        q = rotate(F.linear(x, w.w_q, w.b_q).view(b, s, HEADS, -1).transpose(1, 2), cos, sin)
+        k = rotate(F.linear(x, w.w_k, w.b_k).view(b, s, KV_HEADS, -1).transpose(1, 2), cos, sin)
         v = F.linear(x, w.w_v, w.b_v).view(b, s, KV_HEADS, -1).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return F.linear(out.transpose(1, 2).reshape(b, s, -1), w.w_o, w.b_o)
@@ -127,7 +138,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (8 if args.quick else 30)
     torch.manual_seed(0)
-    module = ssm.MultiHeadAttention(D_MODEL, HEADS, KV_HEADS, rope_theta=10000.0, bias=False).eval()
+    module = ssm.MultiHeadAttention(D_MODEL, HEADS, KV_HEADS, rope_theta=THETA, bias=False).eval()
     latent = ssm.LatentAttention(D_MODEL, HEADS, **LATENT).eval()
     rows: list[tuple[str, str, float, float, float, str]] = []
     memory: list[tuple[str, int, int, int, int, int]] = []
@@ -149,6 +160,12 @@ def main() -> None:
             baseline = torch_padded(module, padded, padding)
             paged_step, contiguous_step = decoders(module, lengths)
             paged_latent, contiguous_latent = decoders(latent, lengths)
+            # every pair computes the same thing (a ratio of two different computations measures nothing)
+            unpadded = torch.cat([row[:n] for row, n in zip(baseline(), lengths, strict=True)])[None]
+            torch.testing.assert_close(packed(), unpadded, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ours_padded()[~padding], unpadded[0], atol=1e-4, rtol=1e-4)
+            for step, other in ((paged_step, contiguous_step), (paged_latent, contiguous_latent)):
+                torch.testing.assert_close(step(), other(), atol=1e-4, rtol=1e-4)
             for name, ours, theirs, calls, goal in (
                 ("packed prefill / padded (ours)", packed, ours_padded, inner, "<= 1.00"),
                 ("packed prefill / padded (torch)", packed, baseline, inner, "<= 1.00"),
