@@ -6,8 +6,8 @@ Rows at 1, 8 and 32 sequences of mixed lengths (drawn once, seeded). Each row ru
 alternately, round after round, and reports the median per-round ratio (as `python -m benchmarks` does):
 
 - packed prefill (ours, `cu_seqlens`) / the same sequences padded to the longest, through ours
-  (`key_padding_mask`) and through plain torch (`F.linear` + `F.scaled_dot_product_attention(enable_gqa=True)`
-  with the padding mask): goal <= 1.00;
+  (`key_padding_mask`) and through plain torch (`F.linear`, RoPE, `F.scaled_dot_product_attention(enable_gqa=True)`
+  with the padding mask), each checked equal to ours first: goal <= 1.00;
 - one decoding step of every sequence through a `PagedKVCache` / through a contiguous `KVCache` of the same
   sequences left-padded to the longest: goal <= 1.10; the same for a `LatentAttention` (MLA, one shared pool of
   latent entries / a contiguous `LatentCache`).

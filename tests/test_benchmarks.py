@@ -40,6 +40,21 @@ def test_serving_benchmark_prints_every_row_and_a_paged_step_never_copies_its_po
         assert largest < pool  # the gathered keys, never the pool
 
 
+def test_paged_kernels_benchmark_checks_each_way_against_the_per_sequence_reference() -> None:
+    """`python -m benchmarks.paged_kernels` (2 rounds, small counts) runs each way of attending a paged decoding step
+    only after it matched the per-sequence reference (the script asserts it: a way that reads another sequence's
+    block exits non-zero), and prints a row per way and size with its ratio to the gather."""
+    command = [sys.executable, "-m", "benchmarks.paged_kernels", "--rounds", "2", "--counts", "1", "3"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    assert [(row[0].strip(), row[1].strip().split(",")[0]) for row in rows] == [
+        ("in place", "1 seqs"),
+        ("in place", "3 seqs"),
+    ]
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[5]) <= 1e-5  # a ratio, and the largest error against the reference
+
+
 def test_performance_benchmark_prints_every_comparison() -> None:
     """`python -m benchmarks --quick` (4 rounds: what is tested is the output, not the figures) prints each
     comparison with its ratio and goal (no timing asserted)."""
