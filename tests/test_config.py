@@ -513,6 +513,33 @@ def test_heads_pruned_part_by_part_sizes_then_parts_equal_a_module_of_the_pruned
     _agree(module, pruned)
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_a_torch_norms_normalized_shape_set_alone_is_a_shape_error_naming_it(warm: bool) -> None:
+    """Every torch norm the modules build (QK-norms over a head and over all heads, MLA's two bottleneck norms)
+    normalises over `normalized_shape` and scales by its weight: one set alone is a ShapeError naming
+    `<norm>.normalized_shape` (fresh, or on a module whose call is remembered), and set back the module computes
+    what it computed before."""
+    cases = [
+        (ssm.MultiHeadAttention(32, 4, qk_norm=True), "q_norm"),
+        (ssm.MultiHeadAttention(32, 4, 2, qk_norm=True, qk_norm_over="all"), "k_norm"),
+        (ssm.LatentAttention(**LATENT_BASE), "q_a_layernorm"),
+        (ssm.LatentAttention(**LATENT_BASE), "kv_a_layernorm"),
+    ]
+    for module, name in cases:
+        module = module.double().eval()
+        x = torch.randn(2, 5, module.d_model, dtype=torch.float64)
+        before = module(x, is_causal=True) if warm else None
+        norm = getattr(module, name)
+        kept = norm.normalized_shape
+        norm.normalized_shape = (*kept[:-1], kept[-1] + 1)
+        with pytest.raises(ssm.ShapeError, match=rf"{name}\.normalized_shape is \(.*\), but {name}\.weight"):
+            module(x, is_causal=True)
+        norm.normalized_shape = kept
+        after = module(x, is_causal=True)
+        if before is not None:
+            torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
 def test_norms_of_the_users_own_kind_keep_their_eps_and_the_config_its_norm_eps() -> None:
     """A norm of the user's own kind is theirs (its results checked each call): its `eps` is not the config's, so
     both norms replaced by LayerNorms of another eps leave `config.norm_eps` and options settable as they were."""

@@ -725,6 +725,9 @@ MUTANTS: list[Mutant] = [
     M("_compute/stages.py", "        if tuple(weight.shape) != wanted:", "        if False:",
       "a QK-norm built for other head counts meets torch's broadcast error, not a ShapeError naming it",
       "tests/test_config.py::test_heads_pruned_part_by_part_sizes_then_parts_equal_a_module_of_the_pruned_sizes"),
+    M("_compute/stages.py", "    if shape != tuple(weight.shape):", "    if False:",
+      "a torch norm's normalized_shape set alone meets torch's RuntimeError, not a ShapeError naming it",
+      "tests/test_config.py::test_a_torch_norms_normalized_shape_set_alone_is_a_shape_error_naming_it"),
 ]  # fmt: skip
 
 

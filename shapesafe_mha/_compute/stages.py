@@ -529,6 +529,22 @@ split_value = stage(name="split_v", raw=K.split_heads)(_split_kv)
 _NORM_KINDS = (nn.RMSNorm, nn.LayerNorm, OffsetRMSNorm, HeadNorm)  # the norms whose weights' layouts are known
 
 
+def torch_norm_agrees(norm: Any, name: str) -> None:
+    """torch's `RMSNorm` and `LayerNorm` normalise over their `normalized_shape` and scale by their `weight`: where
+    the two disagree (one of them set alone), a `ShapeError` naming `name`, not torch's `RuntimeError`."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(norm, nn.RMSNorm | nn.LayerNorm) or not isinstance(weight, Tensor):
+        return
+    shape = tuple(norm.normalized_shape)
+    if shape != tuple(weight.shape):
+        raise mismatch(
+            f"{name}.normalized_shape is {shape}, but {name}.weight has shape {tuple(weight.shape)}: torch normalises "
+            "over normalized_shape and scales by the weight, so they must agree. Set a norm built for the sizes you "
+            "want (its weight of that shape) rather than normalized_shape alone.",
+            arg=f"{name}.normalized_shape",
+        )
+
+
 def _norms_fit(arguments: dict[str, Any], dims: dict[str, int]) -> None:
     """A QK-norm's `validate`: a norm of a kind the library builds has a weight that fits what it normalises (a
     `HeadNorm`'s `(heads, d_head)` the heads, another's the trailing features), so torch's broadcast error never
@@ -538,6 +554,7 @@ def _norms_fit(arguments: dict[str, Any], dims: dict[str, int]) -> None:
         weight = getattr(norm, "weight", None)
         if not isinstance(norm, _NORM_KINDS) or not isinstance(weight, Tensor) or not isinstance(x, Tensor):
             continue
+        torch_norm_agrees(norm, name)
         per_head = isinstance(norm, HeadNorm) and weight.ndim == 2
         wanted = (x.shape[1], x.shape[-1]) if per_head else tuple(x.shape[x.ndim - weight.ndim :])
         if tuple(weight.shape) != wanted:

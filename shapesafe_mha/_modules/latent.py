@@ -37,6 +37,7 @@ from .._compute.stages import (
     explain_mask,
     positive_count,
     precheck_masks,
+    torch_norm_agrees,
 )
 from .._core.contract import CallKey, Session, Stage, Verdicts, raw, remembered_forward, stage, witness
 from .._core.dims import (
@@ -217,7 +218,15 @@ class LatentCache:
 # --- stages ------------------------------------------------------------------------------------------
 
 
-@stage(name="q_a_proj", public=("query",))
+def _bottleneck_norm_agrees(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    torch_norm_agrees(arguments["q_a_norm"], "q_a_layernorm")
+
+
+def _latent_norm_agrees(arguments: dict[str, Any], dims: dict[str, int]) -> None:
+    torch_norm_agrees(arguments["kv_a_norm"], "kv_a_layernorm")
+
+
+@stage(name="q_a_proj", public=("query",), validate=_bottleneck_norm_agrees)
 def compress_query(q_a_proj: nn.Module, q_a_norm: nn.Module, query: Tokens) -> QueryBottleneck:
     """Queries into the low-rank bottleneck, RMS-normalised (DeepSeek's `q_a_layernorm`)."""
     return q_a_norm(q_a_proj(query))
@@ -247,7 +256,7 @@ def compress_kv(kv_a_proj: nn.Module, query: Tokens) -> CompressedKV:
     return kv_a_proj(query)
 
 
-@stage(name="latent", trace=("latent", "k_rope"))
+@stage(name="latent", trace=("latent", "k_rope"), validate=_latent_norm_agrees)
 def split_latent(compressed: CompressedKV, kv_a_norm: nn.Module, kv_lora_rank: int) -> tuple[NewLatent, NewRopeKey]:
     """The latent RMS-normalised; the rotary key as one head for all (a view)."""
     return kv_a_norm(compressed[..., :kv_lora_rank]), compressed[:, None, :, kv_lora_rank:]
