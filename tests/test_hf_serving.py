@@ -68,3 +68,22 @@ def test_a_paged_cache_reading_one_slot_off_is_caught_and_named(monkeypatch: pyt
     named = r"model\.layers\.0\.self_attn .*request \d+ of the packed batch read back"
     with pytest.raises(ssm.ShapeError, match=named):
         _tokens(model, new=2)
+
+
+def test_a_paged_cache_giving_back_other_values_is_caught_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted bug in transformers' paged cache that returns the keys it wrote but its values one slot off (a
+    value page's index wrong, the keys' right) is a ShapeError naming the layer and the request, as keys off are."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    model = _model("llama")
+    shapesafe_mha.hf.replace_attention(model)
+    right = PagedAttentionCache.update
+
+    def values_off(self: object, keys: torch.Tensor, values: torch.Tensor, *args: object, **kwargs: object) -> tuple:
+        keys, values = right(self, keys, values, *args, **kwargs)  # pyright: ignore[reportArgumentType]
+        return keys, values.roll(1, dims=-2)
+
+    monkeypatch.setattr(PagedAttentionCache, "update", values_off)
+    named = r"model\.layers\.0\.self_attn .*request \d+ of the packed batch read back"
+    with pytest.raises(ssm.ShapeError, match=named):
+        _tokens(model, new=2)

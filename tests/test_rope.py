@@ -844,3 +844,63 @@ def test_a_rotarys_scaling_read_back_is_a_copy_editing_it_edits_nothing() -> Non
     scaling["factor"] = 2.0
     assert module.config == config
     torch.testing.assert_close(module(x, is_causal=True), before, rtol=0, atol=0)
+
+
+_WRITES = {  # every route of writing a rotary's frequencies in place
+    "mul_": lambda f: f.mul_(2.0),
+    "copy_": lambda f: f.copy_(f * 0.5),
+    "data =": lambda f: setattr(f, "data", f / 4),
+    "index write": lambda f: f.__setitem__(0, 3.0),
+    "vector_to_parameters-like": lambda f: f.view(-1)[1:].fill_(0.25),
+}
+_SAME = {  # and of giving it the values it has
+    "copy_ of itself": lambda m: m.rotary.inv_freq.copy_(m.rotary.inv_freq.clone()),
+    "data = a clone": lambda m: setattr(m.rotary.inv_freq, "data", m.rotary.inv_freq.clone()),
+    "load_state_dict": lambda m: m.load_state_dict(m.state_dict()),
+    "a bfloat16 round trip": lambda m: m.bfloat16().double(),
+    "a float16 round trip": lambda m: m.half().double(),
+}
+
+
+@pytest.mark.parametrize("scaling", [None, "longrope"])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_frequencies_written_in_place_are_refused_until_reset_and_their_own_values_are_not(
+    kind: str, scaling: str | None
+) -> None:
+    """A rotary's frequencies are derived from `d_head`, `theta` and `scaling` (the module's config): written in place
+    by any route (`mul_`, `copy_`, `.data =`, an index), the next call is a ConfigError naming the buffer, and after
+    `reset_parameters()` the module equals one rebuilt from its config. Writing the values it has, or a round trip
+    through bfloat16 or float16, is no change: it computes as the rebuilt module does (a round trip used to keep the
+    rounded frequencies: 5.8e-4 off at 512 positions)."""
+    torch.manual_seed(0)
+    options: dict[str, Any] = {"rope_theta": 1e4}
+    if scaling == "longrope":
+        half = 2 if kind == "mla" else 4
+        factors = {"short_factor": [1.0] * half, "long_factor": [2.0] * half, "factor": 4.0}
+        options["rope_scaling"] = {"rope_type": "longrope", **factors, "original_max_position_embeddings": 8}
+    if kind == "mha":
+        module: Any = ssm.MultiHeadAttention(32, 4, **options)
+    else:
+        module = ssm.LatentAttention(32, 4, kv_lora_rank=8, d_nope=4, d_rope=4, d_value=6, **options)
+    module = module.double().eval()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+
+    def agrees() -> None:
+        rebuilt = type(module).from_config(module.config).double().eval()
+        rebuilt.load_state_dict(module.state_dict())
+        torch.testing.assert_close(module(x, is_causal=True), rebuilt(x, is_causal=True), rtol=0, atol=0)
+
+    agrees()
+    buffers = ["inv_freq"] + (["long_inv_freq"] if scaling == "longrope" else [])
+    for buffer in buffers:
+        for write in _WRITES.values():
+            with torch.no_grad():
+                write(getattr(module.rotary, buffer))
+            with pytest.raises(ssm.ConfigError, match=rf"RotaryEmbedding: {buffer} was written in place"):
+                module(x, is_causal=True)
+            module.rotary.reset_parameters()
+            agrees()
+    for same in _SAME.values():
+        with torch.no_grad():
+            same(module)
+        agrees()

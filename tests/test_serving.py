@@ -66,10 +66,14 @@ def _packed(lengths: list[int], d_model: int) -> tuple[torch.Tensor, torch.Tenso
     module=serving_modules(),
     lengths=st.lists(st.integers(0, 6), min_size=1, max_size=4),
     causal=st.booleans(),
+    data=st.data(),
 )
-def test_packed_equals_each_sequence_alone(module: ssm.MultiHeadAttention, lengths: list[int], causal: bool) -> None:
+def test_packed_equals_each_sequence_alone(
+    module: ssm.MultiHeadAttention, lengths: list[int], causal: bool, data: st.DataObject
+) -> None:
     """Packed == each sequence through the module alone == the packed per-head reference (RoPE positions restart,
-    windows, softcap, sinks, QK-norm, ALiBi, temperature tuning, GQA/MQA, empty sequences)."""
+    windows, softcap, sinks, QK-norm, ALiBi, temperature tuning, GQA/MQA, empty sequences); with positions given
+    (any, gaps included), each sequence alone with its own."""
     x, cu = _packed(lengths, module.d_model)
     out = module(x, cu_seqlens=cu, is_causal=causal)
     bounds = cu.tolist()
@@ -77,6 +81,16 @@ def test_packed_equals_each_sequence_alone(module: ssm.MultiHeadAttention, lengt
     assert out.shape == x.shape
     if alone:
         torch.testing.assert_close(out, torch.cat(alone, dim=1), **F64)
+    if module.rotary is not None and sum(lengths):
+        given = data.draw(st.lists(st.integers(0, 40), min_size=sum(lengths), max_size=sum(lengths)), label="positions")
+        positions = torch.tensor([given])
+        positioned = module(x, cu_seqlens=cu, is_causal=causal, positions=positions)
+        alone = [
+            module(x[:, a:b], is_causal=causal, positions=positions[:, a:b])
+            for a, b in itertools.pairwise(bounds)
+            if b > a
+        ]
+        torch.testing.assert_close(positioned, torch.cat(alone, dim=1), **F64)
     norms = (module.q_norm.weight, module.k_norm.weight) if module.qk_norm else None
     tensors = {"sinks": module.sinks, "qk_norm": norms}  # every option the reference reads from the config
     reference = packed_per_head_attention(x, cu, module.weights(), config=module.config, is_causal=causal, **tensors)
@@ -210,7 +224,10 @@ def test_cu_seqlens_must_be_integer_offsets_and_the_batch_packed() -> None:
 
 
 def _snapshot(cache: ssm.PagedKVCache) -> tuple:
-    return cache.block_table().tolist(), [cache.length(s) for s in cache.sequences], cache.free_blocks
+    """All a paged cache's bookkeeping: the tables, lengths, free list (in its order) and which sequence owns each
+    block (what its checks read: a block given back but still owned would let a bad table read it)."""
+    tables = cache.block_table().tolist()
+    return tables, [cache.length(s) for s in cache.sequences], list(cache._free), dict(cache._owner_of)
 
 
 @pytest.mark.parametrize(
@@ -395,6 +412,8 @@ def test_latent_attention_packed_and_paged(
                     expected = mla(x[:, a:b], is_causal=True, kv_cache=contiguous)  # pyright: ignore[reportArgumentType]
                     torch.testing.assert_close(out[:, a:b], expected, **F64)
                 assert cache.length(seq) == len(contiguous)  # pyright: ignore[reportArgumentType]
+            # one pool after every call (with grad, the writes are out of place): keys and values are one entry
+            assert cache.values_pool is cache.keys_pool and cache.nbytes == cache.keys_pool.numel() * 8
 
 
 def _visible(cache: ssm.PagedKVCache) -> tuple:

@@ -728,6 +728,36 @@ MUTANTS: list[Mutant] = [
     M("_compute/stages.py", "    if shape != tuple(weight.shape):", "    if False:",
       "a torch norm's normalized_shape set alone meets torch's RuntimeError, not a ShapeError naming it",
       "tests/test_config.py::test_a_torch_norms_normalized_shape_set_alone_is_a_shape_error_naming_it"),
+    M("_compute/rotary.py", """        if not compiling():
+            self._check_written()""", """        pass""",
+      "a rotary's frequencies written in place (mul_, .data =, copy_) used silently: the config says otherwise",
+      f"{ROPE}::test_frequencies_written_in_place_are_refused_until_reset_and_their_own_values_are_not"),
+    M("_compute/rotary.py", """                with torch.no_grad():  # a round trip through bfloat16 or float16 (`.bfloat16().float()`): made again
+                    buffer.copy_(wanted)
+                continue""", """                continue""",
+      "frequencies rounded by a bfloat16 round trip kept: 5.8e-4 off a rebuilt module at 512 positions",
+      f"{ROPE}::test_frequencies_written_in_place_are_refused_until_reset_and_their_own_values_are_not"),
+    # a helper's six serving bugs (2026-12-06): the four the suite missed, each killed by the test written for it
+    M("_compute/paged.py", "        self._owner_of, self._free = dict(owner_of), list(free)",
+      "        self._free = list(free)",
+      "a failed call's blocks back on the free list but still owned: a bad table may then read a free block",
+      f"{SERVING}::test_a_forward_hook_that_raises_leaves_a_paged_cache_as_it_was"),
+    M("_compute/packed.py",
+      "        module.forward(query[:, a:b], is_causal=is_causal, positions=None if positions is None else positions[:, a:b])",
+      "        module.forward(query[:, a:b], is_causal=is_causal)",
+      "a packed batch's given positions dropped: each sequence rotated by 0..n-1 instead",
+      f"{SERVING}::test_packed_equals_each_sequence_alone"),
+    M("_compute/paged.py", """            shared = self.values_pool is self.keys_pool
+            self.keys_pool = self.keys_pool.view(flat).index_copy(0, slots, k).view(self.keys_pool.shape)""",
+      """            self.keys_pool = self.keys_pool.view(flat).index_copy(0, slots, k).view(self.keys_pool.shape)
+            shared = self.values_pool is self.keys_pool""",
+      "a latent cache's one pool split in two by a write under grad (twice the memory, values written apart)",
+      f"{SERVING}::test_latent_attention_packed_and_paged"),
+    M("_interop/hf_paged.py", """                torch.equal(read[0], k[:, :, a:b].to(keys.dtype))
+                and torch.equal(read[1], v[:, :, a:b].to(values.dtype))""",
+      """                torch.equal(read[0], k[:, :, a:b].to(keys.dtype))""",
+      "transformers' paged cache giving back other values than were written: only the keys compared",
+      "tests/test_hf_serving.py::test_a_paged_cache_giving_back_other_values_is_caught_and_named"),
 ]  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._core.contract import stage
+from .._core.contract import compiling, stage
 from .._core.dims import Heads, PartialRotaryTable, Positions, RotaryTable, SameSeqKVHeads
 from .._core.errors import ConfigError
 from .._core.messages import mismatch
@@ -350,6 +350,7 @@ class RotaryEmbedding(nn.Module):
         long = _longrope(d_head, theta, scaling, "long_factor") if scaling is not None and longrope else None
         self.register_buffer("long_inv_freq", long, persistent=False)  # None but for LongRoPE
         self.attention_factor = attention_factor(scaling)
+        self.__dict__["_written"] = self._marks()  # (see `_check_written`)
         # Not in the state_dict: computed again after every load, so a module made on the meta device, then
         # `to_empty()` and loaded (how large models are built), has frequencies and not uninitialized memory.
         self.register_load_state_dict_post_hook(_frequencies_again)
@@ -420,6 +421,55 @@ class RotaryEmbedding(nn.Module):
             long: Tensor | None = self.long_inv_freq  # pyright: ignore[reportAssignmentType]
             if long is not None and self.scaling is not None:
                 long.copy_(_longrope(self.d_head, self.theta, self.scaling, "long_factor"))
+        self.__dict__["_written"] = self._marks()
+
+    def _marks(self) -> tuple[Any, ...]:
+        """Where each frequency buffer lies and how often it was written: `(data_ptr, _version)` a buffer."""
+        marks = []
+        for name in _DERIVED:
+            buffer = self._buffers.get(name)
+            try:  # (a fake tensor, under export, has no data pointer: nothing to compare)
+                marks.append(None if buffer is None else (buffer.data_ptr(), buffer._version))
+            except RuntimeError:
+                marks.append(None)
+        return tuple(marks)
+
+    def _check_written(self) -> None:
+        """Refuse frequencies written in place since they were last seen (`inv_freq.mul_(...)`, `.data = ...`,
+        `copy_`): they are derived from `d_head`, `theta` and `scaling`, which the module's config still holds, so
+        they would be half applied. Another tensor of the same values (a cast, a move, a load) is accepted and
+        remembered; the comparison runs only when a buffer moved or was written, and not under `torch.compile`."""
+        buffers = self._buffers  # (on every call: the two marks compared inline, `_marks` only when they differ)
+        inv_freq, long = buffers["inv_freq"], buffers["long_inv_freq"]
+        try:
+            if inv_freq is not None and self.__dict__["_written"] == (
+                (inv_freq.data_ptr(), inv_freq._version),
+                None if long is None else (long.data_ptr(), long._version),
+            ):
+                return
+        except RuntimeError:  # (a fake tensor, under export: no data pointer, nothing to compare)
+            return
+        built = {"inv_freq": inverse_frequencies(self.d_head, self.theta, self._scaling)}
+        if self._scaling is not None and self._buffers.get("long_inv_freq") is not None:
+            built["long_inv_freq"] = _longrope(self.d_head, self.theta, self._scaling, "long_factor")
+        for name, wanted in built.items():
+            buffer = self._buffers[name]
+            if buffer is None or buffer.is_meta or wanted.shape != buffer.shape:
+                continue
+            wanted = wanted.to(device=buffer.device)
+            if torch.equal(wanted.to(buffer.dtype), buffer):
+                continue
+            if any(torch.equal(wanted.to(rounded).to(buffer.dtype), buffer) for rounded in _ROUNDING):
+                with torch.no_grad():  # a round trip through bfloat16 or float16 (`.bfloat16().float()`): made again
+                    buffer.copy_(wanted)
+                continue
+            raise ConfigError(
+                f"RotaryEmbedding: {name} was written in place (its values are no longer those of d_head="
+                f"{self.d_head}, theta={self.theta!r} and scaling={self._scaling!r}, which the module holding it "
+                "describes in its config): its rotation would be half applied. Call reset_parameters() to compute "
+                "them again, or build the frequencies you want from another theta or scaling."
+            )
+        self.__dict__["_written"] = self._marks()
 
     def extra_repr(self) -> str:
         return (
@@ -430,6 +480,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin, `(batch, seq, d_head)` in `dtype`, for integer `positions` `(batch, seq)`."""
+        if not compiling():
+            self._check_written()
         inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
         long: Tensor | None = self.long_inv_freq  # pyright: ignore[reportAssignmentType]
         if inv_freq.dtype in _ROUNDING:  # `module.to(torch.bfloat16)` rounds buffers: angles off by radians at 4k
