@@ -123,11 +123,17 @@ def test_paged_equals_a_kv_cache_per_sequence(
     module: ssm.MultiHeadAttention, block_size: int, schedule: list, data: st.DataObject
 ) -> None:
     """Every step of a paged cache (prefill, chunks, decoding, sequences joining and leaving, shuffled free blocks,
-    windows freeing blocks) == each sequence decoded through its own contiguous KVCache."""
+    windows freeing blocks; then decoding steps after whatever came before) == each sequence decoded through its own
+    contiguous KVCache."""
     cache = ssm.PagedKVCache.for_module(module, num_blocks=64, block_size=block_size)
     cache._free = data.draw(st.permutations(range(64)), label="free list")  # fragmented, shuffled tables
     live: list[tuple[int, ssm.KVCache]] = []  # (paged id, its own contiguous cache)
-    for joining, leaving, sizes in schedule:
+    # then: every live sequence decodes, one brings a chunk of another size, and every one decodes again (buffers a
+    # decoding step keeps must not outlive lengths that moved unequally)
+    decode, uneven = ([], [], dict.fromkeys(range(64), 1)), ([], [], {i: 1 + i % 2 for i in range(64)})
+    tail = [decode, uneven, decode, decode]
+    for step, (joining, leaving, sizes) in enumerate([*schedule, *tail]):
+        forced = step >= len(schedule) and sizes is decode[2]
         for index in reversed(leaving):
             seq, _ = live.pop(index)
             cache.remove(seq)
@@ -135,7 +141,7 @@ def test_paged_equals_a_kv_cache_per_sequence(
         live += [(cache.add(), module.new_cache(1, 64)) for _ in joining]
         news = [sizes.get(i, 0) for i in range(old)] + joining
         x, cu = _packed(news, module.d_model)
-        if all(n == 1 for n in news) and data.draw(st.booleans(), label="decode form"):
+        if all(n == 1 for n in news) and (forced or data.draw(st.booleans(), label="decode form")):
             out = module(x[0][:, None], is_causal=True, kv_cache=cache)[:, 0][None]
         else:
             out = module(x, cu_seqlens=cu, is_causal=True, kv_cache=cache)

@@ -737,7 +737,12 @@ MUTANTS: list[Mutant] = [
                 continue""", """                continue""",
       "frequencies rounded by a bfloat16 round trip kept: 5.8e-4 off a rebuilt module at 512 positions",
       f"{ROPE}::test_frequencies_written_in_place_are_refused_until_reset_and_their_own_values_are_not"),
-    # a helper's six serving bugs (2026-12-06): the four the suite missed, each killed by the test written for it
+    # a helper's six serving bugs (2026-12-06): the four the suite missed, each killed by the test written for it,
+    # and one only MLA's test caught (decoding buffers reused after chunks of unequal sizes)
+    M("_compute/paged.py", "        if step < 0 or step >= state.room or now != [n + step for n in state.base]:",
+      "        if step < 0 or step >= state.room:",
+      "decoding buffers reused after chunks of unequal sizes: stale positions and padding",
+      f"{SERVING}::test_paged_equals_a_kv_cache_per_sequence"),
     M("_compute/paged.py", "        self._owner_of, self._free = dict(owner_of), list(free)",
       "        self._free = list(free)",
       "a failed call's blocks back on the free list but still owned: a bad table may then read a free block",
