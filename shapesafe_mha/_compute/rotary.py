@@ -438,7 +438,8 @@ class RotaryEmbedding(nn.Module):
         """Refuse frequencies written in place since they were last seen (`inv_freq.mul_(...)`, `.data = ...`,
         `copy_`): they are derived from `d_head`, `theta` and `scaling`, which the module's config still holds, so
         they would be half applied. Another tensor of the same values (a cast, a move, a load) is accepted and
-        remembered; the comparison runs only when a buffer moved or was written, and not under `torch.compile`."""
+        remembered; the comparison runs only when a buffer moved or was written, and not under `torch.compile` (nor
+        for buffers made under `torch.inference_mode`: they count no versions)."""
         buffers = self._buffers  # (on every call: the two marks compared inline, `_marks` only when they differ)
         inv_freq, long = buffers["inv_freq"], buffers["long_inv_freq"]
         try:
@@ -447,7 +448,7 @@ class RotaryEmbedding(nn.Module):
                 None if long is None else (long.data_ptr(), long._version),
             ):
                 return
-        except RuntimeError:  # (a fake tensor, under export: no data pointer, nothing to compare)
+        except RuntimeError:  # (a fake tensor under export has no data pointer, an inference tensor no version)
             return
         built = {"inv_freq": inverse_frequencies(self.d_head, self.theta, self._scaling)}
         if self._scaling is not None and self._buffers.get("long_inv_freq") is not None:
