@@ -733,7 +733,7 @@ MUTANTS: list[Mutant] = [
       "a rotary's frequencies written in place (mul_, .data =, copy_) used silently: the config says otherwise",
       f"{ROPE}::test_frequencies_written_in_place_are_refused_until_reset_and_their_own_values_are_not"),
     M("_compute/rotary.py", """                with torch.no_grad():  # a round trip through bfloat16 or float16 (`.bfloat16().float()`): made again
-                    buffer.copy_(wanted)
+                    buffer.copy_(built)
                 continue""", """                continue""",
       "frequencies rounded by a bfloat16 round trip kept: 5.8e-4 off a rebuilt module at 512 positions",
       f"{ROPE}::test_frequencies_written_in_place_are_refused_until_reset_and_their_own_values_are_not"),

@@ -414,25 +414,36 @@ class RotaryEmbedding(nn.Module):
         )
 
     def reset_parameters(self) -> None:
-        """Compute `inv_freq` again, in place (after `to_empty()` it is uninitialized memory)."""
-        inv_freq: Tensor = self.inv_freq  # pyright: ignore[reportAssignmentType]
+        """Compute the frequencies again, in place (after `to_empty()` they are uninitialized memory; a buffer given
+        another shape by `.data =` is replaced)."""
         with torch.no_grad():
-            inv_freq.copy_(inverse_frequencies(self.d_head, self.theta, self.scaling))
-            long: Tensor | None = self.long_inv_freq  # pyright: ignore[reportAssignmentType]
-            if long is not None and self.scaling is not None:
-                long.copy_(_longrope(self.d_head, self.theta, self.scaling, "long_factor"))
+            for name, built in self._built().items():
+                buffer = self._buffers[name]
+                if buffer is not None and buffer.shape == built.shape:
+                    buffer.copy_(built)
+                elif buffer is not None:
+                    self._buffers[name] = built.to(device=buffer.device, dtype=buffer.dtype)
         self.__dict__["_written"] = self._marks()
 
-    def _marks(self) -> tuple[Any, ...]:
-        """Where each frequency buffer lies and how often it was written: `(data_ptr, _version)` a buffer."""
-        marks = []
-        for name in _DERIVED:
-            buffer = self._buffers.get(name)
-            try:  # (a fake tensor, under export, has no data pointer: nothing to compare)
-                marks.append(None if buffer is None else (buffer.data_ptr(), buffer._version))
-            except RuntimeError:
-                marks.append(None)
-        return tuple(marks)
+    def _built(self) -> dict[str, Tensor]:
+        """The frequency buffers as `d_head`, `theta` and `scaling` make them (float32, on the CPU)."""
+        built = {"inv_freq": inverse_frequencies(self.d_head, self.theta, self._scaling)}
+        if self._scaling is not None and self._buffers.get("long_inv_freq") is not None:
+            built["long_inv_freq"] = _longrope(self.d_head, self.theta, self._scaling, "long_factor")
+        return built
+
+    def _marks(self) -> tuple[Any, ...] | None:
+        """Where each frequency buffer lies and how often it was written, `(data_ptr, _version)` a buffer; None where
+        that cannot be read (a fake tensor under export has no data pointer, an inference tensor no version)."""
+        buffers = self._buffers
+        inv_freq, long = buffers["inv_freq"], buffers["long_inv_freq"]
+        try:
+            return (
+                None if inv_freq is None else (inv_freq.data_ptr(), inv_freq._version),
+                None if long is None else (long.data_ptr(), long._version),
+            )
+        except RuntimeError:
+            return None
 
     def _check_written(self) -> None:
         """Refuse frequencies written in place since they were last seen (`inv_freq.mul_(...)`, `.data = ...`,
@@ -440,29 +451,21 @@ class RotaryEmbedding(nn.Module):
         they would be half applied. Another tensor of the same values (a cast, a move, a load) is accepted and
         remembered; the comparison runs only when a buffer moved or was written, and not under `torch.compile` (nor
         for buffers made under `torch.inference_mode`: they count no versions)."""
-        buffers = self._buffers  # (on every call: the two marks compared inline, `_marks` only when they differ)
-        inv_freq, long = buffers["inv_freq"], buffers["long_inv_freq"]
-        try:
-            if inv_freq is not None and self.__dict__["_written"] == (
-                (inv_freq.data_ptr(), inv_freq._version),
-                None if long is None else (long.data_ptr(), long._version),
-            ):
-                return
-        except RuntimeError:  # (a fake tensor under export has no data pointer, an inference tensor no version)
+        marks = self._marks()
+        if marks is None or marks == self.__dict__["_written"]:
             return
-        built = {"inv_freq": inverse_frequencies(self.d_head, self.theta, self._scaling)}
-        if self._scaling is not None and self._buffers.get("long_inv_freq") is not None:
-            built["long_inv_freq"] = _longrope(self.d_head, self.theta, self._scaling, "long_factor")
-        for name, wanted in built.items():
+        for name, built in self._built().items():
             buffer = self._buffers[name]
-            if buffer is None or buffer.is_meta or wanted.shape != buffer.shape:
+            if buffer is None or buffer.is_meta:  # (no values to compare)
                 continue
-            wanted = wanted.to(device=buffer.device)
-            if torch.equal(wanted.to(buffer.dtype), buffer):
+            built = built.to(device=buffer.device)
+            if buffer.shape == built.shape and torch.equal(built.to(buffer.dtype), buffer):
                 continue
-            if any(torch.equal(wanted.to(rounded).to(buffer.dtype), buffer) for rounded in _ROUNDING):
+            if buffer.shape == built.shape and any(
+                torch.equal(built.to(rounded).to(buffer.dtype), buffer) for rounded in _ROUNDING
+            ):
                 with torch.no_grad():  # a round trip through bfloat16 or float16 (`.bfloat16().float()`): made again
-                    buffer.copy_(wanted)
+                    buffer.copy_(built)
                 continue
             raise ConfigError(
                 f"RotaryEmbedding: {name} was written in place (its values are no longer those of d_head="
