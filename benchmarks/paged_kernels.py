@@ -21,7 +21,6 @@ Each way is checked against a per-sequence reference (its keys gathered block by
 timed; each ratio is the median of per-round ratios to **gather**, measured alternately in one run.
 """
 
-import argparse
 import random
 import statistics
 import warnings
@@ -34,7 +33,7 @@ from rich.table import Table
 
 import shapesafe_mha as ssm
 from benchmarks.__main__ import measure
-from benchmarks.serving import BLOCK, D_MODEL, HEADS, KV_HEADS, lengths_of
+from benchmarks.serving import BLOCK, D_MODEL, HEADS, KV_HEADS, arguments, lengths_of, settle
 
 D_HEAD = D_MODEL // HEADS
 
@@ -152,18 +151,12 @@ def timed(run: Callable[..., torch.Tensor], q: torch.Tensor, sync: Callable[[], 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per row (default 30; 8 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: least noise)")
-    parser.add_argument("--counts", type=int, nargs="+", default=[1, 8, 32], help="sequences per row")
+    parser = arguments(__doc__)
     parser.add_argument("--flex", action="store_true", help="also FlexAttention, compiled (a compile per row)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="index_reduce")  # (beta, says torch 2.13; it is what reads by owner)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    rounds = args.rounds or (8 if args.quick else 30)
+    rounds = settle(args)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     table = Table(title=f"a paged decoding step's attention, ways / gather ({args.device}, side by side)")
     for column in ("way", "sizes", "ratio", "ms", "gather ms", "largest error"):

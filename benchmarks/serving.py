@@ -127,17 +127,28 @@ def step_bytes(step: Callable[[], object]) -> tuple[int, int]:
     return sum(sizes), max(sizes, default=0)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options every serving benchmark takes (rounds, threads, sequences per row); `settle` applies them."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per row (default 30; 8 with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: least noise)")
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 8, 32], help="sequences per row")
+    return parser
+
+
+def settle(args: argparse.Namespace) -> int:
+    """Torch's threads and seed as `args` say; the rounds per row."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    return args.rounds or (8 if args.quick else 30)
+
+
+def main() -> None:
+    parser = arguments(__doc__)
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown (for docs/serving.md)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    rounds = args.rounds or (8 if args.quick else 30)
-    torch.manual_seed(0)
+    rounds = settle(args)
     module = ssm.MultiHeadAttention(D_MODEL, HEADS, KV_HEADS, rope_theta=THETA, bias=False).eval()
     latent = ssm.LatentAttention(D_MODEL, HEADS, **LATENT).eval()
     rows: list[tuple[str, str, float, float, float, str]] = []
