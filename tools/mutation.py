@@ -758,9 +758,8 @@ MUTANTS: list[Mutant] = [
             shared = self.values_pool is self.keys_pool""",
       "a latent cache's one pool split in two by a write under grad (twice the memory, values written apart)",
       f"{SERVING}::test_latent_attention_packed_and_paged"),
-    M("_interop/hf_paged.py", """                torch.equal(read[0], k[:, :, a:b].to(keys.dtype))
-                and torch.equal(read[1], v[:, :, a:b].to(values.dtype))""",
-      """                torch.equal(read[0], k[:, :, a:b].to(keys.dtype))""",
+    M("_interop/hf_paged.py", """            if not all(same):""",
+      """            if not same[0]:""",
       "transformers' paged cache giving back other values than were written: only the keys compared",
       "tests/test_hf_serving.py::test_a_paged_cache_giving_back_other_values_is_caught_and_named"),
 ]  # fmt: skip

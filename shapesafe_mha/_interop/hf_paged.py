@@ -162,14 +162,14 @@ class PagedLayer(KVCache):
                 continue
             end = bounds[i + 1]
             read = keys[:, :, end - new : end], values[:, :, end - new : end]
-            if not (
-                torch.equal(read[0], k[:, :, a:b].to(keys.dtype))
-                and torch.equal(read[1], v[:, :, a:b].to(values.dtype))
-            ):
+            written = k[:, :, a:b].to(keys.dtype), v[:, :, a:b].to(values.dtype)
+            same = torch.equal(read[0], written[0]), torch.equal(read[1], written[1])
+            if not all(same):
+                which = " and ".join(what for what, ok in zip(("keys", "values"), same, strict=True) if not ok)
                 raise ShapeError(
-                    f"{self.name}: request {i} of the packed batch read back other keys than it wrote at its "
-                    f"{new} newest position(s) (keys {end - new}..{end - 1} of {keys.shape[2]}): the paged cache's "
-                    "block table or read/write indices point at other slots."
+                    f"{self.name}: request {i} of the packed batch read back other {which} than it wrote at its "
+                    f"{new} newest position(s) (positions {end - new}..{end - 1} of {keys.shape[2]}): the paged "
+                    "cache's block table or read/write indices point at other slots."
                 )
 
     def state(self) -> Any:
