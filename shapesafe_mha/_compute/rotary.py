@@ -456,14 +456,12 @@ class RotaryEmbedding(nn.Module):
             return
         for name, built in self._built().items():
             buffer = self._buffers[name]
-            if buffer is None or buffer.is_meta:  # (no values to compare)
-                continue
+            if buffer is None or buffer.is_meta or buffer.shape != built.shape:  # (another shape: the tables' shape
+                continue  # check names it, a ShapeError, as for a fresh module; meta: no values to compare)
             built = built.to(device=buffer.device)
-            if buffer.shape == built.shape and torch.equal(built.to(buffer.dtype), buffer):
+            if torch.equal(built.to(buffer.dtype), buffer):
                 continue
-            if buffer.shape == built.shape and any(
-                torch.equal(built.to(rounded).to(buffer.dtype), buffer) for rounded in _ROUNDING
-            ):
+            if any(torch.equal(built.to(rounded).to(buffer.dtype), buffer) for rounded in _ROUNDING):
                 with torch.no_grad():  # a round trip through bfloat16 or float16 (`.bfloat16().float()`): made again
                     buffer.copy_(built)
                 continue
